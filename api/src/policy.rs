@@ -1,0 +1,259 @@
+//! The cluster GPU policy: which device model each GPU is published as.
+//!
+//! One cluster-scoped `GpuPolicy`; the controller uses the one named [`DEFAULT_POLICY_NAME`]. Its rules are
+//! ordered and the first rule whose CEL `selector` matches a GPU decides the GPU's model. The selector sees
+//! the GPU exactly as a DeviceClass selector sees its whole-GPU device (`device.driver`,
+//! `device.attributes["gpu.tessera.dev"].productName`, `device.capacity["gpu.tessera.dev"].memory`, …), with
+//! the Kubernetes `quantity()` and `semver()` libraries.
+//!
+//! ```yaml
+//! apiVersion: gpu.tessera.dev/v1alpha1
+//! kind: GpuPolicy
+//! metadata: {name: default}
+//! spec:
+//!   rules:
+//!   - name: hopper-mig
+//!     selector: device.attributes["gpu.tessera.dev"].architecture == "Hopper"
+//!     dynamicMig: {profiles: ["1g.10gb", "3g.40gb"]}
+//!   - name: everything-else
+//!     whole: {}
+//! ```
+//!
+//! A GPU no rule matches gets the built-in default: a whole GPU plus dynamic MIG where the GPU and the
+//! cluster support it. A policy the controller cannot use (CEL syntax or type error, a rule matching no GPU,
+//! a rule naming no model or two) gets the condition `Valid=False` carrying the error, and the controller
+//! keeps publishing what the last valid policy said.
+
+use k8s_openapi::apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::Condition};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Name of the policy object the controller reads.
+pub const DEFAULT_POLICY_NAME: &str = "default";
+
+/// Condition type set on every policy the controller has looked at.
+pub const CONDITION_VALID: &str = "Valid";
+
+/// `Valid=True`: every rule compiled, evaluated to a bool on every GPU and matched at least one GPU.
+pub const REASON_VALID: &str = "Valid";
+/// `Valid=False`: a selector is not valid CEL (message: the parser's error).
+pub const REASON_CEL_SYNTAX_ERROR: &str = "CelSyntaxError";
+/// `Valid=False`: a selector returned a non-bool or applied an operator or function to the wrong type.
+pub const REASON_CEL_TYPE_ERROR: &str = "CelTypeError";
+/// `Valid=False`: a selector failed while evaluating on a GPU, e.g. a missing attribute.
+pub const REASON_CEL_RUNTIME_ERROR: &str = "CelRuntimeError";
+/// `Valid=False`: a rule without `optional: true` matched no GPU in the cluster (usually a typo).
+pub const REASON_SELECTS_NOTHING: &str = "SelectsNothing";
+/// `Valid=False`: a rule names no model or several, or its model's parameters are unusable.
+pub const REASON_INVALID_MODEL: &str = "InvalidModel";
+
+/// Ordered rules that choose a device model per GPU.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "gpu.tessera.dev",
+    version = "v1alpha1",
+    kind = "GpuPolicy",
+    plural = "gpupolicies",
+    shortname = "gpupol",
+    status = "GpuPolicyStatus",
+    printcolumn = r#"{"name":"Valid","type":"string","jsonPath":".status.conditions[?(@.type==\"Valid\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Valid\")].reason"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuPolicySpec {
+    /// Evaluated in order for every GPU; the first match wins.
+    #[serde(default)]
+    pub rules: Vec<PolicyRule>,
+}
+
+/// One rule: a selector and exactly one model.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyRule {
+    /// Shown in status messages.
+    pub name: String,
+    /// CEL expression over `device` (as in a DeviceClass selector); absent matches every GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    /// When true, matching no GPU is not an error (a rule for hardware the cluster does not have yet).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub optional: bool,
+    /// Publish the GPU as one device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub whole: Option<WholeModel>,
+    /// Publish every MIG placement of the allowed profiles plus the whole GPU, sharing counters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamic_mig: Option<DynamicMigModel>,
+    /// Publish a fixed MIG layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub static_mig: Option<StaticMigModel>,
+    /// Offer the GPU to several claims at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared: Option<SharedModel>,
+}
+
+/// One device per GPU.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct WholeModel {}
+
+/// Partitionable devices (KEP-4815): one device per (profile × placement) and the whole GPU.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DynamicMigModel {
+    /// Profile names offered (e.g. `3g.40gb`, or `3g` for every 3-slice profile); empty offers all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub profiles: Vec<String>,
+    /// Layout (`profile@start`) published instead when the API server lacks partitionable devices; empty
+    /// publishes the whole GPU then.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fallback_layout: Vec<String>,
+}
+
+/// A fixed MIG layout.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StaticMigModel {
+    /// MIG instances as `profile@start`, e.g. `3g.40gb@4` or `1g@0`; `<n>g` names the GPU's smallest
+    /// `<n>g.` profile without media extensions. Placements must exist and must not overlap.
+    pub layout: Vec<String>,
+}
+
+/// A GPU shared between claims.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SharedModel {
+    /// How the plugin isolates the claims sharing the GPU.
+    pub strategy: SharingStrategy,
+    /// Granularity of memory requests (consumable capacity); default `1Gi`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_step: Option<Quantity>,
+    /// Number of equal slots per GPU when the API server lacks consumable capacity; default 4.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_slots: Option<u32>,
+}
+
+/// Sharing strategy, published as the `sharingStrategy` attribute.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum SharingStrategy {
+    /// CUDA MPS with per-client memory and thread-percentage limits.
+    #[default]
+    #[serde(rename = "MPS")]
+    Mps,
+    /// Time-slicing without isolation.
+    TimeSlicing,
+}
+
+impl SharingStrategy {
+    /// The attribute value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Mps => "MPS",
+            Self::TimeSlicing => "TimeSlicing",
+        }
+    }
+}
+
+/// What the controller made of the policy.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuPolicyStatus {
+    /// `metadata.generation` the conditions describe.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// `Valid` (see the `REASON_*` constants).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// The model a rule names.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ModelRef<'a> {
+    Whole,
+    DynamicMig(&'a DynamicMigModel),
+    StaticMig(&'a StaticMigModel),
+    Shared(&'a SharedModel),
+}
+
+impl PolicyRule {
+    /// The one model this rule names, or how many it names when that is not exactly one.
+    pub fn model(&self) -> Result<ModelRef<'_>, usize> {
+        let mut models = Vec::with_capacity(1);
+        if self.whole.is_some() {
+            models.push(ModelRef::Whole);
+        }
+        if let Some(m) = &self.dynamic_mig {
+            models.push(ModelRef::DynamicMig(m));
+        }
+        if let Some(m) = &self.static_mig {
+            models.push(ModelRef::StaticMig(m));
+        }
+        if let Some(m) = &self.shared {
+            models.push(ModelRef::Shared(m));
+        }
+        match models.as_slice() {
+            [one] => Ok(*one),
+            many => Err(many.len()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_policy_reads_from_the_documented_yaml() {
+        let policy: GpuPolicy = serde_norway::from_str(
+            r#"
+apiVersion: gpu.tessera.dev/v1alpha1
+kind: GpuPolicy
+metadata: {name: default}
+spec:
+  rules:
+  - name: hopper-mig
+    selector: device.attributes["gpu.tessera.dev"].architecture == "Hopper"
+    dynamicMig: {profiles: ["1g.10gb", "3g.40gb"]}
+  - name: shares
+    optional: true
+    shared: {strategy: TimeSlicing, memoryStep: 2Gi, fallbackSlots: 8}
+  - name: everything-else
+    whole: {}
+"#,
+        )
+        .unwrap();
+        let rules = &policy.spec.rules;
+        assert_eq!(
+            rules[0].model(),
+            Ok(ModelRef::DynamicMig(&DynamicMigModel {
+                profiles: vec!["1g.10gb".into(), "3g.40gb".into()],
+                fallback_layout: vec![]
+            }))
+        );
+        let ModelRef::Shared(shared) = rules[1].model().unwrap() else { panic!("not shared") };
+        assert_eq!(shared.strategy, SharingStrategy::TimeSlicing);
+        assert_eq!(shared.memory_step, Some(Quantity("2Gi".into())));
+        assert!(rules[1].optional);
+        assert_eq!(rules[2].model(), Ok(ModelRef::Whole));
+    }
+
+    #[test]
+    fn a_rule_must_name_exactly_one_model() {
+        let none = PolicyRule { name: "r".into(), ..Default::default() };
+        assert_eq!(none.model(), Err(0));
+        let two = PolicyRule {
+            name: "r".into(),
+            whole: Some(WholeModel {}),
+            shared: Some(SharedModel::default()),
+            ..Default::default()
+        };
+        assert_eq!(two.model(), Err(2));
+    }
+
+    #[test]
+    fn sharing_strategies_use_the_attribute_spelling() {
+        assert_eq!(serde_json::to_value(SharingStrategy::Mps).unwrap(), "MPS");
+        assert_eq!(serde_json::to_value(SharingStrategy::TimeSlicing).unwrap(), "TimeSlicing");
+        assert_eq!(SharingStrategy::Mps.as_str(), "MPS");
+    }
+}

@@ -1,0 +1,82 @@
+//! Command-line interface: every flag also reads an environment variable.
+
+use std::path::PathBuf;
+
+use clap::{Args as ClapArgs, Parser, Subcommand};
+
+use crate::features::ApiFeatures;
+
+/// Publishes every node's GPUs as ResourceSlices under the cluster's GpuPolicy.
+#[derive(Debug, Parser)]
+#[command(name = "tessera-controller", version, args_conflicts_with_subcommands = true)]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the controller (the default).
+    Run(RunArgs),
+    /// Print the ResourceSlices the controller would publish, as a JSON List; needs no cluster.
+    Render(RenderArgs),
+    /// Print the CRDs of NodeInventory and GpuPolicy as YAML.
+    Crds,
+}
+
+#[derive(Debug, Clone, ClapArgs)]
+pub struct RunArgs {
+    /// Kubeconfig file; in-cluster configuration when absent.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "TESSERA_LEASE_NAMESPACE", default_value = "tessera-system")]
+    pub lease_namespace: String,
+    /// Name of the leader-election Lease.
+    #[arg(long, env = "TESSERA_LEASE_NAME", default_value = "tessera-controller")]
+    pub lease_name: String,
+    /// Identity in the Lease; defaults to `<hostname>-<pid>`.
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Seconds after which a NodeInventory heartbeat is stale and the node's pool is withdrawn.
+    #[arg(long, env = "TESSERA_HEARTBEAT_TIMEOUT", default_value_t = 40)]
+    pub heartbeat_timeout: u64,
+    /// Skip probing the API server and assume these features (`none`, `all`, or a list of
+    /// partitionable, consumable, taints).
+    #[arg(long, env = "TESSERA_FEATURES")]
+    pub features: Option<ApiFeatures>,
+}
+
+#[derive(Debug, Clone, ClapArgs)]
+pub struct RenderArgs {
+    /// YAML or JSON file with a NodeInventory, a List of them, or an inventory spec.
+    #[arg(long, env = "TESSERA_INVENTORY")]
+    pub inventory: PathBuf,
+    /// GpuPolicy file; the built-in default when absent.
+    #[arg(long, env = "TESSERA_POLICY")]
+    pub policy: Option<PathBuf>,
+    /// API features to render for (`partitionable,consumable,taints`, `all` or `none`).
+    #[arg(long, env = "TESSERA_FEATURES", default_value = "all")]
+    pub features: ApiFeatures,
+}
+
+impl Args {
+    pub async fn run(self) -> anyhow::Result<()> {
+        let Self { command, run } = self;
+        match command {
+            None => crate::runtime::run(run).await,
+            Some(Command::Run(run)) => crate::runtime::run(run).await,
+            Some(Command::Render(RenderArgs { inventory, policy, features })) => {
+                let list = crate::render::render_files(&inventory, policy.as_deref(), features)?;
+                println!("{}", serde_json::to_string_pretty(&list)?);
+                Ok(())
+            }
+            Some(Command::Crds) => {
+                print!("{}", crate::crds::crds_yaml());
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,459 @@
+//! The devices one GPU is published as, per device model.
+//!
+//! | model | devices per 7-slice GPU | counters |
+//! |---|---|---|
+//! | whole | `gpu-<i>` | — |
+//! | dynamic MIG | 25 placements + `gpu-<i>` = 26 | one set per GPU: engines, SMs, memory, 8 memory slices |
+//! | static MIG | the layout's instances | — |
+//! | shared (consumable capacity) | `gpu-<i>-shared` | — |
+//! | share slots (fallback) | `gpu-<i>-share-<k>` × N | — |
+//!
+//! A GPU is published under exactly one model, so whole, MIG and shared devices of one GPU never coexist
+//! unless counters make them mutually exclusive (dynamic MIG). Shared GPUs stay out of dynamic MIG: a
+//! multi-allocatable device that consumes counters has no documented allocator semantics (is the counter
+//! taken once per device or once per share?), and mixing them would risk handing one GPU out twice.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::{Mutex, OnceLock},
+};
+
+use k8s_openapi::{
+    api::resource::v1::{
+        CapacityRequestPolicy, CapacityRequestPolicyRange, Counter, CounterSet, Device, DeviceAttribute,
+        DeviceCapacity, DeviceCounterConsumption, DeviceTaint,
+    },
+    apimachinery::pkg::api::resource::Quantity as K8sQuantity,
+};
+use tessera_api::{
+    DeviceName, GpuInfo, MigPlacement, MigProfileInfo, NodeInventorySpec, attributes as attr,
+    policy::SharingStrategy,
+};
+
+use crate::{cel::Semver, cel::quantity::format_binary, features::ApiFeatures};
+
+/// Taint put on every device of a GPU the plugin reported unhealthy (when the server supports taints;
+/// otherwise such a GPU is not published at all).
+pub const UNHEALTHY_TAINT: &str = "gpu.tessera.dev/unhealthy";
+
+const MIB: u64 = 1 << 20;
+
+/// The model a GPU is published under, after the policy picked it and before cluster support is checked.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Model {
+    /// What a GPU gets when no rule matches: dynamic MIG where possible, else whole.
+    Default,
+    Whole,
+    DynamicMig { profiles: Vec<String>, fallback_layout: Vec<LayoutEntry> },
+    StaticMig { layout: Vec<LayoutEntry> },
+    Shared { strategy: SharingStrategy, memory_step: u64, fallback_slots: u32 },
+}
+
+/// One MIG instance of a static layout, resolved against the GPU's profiles.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayoutEntry {
+    pub profile: String,
+    pub start: u32,
+}
+
+/// What one GPU contributes to its node's pool.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GpuDevices {
+    pub devices: Vec<Device>,
+    pub counter_set: Option<CounterSet>,
+}
+
+/// True when the plugin can create MIG instances on demand: MIG is on, or can be turned on without a
+/// reset (A100 needs a reset, so it only takes part while an administrator keeps MIG mode on).
+pub fn supports_dynamic_mig(gpu: &GpuInfo) -> bool {
+    gpu.mig.as_ref().is_some_and(|m| (m.enabled || m.mode_toggle_without_reset) && !m.profiles.is_empty())
+}
+
+/// Finds `name` among the GPU's profiles: an exact name (`3g.40gb`), or `<n>g` for the `<n>g.` profile
+/// with the fewest memory slices and no media-extension suffix.
+pub fn find_profile<'a>(gpu: &'a GpuInfo, name: &str) -> Option<&'a MigProfileInfo> {
+    let mig = gpu.mig.as_ref()?;
+    mig.profile(name).or_else(|| {
+        let prefix = format!("{name}.");
+        mig.profiles
+            .iter()
+            .filter(|p| p.name.starts_with(&prefix) && !p.name.contains(['+', '-']))
+            .min_by_key(|p| (p.memory_slices, p.memory_mib))
+    })
+}
+
+/// Parses `profile@start` and checks it against the GPU.
+pub fn resolve_layout(gpu: &GpuInfo, layout: &[String]) -> Result<Vec<LayoutEntry>, String> {
+    let mut taken: Vec<(MigPlacement, &str)> = vec![];
+    let mut entries = vec![];
+    for item in layout {
+        let (name, start) =
+            item.split_once('@').ok_or_else(|| format!("layout entry {item:?} is not profile@start"))?;
+        let start: u32 = start.parse().map_err(|_| format!("layout entry {item:?}: start is not a number"))?;
+        let profile = find_profile(gpu, name)
+            .ok_or_else(|| format!("layout entry {item:?}: {} has no MIG profile {name:?}", gpu.product_name))?;
+        let placement = *profile.placements.iter().find(|p| p.start == start).ok_or_else(|| {
+            let starts: Vec<u32> = profile.placements.iter().map(|p| p.start).collect();
+            format!("layout entry {item:?}: {} cannot start at {start} (possible: {starts:?})", profile.name)
+        })?;
+        if let Some((_, other)) = taken.iter().find(|(p, _)| p.overlaps(&placement)) {
+            return Err(format!("layout entries {other:?} and {item:?} overlap"));
+        }
+        let count = taken.iter().filter(|(_, other)| {
+            find_profile(gpu, other.split('@').next().unwrap_or_default()).map(|p| &p.name) == Some(&profile.name)
+        });
+        if count.count() as u32 >= profile.instance_count {
+            return Err(format!("layout has more than {} instances of {}", profile.instance_count, profile.name));
+        }
+        taken.push((placement, item));
+        entries.push(LayoutEntry { profile: profile.name.clone(), start });
+    }
+    Ok(entries)
+}
+
+fn string(s: impl Into<String>) -> DeviceAttribute {
+    DeviceAttribute { string: Some(s.into()), ..Default::default() }
+}
+
+fn int(i: i64) -> DeviceAttribute {
+    DeviceAttribute { int: Some(i), ..Default::default() }
+}
+
+fn version(raw: &str) -> Option<DeviceAttribute> {
+    Semver::parse_normalized(raw).ok().map(|v| DeviceAttribute { version: Some(v.to_string()), ..Default::default() })
+}
+
+fn quantity(v: u64) -> K8sQuantity {
+    K8sQuantity(format_binary(v as i64))
+}
+
+fn capacity(v: u64) -> DeviceCapacity {
+    DeviceCapacity { value: quantity(v), request_policy: None }
+}
+
+/// Attributes every device of `gpu` carries.
+fn gpu_attributes(node: &NodeInventorySpec, gpu: &GpuInfo, kind: &str) -> BTreeMap<String, DeviceAttribute> {
+    let mut a = BTreeMap::new();
+    a.insert(attr::TYPE.into(), string(kind));
+    a.insert(attr::UUID.into(), string(&gpu.uuid));
+    a.insert(attr::PRODUCT_NAME.into(), string(&gpu.product_name));
+    a.insert(attr::BRAND.into(), string(&gpu.brand));
+    a.insert(attr::ARCHITECTURE.into(), string(&gpu.architecture));
+    a.insert(attr::INDEX.into(), int(gpu.index.into()));
+    a.insert(attr::MINOR.into(), int(gpu.minor.into()));
+    a.insert(attr::PCI_BUS_ID.into(), string(&gpu.pci_bus_id));
+    if let Some(v) = version(&gpu.cuda_compute_capability) {
+        a.insert(attr::CUDA_COMPUTE_CAPABILITY.into(), v);
+    }
+    if let Some(v) = node.driver_version.as_deref().and_then(version) {
+        a.insert(attr::DRIVER_VERSION.into(), v);
+    }
+    if let Some(v) = node.cuda_driver_version.as_deref().and_then(version) {
+        a.insert(attr::CUDA_DRIVER_VERSION.into(), v);
+    }
+    if let Some(n) = gpu.numa_node {
+        a.insert(attr::NUMA_NODE.into(), int(n));
+    }
+    if let Some(root) = &gpu.pcie_root {
+        a.insert(attr::PCIE_ROOT.into(), string(root));
+    }
+    a
+}
+
+fn whole_device(node: &NodeInventorySpec, gpu: &GpuInfo) -> Device {
+    Device {
+        name: DeviceName::Gpu { gpu: gpu.index }.to_string(),
+        attributes: Some(gpu_attributes(node, gpu, attr::TYPE_GPU)),
+        capacity: Some(
+            [
+                (attr::MEMORY.to_string(), capacity(gpu.memory_bytes)),
+                (attr::MULTIPROCESSORS.to_string(), capacity(gpu.multiprocessors.into())),
+            ]
+            .into(),
+        ),
+        ..Default::default()
+    }
+}
+
+fn mig_device(node: &NodeInventorySpec, gpu: &GpuInfo, profile: &MigProfileInfo, start: u32) -> Device {
+    let mut attributes = gpu_attributes(node, gpu, attr::TYPE_MIG);
+    attributes.insert(attr::MIG_PROFILE.into(), string(&profile.name));
+    attributes.insert(attr::MIG_PLACEMENT_START.into(), int(start.into()));
+    let caps = [
+        (attr::MEMORY, profile.memory_mib * MIB),
+        (attr::MULTIPROCESSORS, profile.multiprocessors.into()),
+        (attr::COPY_ENGINES, profile.copy_engines.into()),
+        (attr::DECODERS, profile.decoders.into()),
+        (attr::ENCODERS, profile.encoders.into()),
+        (attr::JPEG_ENGINES, profile.jpeg_engines.into()),
+        (attr::OFA_ENGINES, profile.ofa_engines.into()),
+    ];
+    Device {
+        name: DeviceName::Mig { gpu: gpu.index, profile: profile.name.clone(), start }.to_string(),
+        attributes: Some(attributes),
+        capacity: Some(caps.into_iter().map(|(k, v)| (k.to_string(), capacity(v))).collect()),
+        ..Default::default()
+    }
+}
+
+/// Counter names of a GPU's counter set.
+const C_MEMORY: &str = "memory";
+const C_SMS: &str = "multiprocessors";
+const C_CE: &str = "copy-engines";
+const C_DEC: &str = "decoders";
+const C_ENC: &str = "encoders";
+const C_JPEG: &str = "jpeg-engines";
+const C_OFA: &str = "ofa-engines";
+
+fn memory_slice_counter(k: u32) -> String {
+    format!("memory-slice-{k}")
+}
+
+/// Name of GPU `index`'s counter set (unique in the pool, a DNS label).
+pub fn counter_set_name(index: u32) -> String {
+    format!("gpu-{index}-counters")
+}
+
+fn profile_amounts(p: &MigProfileInfo) -> [(&'static str, u64); 7] {
+    [
+        (C_MEMORY, p.memory_mib * MIB),
+        (C_SMS, p.multiprocessors.into()),
+        (C_CE, p.copy_engines.into()),
+        (C_DEC, p.decoders.into()),
+        (C_ENC, p.encoders.into()),
+        (C_JPEG, p.jpeg_engines.into()),
+        (C_OFA, p.ofa_engines.into()),
+    ]
+}
+
+/// The counter set of a GPU. Each engine/SM/memory counter is the most that any combination of MIG
+/// instances the hardware allows (non-overlapping placements, at most `instanceCount` per profile) can
+/// use, and at least the whole GPU's amount. So every combination the hardware allows fits the counters,
+/// while the counters still stop what the hardware forbids beyond overlap: two `+me` instances both need
+/// the GPU's single OFA.
+fn counter_set(gpu: &GpuInfo) -> CounterSet {
+    let mig = gpu.mig.as_ref().expect("only called for MIG-capable GPUs");
+    let mut max: BTreeMap<&'static str, u64> = BTreeMap::new();
+    let whole_engines = mig.profiles.iter().max_by_key(|p| p.memory_slices).map(profile_amounts);
+    for (k, v) in whole_engines.into_iter().flatten() {
+        max.insert(k, v);
+    }
+    max.insert(C_MEMORY, max[C_MEMORY].max(gpu.memory_bytes));
+    max.insert(C_SMS, max[C_SMS].max(gpu.multiprocessors.into()));
+    // The search only depends on the profile table; clusters have few distinct tables and many GPUs.
+    static CACHE: OnceLock<Mutex<HashMap<String, BTreeMap<&'static str, u64>>>> = OnceLock::new();
+    let key = serde_json::to_string(&mig.profiles).unwrap_or_default();
+    let cache = CACHE.get_or_init(Default::default);
+    let cached = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
+    let combos = cached.unwrap_or_else(|| {
+        let m = combination_maxima(&mig.profiles);
+        cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, m.clone());
+        m
+    });
+    for (k, v) in combos {
+        let e = max.entry(k).or_default();
+        *e = (*e).max(v);
+    }
+    // A counter nothing consumes (encoders on these GPUs) would only add noise.
+    let mut counters: BTreeMap<String, Counter> =
+        max.into_iter().filter(|(_, v)| *v > 0).map(|(k, v)| (k.to_string(), Counter { value: quantity(v) })).collect();
+    for k in 0..mig.memory_slices {
+        counters.insert(memory_slice_counter(k), Counter { value: quantity(1) });
+    }
+    CounterSet { name: counter_set_name(gpu.index), counters }
+}
+
+/// Per resource, the most any hardware-allowed combination of MIG instances uses.
+fn combination_maxima(profiles: &[MigProfileInfo]) -> BTreeMap<&'static str, u64> {
+    let mut max = BTreeMap::new();
+    let placements: Vec<(&MigProfileInfo, MigPlacement)> =
+        profiles.iter().flat_map(|p| p.placements.iter().map(move |pl| (p, *pl))).collect();
+    fn dfs<'a>(
+        placements: &[(&'a MigProfileInfo, MigPlacement)],
+        from: usize,
+        chosen: &mut Vec<(&'a MigProfileInfo, MigPlacement)>,
+        max: &mut BTreeMap<&'static str, u64>,
+    ) {
+        for (k, _) in profile_amounts(placements[0].0) {
+            let sum: u64 =
+                chosen.iter().map(|(p, _)| profile_amounts(p).iter().find(|(n, _)| *n == k).map_or(0, |x| x.1)).sum();
+            let e = max.entry(k).or_default();
+            *e = (*e).max(sum);
+        }
+        for i in from..placements.len() {
+            let (p, pl) = placements[i];
+            let same_profile = chosen.iter().filter(|(q, _)| q.name == p.name).count() as u32;
+            if same_profile >= p.instance_count || chosen.iter().any(|(_, c)| c.overlaps(&pl)) {
+                continue;
+            }
+            chosen.push((p, pl));
+            dfs(placements, i + 1, chosen, max);
+            chosen.pop();
+        }
+    }
+    if !placements.is_empty() {
+        dfs(&placements, 0, &mut vec![], &mut max);
+    }
+    max
+}
+
+fn consumption(set: &str, counters: BTreeMap<String, Counter>) -> Option<Vec<DeviceCounterConsumption>> {
+    Some(vec![DeviceCounterConsumption { counter_set: set.to_string(), counters }])
+}
+
+/// Dynamic MIG: every placement of the allowed profiles plus the whole GPU, all drawing on one counter set.
+///
+/// Order matters: the scheduler's allocator takes the first device in slice order that matches and whose
+/// counters are free. Devices are ordered
+/// 1. by profile size, smallest first, so a request that several profiles satisfy ("a MIG device with at
+///    least 16Gi") gets the smallest that fits;
+/// 2. within a profile, by placement start, **highest first**, so small instances pack from the top of the
+///    GPU (slices 7, 6, …) and keep the bottom half (slices 0–3) free for as long as possible: that is
+///    the only place a 4g fits, and one of the two places a 3g fits;
+/// 3. the whole GPU last, so it is taken only by requests nothing smaller satisfies.
+pub fn dynamic_mig(node: &NodeInventorySpec, gpu: &GpuInfo, allowed: &[String]) -> GpuDevices {
+    let mig = gpu.mig.as_ref().expect("only called for MIG-capable GPUs");
+    let set = counter_set(gpu);
+    let allowed_profile = |p: &MigProfileInfo| {
+        allowed.is_empty()
+            || allowed.iter().any(|a| a == &p.name || p.name.starts_with(&format!("{a}.")))
+    };
+    let mut profiles: Vec<&MigProfileInfo> = mig.profiles.iter().filter(|p| allowed_profile(p)).collect();
+    profiles.sort_by_key(|p| (p.memory_slices, p.compute_slices, p.memory_mib, p.name.contains('+'), p.name.clone()));
+    let mut devices = vec![];
+    for p in profiles {
+        let mut placements = p.placements.clone();
+        placements.sort_by_key(|pl| std::cmp::Reverse(pl.start));
+        for pl in placements {
+            let mut counters: BTreeMap<String, Counter> = profile_amounts(p)
+                .into_iter()
+                .filter(|(_, v)| *v > 0)
+                .map(|(k, v)| (k.to_string(), Counter { value: quantity(v) }))
+                .collect();
+            for k in pl.start..pl.start + pl.size {
+                counters.insert(memory_slice_counter(k), Counter { value: quantity(1) });
+            }
+            devices.push(Device {
+                consumes_counters: consumption(&set.name, counters),
+                ..mig_device(node, gpu, p, pl.start)
+            });
+        }
+    }
+    devices.push(Device { consumes_counters: consumption(&set.name, set.counters.clone()), ..whole_device(node, gpu) });
+    GpuDevices { devices, counter_set: Some(set) }
+}
+
+/// Static MIG: the layout's instances (already checked by [`resolve_layout`]), no counters needed since
+/// they do not overlap.
+pub fn static_mig(node: &NodeInventorySpec, gpu: &GpuInfo, layout: &[LayoutEntry]) -> GpuDevices {
+    let devices = layout
+        .iter()
+        .filter_map(|e| find_profile(gpu, &e.profile).map(|p| mig_device(node, gpu, p, e.start)))
+        .collect();
+    GpuDevices { devices, counter_set: None }
+}
+
+fn shared_attributes(node: &NodeInventorySpec, gpu: &GpuInfo, strategy: SharingStrategy) -> BTreeMap<String, DeviceAttribute> {
+    let mut a = gpu_attributes(node, gpu, attr::TYPE_SHARED);
+    a.insert(attr::SHARING_STRATEGY.into(), string(strategy.as_str()));
+    a
+}
+
+/// Consumable capacity: one multi-allocatable device per GPU with `memory` (bytes, in steps of
+/// `memory_step`) and `compute` (percent, steps of 1). A claim that requests nothing gets the defaults,
+/// which are **everything**: a pod that does not say how much it needs is not squeezed next to others
+/// (and MPS would otherwise cap it at a default it never asked for). Capacities other than these two are
+/// left off: on a multi-allocatable device an unrequested capacity without a policy counts as fully
+/// consumed, which would make the device exclusive again.
+pub fn shared(node: &NodeInventorySpec, gpu: &GpuInfo, strategy: SharingStrategy, memory_step: u64) -> GpuDevices {
+    let step = memory_step.max(MIB);
+    let max = (gpu.memory_bytes / step).max(1) * step;
+    let policy = |value: u64, min: u64, max: u64, step: u64| DeviceCapacity {
+        value: quantity(value),
+        request_policy: Some(CapacityRequestPolicy {
+            default: Some(quantity(max)),
+            valid_range: Some(CapacityRequestPolicyRange {
+                min: quantity(min),
+                max: Some(quantity(max)),
+                step: Some(quantity(step)),
+            }),
+            valid_values: None,
+        }),
+    };
+    let device = Device {
+        name: DeviceName::SharedGpu { gpu: gpu.index }.to_string(),
+        attributes: Some(shared_attributes(node, gpu, strategy)),
+        capacity: Some(
+            [
+                (attr::MEMORY.to_string(), policy(gpu.memory_bytes, step, max, step)),
+                (attr::COMPUTE.to_string(), policy(100, 1, 100, 1)),
+            ]
+            .into(),
+        ),
+        allow_multiple_allocations: Some(true),
+        ..Default::default()
+    };
+    GpuDevices { devices: vec![device], counter_set: None }
+}
+
+/// Fallback without consumable capacity: `slots` equal, exclusive slots, each with 1/N of the memory
+/// (rounded down to MiB) and of the compute percentage.
+pub fn share_slots(node: &NodeInventorySpec, gpu: &GpuInfo, strategy: SharingStrategy, slots: u32) -> GpuDevices {
+    let slots = slots.max(1);
+    let memory = gpu.memory_bytes / u64::from(slots) / MIB * MIB;
+    let devices = (0..slots)
+        .map(|slot| Device {
+            name: DeviceName::ShareSlot { gpu: gpu.index, slot }.to_string(),
+            attributes: Some(shared_attributes(node, gpu, strategy)),
+            capacity: Some(
+                [
+                    (attr::MEMORY.to_string(), capacity(memory)),
+                    (attr::COMPUTE.to_string(), capacity(u64::from(100 / slots))),
+                ]
+                .into(),
+            ),
+            ..Default::default()
+        })
+        .collect();
+    GpuDevices { devices, counter_set: None }
+}
+
+/// The whole-GPU device as selectors see it (policy rules are evaluated against it).
+pub fn selector_view(node: &NodeInventorySpec, gpu: &GpuInfo) -> Device {
+    whole_device(node, gpu)
+}
+
+/// The devices of `gpu` under `model`, downgraded to what the cluster supports:
+/// dynamic MIG → the rule's fallback layout → whole GPU; shared → fixed slots.
+/// Unhealthy GPUs are tainted where taints work and left out elsewhere.
+pub fn publish(node: &NodeInventorySpec, gpu: &GpuInfo, model: &Model, features: ApiFeatures) -> GpuDevices {
+    if !gpu.healthy && !features.taints {
+        return GpuDevices::default();
+    }
+    let mut out = match model {
+        Model::Default if features.partitionable && supports_dynamic_mig(gpu) => dynamic_mig(node, gpu, &[]),
+        Model::DynamicMig { profiles, .. } if features.partitionable && supports_dynamic_mig(gpu) => {
+            dynamic_mig(node, gpu, profiles)
+        }
+        Model::DynamicMig { fallback_layout, .. } if !fallback_layout.is_empty() && gpu.mig.is_some() => {
+            static_mig(node, gpu, fallback_layout)
+        }
+        Model::StaticMig { layout } => static_mig(node, gpu, layout),
+        Model::Shared { strategy, memory_step, .. } if features.consumable => shared(node, gpu, *strategy, *memory_step),
+        Model::Shared { strategy, fallback_slots, .. } => share_slots(node, gpu, *strategy, *fallback_slots),
+        Model::Default | Model::Whole | Model::DynamicMig { .. } => {
+            GpuDevices { devices: vec![whole_device(node, gpu)], counter_set: None }
+        }
+    };
+    if !gpu.healthy {
+        for d in &mut out.devices {
+            d.taints = Some(vec![DeviceTaint {
+                key: UNHEALTHY_TAINT.into(),
+                value: None,
+                effect: "NoSchedule".into(),
+                time_added: None,
+            }]);
+        }
+    }
+    out
+}

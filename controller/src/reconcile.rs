@@ -1,0 +1,157 @@
+//! The controller's core, without a cluster: from (inventories, nodes, per-GPU models, features, existing
+//! slices) to the desired pools and the writes that get there.
+//!
+//! Rules:
+//! * a node's pool is published while its Node exists and its inventory is ready with a heartbeat younger
+//!   than the timeout; otherwise the pool is deleted;
+//! * a pool is left alone when every desired slice exists with the same content hash, one generation and
+//!   the right slice count: zero writes at steady state;
+//! * any change bumps the pool generation (above both what exists and what this controller last wrote,
+//!   so a pool kubelet wiped still gets a new generation) and rewrites every slice of that pool, and only
+//!   of that pool.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use tessera_api::{DRIVER_NAME, NodeInventory};
+
+use crate::{
+    devices::Model,
+    features::ApiFeatures,
+    policy::Assignments,
+    pool::{CONTENT_HASH_ANNOTATION, NodeRef, node_slices},
+};
+
+/// Writes that bring the cluster to the desired pools.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Plan {
+    pub creates: Vec<ResourceSlice>,
+    /// Full objects with the existing `resourceVersion`, for a replace.
+    pub updates: Vec<ResourceSlice>,
+    /// Names of slices to delete.
+    pub deletes: Vec<String>,
+}
+
+impl Plan {
+    pub fn is_empty(&self) -> bool {
+        self.writes() == 0
+    }
+
+    pub fn writes(&self) -> usize {
+        self.creates.len() + self.updates.len() + self.deletes.len()
+    }
+
+    /// Pools the plan touches.
+    pub fn pools(&self) -> BTreeSet<String> {
+        self.creates.iter().chain(&self.updates).map(|s| s.spec.pool.name.clone()).collect()
+    }
+}
+
+/// The highest generation this controller wrote per pool.
+pub type Generations = BTreeMap<String, i64>;
+
+/// Desired slices per pool (pool name = node name).
+pub type DesiredPools = BTreeMap<String, Vec<ResourceSlice>>;
+
+fn hash_of(slice: &ResourceSlice) -> Option<&str> {
+    slice.metadata.annotations.as_ref()?.get(CONTENT_HASH_ANNOTATION).map(String::as_str)
+}
+
+/// Compares desired pools with the existing slices of this driver.
+pub fn diff(desired: &DesiredPools, existing: &[ResourceSlice], generations: &mut Generations) -> Plan {
+    let mut by_pool: BTreeMap<&str, Vec<&ResourceSlice>> = BTreeMap::new();
+    for s in existing.iter().filter(|s| s.spec.driver == DRIVER_NAME) {
+        by_pool.entry(s.spec.pool.name.as_str()).or_default().push(s);
+    }
+    let mut plan = Plan::default();
+    let pools: BTreeSet<&str> = desired.keys().map(String::as_str).chain(by_pool.keys().copied()).collect();
+    for pool in pools {
+        let have = by_pool.get(pool).map(Vec::as_slice).unwrap_or_default();
+        let want = desired.get(pool).map(Vec::as_slice).unwrap_or_default();
+        if want.is_empty() {
+            plan.deletes.extend(have.iter().filter_map(|s| s.metadata.name.clone()));
+            continue;
+        }
+        let have_by_name: BTreeMap<&str, &ResourceSlice> =
+            have.iter().filter_map(|s| Some((s.metadata.name.as_deref()?, *s))).collect();
+        let generations_seen: BTreeSet<i64> = have.iter().map(|s| s.spec.pool.generation).collect();
+        let unchanged = have.len() == want.len()
+            && generations_seen.len() == 1
+            && have.iter().all(|s| s.spec.pool.resource_slice_count == want.len() as i64)
+            && want.iter().all(|w| {
+                w.metadata.name.as_deref().and_then(|n| have_by_name.get(n)).is_some_and(|h| hash_of(h) == hash_of(w))
+            });
+        let max_seen = generations_seen.last().copied().unwrap_or(0);
+        if unchanged {
+            let g = generations.entry(pool.to_string()).or_default();
+            *g = (*g).max(max_seen);
+            continue;
+        }
+        let generation = max_seen.max(generations.get(pool).copied().unwrap_or(0)) + 1;
+        generations.insert(pool.to_string(), generation);
+        let wanted_names: BTreeSet<&str> = want.iter().filter_map(|w| w.metadata.name.as_deref()).collect();
+        for w in want {
+            let mut slice = w.clone();
+            slice.spec.pool.generation = generation;
+            slice.spec.pool.resource_slice_count = want.len() as i64;
+            match w.metadata.name.as_deref().and_then(|n| have_by_name.get(n)) {
+                Some(existing) => {
+                    slice.metadata.resource_version = existing.metadata.resource_version.clone();
+                    plan.updates.push(slice);
+                }
+                None => plan.creates.push(slice),
+            }
+        }
+        plan.deletes.extend(
+            have.iter().filter_map(|s| s.metadata.name.clone()).filter(|n| !wanted_names.contains(n.as_str())),
+        );
+    }
+    plan
+}
+
+/// True while the node's plugin says it is ready and its heartbeat is younger than `timeout`.
+pub fn is_publishable(inventory: &NodeInventory, now: DateTime<Utc>, timeout: chrono::Duration) -> bool {
+    inventory.status.as_ref().is_some_and(|s| {
+        s.ready && s.last_heartbeat_time.as_ref().is_some_and(|t| now.signed_duration_since(from_k8s_time(t.0)) < timeout)
+    })
+}
+
+/// What the desired pools are built from.
+pub struct Inputs<'a> {
+    pub inventories: &'a [NodeInventory],
+    /// Nodes that exist, by name.
+    pub nodes: &'a BTreeMap<String, NodeRef>,
+    pub assignments: &'a Assignments,
+    pub features: ApiFeatures,
+    pub now: DateTime<Utc>,
+    pub heartbeat_timeout: chrono::Duration,
+}
+
+/// The pools that should exist: one per node that exists and whose plugin is ready.
+pub fn desired_pools(inputs: &Inputs<'_>) -> DesiredPools {
+    let mut pools = DesiredPools::new();
+    for inv in inputs.inventories {
+        let name = &inv.spec.node_name;
+        let Some(node) = inputs.nodes.get(name) else { continue };
+        if !is_publishable(inv, inputs.now, inputs.heartbeat_timeout) {
+            continue;
+        }
+        let models = |index: u32| inputs.assignments.get(&(name.clone(), index)).cloned().unwrap_or(Model::Default);
+        let slices = node_slices(node, &inv.spec, &models, inputs.features);
+        if !slices.is_empty() {
+            pools.insert(name.clone(), slices);
+        }
+    }
+    pools
+}
+
+/// Converts a Kubernetes timestamp (jiff) to chrono.
+pub fn from_k8s_time(t: k8s_openapi::jiff::Timestamp) -> DateTime<Utc> {
+    DateTime::from_timestamp(t.as_second(), t.subsec_nanosecond().max(0) as u32).unwrap_or_default()
+}
+
+/// Converts a chrono time to a Kubernetes timestamp (jiff).
+pub fn to_k8s_time(t: DateTime<Utc>) -> k8s_openapi::jiff::Timestamp {
+    k8s_openapi::jiff::Timestamp::new(t.timestamp(), t.timestamp_subsec_nanos() as i32).unwrap_or_default()
+}

@@ -1,0 +1,308 @@
+//! The reconcile step shared by the cluster runtime and the tests: a [`Snapshot`] of the watched objects
+//! in, slice writes and a policy status out, through a [`ClusterApi`].
+//!
+//! ```text
+//!  [ NodeInventory ]  [ Node ]  [ GpuPolicy ]  [ ResourceSlice (ours) ]
+//!          └──────────────┴──────────┴──────────────────┘
+//!                              Snapshot
+//!                                 │ Reconciler::decide  (pure)
+//!                                 ▼
+//!            Plan (creates/updates/deletes)  +  GpuPolicy status
+//!                                 │ Reconciler::apply   (only while leading)
+//!                                 ▼
+//!                              ClusterApi
+//! ```
+
+use std::{collections::BTreeMap, sync::Mutex};
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use tessera_api::{
+    NodeInventory,
+    policy::{CONDITION_VALID, GpuPolicy, GpuPolicyStatus},
+};
+
+use crate::{
+    cel::CelEnv,
+    features::ApiFeatures,
+    leader::{LeaderElector, LeaseStore},
+    policy::{Assignments, CompiledPolicy, PolicyProblem, valid_condition},
+    pool::NodeRef,
+    reconcile::{DesiredPools, Generations, Inputs, Plan, desired_pools, diff},
+};
+
+/// Error of an API call, as the runtime reports it.
+pub type ApiError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a reconcile step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Creating a slice failed.
+    #[error("failed to create ResourceSlice {name}: {source}")]
+    CreateSlice { name: String, source: ApiError },
+    /// Replacing a slice failed (a conflict means the cache was stale; the next round fixes it).
+    #[error("failed to update ResourceSlice {name}: {source}")]
+    ReplaceSlice { name: String, source: ApiError },
+    /// Deleting a slice failed.
+    #[error("failed to delete ResourceSlice {name}: {source}")]
+    DeleteSlice { name: String, source: ApiError },
+    /// Writing the policy's status failed.
+    #[error("failed to update the status of GpuPolicy {name}: {source}")]
+    PatchPolicyStatus { name: String, source: ApiError },
+}
+
+/// The writes the controller makes.
+pub trait ClusterApi: Sync {
+    fn create_slice(&self, slice: &ResourceSlice) -> impl Future<Output = Result<(), ApiError>> + Send;
+    fn replace_slice(&self, slice: &ResourceSlice) -> impl Future<Output = Result<(), ApiError>> + Send;
+    fn delete_slice(&self, name: &str) -> impl Future<Output = Result<(), ApiError>> + Send;
+    fn patch_policy_status(
+        &self,
+        name: &str,
+        status: &GpuPolicyStatus,
+    ) -> impl Future<Output = Result<(), ApiError>> + Send;
+}
+
+/// Everything the controller watches, at one moment.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub inventories: Vec<NodeInventory>,
+    pub nodes: BTreeMap<String, NodeRef>,
+    /// The policy named `default`, if any.
+    pub policy: Option<GpuPolicy>,
+    /// ResourceSlices of this driver.
+    pub slices: Vec<ResourceSlice>,
+}
+
+/// What one reconcile step decided.
+#[derive(Clone, Debug, Default)]
+pub struct Decision {
+    /// `None` while the policy is invalid and no valid one was seen since start: nothing is written.
+    pub plan: Option<Plan>,
+    /// The desired pools behind `plan`.
+    pub desired: DesiredPools,
+    /// The policy status to write, when it differs from the stored one.
+    pub status: Option<(String, GpuPolicyStatus)>,
+    pub problem: Option<PolicyProblem>,
+}
+
+/// Turns snapshots into writes, remembering the last valid policy and the pool generations it wrote.
+pub struct Reconciler {
+    cel: CelEnv,
+    pub features: ApiFeatures,
+    pub heartbeat_timeout: chrono::Duration,
+    last_valid: Option<CompiledPolicy>,
+    generations: Generations,
+}
+
+impl Reconciler {
+    pub fn new(features: ApiFeatures, heartbeat_timeout: chrono::Duration) -> Self {
+        Self { cel: CelEnv::new(), features, heartbeat_timeout, last_valid: None, generations: Generations::new() }
+    }
+
+    fn assignments(&mut self, snap: &Snapshot) -> (Option<Assignments>, Option<PolicyProblem>) {
+        let specs = || snap.inventories.iter().map(|i| &i.spec);
+        let Some(policy) = &snap.policy else {
+            self.last_valid = Some(CompiledPolicy::builtin());
+            return (CompiledPolicy::builtin().assign(&self.cel, specs(), true).ok(), None);
+        };
+        match CompiledPolicy::compile(&policy.spec, &self.cel).and_then(|c| {
+            let a = c.assign(&self.cel, specs(), true)?;
+            Ok((c, a))
+        }) {
+            Ok((compiled, assignments)) => {
+                self.last_valid = Some(compiled);
+                (Some(assignments), None)
+            }
+            Err(problem) => {
+                // The last valid policy keeps applying to inventories as they change; a rule of it that
+                // no longer matches anything is fine here, it was valid when accepted.
+                let fallback = self.last_valid.as_ref().and_then(|c| c.assign(&self.cel, specs(), false).ok());
+                (fallback, Some(problem))
+            }
+        }
+    }
+
+    /// The pure part: desired pools, the diff against existing slices, and the policy status.
+    pub fn decide(&mut self, snap: &Snapshot, now: DateTime<Utc>) -> Decision {
+        let (assignments, problem) = self.assignments(snap);
+        let status = snap.policy.as_ref().and_then(|p| {
+            let previous = p.status.as_ref().and_then(|s| s.conditions.iter().find(|c| c.type_ == CONDITION_VALID));
+            let generation = p.metadata.generation;
+            let condition = valid_condition(problem.as_ref().map_or(Ok(()), Err), generation, previous, now);
+            let status = GpuPolicyStatus { observed_generation: generation, conditions: vec![condition] };
+            (p.status.as_ref() != Some(&status)).then(|| (p.metadata.name.clone().unwrap_or_default(), status))
+        });
+        let Some(assignments) = assignments else {
+            return Decision { plan: None, desired: DesiredPools::new(), status, problem };
+        };
+        let desired = desired_pools(&Inputs {
+            inventories: &snap.inventories,
+            nodes: &snap.nodes,
+            assignments: &assignments,
+            features: self.features,
+            now,
+            heartbeat_timeout: self.heartbeat_timeout,
+        });
+        let plan = diff(&desired, &snap.slices, &mut self.generations);
+        Decision { plan: Some(plan), desired, status, problem }
+    }
+
+    /// Decides, then writes while `may_write()` holds (checked before every call). Returns the decision.
+    pub async fn reconcile<A: ClusterApi>(
+        &mut self,
+        snap: &Snapshot,
+        api: &A,
+        now: DateTime<Utc>,
+        may_write: &(dyn Fn() -> bool + Sync),
+    ) -> Result<Decision, Error> {
+        let decision = self.decide(snap, now);
+        if let Some((name, status)) = &decision.status {
+            if !may_write() {
+                return Ok(decision);
+            }
+            api.patch_policy_status(name, status)
+                .await
+                .map_err(|source| Error::PatchPolicyStatus { name: name.clone(), source })?;
+        }
+        let Some(plan) = &decision.plan else { return Ok(decision) };
+        let name = |s: &ResourceSlice| s.metadata.name.clone().unwrap_or_default();
+        for s in &plan.creates {
+            if !may_write() {
+                return Ok(decision);
+            }
+            api.create_slice(s).await.map_err(|source| Error::CreateSlice { name: name(s), source })?;
+        }
+        for s in &plan.updates {
+            if !may_write() {
+                return Ok(decision);
+            }
+            api.replace_slice(s).await.map_err(|source| Error::ReplaceSlice { name: name(s), source })?;
+        }
+        for n in &plan.deletes {
+            if !may_write() {
+                return Ok(decision);
+            }
+            api.delete_slice(n).await.map_err(|source| Error::DeleteSlice { name: n.clone(), source })?;
+        }
+        Ok(decision)
+    }
+}
+
+/// One controller replica: an elector and a reconciler. Only a leading replica reconciles.
+pub struct Replica {
+    pub elector: LeaderElector,
+    pub reconciler: Reconciler,
+}
+
+impl Replica {
+    /// Renews or acquires the lease, then reconciles if leading. `clock` is read again before every
+    /// write, so a replica that lost its lease mid-way stops writing.
+    pub async fn tick<S: LeaseStore, A: ClusterApi>(
+        &mut self,
+        lease: &S,
+        api: &A,
+        snap: &Snapshot,
+        clock: &(dyn Fn() -> DateTime<Utc> + Sync),
+    ) -> Result<Option<Decision>, Error> {
+        if !self.elector.try_acquire_or_renew(lease, clock()).await {
+            return Ok(None);
+        }
+        let elector = &self.elector;
+        let may_write = || elector.is_leader(clock());
+        self.reconciler.reconcile(snap, api, clock(), &may_write).await.map(Some)
+    }
+}
+
+/// An in-memory API server for slices and policies: applies writes like the real one (resourceVersion
+/// checks, AlreadyExists, NotFound) and counts them per writer.
+#[derive(Debug, Default)]
+pub struct InMemoryApi {
+    state: Mutex<InMemoryState>,
+}
+
+#[derive(Debug, Default)]
+struct InMemoryState {
+    slices: BTreeMap<String, ResourceSlice>,
+    policy_status: BTreeMap<String, GpuPolicyStatus>,
+    next_rv: u64,
+    writes: usize,
+}
+
+impl InMemoryApi {
+    /// Slices as a watch would deliver them.
+    pub fn slices(&self) -> Vec<ResourceSlice> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).slices.values().cloned().collect()
+    }
+
+    /// Number of successful writes so far.
+    pub fn writes(&self) -> usize {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).writes
+    }
+
+    /// The last status written for a policy.
+    pub fn policy_status(&self, name: &str) -> Option<GpuPolicyStatus> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).policy_status.get(name).cloned()
+    }
+
+    /// Deletes slices behind the controller's back, as kubelet does for a node's driver slices.
+    pub fn delete_where(&self, pred: impl Fn(&ResourceSlice) -> bool) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).slices.retain(|_, s| !pred(s));
+    }
+
+    fn write(&self, f: impl FnOnce(&mut InMemoryState) -> Result<(), ApiError>) -> Result<(), ApiError> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut state)?;
+        state.writes += 1;
+        Ok(())
+    }
+}
+
+impl InMemoryState {
+    fn stamp(&mut self, slice: &ResourceSlice) -> ResourceSlice {
+        self.next_rv += 1;
+        let mut s = slice.clone();
+        s.metadata.resource_version = Some(self.next_rv.to_string());
+        s
+    }
+}
+
+impl ClusterApi for InMemoryApi {
+    async fn create_slice(&self, slice: &ResourceSlice) -> Result<(), ApiError> {
+        self.write(|st| {
+            let name = slice.metadata.name.clone().unwrap_or_default();
+            if st.slices.contains_key(&name) {
+                return Err(format!("resourceslices {name:?} already exists").into());
+            }
+            let stored = st.stamp(slice);
+            st.slices.insert(name, stored);
+            Ok(())
+        })
+    }
+
+    async fn replace_slice(&self, slice: &ResourceSlice) -> Result<(), ApiError> {
+        self.write(|st| {
+            let name = slice.metadata.name.clone().unwrap_or_default();
+            let current = st.slices.get(&name).ok_or_else(|| format!("resourceslices {name:?} not found"))?;
+            if current.metadata.resource_version != slice.metadata.resource_version {
+                return Err(format!("conflict updating resourceslices {name:?}").into());
+            }
+            let stored = st.stamp(slice);
+            st.slices.insert(name, stored);
+            Ok(())
+        })
+    }
+
+    async fn delete_slice(&self, name: &str) -> Result<(), ApiError> {
+        self.write(|st| {
+            st.slices.remove(name).map(|_| ()).ok_or_else(|| format!("resourceslices {name:?} not found").into())
+        })
+    }
+
+    async fn patch_policy_status(&self, name: &str, status: &GpuPolicyStatus) -> Result<(), ApiError> {
+        self.write(|st| {
+            st.policy_status.insert(name.to_string(), status.clone());
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,271 @@
+//! Golden output and invariants of every built-in device model on the simulated nodes.
+
+mod support;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
+use tessera_api::{DeviceName, MigPlacement, NodeInventory};
+use tessera_controller::{cel::Quantity, validate::validate_pool};
+
+use support::*;
+
+#[test]
+fn rendered_slices_match_the_golden_files() {
+    for (node_name, inv) in nodes() {
+        for case in models() {
+            let slices = render_case(&inv, &case);
+            let json = serde_json::to_string_pretty(&slices).unwrap() + "\n";
+            let path = repo_root().join(format!("controller/tests/golden/{node_name}-{}.json", case.name));
+            check_golden(&path, &json);
+        }
+    }
+}
+
+#[test]
+fn every_published_pool_passes_the_v1_validator() {
+    for (node_name, inv) in nodes() {
+        for case in models() {
+            let slices = render_case(&inv, &case);
+            assert!(!slices.is_empty());
+            let problems = validate_pool(&slices);
+            assert!(problems.is_empty(), "{node_name}/{}: {problems:#?}", case.name);
+        }
+    }
+}
+
+/// Device count per node for each model (8 GPUs per node).
+#[test]
+fn each_model_publishes_the_expected_number_of_devices() {
+    let expected: BTreeMap<(&str, &str), usize> = [
+        // 25 placements + the whole GPU per GPU.
+        (("h100", "dynamic-mig"), 8 * 26),
+        (("h200", "dynamic-mig"), 8 * 26),
+        (("mixed", "dynamic-mig"), 8 * 26),
+        (("h100", "default"), 8 * 26),
+        (("mixed", "default"), 8 * 26),
+        (("h100", "whole"), 8),
+        (("mixed", "whole"), 8),
+        (("h100", "shared"), 8),
+        (("h100", "static-mig-fallback"), 8 * 4),
+        (("mixed", "static-mig-fallback"), 8 * 4),
+        (("h100", "slot-fallback"), 8 * 4),
+        (("h200", "slot-fallback"), 8 * 4),
+    ]
+    .into();
+    for (node_name, inv) in nodes() {
+        for case in models() {
+            if let Some(n) = expected.get(&(node_name, case.name)) {
+                assert_eq!(devices(&render_case(&inv, &case)).len(), *n, "{node_name}/{}", case.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn dynamic_mig_keeps_counters_and_devices_in_separate_slices_with_one_slice_per_gpu() {
+    let slices = render_case(&h100_node(), &models()[2]);
+    assert_eq!(slices.len(), 1 + 8, "one counter slice (8 sets) and one device slice per GPU");
+    let counters = &slices[0];
+    assert!(counters.spec.devices.is_none());
+    assert_eq!(counters.spec.shared_counters.as_ref().unwrap().len(), 8);
+    for s in &slices[1..] {
+        assert!(s.spec.shared_counters.is_none());
+        let gpus: std::collections::BTreeSet<u32> =
+            s.spec.devices.iter().flatten().map(|d| d.name.parse::<DeviceName>().unwrap().gpu()).collect();
+        assert_eq!(gpus.len(), 1, "{:?} mixes GPUs", s.metadata.name);
+    }
+    for s in &slices {
+        assert_eq!(s.spec.pool.name, "h100-node");
+        assert_eq!(s.spec.node_name.as_deref(), Some("h100-node"));
+        assert_eq!(s.spec.pool.resource_slice_count, 9);
+        assert_eq!(s.spec.pool.generation, 1);
+    }
+}
+
+fn counters_of(slices: &[ResourceSlice]) -> BTreeMap<String, BTreeMap<String, Quantity>> {
+    slices
+        .iter()
+        .flat_map(|s| s.spec.shared_counters.iter().flatten())
+        .map(|set| {
+            let c = set.counters.iter().map(|(k, v)| (k.clone(), Quantity::parse(&v.value.0).unwrap())).collect();
+            (set.name.clone(), c)
+        })
+        .collect()
+}
+
+/// Simulates the allocator's counter check for a set of devices allocated together.
+fn fits_together(devices: &[&Device], sets: &BTreeMap<String, BTreeMap<String, Quantity>>) -> bool {
+    let mut left = sets.clone();
+    for d in devices {
+        for c in d.consumes_counters.iter().flatten() {
+            let set = left.get_mut(&c.counter_set).expect("counter set exists");
+            for (name, v) in &c.counters {
+                let have = set.get_mut(name).expect("counter exists");
+                *have = have.checked_sub(&Quantity::parse(&v.value.0).unwrap()).unwrap();
+                if have.sign() < 0 {
+                    return false;
+                }
+            }
+        }
+    }
+    true
+}
+
+fn placement(inv: &NodeInventory, d: &Device) -> Option<(String, MigPlacement, u32)> {
+    match d.name.parse::<DeviceName>().ok()? {
+        DeviceName::Mig { gpu, profile, start } => {
+            let p = inv.spec.gpus[gpu as usize].mig.as_ref()?.profile(&profile)?;
+            Some((profile.clone(), MigPlacement { start, size: p.memory_slices }, p.instance_count))
+        }
+        _ => None,
+    }
+}
+
+/// For every pair of devices of one GPU: both can be allocated together iff they are MIG placements that
+/// do not overlap (and not two instances of a single-instance profile such as `1g.10gb+me`); the whole GPU
+/// goes with nothing. Also every device fits alone.
+#[test]
+fn mig_devices_can_be_allocated_together_exactly_when_their_placements_do_not_overlap() {
+    for (node_name, inv) in nodes() {
+        let slices = render_case(&inv, &models()[2]);
+        let sets = counters_of(&slices);
+        let mut by_gpu: BTreeMap<u32, Vec<&Device>> = BTreeMap::new();
+        for d in devices(&slices) {
+            by_gpu.entry(d.name.parse::<DeviceName>().unwrap().gpu()).or_default().push(d);
+        }
+        let mut pairs = 0;
+        for devs in by_gpu.values() {
+            assert_eq!(devs.len(), 26);
+            for (i, a) in devs.iter().enumerate() {
+                assert!(fits_together(&[a], &sets), "{} does not fit alone", a.name);
+                for b in &devs[i + 1..] {
+                    let expected = match (placement(&inv, a), placement(&inv, b)) {
+                        (Some((pa, la, max)), Some((pb, lb, _))) => !la.overlaps(&lb) && !(pa == pb && max == 1),
+                        _ => false,
+                    };
+                    assert_eq!(fits_together(&[a, b], &sets), expected, "{node_name}: {} + {}", a.name, b.name);
+                    pairs += 1;
+                }
+            }
+        }
+        assert_eq!(pairs, 8 * 26 * 25 / 2);
+    }
+}
+
+/// A full hardware layout such as 4g + 3g, or seven 1g, fits the counters.
+#[test]
+fn full_mig_layouts_fit_the_counters() {
+    let inv = h100_node();
+    let slices = render_case(&inv, &models()[2]);
+    let sets = counters_of(&slices);
+    let all = devices(&slices);
+    let find = |name: &str| *all.iter().find(|d| d.name == name).unwrap_or_else(|| panic!("{name}"));
+    let layouts: [&[&str]; 4] = [
+        &["gpu-0-mig-4g-40gb-0", "gpu-0-mig-3g-40gb-4"],
+        &["gpu-0-mig-1g-10gb-0", "gpu-0-mig-1g-10gb-1", "gpu-0-mig-1g-10gb-2", "gpu-0-mig-1g-10gb-3",
+          "gpu-0-mig-1g-10gb-4", "gpu-0-mig-1g-10gb-5", "gpu-0-mig-1g-10gb-plus-me-6"],
+        &["gpu-0-mig-2g-20gb-0", "gpu-0-mig-2g-20gb-2", "gpu-0-mig-2g-20gb-4", "gpu-0-mig-1g-20gb-6"],
+        &["gpu-0-mig-4g-40gb-0", "gpu-0-mig-1g-10gb-4", "gpu-0-mig-1g-10gb-5", "gpu-0-mig-1g-20gb-6"],
+    ];
+    for layout in layouts {
+        let devs: Vec<&Device> = layout.iter().map(|n| find(n)).collect();
+        assert!(fits_together(&devs, &sets), "{layout:?}");
+    }
+}
+
+/// First fit over the device order packs small instances from the top of the GPU, so the bottom half,
+/// the only place for a 4g, stays free as long as the small ones fit in the top half.
+#[test]
+fn first_fit_in_slice_order_keeps_the_bottom_half_free_for_large_profiles() {
+    let inv = h100_node();
+    let slices = render_case(&inv, &models()[2]);
+    let sets = counters_of(&slices);
+    let gpu0: Vec<&Device> = slices[1].spec.devices.iter().flatten().collect();
+    let first_fit = |requests: &[&str]| -> Vec<&Device> {
+        let mut taken: Vec<&Device> = vec![];
+        for profile in requests {
+            let pick = gpu0
+                .iter()
+                .copied()
+                .find(|d| {
+                    let p = d.attributes.as_ref().and_then(|a| a.get("profile")).and_then(|p| p.string.as_deref());
+                    let mut with = taken.clone();
+                    with.push(d);
+                    p == Some(*profile) && !taken.iter().any(|t| t.name == d.name) && fits_together(&with, &sets)
+                })
+                .expect("a placement is free");
+            taken.push(pick);
+        }
+        taken
+    };
+    let four_g = gpu0.iter().copied().find(|d| d.name == "gpu-0-mig-4g-40gb-0").unwrap();
+    for (requests, expected) in [
+        (&["1g.10gb", "1g.10gb", "1g.10gb"][..], &["gpu-0-mig-1g-10gb-6", "gpu-0-mig-1g-10gb-5", "gpu-0-mig-1g-10gb-4"][..]),
+        (&["2g.20gb"], &["gpu-0-mig-2g-20gb-4"]),
+        (&["3g.40gb"], &["gpu-0-mig-3g-40gb-4"]),
+        (&["1g.20gb", "1g.10gb"], &["gpu-0-mig-1g-20gb-6", "gpu-0-mig-1g-10gb-5"]),
+    ] {
+        let mut taken = first_fit(requests);
+        let names: Vec<&str> = taken.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, expected);
+        taken.push(four_g);
+        assert!(fits_together(&taken, &sets), "a 4g no longer fits after {requests:?}");
+    }
+}
+
+/// "10Gi and 25% of an H100": the scheduler packs four such claims per shared GPU.
+#[test]
+fn shared_gpus_pack_several_claims_by_memory_and_compute() {
+    let slices = render_case(&h100_node(), &models()[3]);
+    let d = devices(&slices).into_iter().find(|d| d.name == "gpu-0-shared").unwrap();
+    assert_eq!(d.allow_multiple_allocations, Some(true));
+    let cap = d.capacity.as_ref().unwrap();
+    let mem = Quantity::parse(&cap["memory"].request_policy.as_ref().unwrap().valid_range.as_ref().unwrap().max.as_ref().unwrap().0).unwrap();
+    let compute = Quantity::parse(&cap["compute"].value.0).unwrap();
+    let per_claim_mem = Quantity::parse("10Gi").unwrap();
+    let (mut m, mut c, mut claims) = (mem, compute, 0);
+    while let (Some(m2), Some(c2)) = (m.checked_sub(&per_claim_mem), c.checked_sub(&Quantity::from_int(25))) {
+        if m2.sign() < 0 || c2.sign() < 0 {
+            break;
+        }
+        (m, c, claims) = (m2, c2, claims + 1);
+    }
+    assert_eq!(claims, 4);
+    let attrs = d.attributes.as_ref().unwrap();
+    assert_eq!(attrs["sharingStrategy"].string.as_deref(), Some("MPS"));
+    assert_eq!(attrs["type"].string.as_deref(), Some("shared"));
+}
+
+#[test]
+fn slots_split_memory_and_compute_equally() {
+    let slices = render_case(&h100_node(), &models()[5]);
+    let slots: Vec<&Device> = devices(&slices).into_iter().filter(|d| d.name.starts_with("gpu-0-share-")).collect();
+    assert_eq!(slots.len(), 4);
+    for s in slots {
+        let cap = s.capacity.as_ref().unwrap();
+        assert_eq!(cap["compute"].value.0, "25");
+        assert_eq!(Quantity::parse(&cap["memory"].value.0).unwrap().as_integer(), Some((81559 / 4) << 20));
+        assert!(s.allow_multiple_allocations.is_none());
+    }
+}
+
+#[test]
+fn static_layouts_publish_non_overlapping_instances_without_counters() {
+    for (_, inv) in nodes() {
+        let slices = render_case(&inv, &models()[4]);
+        assert!(slices.iter().all(|s| s.spec.shared_counters.is_none()));
+        let devs = devices(&slices);
+        for a in &devs {
+            assert!(a.consumes_counters.is_none());
+            for b in &devs {
+                if a.name != b.name
+                    && let (Some((_, pa, _)), Some((_, pb, _))) = (placement(&inv, a), placement(&inv, b))
+                    && a.name.parse::<DeviceName>().unwrap().gpu() == b.name.parse::<DeviceName>().unwrap().gpu()
+                {
+                    assert!(!pa.overlaps(&pb), "{} overlaps {}", a.name, b.name);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,182 @@
+// Command bench-packing replays the openb production GPU trace (Alibaba, FGD ATC'23) through Kubernetes'
+// structured allocator against the ResourceSlices tessera publishes under each policy, and reports how much
+// of the cluster's GPUs each policy can hand out. See README.md.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// gpuChoices are the -gpu shortcuts; the names are the simulated backend's model names.
+var gpuChoices = map[string][]string{
+	"h100": {"H100-SXM5-80GB"},
+	"a100": {"A100-SXM4-80GB"},
+	"h200": {"H200-SXM-141GB"},
+	"mix":  {"H100-SXM5-80GB", "A100-SXM4-80GB", "H200-SXM-141GB"},
+}
+
+type args struct {
+	openbDir      string
+	controllerBin string
+	pluginBin     string
+	policyDir     string
+	out           string
+	gpu           string
+	maxDemand     float64
+	policies      string
+	skipNeeded    bool
+}
+
+// env gives each flag an environment fallback.
+func env(name, def string) string {
+	if v, ok := os.LookupEnv(name); ok {
+		return v
+	}
+	return def
+}
+
+func parseArgs() (args, error) {
+	var a args
+	flag.StringVar(&a.openbDir, "openb-dir", env("BENCH_OPENB_DIR", "../../../shared/data/openb"), "folder with openb_pod_list_default.csv and openb_node_list_gpu_node.csv (env BENCH_OPENB_DIR)")
+	flag.StringVar(&a.controllerBin, "controller", env("BENCH_CONTROLLER", "../../target/debug/tessera-controller"), "tessera-controller binary (env BENCH_CONTROLLER)")
+	flag.StringVar(&a.pluginBin, "plugin", env("BENCH_PLUGIN", "../../target/debug/tessera-kubelet-plugin"), "tessera-kubelet-plugin binary (env BENCH_PLUGIN)")
+	flag.StringVar(&a.policyDir, "policy-dir", env("BENCH_POLICY_DIR", "policies"), "folder with the GpuPolicy YAMLs whole.yaml, mig.yaml, shares.yaml (env BENCH_POLICY_DIR)")
+	flag.StringVar(&a.out, "out", env("BENCH_OUT", "../../bench-results"), "results folder (env BENCH_OUT)")
+	flag.StringVar(&a.gpu, "gpu", env("BENCH_GPU", "h100"), "GPU every trace GPU is re-imaged as: h100, a100, h200 or mix (nodes round-robin) (env BENCH_GPU)")
+	demand := env("BENCH_MAX_DEMAND", "1.0")
+	flag.StringVar(&a.policies, "policies", env("BENCH_POLICIES", "whole,mig,shares,default"), "policies to compare (env BENCH_POLICIES)")
+	flag.BoolVar(&a.skipNeeded, "skip-gpus-needed", env("BENCH_SKIP_GPUS_NEEDED", "") == "true", "skip the elastic run that counts the GPUs every pod needs (env BENCH_SKIP_GPUS_NEEDED)")
+	flag.Func("max-demand", "arrived demand to replay up to, as a fraction of the cluster's GPUs (default 1.0) (env BENCH_MAX_DEMAND)", func(s string) error {
+		demand = s
+		return nil
+	})
+	flag.Parse()
+	v, err := strconv.ParseFloat(demand, 64)
+	if err != nil || v <= 0 {
+		return a, fmt.Errorf("failed to read -max-demand %q: want a positive fraction such as 1.0", demand)
+	}
+	a.maxDemand = v
+	return a, nil
+}
+
+func main() {
+	a, err := parseArgs()
+	if err == nil {
+		err = run(a)
+	}
+	if err != nil {
+		slog.Error("bench-packing failed", "error", err)
+		os.Exit(1)
+	}
+}
+
+func run(a args) error {
+	start := time.Now()
+	models, ok := gpuChoices[a.gpu]
+	if !ok {
+		return fmt.Errorf("failed to read -gpu %q: want h100, a100, h200 or mix", a.gpu)
+	}
+	tr, err := LoadTrace(filepath.Join(a.openbDir, "openb_pod_list_default.csv"), filepath.Join(a.openbDir, "openb_node_list_gpu_node.csv"))
+	if err != nil {
+		return err
+	}
+	slog.Info("trace loaded", "gpuPods", len(tr.Pods), "cpuOnlyPodsExcluded", tr.CPUOnlyPods, "nodes", len(tr.Nodes), "gpus", tr.TotalGPUs())
+
+	var policies []PolicySpec
+	for _, name := range strings.Split(a.policies, ",") {
+		p, err := policyByName(strings.TrimSpace(name), a.policyDir)
+		if err != nil {
+			return err
+		}
+		policies = append(policies, p)
+	}
+	checkpoints := []int{10, 20, 30, 40, 50, 60, 70, 80, 90, 95, 100}
+	cfg := Config{Models: models, MaxDemand: a.maxDemand, Checkpoints: checkpoints, SkipGPUsNeeded: a.skipNeeded}
+	for _, c := range checkpoints {
+		if float64(c) > 100*a.maxDemand {
+			cfg.Checkpoints = nil
+			for _, c := range checkpoints {
+				if float64(c) <= 100*a.maxDemand {
+					cfg.Checkpoints = append(cfg.Checkpoints, c)
+				}
+			}
+			break
+		}
+	}
+
+	renderDir := filepath.Join(a.out, "render")
+	r := &Renderer{PluginBin: a.pluginBin, ControllerBin: a.controllerBin, WorkDir: renderDir}
+	clusters := make([]*Cluster, len(policies))
+	for i, p := range policies {
+		c, err := BuildCluster(r, p, tr.Nodes, cfg)
+		if err != nil {
+			return fmt.Errorf("failed to build the cluster for policy %s: %w", p.Name, err)
+		}
+		clusters[i] = c
+		slog.Info("slices rendered", "policy", p.Name, "nodes", len(c.Nodes), "renderDir", renderDir)
+	}
+
+	// Policies are independent: replay them side by side, one per core.
+	results := make([]RunResult, len(policies))
+	errs := make([]error, len(policies))
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, runtime.GOMAXPROCS(0))
+	for i := range policies {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			results[i], errs[i] = RunPolicy(context.Background(), clusters[i], policies[i], tr, cfg)
+			if errs[i] == nil {
+				res := results[i]
+				slog.Info("policy done", "policy", res.Policy, "allocationRatioPct", fmt.Sprintf("%.2f", res.Final.AllocPct(res.TotalGPUs)),
+					"placed", res.Final.Placed, "failed", res.Final.Failed, "gpusNeeded", res.GPUsNeeded, "allocateCalls", res.AllocateCalls,
+					"seconds", fmt.Sprintf("%.1f", res.Elapsed.Seconds()))
+			}
+		}()
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	rep := Report{Results: results, Trace: tr, Cfg: cfg, Checkpoints: cfg.Checkpoints}
+	files, err := rep.Write(a.out)
+	if err != nil {
+		return err
+	}
+	fmt.Print(rep.Markdown())
+	fmt.Printf("\nwrote %s in %.1f s\n", strings.Join(files, ", "), time.Since(start).Seconds())
+	if misses := rep.TargetMisses(); len(misses) > 0 {
+		fmt.Printf("targets missed: %s\n", strings.Join(misses, "; "))
+	}
+	return nil
+}
+
+// policyByName maps a policy name to its GpuPolicy file and claim style. `default` renders with no policy
+// file: the controller's built-in default.
+func policyByName(name, dir string) (PolicySpec, error) {
+	switch name {
+	case "whole":
+		return PolicySpec{Name: name, PolicyFile: filepath.Join(dir, "whole.yaml"), Style: StyleWhole}, nil
+	case "mig":
+		return PolicySpec{Name: name, PolicyFile: filepath.Join(dir, "mig.yaml"), Style: StyleMIG}, nil
+	case "shares":
+		return PolicySpec{Name: name, PolicyFile: filepath.Join(dir, "shares.yaml"), Style: StyleShares}, nil
+	case "default":
+		return PolicySpec{Name: name, Style: StyleAuto}, nil
+	}
+	return PolicySpec{}, fmt.Errorf("failed to read -policies: unknown policy %q (want whole, mig, shares, default)", name)
+}

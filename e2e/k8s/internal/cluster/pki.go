@@ -1,0 +1,127 @@
+// Package cluster holds what `make up` and the e2e tests share: PKI and kubeconfigs for the local
+// control plane, applying manifests through the real API server, and reading back what the scheduler,
+// the plugin and the kubelet stand-in did for each pod.
+package cluster
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/hex"
+	"encoding/pem"
+	"fmt"
+	"math/big"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+)
+
+// Identity is one token in the API server's token file. Every identity is in system:masters: the
+// harness tests the driver's behaviour, not RBAC (granular status authorization needs pod-bound
+// tokens, see local-control-plane.md section 5).
+type Identity struct {
+	Name string // kubeconfig file name (<dir>/<Name>.kubeconfig)
+	User string
+}
+
+// WritePKI creates a CA, a serving certificate for 127.0.0.1, the service-account key pair, a token
+// file and one kubeconfig per identity under dir. rustls (the Rust clients) rejects a self-signed
+// end-entity certificate, hence the separate CA.
+func WritePKI(dir, server string, identities []Identity) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("failed to create %s: %w", dir, err)
+	}
+	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return fmt.Errorf("failed to generate CA key: %w", err)
+	}
+	now := time.Now().Add(-time.Hour)
+	caTmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: "tessera-e2e-ca"},
+		NotBefore:             now,
+		NotAfter:              now.Add(10 * 365 * 24 * time.Hour),
+		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	if err != nil {
+		return fmt.Errorf("failed to create CA certificate: %w", err)
+	}
+	ca, err := x509.ParseCertificate(caDER)
+	if err != nil {
+		return fmt.Errorf("failed to parse CA certificate: %w", err)
+	}
+	servingKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return fmt.Errorf("failed to generate serving key: %w", err)
+	}
+	servingTmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(2),
+		Subject:      pkix.Name{CommonName: "kube-apiserver"},
+		NotBefore:    now,
+		NotAfter:     now.Add(10 * 365 * 24 * time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		IPAddresses:  []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.0.0.1")},
+		DNSNames:     []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"},
+	}
+	servingDER, err := x509.CreateCertificate(rand.Reader, servingTmpl, ca, &servingKey.PublicKey, caKey)
+	if err != nil {
+		return fmt.Errorf("failed to create serving certificate: %w", err)
+	}
+	saKey, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		return fmt.Errorf("failed to generate service-account key: %w", err)
+	}
+	caPEM := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER})
+	files := map[string][]byte{
+		"ca.crt":      caPEM,
+		"serving.crt": pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: servingDER}),
+		"sa.key":      pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(saKey)}),
+	}
+	servingKeyDER, err := x509.MarshalECPrivateKey(servingKey)
+	if err != nil {
+		return fmt.Errorf("failed to encode serving key: %w", err)
+	}
+	files["serving.key"] = pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: servingKeyDER})
+	saPub, err := x509.MarshalPKIXPublicKey(&saKey.PublicKey)
+	if err != nil {
+		return fmt.Errorf("failed to encode service-account public key: %w", err)
+	}
+	files["sa.pub"] = pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: saPub})
+
+	var tokens strings.Builder
+	for i, id := range identities {
+		raw := make([]byte, 16)
+		if _, err := rand.Read(raw); err != nil {
+			return fmt.Errorf("failed to generate token: %w", err)
+		}
+		token := hex.EncodeToString(raw)
+		fmt.Fprintf(&tokens, "%s,%s,%d,\"system:masters\"\n", token, id.User, 1000+i)
+		cfg := clientcmdapi.NewConfig()
+		cfg.Clusters["local"] = &clientcmdapi.Cluster{Server: server, CertificateAuthorityData: caPEM}
+		cfg.AuthInfos[id.User] = &clientcmdapi.AuthInfo{Token: token}
+		cfg.Contexts["local"] = &clientcmdapi.Context{Cluster: "local", AuthInfo: id.User}
+		cfg.CurrentContext = "local"
+		if err := clientcmd.WriteToFile(*cfg, filepath.Join(dir, id.Name+".kubeconfig")); err != nil {
+			return fmt.Errorf("failed to write kubeconfig for %s: %w", id.Name, err)
+		}
+	}
+	files["tokens.csv"] = []byte(tokens.String())
+	for name, data := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
+			return fmt.Errorf("failed to write %s: %w", name, err)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,111 @@
+# Shared settings and helpers for up.sh, down.sh, proc.sh and e2e.sh (sourced, not executed).
+# Every process the harness starts has a launch script in $RUN_DIR/procs/<name>.sh, a pid file in
+# $RUN_DIR/pids/<name>.pid and a log in $RUN_DIR/logs/<name>.log; the e2e tests restart components
+# through proc.sh using the same launch scripts.
+
+E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO_ROOT="$(cd "$E2E_DIR/.." && pwd)"
+RUN_DIR="${RUN_DIR:-$REPO_ROOT/.run}"
+BIN_DIR="${E2E_BIN_DIR:-$E2E_DIR/bin}"
+LOG_DIR="$RUN_DIR/logs"
+PID_DIR="$RUN_DIR/pids"
+PROC_DIR="$RUN_DIR/procs"
+PKI_DIR="$RUN_DIR/pki"
+
+NODES="${NODES:-2}"
+GPUS="${GPUS:-8}"
+MODEL="${MODEL:-H100-SXM5-80GB}"
+NODE_PREFIX="${NODE_PREFIX:-gpu-node-}"
+ETCD_PORT="${ETCD_PORT:-23790}"
+ETCD_PEER_PORT="${ETCD_PEER_PORT:-23800}"
+API_PORT="${API_PORT:-16443}"
+SCHEDULER_PORT="${SCHEDULER_PORT:-16459}"
+CONTROLLER_MANAGER_PORT="${CONTROLLER_MANAGER_PORT:-16457}"
+# Kubernetes 1.36 has DRA, partitionable devices, consumable capacity and device taints on by default;
+# extra gates (e.g. DRADeviceTaintRules=true) go to every component.
+FEATURE_GATES="${FEATURE_GATES:-}"
+RUNTIME_CONFIG="${RUNTIME_CONFIG:-}"
+
+CARGO_TARGET="${CARGO_TARGET_DIR:-$REPO_ROOT/target}"
+PLUGIN_BIN="${PLUGIN_BIN:-$CARGO_TARGET/debug/tessera-kubelet-plugin}"
+CONTROLLER_BIN="${CONTROLLER_BIN:-$CARGO_TARGET/debug/tessera-controller}"
+
+ADMIN_KUBECONFIG="$PKI_DIR/admin.kubeconfig"
+
+export GOTOOLCHAIN=local
+
+node_name() { echo "${NODE_PREFIX}$1"; }
+node_dir() { echo "$RUN_DIR/nodes/$1"; }
+
+_t0=$(date +%s)
+step() { printf '==> [%3ss] %s\n' "$(( $(date +%s) - _t0 ))" "$*"; }
+die() {
+  printf '\nFAILED: %s\n' "$1" >&2
+  if [[ -n "${2:-}" && -f "$2" ]]; then
+    printf -- '--- last lines of %s ---\n' "$2" >&2
+    tail -n 25 "$2" >&2
+    printf -- '--- (full log: %s)\n' "$2" >&2
+  fi
+  exit 1
+}
+
+port_in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# write_proc NAME [VAR=value ...] -- BINARY ARGS...: records how to (re)start a process.
+write_proc() {
+  local name="$1"; shift
+  mkdir -p "$PROC_DIR"
+  {
+    echo '#!/usr/bin/env bash'
+    while [[ $# -gt 0 && "$1" != "--" ]]; do printf 'export %q\n' "$1"; shift; done
+    shift
+    printf 'exec'; printf ' %q' "$@"; printf '\n'
+  } > "$PROC_DIR/$name.sh"
+  chmod +x "$PROC_DIR/$name.sh"
+}
+
+# pid_of NAME: prints the pid if that process is alive and is one this run dir started.
+pid_of() {
+  local f="$PID_DIR/$1.pid" pid
+  [[ -f "$f" ]] || return 1
+  pid="$(cat "$f")"
+  [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || return 1
+  # Guard against pid reuse: our processes always carry a path under the run dir or a binary we built.
+  tr '\0' ' ' < "/proc/$pid/cmdline" | grep -qF -e "$RUN_DIR" || return 1
+  echo "$pid"
+}
+
+start_proc() {
+  local name="$1"
+  mkdir -p "$PID_DIR" "$LOG_DIR"
+  if pid_of "$name" >/dev/null; then
+    echo "$name already running" >&2
+    return 0
+  fi
+  echo "---- start $(date -Is) ----" >> "$LOG_DIR/$name.log"
+  setsid "$PROC_DIR/$name.sh" >> "$LOG_DIR/$name.log" 2>&1 < /dev/null &
+  echo $! > "$PID_DIR/$name.pid"
+  grep -qxF "$name" "$PID_DIR/order" 2>/dev/null || echo "$name" >> "$PID_DIR/order"
+}
+
+stop_proc() {
+  local name="$1" pid i
+  pid="$(pid_of "$name")" || { rm -f "$PID_DIR/$name.pid"; return 0; }
+  kill -TERM "$pid" 2>/dev/null || true
+  for i in $(seq 1 50); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -KILL "$pid" 2>/dev/null || true
+    sleep 0.2
+  fi
+  rm -f "$PID_DIR/$name.pid"
+}
+
+# expect_alive NAME: fails with the process's log if it exited right after start.
+expect_alive() {
+  pid_of "$1" >/dev/null || die "$1 exited during startup" "$LOG_DIR/$1.log"
+}
+
+clusterctl() { "$BIN_DIR/clusterctl" "$@"; }

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# `make e2e`: fresh cluster (`make up` without the examples), the e2e scenarios (e2e/k8s/e2etest,
+# compiled to e2e/bin/e2e.test), then `make down`. KEEP_CLUSTER=1 leaves the cluster running;
+# E2E_RUN='regexp' selects scenarios (go test -run).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+start=$(date +%s)
+
+"$E2E_DIR/scripts/down.sh" > /dev/null 2>&1 || true
+SKIP_EXAMPLES=1 "$E2E_DIR/scripts/up.sh"
+up_done=$(date +%s)
+
+cleanup() {
+  if [[ "${KEEP_CLUSTER:-0}" != 1 ]]; then
+    "$E2E_DIR/scripts/down.sh" > /dev/null || echo "warning: make down failed" >&2
+  else
+    echo "cluster left running (KEEP_CLUSTER=1); make down to stop it"
+  fi
+}
+trap cleanup EXIT
+
+step "e2e scenarios (log: $LOG_DIR/e2e.log)"
+set +e
+(cd "$REPO_ROOT" && RUN_DIR="$RUN_DIR" E2E_REPO_ROOT="$REPO_ROOT" NODES="$NODES" GPUS="$GPUS" MODEL="$MODEL" NODE_PREFIX="$NODE_PREFIX" \
+  "$BIN_DIR/e2e.test" -test.v -test.timeout 20m ${E2E_RUN:+-test.run "$E2E_RUN"}) 2>&1 | tee "$LOG_DIR/e2e.log"
+rc=${PIPESTATUS[0]}
+set -e
+end=$(date +%s)
+
+echo
+echo "==== e2e summary ===="
+grep -E '^(=== RUN|--- (PASS|FAIL|SKIP)|    --- (PASS|FAIL|SKIP))' "$LOG_DIR/e2e.log" | grep -v '=== RUN' || true
+echo "make up: $((up_done - start))s   scenarios: $((end - up_done))s   total: $((end - start))s"
+if [[ $rc == 0 ]]; then echo "E2E PASS"; else echo "E2E FAIL (exit $rc; logs in $LOG_DIR)"; fi
+exit $rc

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# `make up`: a real local Kubernetes 1.36 control plane (etcd, kube-apiserver, kube-scheduler,
+# kube-controller-manager) as plain processes, N fake GPU nodes (kubelet stand-in + tessera's kubelet
+# plugin on the simulated backend), tessera's controller, CRDs, DeviceClasses and the examples.
+# Variables: NODES GPUS MODEL (node shape), SKIP_EXAMPLES=1, SKIP_DRIVER=1 (control plane and nodes
+# only), RUN_DIR, *_PORT, FEATURE_GATES, RUNTIME_CONFIG.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+cd "$REPO_ROOT"
+
+if [[ -d "$PID_DIR" ]]; then
+  for f in "$PID_DIR"/*.pid; do
+    [[ -e "$f" ]] || continue
+    if pid_of "$(basename "$f" .pid)" >/dev/null; then
+      die "a cluster is already running from $RUN_DIR (process $(basename "$f" .pid)); run 'make down' first"
+    fi
+  done
+fi
+rm -rf "$RUN_DIR"
+mkdir -p "$LOG_DIR" "$PID_DIR" "$PROC_DIR"
+
+step "preflight: tools and ports"
+command -v go >/dev/null || die "go not found in PATH; install Go >= 1.26 (Kubernetes 1.36 needs it)"
+gov="$(go env GOVERSION)"; gominor="$(echo "${gov#go}" | cut -d. -f2)"
+[[ "${gov#go}" == 1.* && "$gominor" -ge 26 ]] || die "Go $gov is too old; Kubernetes 1.36 needs Go >= 1.26"
+for p in "$ETCD_PORT" "$ETCD_PEER_PORT" "$API_PORT" "$SCHEDULER_PORT" "$CONTROLLER_MANAGER_PORT"; do
+  port_in_use "$p" && die "port $p on 127.0.0.1 is in use; free it or set ETCD_PORT/ETCD_PEER_PORT/API_PORT/SCHEDULER_PORT/CONTROLLER_MANAGER_PORT"
+done
+
+step "build: Kubernetes control plane + kubelet stand-in (log: $LOG_DIR/build-go.log)"
+"$E2E_DIR/scripts/build-k8s.sh" > "$LOG_DIR/build-go.log" 2>&1 || die "Go build failed" "$LOG_DIR/build-go.log"
+grep -E 'built in|up to date' "$LOG_DIR/build-go.log" | sed 's/^/    /'
+
+if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
+  if [[ ! -x "$PLUGIN_BIN" || ! -x "$CONTROLLER_BIN" || "${REBUILD_RUST:-0}" == 1 ]]; then
+    command -v cargo >/dev/null || die "cargo not found in PATH and $PLUGIN_BIN / $CONTROLLER_BIN are missing"
+    step "build: cargo build -p tessera-kubelet-plugin -p tessera-controller (log: $LOG_DIR/build-rust.log)"
+    cargo build -p tessera-kubelet-plugin -p tessera-controller > "$LOG_DIR/build-rust.log" 2>&1 \
+      || die "cargo build failed" "$LOG_DIR/build-rust.log"
+  fi
+  [[ -x "$PLUGIN_BIN" ]] || die "$PLUGIN_BIN missing after cargo build"
+  [[ -x "$CONTROLLER_BIN" ]] || die "$CONTROLLER_BIN missing after cargo build"
+fi
+
+step "pki: CA, serving cert, service-account keys, tokens, kubeconfigs in $PKI_DIR"
+ids="admin=admin,scheduler=system:kube-scheduler,controller-manager=system:kube-controller-manager,controller=tessera-controller"
+for i in $(seq 0 $((NODES - 1))); do
+  n="$(node_name "$i")"
+  ids+=",kubelet-$n=system:node:$n,plugin-$n=tessera-plugin-$n"
+done
+clusterctl pki --dir "$PKI_DIR" --server "https://127.0.0.1:$API_PORT" --identities "$ids" \
+  > "$LOG_DIR/pki.log" 2>&1 || die "PKI generation failed" "$LOG_DIR/pki.log"
+
+gates=()
+[[ -n "$FEATURE_GATES" ]] && gates=("--feature-gates=$FEATURE_GATES")
+
+step "etcd on 127.0.0.1:$ETCD_PORT"
+write_proc etcd -- "$BIN_DIR/etcd" \
+  --name default --data-dir "$RUN_DIR/etcd" \
+  --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+  --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+  --initial-cluster "default=http://127.0.0.1:$ETCD_PEER_PORT" --unsafe-no-fsync --log-level warn
+start_proc etcd
+clusterctl wait-url --url "http://127.0.0.1:$ETCD_PORT/health" --timeout 30s || die "etcd did not become healthy" "$LOG_DIR/etcd.log"
+
+step "kube-apiserver on https://127.0.0.1:$API_PORT"
+rc=()
+[[ -n "$RUNTIME_CONFIG" ]] && rc=("--runtime-config=$RUNTIME_CONFIG")
+write_proc kube-apiserver -- "$BIN_DIR/kube-apiserver" \
+  --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+  --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
+  --tls-cert-file "$PKI_DIR/serving.crt" --tls-private-key-file "$PKI_DIR/serving.key" \
+  --cert-dir "$RUN_DIR/apiserver-certs" \
+  --token-auth-file "$PKI_DIR/tokens.csv" --authorization-mode Node,RBAC \
+  --service-cluster-ip-range 10.0.0.0/24 \
+  --service-account-issuer https://kubernetes.default.svc \
+  --service-account-key-file "$PKI_DIR/sa.pub" --service-account-signing-key-file "$PKI_DIR/sa.key" \
+  --disable-admission-plugins ServiceAccount --endpoint-reconciler-type none \
+  --allow-privileged=true --profiling=false "${gates[@]}" "${rc[@]}"
+start_proc kube-apiserver
+clusterctl wait-api --kubeconfig "$ADMIN_KUBECONFIG" --timeout 90s || die "kube-apiserver did not become ready" "$LOG_DIR/kube-apiserver.log"
+
+step "kube-scheduler and kube-controller-manager"
+write_proc kube-scheduler -- "$BIN_DIR/kube-scheduler" \
+  --kubeconfig "$PKI_DIR/scheduler.kubeconfig" --leader-elect=false \
+  --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" --cert-dir "$RUN_DIR/scheduler-certs" "${gates[@]}"
+start_proc kube-scheduler
+write_proc kube-controller-manager -- "$BIN_DIR/kube-controller-manager" \
+  --kubeconfig "$PKI_DIR/controller-manager.kubeconfig" --leader-elect=false \
+  --bind-address 127.0.0.1 --secure-port "$CONTROLLER_MANAGER_PORT" --cert-dir "$RUN_DIR/controller-manager-certs" \
+  --controllers resourceclaim-controller,device-taint-eviction-controller,garbage-collector-controller,namespace-controller,serviceaccount-controller \
+  "${gates[@]}"
+start_proc kube-controller-manager
+clusterctl wait-url --url "https://127.0.0.1:$SCHEDULER_PORT/healthz" --timeout 60s || die "kube-scheduler not healthy" "$LOG_DIR/kube-scheduler.log"
+clusterctl wait-url --url "https://127.0.0.1:$CONTROLLER_MANAGER_PORT/healthz" --timeout 60s || die "kube-controller-manager not healthy" "$LOG_DIR/kube-controller-manager.log"
+
+crds=("$REPO_ROOT/deployments/crds")
+if ! compgen -G "$REPO_ROOT/deployments/crds/*.yaml" >/dev/null && [[ -x "$CONTROLLER_BIN" ]]; then
+  # Not generated into the tree yet: take them straight from the controller.
+  "$CONTROLLER_BIN" crds > "$RUN_DIR/crds.yaml" 2> "$LOG_DIR/crds.log" || die "tessera-controller crds failed" "$LOG_DIR/crds.log"
+  crds=("$RUN_DIR/crds.yaml")
+fi
+manifests=()
+for p in "${crds[@]}" "$REPO_ROOT/deployments/classes"; do
+  if [[ -f "$p" ]] || compgen -G "$p/*.yaml" >/dev/null; then manifests+=("$p"); fi
+done
+if [[ ${#manifests[@]} -gt 0 ]]; then
+  step "apply CRDs and DeviceClasses: ${manifests[*]#$REPO_ROOT/}"
+  clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "${manifests[@]}" > "$LOG_DIR/apply-deployments.log" 2>&1 \
+    || die "applying CRDs/DeviceClasses failed" "$LOG_DIR/apply-deployments.log"
+fi
+printf 'apiVersion: v1\nkind: Namespace\nmetadata:\n  name: tessera-system\n' > "$RUN_DIR/namespace.yaml"
+clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "$RUN_DIR/namespace.yaml" > /dev/null || die "creating namespace tessera-system failed"
+
+for i in $(seq 0 $((NODES - 1))); do
+  n="$(node_name "$i")"; d="$(node_dir "$n")"
+  mkdir -p "$d/registry" "$d/plugins" "$d/cdi" "$d/plugin-state" "$d/kubelet-state"
+  printf 'gpus:\n  - model: %s\n    count: %s\n' "$MODEL" "$GPUS" > "$d/node.yaml"
+  # A stable fake boot id per node: a plugin restart is not a node reboot.
+  echo "$(cat /proc/sys/kernel/random/uuid)" > "$d/boot_id"
+
+  step "node $n: kubelet stand-in"
+  write_proc "kubelet-$n" -- "$BIN_DIR/mini-kubelet" \
+    --kubeconfig "$PKI_DIR/kubelet-$n.kubeconfig" --node-name "$n" \
+    --registry-dir "$d/registry" --cdi-dir "$d/cdi" --state-dir "$d/kubelet-state" \
+    ${FEATURE_GATES:+--feature-gates "$FEATURE_GATES"}
+  start_proc "kubelet-$n"
+  clusterctl wait-node --kubeconfig "$ADMIN_KUBECONFIG" --node "$n" --timeout 60s || die "node $n did not become Ready" "$LOG_DIR/kubelet-$n.log"
+
+  if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
+    step "node $n: tessera-kubelet-plugin (simulated, $GPUS x $MODEL)"
+    write_proc "plugin-$n" KUBECONFIG="$PKI_DIR/plugin-$n.kubeconfig" RUST_LOG="${RUST_LOG:-info}" -- "$PLUGIN_BIN" \
+      --node-name "$n" --backend simulated --simulated-node-file "$d/node.yaml" \
+      --state-dir "$d/plugin-state" --kubelet-registry-dir "$d/registry" --kubelet-plugins-dir "$d/plugins" \
+      --cdi-dir "$d/cdi" --boot-id-file "$d/boot_id" --kubeconfig "$PKI_DIR/plugin-$n.kubeconfig"
+    start_proc "plugin-$n"
+  fi
+done
+
+if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
+  for i in $(seq 0 $((NODES - 1))); do
+    n="$(node_name "$i")"
+    step "node $n: waiting for the plugin's NodeInventory"
+    clusterctl wait-inventory --kubeconfig "$ADMIN_KUBECONFIG" --node "$n" --timeout 90s \
+      || die "plugin on $n did not report a ready NodeInventory" "$LOG_DIR/plugin-$n.log"
+  done
+
+  step "tessera-controller"
+  write_proc controller KUBECONFIG="$PKI_DIR/controller.kubeconfig" RUST_LOG="${RUST_LOG:-info}" -- "$CONTROLLER_BIN" \
+    --kubeconfig "$PKI_DIR/controller.kubeconfig"
+  start_proc controller
+  for i in $(seq 0 $((NODES - 1))); do
+    n="$(node_name "$i")"
+    out="$(clusterctl wait-slices --kubeconfig "$ADMIN_KUBECONFIG" --node "$n" --timeout 90s)" \
+      || die "no ResourceSlices for $n from the controller" "$LOG_DIR/controller.log"
+    step "node $n: ResourceSlices published ($out)"
+  done
+
+  if [[ "${SKIP_EXAMPLES:-0}" != 1 ]] && compgen -G "$REPO_ROOT/deployments/examples/*/*.yaml" >/dev/null; then
+    step "apply examples: deployments/examples/*/*.yaml"
+    clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "$REPO_ROOT"/deployments/examples/*/*.yaml > "$LOG_DIR/apply-examples.log" 2>&1 \
+      || die "applying examples failed" "$LOG_DIR/apply-examples.log"
+    step "pods (waiting up to 120s for them to settle)"
+    clusterctl report --kubeconfig "$ADMIN_KUBECONFIG" --wait 120s | tee "$RUN_DIR/report.txt"
+  fi
+fi
+
+step "cluster is up"
+cat <<MSG
+    export KUBECONFIG=$ADMIN_KUBECONFIG
+    logs: $LOG_DIR    report again: $BIN_DIR/clusterctl report
+    stop: make down
+MSG

@@ -1,0 +1,325 @@
+//! Command line and start-up: every flag has an environment fallback (the DaemonSet sets env), and
+//! [`Args::run`] wires the parts together.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use tessera_api::NodeInventorySpec;
+use tokio::{
+    signal::unix::{SignalKind, signal},
+    sync::watch,
+};
+use tracing::{info, warn};
+
+use crate::{
+    claims::KubeClaims,
+    driver::{self, SocketPaths},
+    error::{Error, Result},
+    gpu::{GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend},
+    inventory::InventoryPublisher,
+    registration::RegistrationState,
+    state::{NodeState, StateConfig},
+};
+
+/// tessera's kubelet plugin: discovers the node's NVIDIA GPUs, publishes them as a NodeInventory, and
+/// prepares DRA ResourceClaims for kubelet (CDI specs, MIG devices, shares).
+#[derive(Debug, Parser)]
+#[command(
+    name = "tessera-kubelet-plugin",
+    version,
+    about,
+    subcommand_negates_reqs = true
+)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
+
+    /// Name of this node (the downward API's spec.nodeName); also the pool name of its devices.
+    #[arg(long, env = "NODE_NAME", required = true)]
+    node_name: Option<String>,
+
+    #[command(flatten)]
+    backend: BackendArgs,
+
+    /// Directory of the prepared-claims checkpoint and the simulated hardware state.
+    #[arg(long, env = "TESSERA_STATE_DIR", default_value = "/var/lib/tessera")]
+    state_dir: PathBuf,
+
+    /// kubelet's plugin registry directory, where the registration socket goes.
+    #[arg(
+        long,
+        env = "TESSERA_KUBELET_REGISTRY_DIR",
+        default_value = "/var/lib/kubelet/plugins_registry"
+    )]
+    kubelet_registry_dir: PathBuf,
+
+    /// kubelet's plugins directory; the DRA socket is `<dir>/gpu.tessera.dev/dra.sock`.
+    #[arg(
+        long,
+        env = "TESSERA_KUBELET_PLUGINS_DIR",
+        default_value = "/var/lib/kubelet/plugins"
+    )]
+    kubelet_plugins_dir: PathBuf,
+
+    /// Directory the container runtime reads CDI specs from.
+    #[arg(long, env = "TESSERA_CDI_DIR", default_value = "/var/run/cdi")]
+    cdi_dir: PathBuf,
+
+    /// kubeconfig file; without it the in-cluster configuration is used.
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+
+    /// Seconds between NodeInventory heartbeats (the controller's timeout defaults to 40).
+    #[arg(long, env = "TESSERA_HEARTBEAT_INTERVAL", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    heartbeat_interval: u64,
+
+    /// File holding the node's boot id; a checkpoint written under another boot id is discarded.
+    #[arg(
+        long,
+        env = "TESSERA_BOOT_ID_FILE",
+        default_value = "/proc/sys/kernel/random/boot_id"
+    )]
+    boot_id_file: PathBuf,
+
+    /// Log format.
+    #[arg(long, env = "TESSERA_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print the node's GPUs (the NodeInventory spec) as YAML and exit; needs no cluster.
+    Discover(DiscoverArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct DiscoverArgs {
+    #[command(flatten)]
+    backend: BackendArgs,
+
+    /// Node name to print in the spec.
+    #[arg(long, env = "NODE_NAME", default_value = "localhost")]
+    node_name: String,
+
+    /// State directory of the simulated backend; by default a fresh one (GPUs as the node file describes
+    /// them, MIG mode as configured there).
+    #[arg(long, env = "TESSERA_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+}
+
+/// Which GPUs the plugin drives.
+#[derive(Debug, clap::Args)]
+struct BackendArgs {
+    /// `nvml` for real GPUs, `simulated` for GPUs described by a node file.
+    #[arg(long, env = "TESSERA_BACKEND", value_enum, default_value_t = BackendKind::Nvml)]
+    backend: BackendKind,
+
+    /// Node file of the simulated backend, e.g. `gpus: [{model: H100-SXM5-80GB, count: 8}]`.
+    #[arg(long, env = "TESSERA_SIMULATED_NODE_FILE")]
+    simulated_node_file: Option<PathBuf>,
+
+    /// Root of the NVIDIA driver installation (where NVML is loaded from).
+    #[arg(long, env = "TESSERA_DRIVER_ROOT", default_value = "/")]
+    driver_root: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum BackendKind {
+    Nvml,
+    Simulated,
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+impl Args {
+    /// Installs the tracing subscriber (`RUST_LOG` filters, `info` by default).
+    pub fn init_tracing(&self) {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        // Colors only on a terminal: escape codes in a pod's log file are noise.
+        let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_ansi(ansi);
+        match self.log_format {
+            LogFormat::Text => builder.init(),
+            LogFormat::Json => builder.json().init(),
+        }
+    }
+
+    /// Runs the plugin (or the `discover` subcommand) until SIGTERM or SIGINT.
+    pub async fn run(self) -> Result<()> {
+        let Self {
+            command,
+            node_name,
+            backend,
+            state_dir,
+            kubelet_registry_dir,
+            kubelet_plugins_dir,
+            cdi_dir,
+            kubeconfig,
+            heartbeat_interval,
+            boot_id_file,
+            log_format: _,
+        } = self;
+        if let Some(Command::Discover(args)) = command {
+            return args.run();
+        }
+        let node_name = node_name.ok_or(Error::MissingNodeName)?;
+
+        let gpu_backend = backend.open(&node_name, &state_dir)?;
+        let discovered = gpu_backend.discover().map_err(|source| Error::Discover {
+            backend: gpu_backend.name(),
+            source,
+        })?;
+        let spec = NodeInventorySpec {
+            node_name: node_name.clone(),
+            backend: gpu_backend.name().to_string(),
+            driver_version: discovered.driver_version,
+            cuda_driver_version: discovered.cuda_driver_version,
+            gpus: discovered.gpus,
+        };
+        info!(node = %node_name, backend = gpu_backend.name(), gpus = spec.gpus.len(), "discovered GPUs");
+
+        let boot_id = std::fs::read_to_string(&boot_id_file)
+            .map_err(|source| Error::ReadBootId {
+                path: boot_id_file.clone(),
+                source,
+            })?
+            .trim()
+            .to_string();
+        let client = kube_client(kubeconfig.as_deref()).await?;
+
+        let state = NodeState::new(
+            StateConfig {
+                node_name: node_name.clone(),
+                boot_id,
+                state_dir,
+                cdi_dir,
+            },
+            gpu_backend,
+            spec.gpus.clone(),
+            Arc::new(KubeClaims::new(client.clone())),
+        );
+        let recovery = state.recover()?;
+        info!(?recovery, "loaded the checkpoint");
+        let state = Arc::new(state);
+
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
+        let mut sigint = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
+        let signal_stop = stop_tx.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = sigterm.recv() => info!("received SIGTERM"),
+                _ = sigint.recv() => info!("received SIGINT"),
+            }
+            signal_stop.send_replace(true);
+        });
+
+        let (registration_tx, registration_rx) = watch::channel(RegistrationState::Pending);
+        let publisher = InventoryPublisher::new(
+            client,
+            spec,
+            Duration::from_secs(heartbeat_interval),
+            registration_rx,
+        );
+        let publisher = tokio::spawn(publisher.run(stop_rx.clone()));
+
+        let paths = SocketPaths::new(&kubelet_registry_dir, &kubelet_plugins_dir);
+        let mut stopped = stop_rx;
+        let served = driver::serve(&paths, state, registration_tx, async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })
+        .await;
+        // Also on a serve error, so the inventory is marked not ready before exiting.
+        stop_tx.send_replace(true);
+        if let Err(e) = publisher.await {
+            warn!(error = %e, "the inventory publisher ended abnormally");
+        }
+        served
+    }
+}
+
+impl DiscoverArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            backend,
+            node_name,
+            state_dir,
+        } = self;
+        // A throwaway state directory: discovery must not need (or change) the plugin's state.
+        let scratch = std::env::temp_dir().join(format!("tessera-discover-{}", std::process::id()));
+        let dir = state_dir.unwrap_or_else(|| scratch.clone());
+        let result = backend.open(&node_name, &dir).and_then(|b| {
+            let found = b.discover().map_err(|source| Error::Discover {
+                backend: b.name(),
+                source,
+            })?;
+            let spec = NodeInventorySpec {
+                node_name,
+                backend: b.name().to_string(),
+                driver_version: found.driver_version,
+                cuda_driver_version: found.cuda_driver_version,
+                gpus: found.gpus,
+            };
+            let yaml = serde_norway::to_string(&spec).map_err(Error::PrintInventory)?;
+            print!("{yaml}");
+            Ok(())
+        });
+        let _ = std::fs::remove_dir_all(&scratch);
+        result
+    }
+}
+
+impl BackendArgs {
+    fn open(&self, node_name: &str, state_dir: &Path) -> Result<Arc<dyn GpuBackend>> {
+        match self.backend {
+            BackendKind::Simulated => {
+                let file = self
+                    .simulated_node_file
+                    .as_deref()
+                    .ok_or(Error::MissingSimulatedNodeFile)?;
+                let backend = SimulatedBackend::new(node_name, file, state_dir).map_err(|source| {
+                    Error::OpenBackend {
+                        backend: "simulated".into(),
+                        source,
+                    }
+                })?;
+                Ok(Arc::new(backend))
+            }
+            BackendKind::Nvml => {
+                let backend = NvmlBackend::new(&self.driver_root).map_err(|source| Error::OpenBackend {
+                    backend: format!("nvml (driver root {})", self.driver_root.display()),
+                    source,
+                })?;
+                Ok(Arc::new(backend))
+            }
+        }
+    }
+}
+
+/// A client from the kubeconfig file, or the in-cluster configuration. Connecting is lazy: an unreachable
+/// API server shows up as failed requests (retried), not as a failed start.
+async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| Error::KubeConfig(Box::new(e)))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|e| Error::KubeConfig(Box::new(e)))?
+        }
+        None => kube::Config::incluster().map_err(|e| Error::KubeConfig(Box::new(e)))?,
+    };
+    kube::Client::try_from(config).map_err(|e| Error::KubeClient(Box::new(e)))
+}

@@ -1,0 +1,224 @@
+//! CDI specs: how a prepared claim's devices reach the container.
+//!
+//! One spec file per claim, `<cdi dir>/k8s.gpu.tessera.dev-claim_<claim UID>.json`, kind
+//! `k8s.gpu.tessera.dev/claim`, one CDI device per allocated device named `<claim UID>-<device name>`.
+//! kubelet passes the fully qualified names ([`qualified_name`]) to the runtime, which reads the spec when the
+//! container is created. A per-claim file (rather than one node-wide spec) makes prepare and unprepare of
+//! different claims independent: no read-modify-write of a shared file.
+
+use std::{
+    fs,
+    io::{self, Write},
+    path::{Path, PathBuf},
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// `cdiVersion` written: the minimum that knows every field tessera uses (`hostPath` on device nodes came in
+/// 0.5.0), so runtimes built with older CDI libraries still load the specs.
+pub const CDI_VERSION: &str = "0.5.0";
+
+/// CDI vendor of tessera's claim specs (`k8s.` + driver name, as kubelet plugins conventionally use).
+pub const CDI_VENDOR: &str = "k8s.gpu.tessera.dev";
+
+/// CDI class of tessera's claim specs.
+pub const CDI_CLASS: &str = "claim";
+
+/// `kind` of every spec tessera writes.
+pub const CDI_KIND: &str = "k8s.gpu.tessera.dev/claim";
+
+/// Prefix of spec file names; only files with this prefix are ever removed by the plugin, so specs of other
+/// drivers and hand-written ones in the same directory are safe.
+const SPEC_FILE_PREFIX: &str = "k8s.gpu.tessera.dev-claim_";
+
+/// A CDI spec (JSON keys as in the CDI `specs-go` package).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Spec {
+    pub cdi_version: String,
+    pub kind: String,
+    pub devices: Vec<Device>,
+    #[serde(default, skip_serializing_if = "ContainerEdits::is_empty")]
+    pub container_edits: ContainerEdits,
+}
+
+/// One CDI device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Device {
+    pub name: String,
+    pub container_edits: ContainerEdits,
+}
+
+/// What the runtime changes in the container for a device.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ContainerEdits {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_nodes: Vec<DeviceNode>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<Mount>,
+}
+
+impl ContainerEdits {
+    /// True when the edits change nothing.
+    pub fn is_empty(&self) -> bool {
+        self.env.is_empty() && self.device_nodes.is_empty() && self.mounts.is_empty()
+    }
+}
+
+/// A device node in the container.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DeviceNode {
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<String>,
+    /// `c` for the NVIDIA character devices.
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub major: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor: Option<i64>,
+}
+
+impl DeviceNode {
+    /// A character device with explicit numbers, so the runtime need not stat the host node.
+    pub fn char_device(path: &str, major: u32, minor: u32) -> Self {
+        Self {
+            path: path.to_string(),
+            host_path: None,
+            kind: Some("c".to_string()),
+            major: Some(major.into()),
+            minor: Some(minor.into()),
+        }
+    }
+}
+
+/// A bind mount into the container (MPS pipe directories, for instance).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Mount {
+    pub host_path: String,
+    pub container_path: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub options: Vec<String>,
+}
+
+/// CDI device name of one allocated device of a claim: `<claim UID>-<device name>`.
+pub fn device_name(claim_uid: &str, device: &str) -> String {
+    format!("{claim_uid}-{device}")
+}
+
+/// Fully qualified CDI device name kubelet hands to the runtime: `k8s.gpu.tessera.dev/claim=<name>`.
+pub fn qualified_name(cdi_device_name: &str) -> String {
+    format!("{CDI_KIND}={cdi_device_name}")
+}
+
+/// The CDI spec directory, seen through the files tessera owns in it.
+#[derive(Clone, Debug)]
+pub struct CdiDir {
+    dir: PathBuf,
+}
+
+impl CdiDir {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self { dir: dir.into() }
+    }
+
+    /// The spec file of a claim.
+    pub fn spec_path(&self, claim_uid: &str) -> PathBuf {
+        self.dir.join(format!("{SPEC_FILE_PREFIX}{claim_uid}.json"))
+    }
+
+    /// Writes a claim's spec atomically: the runtime may read the directory at any moment, so it must see
+    /// either no file or a whole one. The temporary name starts with `.` and does not end in `.json`, so CDI
+    /// caches never load it.
+    pub fn write(&self, claim_uid: &str, spec: &Spec) -> Result<PathBuf> {
+        let path = self.spec_path(claim_uid);
+        let err = |source| Error::WriteCdiSpec {
+            path: path.clone(),
+            source,
+        };
+        fs::create_dir_all(&self.dir).map_err(err)?;
+        let tmp = self.dir.join(format!(".{SPEC_FILE_PREFIX}{claim_uid}.json.tmp"));
+        let json = serde_json::to_vec_pretty(spec).map_err(|e| err(io::Error::other(e)))?;
+        write_atomically(&tmp, &path, &json).map_err(err)?;
+        Ok(path)
+    }
+
+    /// Reads a claim's spec back (tests and diagnostics).
+    pub fn read(&self, claim_uid: &str) -> Result<Option<Spec>> {
+        let path = self.spec_path(claim_uid);
+        match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| Error::ReadCdiSpec {
+                    path,
+                    source: io::Error::other(e),
+                }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(Error::ReadCdiSpec { path, source }),
+        }
+    }
+
+    /// Removes a claim's spec; a spec that is already gone is success, which keeps unprepare idempotent.
+    pub fn remove(&self, claim_uid: &str) -> Result<()> {
+        let path = self.spec_path(claim_uid);
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(Error::RemoveCdiSpec { path, source }),
+        }
+    }
+
+    /// Claim UIDs of every tessera claim spec in the directory (a missing directory has none).
+    pub fn claim_uids(&self) -> Result<Vec<String>> {
+        let entries = match fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(source) => {
+                return Err(Error::ListCdiDir {
+                    path: self.dir.clone(),
+                    source,
+                });
+            }
+        };
+        let mut uids = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|source| Error::ListCdiDir {
+                path: self.dir.clone(),
+                source,
+            })?;
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if let Some(uid) = name
+                .strip_prefix(SPEC_FILE_PREFIX)
+                .and_then(|n| n.strip_suffix(".json"))
+            {
+                uids.push(uid.to_string());
+            }
+        }
+        uids.sort();
+        Ok(uids)
+    }
+}
+
+/// Writes `bytes` to `path` through `tmp`: write, fsync, rename, fsync of the directory, so after a crash
+/// either the old or the new content is there, never a torn file.
+pub(crate) fn write_atomically(tmp: &Path, path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let mut file = fs::File::create(tmp)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    drop(file);
+    fs::rename(tmp, path)?;
+    if let Some(dir) = path.parent() {
+        fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}

@@ -1,0 +1,366 @@
+//! The checkpoint: which claims this node has prepared, surviving plugin restarts.
+//!
+//! On disk (`<state dir>/checkpoint.json`):
+//!
+//! ```json
+//! {"version": 1, "checksum": "sha256:<hex>", "payload": {"bootId": "...", "claims": {"<uid>": {...}}}}
+//! ```
+//!
+//! * `version` is the format version; a file of another version is refused, never reinterpreted.
+//! * `checksum` is the SHA-256 of the payload serialized canonically (serde_json of the parsed payload, whose
+//!   object keys come out in one fixed order), so a torn or hand-edited file is detected.
+//! * `bootId` is the node's boot id when the checkpoint was written: a checkpoint from an earlier boot
+//!   describes MIG instances and CDI specs the reboot already erased, so it is discarded.
+//! * Each claim goes through two phases: [`Phase::PrepareStarted`] is written with the devices about to be
+//!   prepared *before* any hardware or CDI change, [`Phase::PrepareCompleted`] after. A record still in the
+//!   first phase at start-up was interrupted by a crash and is rolled back.
+//!
+//! Writes are atomic: temp file, fsync, rename, fsync of the directory.
+
+use std::{
+    collections::BTreeMap,
+    fs, io,
+    path::{Path, PathBuf},
+};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tessera_api::MigPlacement;
+
+use crate::{
+    cdi::write_atomically,
+    error::{Error, Result},
+};
+
+/// Format version written by this plugin.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// File name in the state directory.
+pub const CHECKPOINT_FILE: &str = "checkpoint.json";
+
+/// Everything the checkpoint records.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Checkpoint {
+    /// Boot id of the node when written.
+    pub boot_id: String,
+    /// Claims by UID.
+    #[serde(default)]
+    pub claims: BTreeMap<String, ClaimRecord>,
+}
+
+/// One claim's preparation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimRecord {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    pub phase: Phase,
+    /// In `PrepareStarted`: the devices about to be prepared (details as far as known, updated as devices
+    /// complete). In `PrepareCompleted`: what was prepared, as returned to kubelet.
+    pub devices: Vec<DeviceRecord>,
+}
+
+/// Where a claim's preparation stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Phase {
+    PrepareStarted,
+    PrepareCompleted,
+}
+
+/// One allocated device of a claim.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceRecord {
+    /// The allocation result's `request` (`<request>` or `<request>/<subrequest>`).
+    pub request: String,
+    pub pool: String,
+    /// tessera device name (`gpu-0`, `gpu-1-mig-3g-40gb-4`, …).
+    pub device: String,
+    /// Set for devices allocated through consumable capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_id: Option<String>,
+    /// Fully qualified CDI device ids returned to kubelet.
+    pub cdi_device_ids: Vec<String>,
+    /// What was done on the hardware, enough to undo it after a restart.
+    pub detail: DeviceDetail,
+}
+
+/// Kind-specific preparation state. Every field a later undo needs is here, because after a restart the
+/// checkpoint is the only memory of it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "camelCase")]
+pub enum DeviceDetail {
+    /// A whole GPU: nothing changes on the hardware, only the CDI spec exposes it.
+    #[serde(rename_all = "camelCase")]
+    Gpu { gpu: u32, uuid: String, minor: u32 },
+    /// A MIG device created for the claim.
+    Mig(MigDetail),
+    /// A share of a GPU or MIG device (MPS or time-slicing).
+    Shared(SharedDetail),
+}
+
+/// A MIG device: identity known before preparing (GPU, profile, placement) and ids known only after
+/// creation (`None` until then, so a crash in between leaves a record that still says where to look).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigDetail {
+    pub gpu: u32,
+    pub profile: String,
+    pub placement: MigPlacement,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_instance: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_instance: Option<u32>,
+    /// `MIG-…` UUID once created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+}
+
+/// A share of a GPU (or of a MIG device, when `mig` is set).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SharedDetail {
+    pub gpu: u32,
+    /// UUID the container sees (`GPU-…` or `MIG-…`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<MigDetail>,
+    /// `MPS` or `TimeSlicing`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<String>,
+    /// Host directory of the MPS control daemon's pipes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps_pipe_dir: Option<String>,
+    /// Limits applied to the share (thread percentage, pinned memory, time-slice), by name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub limits: BTreeMap<String, String>,
+}
+
+impl DeviceDetail {
+    /// Index of the physical GPU the device lives on.
+    pub fn gpu(&self) -> u32 {
+        match self {
+            Self::Gpu { gpu, .. } => *gpu,
+            Self::Mig(m) => m.gpu,
+            Self::Shared(s) => s.gpu,
+        }
+    }
+}
+
+/// The on-disk envelope. The payload is kept as a JSON value so the checksum is verified before the payload
+/// is interpreted.
+#[derive(Serialize, Deserialize)]
+struct Envelope {
+    version: u32,
+    checksum: String,
+    payload: serde_json::Value,
+}
+
+/// What was found on disk.
+#[derive(Debug, PartialEq)]
+pub enum Loaded {
+    /// No checkpoint: a first start.
+    Missing,
+    /// A valid checkpoint of this boot.
+    Current(Checkpoint),
+    /// A valid checkpoint of an earlier boot.
+    OtherBoot(Checkpoint),
+}
+
+/// The checkpoint file.
+#[derive(Clone, Debug)]
+pub struct CheckpointStore {
+    path: PathBuf,
+}
+
+impl CheckpointStore {
+    /// The checkpoint in `state_dir`.
+    pub fn new(state_dir: &Path) -> Self {
+        Self {
+            path: state_dir.join(CHECKPOINT_FILE),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads and verifies the checkpoint. A file that is not valid JSON, has another format version, fails
+    /// its checksum or does not hold a checkpoint is [`Error::CorruptCheckpoint`].
+    pub fn load(&self, boot_id: &str) -> Result<Loaded> {
+        let bytes = match fs::read(&self.path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Loaded::Missing),
+            Err(source) => {
+                return Err(Error::ReadCheckpoint {
+                    path: self.path.clone(),
+                    source,
+                });
+            }
+        };
+        let corrupt = |reason: String| Error::CorruptCheckpoint {
+            path: self.path.clone(),
+            reason,
+        };
+        let envelope: Envelope =
+            serde_json::from_slice(&bytes).map_err(|e| corrupt(format!("not a checkpoint file: {e}")))?;
+        if envelope.version != FORMAT_VERSION {
+            return Err(corrupt(format!(
+                "format version {} is not the version {FORMAT_VERSION} this plugin reads",
+                envelope.version
+            )));
+        }
+        let actual = checksum(&envelope.payload);
+        if actual != envelope.checksum {
+            return Err(corrupt(format!(
+                "checksum {} does not match the content ({actual})",
+                envelope.checksum
+            )));
+        }
+        let checkpoint: Checkpoint = serde_json::from_value(envelope.payload)
+            .map_err(|e| corrupt(format!("payload is not a checkpoint: {e}")))?;
+        Ok(if checkpoint.boot_id == boot_id {
+            Loaded::Current(checkpoint)
+        } else {
+            Loaded::OtherBoot(checkpoint)
+        })
+    }
+
+    /// Writes the checkpoint atomically.
+    pub fn save(&self, checkpoint: &Checkpoint) -> Result<()> {
+        let err = |source| Error::WriteCheckpoint {
+            path: self.path.clone(),
+            source,
+        };
+        let payload = serde_json::to_value(checkpoint).map_err(|e| err(io::Error::other(e)))?;
+        let envelope = Envelope {
+            version: FORMAT_VERSION,
+            checksum: checksum(&payload),
+            payload,
+        };
+        let bytes = serde_json::to_vec_pretty(&envelope).map_err(|e| err(io::Error::other(e)))?;
+        if let Some(dir) = self.path.parent() {
+            fs::create_dir_all(dir).map_err(err)?;
+        }
+        let tmp = self.path.with_extension("json.tmp");
+        write_atomically(&tmp, &self.path, &bytes).map_err(err)
+    }
+}
+
+/// `sha256:<hex>` of the canonical serialization of `payload`. serde_json writes a `Value`'s keys in its map's
+/// order, which is the same on write and on re-read, so the digest is stable.
+fn checksum(payload: &serde_json::Value) -> String {
+    // Serializing a Value cannot fail: its keys are strings.
+    let bytes = serde_json::to_vec(payload).unwrap_or_default();
+    let digest = Sha256::digest(&bytes);
+    let mut hex = String::with_capacity(7 + 64);
+    hex.push_str("sha256:");
+    for b in digest {
+        hex.push_str(&format!("{b:02x}"));
+    }
+    hex
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(uid: &str, phase: Phase) -> ClaimRecord {
+        ClaimRecord {
+            uid: uid.into(),
+            namespace: "ns".into(),
+            name: "c".into(),
+            phase,
+            devices: vec![DeviceRecord {
+                request: "gpu".into(),
+                pool: "node-a".into(),
+                device: "gpu-1-mig-3g-40gb-4".into(),
+                share_id: None,
+                cdi_device_ids: vec![format!("k8s.gpu.tessera.dev/claim={uid}-gpu-1-mig-3g-40gb-4")],
+                detail: DeviceDetail::Mig(MigDetail {
+                    gpu: 1,
+                    profile: "3g.40gb".into(),
+                    placement: MigPlacement { start: 4, size: 4 },
+                    gpu_instance: Some(2),
+                    compute_instance: Some(0),
+                    uuid: Some("MIG-1".into()),
+                }),
+            }],
+        }
+    }
+
+    #[test]
+    fn a_saved_checkpoint_loads_back_equal_in_the_same_boot() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::new(dir.path());
+        let mut cp = Checkpoint {
+            boot_id: "boot-1".into(),
+            ..Default::default()
+        };
+        cp.claims
+            .insert("u1".into(), record("u1", Phase::PrepareCompleted));
+        cp.claims.insert("u2".into(), record("u2", Phase::PrepareStarted));
+        store.save(&cp).unwrap();
+        assert_eq!(store.load("boot-1").unwrap(), Loaded::Current(cp.clone()));
+        assert_eq!(store.load("boot-2").unwrap(), Loaded::OtherBoot(cp));
+    }
+
+    #[test]
+    fn a_missing_checkpoint_is_a_first_start() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(
+            CheckpointStore::new(dir.path()).load("b").unwrap(),
+            Loaded::Missing
+        );
+    }
+
+    #[test]
+    fn an_edited_payload_fails_the_checksum_and_names_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::new(dir.path());
+        let mut cp = Checkpoint {
+            boot_id: "b".into(),
+            ..Default::default()
+        };
+        cp.claims
+            .insert("u1".into(), record("u1", Phase::PrepareCompleted));
+        store.save(&cp).unwrap();
+        let text = fs::read_to_string(store.path())
+            .unwrap()
+            .replace("gpu-1-mig", "gpu-2-mig");
+        fs::write(store.path(), text).unwrap();
+        let err = store.load("b").unwrap_err().to_string();
+        assert!(err.contains("checksum"), "{err}");
+        assert!(err.contains(&store.path().display().to_string()), "{err}");
+    }
+
+    #[test]
+    fn a_checkpoint_of_another_format_version_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::new(dir.path());
+        store
+            .save(&Checkpoint {
+                boot_id: "b".into(),
+                ..Default::default()
+            })
+            .unwrap();
+        let text = fs::read_to_string(store.path())
+            .unwrap()
+            .replace("\"version\": 1", "\"version\": 2");
+        fs::write(store.path(), text).unwrap();
+        let err = store.load("b").unwrap_err().to_string();
+        assert!(err.contains("format version 2"), "{err}");
+    }
+
+    #[test]
+    fn records_serialize_with_a_kind_tag_per_device() {
+        let v = serde_json::to_value(record("u", Phase::PrepareStarted)).unwrap();
+        assert_eq!(v["phase"], "PrepareStarted");
+        assert_eq!(v["devices"][0]["detail"]["kind"], "mig");
+        assert_eq!(v["devices"][0]["detail"]["placement"]["start"], 4);
+        assert_eq!(v["devices"][0]["detail"]["gpuInstance"], 2);
+    }
+}

@@ -1,0 +1,353 @@
+//! Where ResourceClaims come from: kubelet sends only a claim's namespace, name and UID, so the plugin reads
+//! the claim (its allocation) from the API server.
+//!
+//! [`ClaimSource`] is the seam: [`KubeClaims`] asks the API server, [`fake::FakeClaims`] serves claims built
+//! in-process by tests (`claim("c0").allocated("gpu-0")`).
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::Api;
+
+/// Error of a claim lookup, opaque to the state machine (it only reports it).
+pub type SourceError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Reads ResourceClaims by namespace and name.
+pub trait ClaimSource: Send + Sync + 'static {
+    /// The claim, or `None` when it does not exist.
+    fn get<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ResourceClaim>, SourceError>>;
+}
+
+/// Claims read from the API server.
+#[derive(Clone)]
+pub struct KubeClaims {
+    client: kube::Client,
+}
+
+impl KubeClaims {
+    pub fn new(client: kube::Client) -> Self {
+        Self { client }
+    }
+}
+
+impl ClaimSource for KubeClaims {
+    fn get<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ResourceClaim>, SourceError>> {
+        Box::pin(async move {
+            let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), namespace);
+            api.get_opt(name).await.map_err(|e| Box::new(e) as SourceError)
+        })
+    }
+}
+
+impl<T: ClaimSource> ClaimSource for Arc<T> {
+    fn get<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<ResourceClaim>, SourceError>> {
+        (**self).get(namespace, name)
+    }
+}
+
+/// One allocation result of this driver, with the opaque configuration that applies to it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AllocatedDevice {
+    /// `<request>` or `<request>/<subrequest>`.
+    pub request: String,
+    pub pool: String,
+    pub device: String,
+    pub share_id: Option<String>,
+    /// `parameters` of every `status.allocation.devices.config` entry for this driver that applies to the
+    /// request, in the order the API server lists them (class configuration before claim configuration).
+    pub configs: Vec<serde_json::Value>,
+}
+
+/// This driver's allocation results of `claim`, or `None` when the claim is not allocated.
+pub fn allocated_devices(claim: &ResourceClaim, driver: &str) -> Option<Vec<AllocatedDevice>> {
+    let devices = claim.status.as_ref()?.allocation.as_ref()?.devices.as_ref();
+    let Some(devices) = devices else {
+        return Some(Vec::new());
+    };
+    let configs = devices.config.as_deref().unwrap_or_default();
+    let results = devices.results.as_deref().unwrap_or_default();
+    Some(
+        results
+            .iter()
+            .filter(|r| r.driver == driver)
+            .map(|r| {
+                // A configuration naming `<request>` applies to all its subrequests too.
+                let parent = r.request.split('/').next().unwrap_or(&r.request);
+                let configs = configs
+                    .iter()
+                    .filter(|c| match c.requests.as_deref() {
+                        None | Some([]) => true,
+                        Some(reqs) => reqs.iter().any(|q| q == &r.request || q == parent),
+                    })
+                    .filter_map(|c| c.opaque.as_ref())
+                    .filter(|o| o.driver == driver)
+                    .map(|o| o.parameters.0.clone())
+                    .collect();
+                AllocatedDevice {
+                    request: r.request.clone(),
+                    pool: r.pool.clone(),
+                    device: r.device.clone(),
+                    share_id: r.share_id.clone(),
+                    configs,
+                }
+            })
+            .collect(),
+    )
+}
+
+pub mod fake {
+    //! In-process claims for tests, built like the API server would return them.
+
+    use std::{
+        collections::BTreeMap,
+        sync::{Arc, Mutex},
+    };
+
+    use futures::future::BoxFuture;
+    use k8s_openapi::{
+        api::resource::v1::{
+            AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
+            DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimSpec,
+            ResourceClaimStatus,
+        },
+        apimachinery::pkg::{apis::meta::v1::ObjectMeta, runtime::RawExtension},
+    };
+
+    use super::{ClaimSource, SourceError};
+
+    /// Pool of the claims [`claim`] builds unless told otherwise; tests name their node this.
+    pub const NODE: &str = "node-a";
+
+    /// Claims by `namespace/name`. Cloning shares the store, so a test can add claims after handing the
+    /// source to the plugin.
+    #[derive(Clone, Default)]
+    pub struct FakeClaims {
+        claims: Arc<Mutex<BTreeMap<String, ResourceClaim>>>,
+        /// When set, every lookup fails with this message (an unreachable API server).
+        failing: Arc<Mutex<Option<String>>>,
+    }
+
+    impl FakeClaims {
+        pub fn new() -> Self {
+            Self::default()
+        }
+
+        /// Adds or replaces a claim.
+        pub fn insert(&self, claim: ResourceClaim) -> &Self {
+            let key = format!(
+                "{}/{}",
+                claim.metadata.namespace.as_deref().unwrap_or_default(),
+                claim.metadata.name.as_deref().unwrap_or_default()
+            );
+            self.claims
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, claim);
+            self
+        }
+
+        /// Deletes a claim.
+        pub fn remove(&self, namespace: &str, name: &str) {
+            self.claims
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&format!("{namespace}/{name}"));
+        }
+
+        /// Makes every lookup fail with `message` (`None` heals it).
+        pub fn fail_with(&self, message: Option<&str>) {
+            *self.failing.lock().unwrap_or_else(|e| e.into_inner()) = message.map(str::to_string);
+        }
+    }
+
+    impl ClaimSource for FakeClaims {
+        fn get<'a>(
+            &'a self,
+            namespace: &'a str,
+            name: &'a str,
+        ) -> BoxFuture<'a, Result<Option<ResourceClaim>, SourceError>> {
+            let failing = self.failing.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let claim = self
+                .claims
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&format!("{namespace}/{name}"))
+                .cloned();
+            Box::pin(async move {
+                match failing {
+                    Some(message) => Err(message.into()),
+                    None => Ok(claim),
+                }
+            })
+        }
+    }
+
+    /// Starts a claim named `name` in namespace `default` with a fresh UID and no allocation.
+    pub fn claim(name: &str) -> ClaimBuilder {
+        ClaimBuilder {
+            namespace: "default".into(),
+            name: name.into(),
+            uid: uuid::Uuid::new_v4().to_string(),
+            pool: NODE.into(),
+            driver: tessera_api::DRIVER_NAME.into(),
+            request: "gpu".into(),
+            allocated: false,
+            results: Vec::new(),
+            configs: Vec::new(),
+        }
+    }
+
+    /// Builds a [`ResourceClaim`] the way the scheduler leaves it after allocation.
+    #[derive(Clone, Debug)]
+    pub struct ClaimBuilder {
+        namespace: String,
+        name: String,
+        uid: String,
+        pool: String,
+        driver: String,
+        request: String,
+        allocated: bool,
+        results: Vec<DeviceRequestAllocationResult>,
+        configs: Vec<DeviceAllocationConfiguration>,
+    }
+
+    impl ClaimBuilder {
+        pub fn namespace(mut self, namespace: &str) -> Self {
+            self.namespace = namespace.into();
+            self
+        }
+
+        pub fn uid(mut self, uid: &str) -> Self {
+            self.uid = uid.into();
+            self
+        }
+
+        /// Pool (node) of the results added after this call.
+        pub fn on_node(mut self, pool: &str) -> Self {
+            self.pool = pool.into();
+            self
+        }
+
+        /// Driver of the results added after this call.
+        pub fn driver(mut self, driver: &str) -> Self {
+            self.driver = driver.into();
+            self
+        }
+
+        /// Request name of the results added after this call.
+        pub fn request(mut self, request: &str) -> Self {
+            self.request = request.into();
+            self
+        }
+
+        /// Adds an allocation result for `device`.
+        pub fn allocated(self, device: &str) -> Self {
+            self.allocated_result(device, None)
+        }
+
+        /// Adds an allocation result for `device` with a consumable-capacity share id.
+        pub fn allocated_share(self, device: &str, share_id: &str) -> Self {
+            self.allocated_result(device, Some(share_id))
+        }
+
+        fn allocated_result(mut self, device: &str, share_id: Option<&str>) -> Self {
+            self.allocated = true;
+            self.results.push(DeviceRequestAllocationResult {
+                request: self.request.clone(),
+                driver: self.driver.clone(),
+                pool: self.pool.clone(),
+                device: device.into(),
+                share_id: share_id.map(str::to_string),
+                ..Default::default()
+            });
+            self
+        }
+
+        /// An allocation with no results (allocated, but nothing for any driver).
+        pub fn allocated_empty(mut self) -> Self {
+            self.allocated = true;
+            self
+        }
+
+        /// Adds an opaque configuration of this driver for the current request.
+        pub fn config(mut self, parameters: serde_json::Value) -> Self {
+            self.configs.push(DeviceAllocationConfiguration {
+                source: "FromClaim".into(),
+                requests: Some(vec![self.request.clone()]),
+                opaque: Some(OpaqueDeviceConfiguration {
+                    driver: self.driver.clone(),
+                    parameters: RawExtension(parameters),
+                }),
+            });
+            self
+        }
+
+        pub fn uid_str(&self) -> &str {
+            &self.uid
+        }
+
+        pub fn build(self) -> ResourceClaim {
+            ResourceClaim {
+                metadata: ObjectMeta {
+                    namespace: Some(self.namespace),
+                    name: Some(self.name),
+                    uid: Some(self.uid),
+                    ..Default::default()
+                },
+                spec: ResourceClaimSpec::default(),
+                status: self.allocated.then(|| ResourceClaimStatus {
+                    allocation: Some(AllocationResult {
+                        devices: Some(DeviceAllocationResult {
+                            results: Some(self.results),
+                            config: (!self.configs.is_empty()).then_some(self.configs),
+                        }),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{fake::claim, *};
+
+    #[test]
+    fn only_this_drivers_results_are_taken_with_their_configs() {
+        let c = claim("c")
+            .allocated("gpu-0")
+            .config(serde_json::json!({"kind": "GpuConfig"}))
+            .request("other")
+            .driver("net.example.com")
+            .allocated("nic-0")
+            .build();
+        let devices = allocated_devices(&c, tessera_api::DRIVER_NAME).unwrap();
+        assert_eq!(devices.len(), 1);
+        assert_eq!(devices[0].device, "gpu-0");
+        assert_eq!(devices[0].request, "gpu");
+        assert_eq!(devices[0].configs, vec![serde_json::json!({"kind": "GpuConfig"})]);
+    }
+
+    #[test]
+    fn an_unallocated_claim_has_no_results() {
+        assert_eq!(
+            allocated_devices(&claim("c").build(), tessera_api::DRIVER_NAME),
+            None
+        );
+    }
+}

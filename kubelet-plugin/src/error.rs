@@ -1,0 +1,211 @@
+//! The plugin's errors: [`Error`] for the node-level operations that stop the plugin (sockets, checkpoint,
+//! CDI directory, cluster access), [`ClaimError`] for one claim's prepare or unprepare, which goes into that
+//! claim's entry of the kubelet response and never fails the batch.
+
+use std::{io, path::PathBuf};
+
+use crate::gpu::GpuError;
+
+/// A failed node-level operation.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Opening the GPU backend (loading NVML, reading the simulated node file) failed.
+    #[error("failed to open the {backend} GPU backend: {source}")]
+    OpenBackend {
+        backend: String,
+        #[source]
+        source: GpuError,
+    },
+    /// GPU discovery failed.
+    #[error("failed to discover GPUs with the {backend} backend: {source}")]
+    Discover {
+        backend: &'static str,
+        #[source]
+        source: GpuError,
+    },
+    /// `--backend simulated` without `--simulated-node-file`.
+    #[error(
+        "the simulated backend needs a node file: set --simulated-node-file (TESSERA_SIMULATED_NODE_FILE)"
+    )]
+    MissingSimulatedNodeFile,
+    /// `--node-name` not given.
+    #[error("the node name is required: set --node-name or NODE_NAME (the downward API's spec.nodeName)")]
+    MissingNodeName,
+    /// Reading the boot id failed.
+    #[error("failed to read the boot id from {path}: {source}; point --boot-id-file at a readable file")]
+    ReadBootId {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Reading the checkpoint file failed (not a corrupted file: the read itself).
+    #[error("failed to read checkpoint {path}: {source}")]
+    ReadCheckpoint {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The checkpoint exists but cannot be trusted. The plugin refuses to start rather than guess which
+    /// claims are prepared (a guess could hand out a MIG instance twice or leak one).
+    #[error(
+        "checkpoint {path} is corrupted: {reason}. The plugin does not start on a checkpoint it cannot \
+         trust. To recover, move the file aside (mv {path} {path}.corrupt) and restart the plugin: it starts \
+         with no prepared claims and kubelet prepares the claims of running pods again; keep the moved file \
+         for diagnosis"
+    )]
+    CorruptCheckpoint { path: PathBuf, reason: String },
+    /// Writing the checkpoint failed.
+    #[error("failed to write checkpoint {path}: {source}")]
+    WriteCheckpoint {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Writing a CDI spec failed.
+    #[error("failed to write CDI spec {path}: {source}")]
+    WriteCdiSpec {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Reading a CDI spec failed.
+    #[error("failed to read CDI spec {path}: {source}")]
+    ReadCdiSpec {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Removing a CDI spec failed.
+    #[error("failed to remove CDI spec {path}: {source}")]
+    RemoveCdiSpec {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Listing the CDI directory failed.
+    #[error("failed to list CDI directory {path}: {source}")]
+    ListCdiDir {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Rolling back a claim left half prepared by a crash failed; the record is kept for the next start.
+    #[error("failed to roll back half-prepared claim {uid}: {source}")]
+    RollBack {
+        uid: String,
+        #[source]
+        source: Box<ClaimError>,
+    },
+    /// Removing a socket left by an earlier run failed.
+    #[error("failed to remove stale socket {path}: {source}")]
+    RemoveStaleSocket {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Creating a socket's directory or binding the socket failed.
+    #[error("failed to bind socket {path}: {source}")]
+    BindSocket {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// A gRPC server stopped with an error.
+    #[error("failed to serve gRPC on {path}: {source}")]
+    Serve {
+        path: PathBuf,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// Loading the kubeconfig or the in-cluster configuration failed.
+    #[error("failed to load the Kubernetes client configuration (set --kubeconfig or run in a pod): {0}")]
+    KubeConfig(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// Building the Kubernetes client failed.
+    #[error("failed to create the Kubernetes client: {0}")]
+    KubeClient(#[source] Box<kube::Error>),
+    /// Installing the SIGTERM/SIGINT handlers failed.
+    #[error("failed to install the signal handlers: {0}")]
+    Signals(#[source] io::Error),
+    /// Printing the inventory (`discover`) failed.
+    #[error("failed to print the inventory as YAML: {0}")]
+    PrintInventory(#[source] serde_norway::Error),
+}
+
+/// A failed prepare or unprepare of one claim; its message becomes the claim's `error` in the response.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The API server could not be asked for the claim.
+    #[error("failed to get ResourceClaim {namespace}/{name}: {source}")]
+    GetClaim {
+        namespace: String,
+        name: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The claim does not exist.
+    #[error("ResourceClaim {namespace}/{name} not found")]
+    ClaimNotFound { namespace: String, name: String },
+    /// The claim with that name is not the one kubelet means (deleted and recreated).
+    #[error(
+        "ResourceClaim {namespace}/{name} has UID {actual} but kubelet asked for UID {expected}; the claim \
+         was deleted and recreated"
+    )]
+    UidMismatch {
+        namespace: String,
+        name: String,
+        expected: String,
+        actual: String,
+    },
+    /// The claim has no allocation.
+    #[error("ResourceClaim {namespace}/{name} is not allocated")]
+    NotAllocated { namespace: String, name: String },
+    /// An allocation result of this driver names another node's pool.
+    #[error(
+        "allocation result for request {request:?} is in pool {pool:?}, but this node's pool is {node:?}"
+    )]
+    WrongPool {
+        request: String,
+        pool: String,
+        node: String,
+    },
+    /// An allocation result names a device this node does not have.
+    #[error(
+        "allocation result for request {request:?} names device {device:?}, which is not on this node: {reason}"
+    )]
+    UnknownDevice {
+        request: String,
+        device: String,
+        reason: String,
+    },
+    /// No preparer is wired for the device's kind.
+    #[error("device {device} is a {kind} device, which this plugin version cannot prepare yet")]
+    NotSupported { device: String, kind: &'static str },
+    /// The hardware operations preparing a device failed.
+    #[error("failed to prepare device {device}: {source}")]
+    PrepareDevice {
+        device: String,
+        #[source]
+        source: GpuError,
+    },
+    /// The hardware operations unpreparing a device failed.
+    #[error("failed to unprepare device {device}: {source}")]
+    UnprepareDevice {
+        device: String,
+        #[source]
+        source: GpuError,
+    },
+    /// A preparation step that runs off the async runtime panicked or was cancelled.
+    #[error("failed to run the preparation of device {device}: {reason}")]
+    Task { device: String, reason: String },
+    /// Node state (checkpoint or CDI spec) could not be written.
+    #[error(transparent)]
+    State(#[from] Box<Error>),
+}
+
+impl From<Error> for ClaimError {
+    fn from(e: Error) -> Self {
+        Self::State(Box::new(e))
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,872 @@
+//! The NVML backend: real GPUs through nvml-wrapper, plus the raw MIG calls of [`super::nvml_raw`].
+//!
+//! `NvmlBackend::new(driver_root)` loads `libnvidia-ml.so.1` from the driver root (the host's `/` or a
+//! containerised driver such as `/run/nvidia/driver`), so the plugin works without the library in its own
+//! image. Everything that needs a GPU is marked "needs hardware" below: this code is exercised only on a
+//! node with an NVIDIA driver, so it stays one NVML call per step with errors mapped by return code. The
+//! pure parts (library lookup, name derivation, sysfs/proc parsing, error mapping) are unit-tested.
+
+use std::{
+    collections::HashMap,
+    ffi::OsStr,
+    fmt::Display,
+    fs,
+    os::unix::fs::{FileTypeExt, MetadataExt},
+    path::{Path, PathBuf},
+    process::Command,
+    sync::Mutex,
+};
+
+use nvml_wrapper::{
+    Device, Nvml, enum_wrappers::device::ComputeMode as NvmlComputeMode, enums::device::DeviceArchitecture,
+    error::NvmlError,
+};
+use nvml_wrapper_sys::bindings::{NVML_GPU_INSTANCE_PROFILE_COUNT, nvmlReturn_t};
+use tessera_api::{GpuInfo, MigPlacement, MigProfileInfo, inventory::MigInfo};
+use tracing::{debug, warn};
+
+use super::{
+    CharDevice, ComputeInstance, ComputeMode, GpuBackend, GpuError, GpuInstance, MigMode, NodeGpus, Result,
+    TimeSlice, models,
+    nvml_raw::{self, NVML_ERROR_FUNCTION_NOT_FOUND, RawError},
+    simulated::mig_minors_by_formula,
+};
+
+const LIBRARY_NAME: &str = "libnvidia-ml.so.1";
+
+/// Where the NVML library is looked for under a driver root, in order; the bare name last lets the
+/// dynamic loader search its usual paths.
+pub fn library_candidates(driver_root: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = [
+        "usr/lib/x86_64-linux-gnu",
+        "usr/lib64",
+        "usr/lib/aarch64-linux-gnu",
+        "usr/lib",
+    ]
+    .iter()
+    .map(|dir| driver_root.join(dir).join(LIBRARY_NAME))
+    .collect();
+    out.push(PathBuf::from(LIBRARY_NAME));
+    out
+}
+
+/// NVML return codes (`nvml.h`) and the [`GpuError`] each maps to.
+pub fn error_for_code(call: &'static str, code: u32, context: impl Display) -> GpuError {
+    let msg = format!("{context} ({call} returned {code})");
+    match code {
+        2 => GpuError::InvalidArgument(msg),
+        3 => GpuError::NotSupported(msg),
+        4 => GpuError::NoPermission(msg),
+        6 => GpuError::NotFound(msg),
+        c if c == NVML_ERROR_FUNCTION_NOT_FOUND => GpuError::NotSupported(format!(
+            "{msg}: the driver's NVML library lacks this function; update the driver"
+        )),
+        15 => GpuError::GpuLost(msg),
+        16 => GpuError::ResetRequired(msg),
+        19 => GpuError::InUse(msg),
+        23 => GpuError::InsufficientResources(msg),
+        code => GpuError::Nvml { call, code },
+    }
+}
+
+fn wrapper_error(call: &'static str, e: NvmlError, context: impl Display) -> GpuError {
+    if let NvmlError::FailedToLoadSymbol(_) = e {
+        return error_for_code(call, NVML_ERROR_FUNCTION_NOT_FOUND, context);
+    }
+    error_for_code(call, nvmlReturn_t::from(e), context)
+}
+
+fn raw_error(e: RawError, context: impl Display) -> GpuError {
+    error_for_code(e.call, e.code, context)
+}
+
+/// `nvmlSystemGetCudaDriverVersion` gives `1000 * major + 10 * minor`; e.g. 13000 is `13.0`.
+pub fn format_cuda_version(version: i32) -> String {
+    format!("{}.{}", version / 1000, (version % 1000) / 10)
+}
+
+/// NVML prints bus ids as `00000000:3B:00.0`; sysfs and Kubernetes' `pciBusID` use `0000:3b:00.0`.
+pub fn normalize_pci_bus_id(bus_id: &str) -> String {
+    let lower = bus_id.trim().to_ascii_lowercase();
+    match lower.split_once(':') {
+        Some((domain, rest)) if domain.len() > 4 => {
+            let trimmed = &domain[domain.len() - 4..];
+            format!("{trimmed}:{rest}")
+        }
+        _ => lower,
+    }
+}
+
+/// The PCIe root complex (`pci0000:3a`) from a device's canonical sysfs path
+/// (`/sys/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0`).
+pub fn pcie_root_from_sysfs_path(path: &Path) -> Option<String> {
+    path.components()
+        .filter_map(|c| c.as_os_str().to_str())
+        .find(|c| c.starts_with("pci") && c.contains(':'))
+        .map(str::to_string)
+}
+
+/// FP32 cores per SM by compute capability, to turn `nvmlDeviceGetNumGpuCores` into an SM count
+/// (GA100 has 64 per SM; Hopper, Blackwell and the other Ampere/Ada parts 128).
+fn cores_per_sm(major: i32, minor: i32) -> Option<u32> {
+    match (major, minor) {
+        (7, _) | (8, 0) => Some(64),
+        (8, _) | (9, _) | (10, _) | (12, _) => Some(128),
+        _ => None,
+    }
+}
+
+/// Profile name when the driver gives none (v1 profile info): the built-in table for a known model, else
+/// `<slices>g.<GiB rounded up>gb` plus the suffix of the profile index's variant.
+pub fn derive_profile_name(
+    pci_device_id: u16,
+    profile_id: u32,
+    index: u32,
+    slices: u32,
+    memory_mib: u64,
+) -> String {
+    if let Some(p) = models::model_by_pci_device_id(pci_device_id).and_then(|m| m.profile_by_id(profile_id)) {
+        return p.name.to_string();
+    }
+    let suffix = match index {
+        0x7 | 0x8 => "+me",
+        0xA..=0xC | 0x11 => "+gfx",
+        0xD | 0xE => "-me",
+        0xF | 0x10 => "+me.all",
+        _ => "",
+    };
+    format!("{slices}g.{}gb{suffix}", memory_mib.div_ceil(1024))
+}
+
+/// Reads `DeviceFileMinor: N` from a `/proc/driver/nvidia/capabilities/.../access` file.
+fn access_file_minor(path: &Path) -> Option<u32> {
+    fs::read_to_string(path)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("DeviceFileMinor:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// GI and CI capability minors from the driver's `/proc` files, else from `mig-minors`' layout formula.
+pub fn mig_capability_minors_from_proc(
+    proc_root: &Path,
+    gpu_minor: u32,
+    gpu_instance: u32,
+    compute_instance: u32,
+) -> Result<(u32, u32)> {
+    let gi_dir = proc_root.join(format!(
+        "driver/nvidia/capabilities/gpu{gpu_minor}/mig/gi{gpu_instance}"
+    ));
+    let gi = access_file_minor(&gi_dir.join("access"));
+    let ci = access_file_minor(&gi_dir.join(format!("ci{compute_instance}/access")));
+    match (gi, ci) {
+        (Some(gi), Some(ci)) => Ok((gi, ci)),
+        _ => mig_minors_by_formula(gpu_minor, gpu_instance, compute_instance),
+    }
+}
+
+/// Major number of a driver in `/proc/devices`' "Character devices" section.
+fn proc_devices_major(proc_devices: &str, driver: &str) -> Option<u32> {
+    proc_devices
+        .lines()
+        .skip_while(|l| !l.starts_with("Character devices"))
+        .take_while(|l| !l.starts_with("Block devices"))
+        .find_map(|l| {
+            let (major, name) = l.trim().split_once(' ')?;
+            (name.trim() == driver).then(|| major.parse().ok()).flatten()
+        })
+}
+
+/// A character device's numbers: from the node itself when it exists, else from its name and
+/// `/proc/devices` (cap nodes need not exist on the host; CDI creates them in the container).
+pub fn char_device_from_host(path: &str, proc_root: &Path) -> Result<CharDevice> {
+    if let Ok(meta) = fs::metadata(path) {
+        if !meta.file_type().is_char_device() {
+            return Err(GpuError::InvalidArgument(format!(
+                "{path} is not a character device"
+            )));
+        }
+        let rdev = meta.rdev();
+        // glibc's gnu_dev_major / gnu_dev_minor.
+        let major = (((rdev >> 32) & 0xffff_f000) | ((rdev >> 8) & 0x0000_0fff)) as u32;
+        let minor = (((rdev >> 12) & 0xffff_ff00) | (rdev & 0x0000_00ff)) as u32;
+        return Ok(CharDevice { major, minor });
+    }
+    let devices = fs::read_to_string(proc_root.join("devices")).unwrap_or_default();
+    let not_found = || GpuError::NotFound(format!("character device {path}"));
+    let from_proc = |driver: &str, minor: u32| {
+        proc_devices_major(&devices, driver)
+            .map(|major| CharDevice { major, minor })
+            .ok_or_else(not_found)
+    };
+    let number = |s: &str| {
+        s.parse::<u32>()
+            .ok()
+            .filter(|_| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+    };
+    // The NVIDIA GPU driver's major is fixed at 195.
+    match path {
+        "/dev/nvidiactl" => Ok(CharDevice {
+            major: 195,
+            minor: 255,
+        }),
+        "/dev/nvidia-modeset" => Ok(CharDevice {
+            major: 195,
+            minor: 254,
+        }),
+        "/dev/nvidia-uvm" => from_proc("nvidia-uvm", 0),
+        "/dev/nvidia-uvm-tools" => from_proc("nvidia-uvm", 1),
+        _ => {
+            if let Some(n) = path.strip_prefix("/dev/nvidia-caps/nvidia-cap").and_then(number) {
+                from_proc("nvidia-caps", n)
+            } else if let Some(n) = path.strip_prefix("/dev/nvidia").and_then(number) {
+                Ok(CharDevice { major: 195, minor: n })
+            } else {
+                Err(not_found())
+            }
+        }
+    }
+}
+
+/// Real GPUs through NVML. Thread-safe: NVML is, and the only local state is the time-slice record.
+pub struct NvmlBackend {
+    nvml: Nvml,
+    driver_root: PathBuf,
+    library: PathBuf,
+    /// NVML has no getter for the compute time-slice, so this records what this process last set.
+    time_slices: Mutex<HashMap<u32, TimeSlice>>,
+}
+
+impl NvmlBackend {
+    /// Loads NVML from `driver_root` (see [`library_candidates`]) and initialises it. Fails with
+    /// [`GpuError::LibraryNotFound`] naming the paths tried when there is no usable library.
+    pub fn new(driver_root: &Path) -> Result<Self> {
+        let candidates = library_candidates(driver_root);
+        let library = candidates
+            .iter()
+            .find(|p| p.is_absolute() && p.exists())
+            .cloned()
+            .unwrap_or_else(|| PathBuf::from(LIBRARY_NAME));
+        let tried = candidates
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let nvml = Nvml::builder()
+            .lib_path(OsStr::new(library.as_os_str()))
+            .init()
+            .map_err(|e| {
+                let reason = match e {
+                    NvmlError::LibloadingError(e) => format!("{e} (tried {tried})"),
+                    NvmlError::DriverNotLoaded => "the NVIDIA kernel driver is not loaded".to_string(),
+                    other => other.to_string(),
+                };
+                GpuError::LibraryNotFound {
+                    path: library.display().to_string(),
+                    reason,
+                }
+            })?;
+        debug!(library = %library.display(), "loaded NVML");
+        Ok(Self {
+            nvml,
+            driver_root: driver_root.to_path_buf(),
+            library,
+            time_slices: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn device(&self, gpu: u32) -> Result<Device<'_>> {
+        self.nvml.device_by_index(gpu).map_err(|e| match e {
+            NvmlError::InvalidArg => GpuError::NotFound(format!("GPU {gpu}")),
+            e => wrapper_error("nvmlDeviceGetHandleByIndex_v2", e, format!("GPU {gpu}")),
+        })
+    }
+
+    /// GI profiles of a GPU as `(profile id, instance count)`. Needs hardware.
+    fn gi_profiles(&self, device: &Device<'_>) -> Vec<(u32, u32)> {
+        (0..NVML_GPU_INSTANCE_PROFILE_COUNT)
+            .filter_map(|index| nvml_raw::gpu_instance_profile(&self.nvml, device, index).ok())
+            .map(|p| (p.id, p.instance_count))
+            .collect()
+    }
+
+    /// MIG capability and profiles of one GPU; `None` when it is not MIG-capable. Needs hardware.
+    fn mig_info(
+        &self,
+        gpu: u32,
+        device: &Device<'_>,
+        pci_device_id: u16,
+        arch: DeviceArchitecture,
+    ) -> Option<MigInfo> {
+        let mode = match device.mig_mode() {
+            Ok(mode) => mode,
+            Err(NvmlError::NotSupported) => return None,
+            Err(e) => {
+                warn!(gpu, error = %e, "cannot read MIG mode; not offering MIG on this GPU");
+                return None;
+            }
+        };
+        let mut profiles = Vec::new();
+        for index in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
+            let info = match nvml_raw::gpu_instance_profile(&self.nvml, device, index) {
+                Ok(info) => info,
+                // Profile absent on this GPU (gpu-mig-mps.md 3.1).
+                Err(RawError { code: 2 | 3, .. }) => continue,
+                Err(e) => {
+                    warn!(gpu, index, call = e.call, code = e.code, "skipping MIG profile");
+                    continue;
+                }
+            };
+            let placements = match nvml_raw::possible_placements(&self.nvml, device, info.id) {
+                Ok(p) if !p.is_empty() => p,
+                Ok(_) => continue,
+                Err(e) => {
+                    warn!(
+                        gpu,
+                        profile_id = info.id,
+                        call = e.call,
+                        code = e.code,
+                        "skipping MIG profile without placements"
+                    );
+                    continue;
+                }
+            };
+            let name = info.name.clone().unwrap_or_else(|| {
+                derive_profile_name(pci_device_id, info.id, index, info.slice_count, info.memory_mib)
+            });
+            profiles.push(MigProfileInfo {
+                name,
+                profile_id: info.id,
+                profile_index: index,
+                compute_slices: info.slice_count,
+                memory_slices: placements[0].size,
+                instance_count: info.instance_count,
+                memory_mib: info.memory_mib,
+                multiprocessors: info.multiprocessors,
+                copy_engines: info.copy_engines,
+                decoders: info.decoders,
+                encoders: info.encoders,
+                jpeg_engines: info.jpeg_engines,
+                ofa_engines: info.ofa_engines,
+                placements,
+            });
+        }
+        Some(MigInfo {
+            enabled: mode.current == 1,
+            mode_toggle_without_reset: matches!(
+                arch,
+                DeviceArchitecture::Hopper | DeviceArchitecture::Blackwell
+            ),
+            memory_slices: profiles
+                .iter()
+                .flat_map(|p| &p.placements)
+                .map(|p| p.start + p.size)
+                .max()
+                .unwrap_or(0),
+            compute_slices: profiles.iter().map(|p| p.compute_slices).max().unwrap_or(0),
+            profiles,
+        })
+    }
+
+    /// SM count: `nvmlDeviceGetNumGpuCores` / cores per SM, else `nvmlDeviceGetAttributes_v2` (documented
+    /// for MIG handles only, answered for whole GPUs by some drivers), else the built-in model table.
+    /// Needs hardware.
+    fn multiprocessors(&self, device: &Device<'_>, cc: (i32, i32), pci_device_id: u16) -> u32 {
+        if let (Ok(cores), Some(per_sm)) = (device.num_cores(), cores_per_sm(cc.0, cc.1))
+            && cores > 0
+        {
+            return cores / per_sm;
+        }
+        if let Ok(attrs) = device.attributes()
+            && attrs.multiprocessor_count > 0
+        {
+            return attrs.multiprocessor_count;
+        }
+        models::model_by_pci_device_id(pci_device_id)
+            .map(|m| m.multiprocessors)
+            .unwrap_or(0)
+    }
+
+    /// Needs hardware.
+    fn gpu_info(&self, index: u32) -> Result<GpuInfo> {
+        let device = self.device(index)?;
+        let ctx = |what: &str| format!("read the {what} of GPU {index}");
+        let uuid = device
+            .uuid()
+            .map_err(|e| wrapper_error("nvmlDeviceGetUUID", e, ctx("UUID")))?;
+        let minor = device
+            .minor_number()
+            .map_err(|e| wrapper_error("nvmlDeviceGetMinorNumber", e, ctx("minor")))?;
+        let product_name = device
+            .name()
+            .map_err(|e| wrapper_error("nvmlDeviceGetName", e, ctx("name")))?;
+        let brand = device
+            .brand()
+            .map(|b| format!("{b:?}"))
+            .unwrap_or_else(|_| "Unknown".to_string());
+        let arch = device.architecture().unwrap_or(DeviceArchitecture::Unknown);
+        let cc = device
+            .cuda_compute_capability()
+            .map_err(|e| wrapper_error("nvmlDeviceGetCudaComputeCapability", e, ctx("compute capability")))?;
+        let memory = device
+            .memory_info()
+            .map_err(|e| wrapper_error("nvmlDeviceGetMemoryInfo", e, ctx("memory")))?;
+        let pci = device
+            .pci_info()
+            .map_err(|e| wrapper_error("nvmlDeviceGetPciInfo_v3", e, ctx("PCI info")))?;
+        let pci_bus_id = normalize_pci_bus_id(&pci.bus_id);
+        let pci_device_id = (pci.pci_device_id >> 16) as u16;
+        let sysfs = Path::new("/sys/bus/pci/devices").join(&pci_bus_id);
+        let numa_node = fs::read_to_string(sysfs.join("numa_node"))
+            .ok()
+            .and_then(|s| s.trim().parse::<i64>().ok())
+            .or_else(|| device.numa_node_id().ok().map(i64::from))
+            .filter(|n| *n >= 0);
+        let pcie_root = fs::canonicalize(&sysfs)
+            .ok()
+            .and_then(|p| pcie_root_from_sysfs_path(&p));
+        Ok(GpuInfo {
+            index,
+            minor,
+            uuid,
+            product_name,
+            brand,
+            architecture: arch.to_string(),
+            cuda_compute_capability: format!("{}.{}", cc.major, cc.minor),
+            memory_bytes: memory.total,
+            multiprocessors: self.multiprocessors(&device, (cc.major, cc.minor), pci_device_id),
+            pci_bus_id,
+            pcie_root,
+            numa_node,
+            mig: self.mig_info(index, &device, pci_device_id, arch),
+            healthy: true,
+        })
+    }
+
+    fn nvidia_smi(&self) -> Result<PathBuf> {
+        let candidates: Vec<PathBuf> = ["usr/bin", "usr/sbin", "bin"]
+            .iter()
+            .map(|d| self.driver_root.join(d).join("nvidia-smi"))
+            .collect();
+        candidates
+            .iter()
+            .find(|p| p.exists())
+            .cloned()
+            .ok_or_else(|| GpuError::Tool {
+                program: "nvidia-smi".to_string(),
+                reason: format!(
+                    "not found under the driver root (tried {})",
+                    candidates
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            })
+    }
+}
+
+fn to_nvml_mode(mode: ComputeMode) -> NvmlComputeMode {
+    match mode {
+        ComputeMode::Default => NvmlComputeMode::Default,
+        ComputeMode::ExclusiveProcess => NvmlComputeMode::ExclusiveProcess,
+        ComputeMode::Prohibited => NvmlComputeMode::Prohibited,
+    }
+}
+
+impl GpuBackend for NvmlBackend {
+    fn name(&self) -> &'static str {
+        "nvml"
+    }
+
+    /// Needs hardware.
+    fn discover(&self) -> Result<NodeGpus> {
+        let count = self
+            .nvml
+            .device_count()
+            .map_err(|e| wrapper_error("nvmlDeviceGetCount_v2", e, "count GPUs"))?;
+        let gpus = (0..count).map(|i| self.gpu_info(i)).collect::<Result<Vec<_>>>()?;
+        Ok(NodeGpus {
+            driver_version: self.nvml.sys_driver_version().ok(),
+            cuda_driver_version: self.nvml.sys_cuda_driver_version().ok().map(format_cuda_version),
+            gpus,
+        })
+    }
+
+    /// Needs hardware.
+    fn mig_mode(&self, gpu: u32) -> Result<MigMode> {
+        let mode = self.device(gpu)?.mig_mode().map_err(|e| {
+            wrapper_error(
+                "nvmlDeviceGetMigMode",
+                e,
+                format!("read the MIG mode of GPU {gpu}"),
+            )
+        })?;
+        Ok(MigMode {
+            current: mode.current == 1,
+            pending: mode.pending == 1,
+        })
+    }
+
+    /// Needs hardware. `activationStatus` can be non-zero on success (gpu-mig-mps.md 3.3), so the outcome is
+    /// judged by reading the mode back.
+    fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<()> {
+        let device = self.device(gpu)?;
+        let ctx = format!("set MIG mode of GPU {gpu} to {enabled}");
+        let status = device
+            .set_mig_mode(enabled)
+            .map_err(|e| wrapper_error("nvmlDeviceSetMigMode", e, &ctx))?;
+        let mode = self.mig_mode(gpu)?;
+        if mode.current == enabled {
+            return Ok(());
+        }
+        if mode.pending == enabled {
+            return Err(GpuError::ResetRequired(format!(
+                "{ctx}: pending until the GPU is reset"
+            )));
+        }
+        Err(error_for_code("nvmlDeviceSetMigMode", status, ctx))
+    }
+
+    /// Needs hardware.
+    fn create_gpu_instance(&self, gpu: u32, profile_id: u32, placement: MigPlacement) -> Result<u32> {
+        let device = self.device(gpu)?;
+        nvml_raw::create_gpu_instance(&self.nvml, &device, profile_id, placement).map_err(|e| {
+            raw_error(
+                e,
+                format!(
+                    "create GPU instance of profile {profile_id} at {}:{} on GPU {gpu}",
+                    placement.start, placement.size
+                ),
+            )
+        })
+    }
+
+    /// Needs hardware.
+    fn create_compute_instance(&self, gpu: u32, gpu_instance: u32) -> Result<ComputeInstance> {
+        let device = self.device(gpu)?;
+        let ci = nvml_raw::create_full_compute_instance(&self.nvml, &device, gpu_instance).map_err(|e| {
+            raw_error(
+                e,
+                format!("create compute instance in GPU instance {gpu_instance} on GPU {gpu}"),
+            )
+        })?;
+        Ok(ComputeInstance {
+            id: ci.id,
+            profile_id: ci.profile_id,
+            uuid: ci.uuid,
+        })
+    }
+
+    /// Needs hardware.
+    fn destroy_compute_instance(&self, gpu: u32, gpu_instance: u32, compute_instance: u32) -> Result<()> {
+        let device = self.device(gpu)?;
+        nvml_raw::destroy_compute_instance(&self.nvml, &device, gpu_instance, compute_instance).map_err(|e| {
+            raw_error(
+                e,
+                format!(
+                    "destroy compute instance {compute_instance} of GPU instance {gpu_instance} on GPU {gpu}"
+                ),
+            )
+        })
+    }
+
+    /// Needs hardware.
+    fn destroy_gpu_instance(&self, gpu: u32, gpu_instance: u32) -> Result<()> {
+        let device = self.device(gpu)?;
+        nvml_raw::destroy_gpu_instance(&self.nvml, &device, gpu_instance)
+            .map_err(|e| raw_error(e, format!("destroy GPU instance {gpu_instance} on GPU {gpu}")))
+    }
+
+    /// Needs hardware.
+    fn list_gpu_instances(&self, gpu: u32) -> Result<Vec<GpuInstance>> {
+        if !self.mig_mode(gpu)?.current {
+            return Ok(Vec::new());
+        }
+        let device = self.device(gpu)?;
+        let gis = nvml_raw::gpu_instances(&self.nvml, &device, &self.gi_profiles(&device))
+            .map_err(|e| raw_error(e, format!("list GPU instances of GPU {gpu}")))?;
+        Ok(gis
+            .into_iter()
+            .map(|gi| GpuInstance {
+                id: gi.id,
+                profile_id: gi.profile_id,
+                placement: gi.placement,
+                compute_instances: gi
+                    .compute_instances
+                    .into_iter()
+                    .map(|ci| ComputeInstance {
+                        id: ci.id,
+                        profile_id: ci.profile_id,
+                        uuid: ci.uuid,
+                    })
+                    .collect(),
+            })
+            .collect())
+    }
+
+    /// Needs hardware.
+    fn compute_mode(&self, gpu: u32) -> Result<ComputeMode> {
+        let mode = self.device(gpu)?.compute_mode().map_err(|e| {
+            wrapper_error(
+                "nvmlDeviceGetComputeMode",
+                e,
+                format!("read compute mode of GPU {gpu}"),
+            )
+        })?;
+        Ok(match mode {
+            NvmlComputeMode::Default => ComputeMode::Default,
+            // EXCLUSIVE_THREAD is no longer supported by drivers; it behaves as exclusive.
+            NvmlComputeMode::ExclusiveProcess | NvmlComputeMode::ExclusiveThread => {
+                ComputeMode::ExclusiveProcess
+            }
+            NvmlComputeMode::Prohibited => ComputeMode::Prohibited,
+        })
+    }
+
+    /// Needs hardware.
+    fn set_compute_mode(&self, gpu: u32, mode: ComputeMode) -> Result<()> {
+        let mut device = self.device(gpu)?;
+        device.set_compute_mode(to_nvml_mode(mode)).map_err(|e| {
+            wrapper_error(
+                "nvmlDeviceSetComputeMode",
+                e,
+                format!("set compute mode of GPU {gpu} to {mode:?}"),
+            )
+        })
+    }
+
+    fn time_slice(&self, gpu: u32) -> Result<TimeSlice> {
+        self.device(gpu)?;
+        let slices = self.time_slices.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(slices.get(&gpu).copied().unwrap_or(TimeSlice::Default))
+    }
+
+    /// Needs hardware and `nvidia-smi` under the driver root. Arguments are passed directly, never through a
+    /// shell; `LD_PRELOAD` points nvidia-smi at the driver root's NVML as NVIDIA's driver does.
+    fn set_time_slice(&self, gpu: u32, slice: TimeSlice) -> Result<()> {
+        let uuid = self
+            .device(gpu)?
+            .uuid()
+            .map_err(|e| wrapper_error("nvmlDeviceGetUUID", e, format!("read the UUID of GPU {gpu}")))?;
+        let smi = self.nvidia_smi()?;
+        let mut cmd = Command::new(&smi);
+        cmd.args([
+            "compute-policy",
+            "-i",
+            &uuid,
+            "--set-timeslice",
+            &(slice as u32).to_string(),
+        ]);
+        if self.library.is_absolute() && self.driver_root != Path::new("/") {
+            cmd.env("LD_PRELOAD", &self.library);
+        }
+        let tool_err = |reason: String| GpuError::Tool {
+            program: smi.display().to_string(),
+            reason,
+        };
+        let out = cmd.output().map_err(|e| tool_err(e.to_string()))?;
+        if !out.status.success() {
+            let text = String::from_utf8_lossy(if out.stderr.is_empty() {
+                &out.stdout
+            } else {
+                &out.stderr
+            });
+            return Err(tool_err(format!("{}: {}", out.status, text.trim())));
+        }
+        self.time_slices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(gpu, slice);
+        Ok(())
+    }
+
+    /// Needs hardware for the GPU minor; the `/proc` parsing is tested.
+    fn mig_capability_minors(
+        &self,
+        gpu: u32,
+        gpu_instance: u32,
+        compute_instance: u32,
+    ) -> Result<(u32, u32)> {
+        let minor = self.device(gpu)?.minor_number().map_err(|e| {
+            wrapper_error(
+                "nvmlDeviceGetMinorNumber",
+                e,
+                format!("read the minor of GPU {gpu}"),
+            )
+        })?;
+        mig_capability_minors_from_proc(Path::new("/proc"), minor, gpu_instance, compute_instance)
+    }
+
+    fn char_device(&self, path: &str) -> Result<CharDevice> {
+        char_device_from_host(path, Path::new("/proc"))
+    }
+
+    /// Needs hardware. On a MIG-enabled GPU the parent's process list carries each process's GI and CI ids.
+    fn processes(&self, gpu: u32, mig: Option<(u32, u32)>) -> Result<Vec<u32>> {
+        let device = self.device(gpu)?;
+        let ctx = format!("list processes on GPU {gpu}");
+        let mut procs = device
+            .running_compute_processes()
+            .map_err(|e| wrapper_error("nvmlDeviceGetComputeRunningProcesses_v3", e, &ctx))?;
+        match device.running_graphics_processes() {
+            Ok(g) => procs.extend(g),
+            Err(NvmlError::NotSupported) => {}
+            Err(e) => return Err(wrapper_error("nvmlDeviceGetGraphicsRunningProcesses_v3", e, &ctx)),
+        }
+        let mut pids: Vec<u32> = procs
+            .into_iter()
+            .filter(|p| match mig {
+                None => true,
+                Some((gi, ci)) => p.gpu_instance_id == Some(gi) && p.compute_instance_id == Some(ci),
+            })
+            .map(|p| p.pid)
+            .collect();
+        pids.sort_unstable();
+        pids.dedup();
+        Ok(pids)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_fails_with_library_not_found_naming_the_paths_tried() {
+        let root = tempfile::tempdir().unwrap();
+        match NvmlBackend::new(root.path()) {
+            Err(e @ GpuError::LibraryNotFound { .. }) => {
+                let msg = e.to_string();
+                let tried = root.path().join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
+                assert!(msg.contains(&tried.display().to_string()), "{msg}");
+                assert!(msg.contains("--driver-root"), "{msg}");
+            }
+            Err(other) => panic!("expected LibraryNotFound, got {other}"),
+            // A machine with a system-wide NVIDIA driver loads the bare library name after the root misses.
+            Ok(b) => assert_eq!(b.library, PathBuf::from(LIBRARY_NAME)),
+        }
+    }
+
+    #[test]
+    fn the_library_is_looked_for_under_the_driver_root_first() {
+        let c = library_candidates(Path::new("/run/nvidia/driver"));
+        assert_eq!(
+            c[0],
+            PathBuf::from("/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
+        );
+        assert_eq!(
+            c[1],
+            PathBuf::from("/run/nvidia/driver/usr/lib64/libnvidia-ml.so.1")
+        );
+        assert_eq!(c.last().unwrap(), &PathBuf::from("libnvidia-ml.so.1"));
+    }
+
+    #[test]
+    fn nvml_return_codes_map_to_the_matching_errors() {
+        let e = |code| error_for_code("nvmlX", code, "ctx");
+        assert!(matches!(e(23), GpuError::InsufficientResources(_)));
+        assert!(matches!(e(19), GpuError::InUse(_)));
+        assert!(matches!(e(6), GpuError::NotFound(_)));
+        assert!(matches!(e(3), GpuError::NotSupported(_)));
+        assert!(matches!(e(2), GpuError::InvalidArgument(_)));
+        assert!(matches!(e(4), GpuError::NoPermission(_)));
+        assert!(matches!(e(15), GpuError::GpuLost(_)));
+        assert!(matches!(e(16), GpuError::ResetRequired(_)));
+        assert!(matches!(e(13), GpuError::NotSupported(_)));
+        assert!(matches!(
+            e(999),
+            GpuError::Nvml {
+                call: "nvmlX",
+                code: 999
+            }
+        ));
+        assert!(e(23).to_string().contains("nvmlX returned 23"));
+        assert!(matches!(
+            wrapper_error("c", NvmlError::InUse, "x"),
+            GpuError::InUse(_)
+        ));
+        assert!(matches!(
+            wrapper_error("c", NvmlError::UnexpectedVariant(23), "x"),
+            GpuError::InsufficientResources(_)
+        ));
+    }
+
+    #[test]
+    fn versions_and_bus_ids_are_reported_in_kubernetes_spelling() {
+        assert_eq!(format_cuda_version(13000), "13.0");
+        assert_eq!(format_cuda_version(12080), "12.8");
+        assert_eq!(normalize_pci_bus_id("00000000:3B:00.0"), "0000:3b:00.0");
+        assert_eq!(normalize_pci_bus_id("0000:3b:00.0"), "0000:3b:00.0");
+        assert_eq!(
+            pcie_root_from_sysfs_path(Path::new("/sys/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0"))
+                .as_deref(),
+            Some("pci0000:3a")
+        );
+        assert_eq!(
+            pcie_root_from_sysfs_path(Path::new("/sys/devices/platform/x")),
+            None
+        );
+    }
+
+    #[test]
+    fn profile_names_come_from_the_model_table_or_are_derived() {
+        // H200 names do not follow memory (1g.18gb is 16 GiB), so the table wins for known GPUs.
+        assert_eq!(derive_profile_name(0x2335, 19, 0, 1, 16384), "1g.18gb");
+        assert_eq!(derive_profile_name(0x2330, 20, 7, 1, 9984), "1g.10gb+me");
+        assert_eq!(derive_profile_name(0x1234, 19, 0, 1, 9984), "1g.10gb");
+        assert_eq!(derive_profile_name(0x1234, 20, 7, 1, 9984), "1g.10gb+me");
+        assert_eq!(derive_profile_name(0x1234, 40, 0xD, 1, 11000), "1g.11gb-me");
+    }
+
+    #[test]
+    fn sm_counts_follow_cores_per_sm_of_the_compute_capability() {
+        assert_eq!(6912 / cores_per_sm(8, 0).unwrap(), 108);
+        assert_eq!(16896 / cores_per_sm(9, 0).unwrap(), 132);
+        assert_eq!(18944 / cores_per_sm(10, 0).unwrap(), 148);
+        assert_eq!(cores_per_sm(3, 5), None);
+    }
+
+    #[test]
+    fn capability_minors_come_from_proc_access_files_or_the_formula() {
+        let proc_root = tempfile::tempdir().unwrap();
+        let gi = proc_root.path().join("driver/nvidia/capabilities/gpu1/mig/gi2");
+        fs::create_dir_all(gi.join("ci0")).unwrap();
+        fs::write(
+            gi.join("access"),
+            "DeviceFileMinor: 156\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
+        )
+        .unwrap();
+        fs::write(
+            gi.join("ci0/access"),
+            "DeviceFileMinor: 157\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
+        )
+        .unwrap();
+        assert_eq!(
+            mig_capability_minors_from_proc(proc_root.path(), 1, 2, 0).unwrap(),
+            (156, 157)
+        );
+        assert_eq!(
+            mig_capability_minors_from_proc(proc_root.path(), 0, 0, 0).unwrap(),
+            (3, 4)
+        );
+    }
+
+    #[test]
+    fn char_devices_missing_on_the_host_are_numbered_from_proc_devices() {
+        let proc_root = tempfile::tempdir().unwrap();
+        fs::write(
+            proc_root.path().join("devices"),
+            "Character devices:\n  1 mem\n195 nvidia-frontend\n236 nvidia-caps\n505 nvidia-uvm\n\nBlock devices:\n  8 sd\n",
+        )
+        .unwrap();
+        let d = |p| char_device_from_host(p, proc_root.path()).map(|c| (c.major, c.minor));
+        assert_eq!(d("/dev/nvidia-caps/nvidia-cap21").unwrap(), (236, 21));
+        assert_eq!(d("/dev/nvidia-uvm-tools").unwrap(), (505, 1));
+        assert_eq!(d("/dev/nvidia7").unwrap(), (195, 7));
+        assert!(matches!(d("/dev/nvidia-bogus"), Err(GpuError::NotFound(_))));
+        // An existing node is stat'ed: /dev/null is 1:3 on every Linux.
+        assert_eq!(d("/dev/null").unwrap(), (1, 3));
+        assert!(matches!(d("/"), Err(GpuError::InvalidArgument(_))));
+    }
+}

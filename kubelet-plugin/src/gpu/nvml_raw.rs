@@ -1,0 +1,439 @@
+//! The NVML calls nvml-wrapper 0.13 does not wrap (or wraps wrongly), made through its raw function table.
+//!
+//! This is the crate's only `unsafe` code. Every function here follows one pattern: resolve the symbol with
+//! `nvml_sym` (a missing symbol is an error, never a crash), pass zero-initialised plain-old-data structs and
+//! a device handle borrowed from a live `Device`, check the return code, copy the results out. GPU-instance
+//! and compute-instance handles never leave a function: they are re-resolved by id on every call, because
+//! a destroy or reset invalidates them (`dra-api.md` 10.3).
+//!
+//! Nothing here can run on a machine without an NVIDIA GPU; it is kept to straight-line calls so review is
+//! the check. The callers in `nvml.rs` turn [`RawError`] into `GpuError`.
+#![allow(
+    unsafe_code,
+    reason = "raw NVML MIG calls that nvml-wrapper does not wrap; see the module comment"
+)]
+
+use std::{mem, os::raw::c_uint, ptr};
+
+use nvml_wrapper::{Device, Nvml, error::nvml_sym};
+use nvml_wrapper_sys::bindings::{
+    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, nvmlComputeInstance_t, nvmlComputeInstanceInfo_t,
+    nvmlComputeInstanceProfileInfo_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
+    nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t, nvmlGpuInstanceProfileInfo_v3_t,
+    nvmlReturn_t,
+};
+use tessera_api::MigPlacement;
+
+const NVML_SUCCESS: nvmlReturn_t = 0;
+const NVML_ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
+/// Wrong `version` field in a `…V` struct: the driver is older than the struct version.
+pub(super) const NVML_ERROR_ARGUMENT_VERSION_MISMATCH: u32 = 25;
+/// Our own code for "the driver's library lacks this symbol"; NVML's FUNCTION_NOT_FOUND.
+pub(super) const NVML_ERROR_FUNCTION_NOT_FOUND: u32 = 13;
+
+/// A failed raw call: which function and what it returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct RawError {
+    pub call: &'static str,
+    pub code: u32,
+}
+
+type RawResult<T> = Result<T, RawError>;
+
+fn check(call: &'static str, ret: nvmlReturn_t) -> RawResult<()> {
+    if ret == NVML_SUCCESS {
+        Ok(())
+    } else {
+        Err(RawError { call, code: ret })
+    }
+}
+
+macro_rules! sym {
+    ($nvml:expr, $name:ident) => {
+        nvml_sym($nvml.lib().$name.as_ref()).map_err(|_| RawError {
+            call: stringify!($name),
+            code: NVML_ERROR_FUNCTION_NOT_FOUND,
+        })?
+    };
+}
+
+/// `NVML_STRUCT_VERSION(name, ver)`: the macro is not in the generated bindings.
+const fn struct_version<T>(version: u32) -> c_uint {
+    (mem::size_of::<T>() as u32) | (version << 24)
+}
+
+/// GPU-instance profile information, whichever struct version the driver answered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct GiProfile {
+    pub id: u32,
+    pub slice_count: u32,
+    pub instance_count: u32,
+    pub multiprocessors: u32,
+    pub copy_engines: u32,
+    pub decoders: u32,
+    pub encoders: u32,
+    pub jpeg_engines: u32,
+    pub ofa_engines: u32,
+    pub memory_mib: u64,
+    /// `3g.40gb` (the driver's `MIG 3g.40gb` without the prefix); `None` from the v1 call.
+    pub name: Option<String>,
+}
+
+fn c_name(raw: &[std::os::raw::c_char]) -> Option<String> {
+    let bytes: Vec<u8> = raw.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    let name = String::from_utf8(bytes).ok()?;
+    let name = name.trim();
+    let name = name.strip_prefix("MIG ").unwrap_or(name);
+    (!name.is_empty()).then(|| name.to_string())
+}
+
+/// `nvmlDeviceGetGpuInstanceProfileInfoV` (v3, then v2 for older drivers), falling back to the v1
+/// `nvmlDeviceGetGpuInstanceProfileInfo` (no name) when the driver lacks the versioned call.
+pub(super) fn gpu_instance_profile(nvml: &Nvml, device: &Device<'_>, index: u32) -> RawResult<GiProfile> {
+    // SAFETY: the handle belongs to a live Device; the structs are plain data the driver fills in; the
+    // v2 and v3 structs are passed through the binding's v2 pointer type, as nvml.h does, with the
+    // version field telling the driver which layout it got.
+    unsafe {
+        let handle = device.handle();
+        if let Ok(get_v) = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceProfileInfoV.as_ref()) {
+            let mut v3: nvmlGpuInstanceProfileInfo_v3_t = mem::zeroed();
+            v3.version = struct_version::<nvmlGpuInstanceProfileInfo_v3_t>(3);
+            let ret = get_v(handle, index, ptr::from_mut(&mut v3).cast());
+            if ret == NVML_SUCCESS {
+                return Ok(GiProfile {
+                    id: v3.id,
+                    slice_count: v3.sliceCount,
+                    instance_count: v3.instanceCount,
+                    multiprocessors: v3.multiprocessorCount,
+                    copy_engines: v3.copyEngineCount,
+                    decoders: v3.decoderCount,
+                    encoders: v3.encoderCount,
+                    jpeg_engines: v3.jpegCount,
+                    ofa_engines: v3.ofaCount,
+                    memory_mib: v3.memorySizeMB,
+                    name: c_name(&v3.name),
+                });
+            }
+            if ret != NVML_ERROR_ARGUMENT_VERSION_MISMATCH {
+                return Err(RawError {
+                    call: "nvmlDeviceGetGpuInstanceProfileInfoV",
+                    code: ret,
+                });
+            }
+            let mut v2: nvmlGpuInstanceProfileInfo_v2_t = mem::zeroed();
+            v2.version = struct_version::<nvmlGpuInstanceProfileInfo_v2_t>(2);
+            let ret = get_v(handle, index, &mut v2);
+            if ret == NVML_SUCCESS {
+                return Ok(GiProfile {
+                    id: v2.id,
+                    slice_count: v2.sliceCount,
+                    instance_count: v2.instanceCount,
+                    multiprocessors: v2.multiprocessorCount,
+                    copy_engines: v2.copyEngineCount,
+                    decoders: v2.decoderCount,
+                    encoders: v2.encoderCount,
+                    jpeg_engines: v2.jpegCount,
+                    ofa_engines: v2.ofaCount,
+                    memory_mib: v2.memorySizeMB,
+                    name: c_name(&v2.name),
+                });
+            }
+            if ret != NVML_ERROR_ARGUMENT_VERSION_MISMATCH {
+                return Err(RawError {
+                    call: "nvmlDeviceGetGpuInstanceProfileInfoV",
+                    code: ret,
+                });
+            }
+        }
+        let get_v1 = sym!(nvml, nvmlDeviceGetGpuInstanceProfileInfo);
+        let mut v1: nvmlGpuInstanceProfileInfo_t = mem::zeroed();
+        check(
+            "nvmlDeviceGetGpuInstanceProfileInfo",
+            get_v1(handle, index, &mut v1),
+        )?;
+        Ok(GiProfile {
+            id: v1.id,
+            slice_count: v1.sliceCount,
+            instance_count: v1.instanceCount,
+            multiprocessors: v1.multiprocessorCount,
+            copy_engines: v1.copyEngineCount,
+            decoders: v1.decoderCount,
+            encoders: v1.encoderCount,
+            jpeg_engines: v1.jpegCount,
+            ofa_engines: v1.ofaCount,
+            memory_mib: v1.memorySizeMB,
+            name: None,
+        })
+    }
+}
+
+/// `nvmlDeviceGetGpuInstancePossiblePlacements_v2` for GI profile ID `profile_id` (the wrapper's version
+/// never sets the vector's length and so always returns nothing).
+pub(super) fn possible_placements(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    profile_id: u32,
+) -> RawResult<Vec<MigPlacement>> {
+    let call = "nvmlDeviceGetGpuInstancePossiblePlacements_v2";
+    let get = sym!(nvml, nvmlDeviceGetGpuInstancePossiblePlacements_v2);
+    // SAFETY: first call with a null buffer asks for the count; the second gets a buffer of exactly that
+    // many initialised entries, and only the `count` entries the driver reports are read back.
+    unsafe {
+        let handle = device.handle();
+        let mut count: c_uint = 0;
+        let ret = get(handle, profile_id, ptr::null_mut(), &mut count);
+        if ret != NVML_SUCCESS && ret != NVML_ERROR_INSUFFICIENT_SIZE {
+            return Err(RawError { call, code: ret });
+        }
+        let mut buf = vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
+        check(call, get(handle, profile_id, buf.as_mut_ptr(), &mut count))?;
+        buf.truncate(count as usize);
+        Ok(buf
+            .into_iter()
+            .map(|p| MigPlacement {
+                start: p.start,
+                size: p.size,
+            })
+            .collect())
+    }
+}
+
+/// `nvmlDeviceCreateGpuInstanceWithPlacement` then `nvmlGpuInstanceGetInfo`; returns the new GI id.
+pub(super) fn create_gpu_instance(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    profile_id: u32,
+    placement: MigPlacement,
+) -> RawResult<u32> {
+    let create = sym!(nvml, nvmlDeviceCreateGpuInstanceWithPlacement);
+    let get_info = sym!(nvml, nvmlGpuInstanceGetInfo);
+    // SAFETY: the placement is read by the driver only during the call; the GI handle is used at once.
+    unsafe {
+        let placement = nvmlGpuInstancePlacement_t {
+            start: placement.start,
+            size: placement.size,
+        };
+        let mut gi: nvmlGpuInstance_t = ptr::null_mut();
+        check(
+            "nvmlDeviceCreateGpuInstanceWithPlacement",
+            create(device.handle(), profile_id, &placement, &mut gi),
+        )?;
+        let mut info: nvmlGpuInstanceInfo_t = mem::zeroed();
+        check("nvmlGpuInstanceGetInfo", get_info(gi, &mut info))?;
+        Ok(info.id)
+    }
+}
+
+/// Resolves GI `id` to a handle valid until the next destroy or reset.
+///
+/// # Safety
+/// The returned handle must not outlive the calling operation.
+unsafe fn gpu_instance_handle(nvml: &Nvml, device: &Device<'_>, id: u32) -> RawResult<nvmlGpuInstance_t> {
+    let get = sym!(nvml, nvmlDeviceGetGpuInstanceById);
+    let mut gi: nvmlGpuInstance_t = ptr::null_mut();
+    // SAFETY: the device handle is live; `gi` is an out-parameter.
+    check("nvmlDeviceGetGpuInstanceById", unsafe {
+        get(device.handle(), id, &mut gi)
+    })?;
+    Ok(gi)
+}
+
+/// A compute instance as read back from the driver.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct RawComputeInstance {
+    pub id: u32,
+    pub profile_id: u32,
+    pub uuid: String,
+}
+
+/// Reads a CI's id, profile and MIG UUID (the UUID of its MIG device handle).
+///
+/// # Safety
+/// `ci` must be a handle just obtained from the driver.
+unsafe fn compute_instance_info(nvml: &Nvml, ci: nvmlComputeInstance_t) -> RawResult<RawComputeInstance> {
+    let get_info = sym!(nvml, nvmlComputeInstanceGetInfo_v2);
+    // SAFETY: `info.device` is a MIG device handle owned by the driver; wrapping it in a `Device` borrowed
+    // from `nvml` is how nvml-wrapper itself hands out MIG handles.
+    unsafe {
+        let mut info: nvmlComputeInstanceInfo_t = mem::zeroed();
+        check("nvmlComputeInstanceGetInfo_v2", get_info(ci, &mut info))?;
+        let uuid = Device::new(info.device, nvml).uuid().map_err(|e| RawError {
+            call: "nvmlDeviceGetUUID",
+            code: e.into(),
+        })?;
+        Ok(RawComputeInstance {
+            id: info.id,
+            profile_id: info.profileId,
+            uuid,
+        })
+    }
+}
+
+/// Compute-instance profile indices from the largest slice count down: 7, 8, 6, 4, 3, 2, 1 slices.
+/// `1_SLICE_REV1` (7) is skipped, as NVIDIA's driver does.
+const CI_PROFILE_INDICES_LARGEST_FIRST: [u32; 7] = [4, 5, 6, 3, 2, 1, 0];
+
+/// `nvmlGpuInstanceCreateComputeInstance` with the CI profile spanning the whole GI: the largest CI
+/// profile the GI accepts is the one with C == G.
+pub(super) fn create_full_compute_instance(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    gpu_instance: u32,
+) -> RawResult<RawComputeInstance> {
+    let profile_info = sym!(nvml, nvmlGpuInstanceGetComputeInstanceProfileInfo);
+    let create = sym!(nvml, nvmlGpuInstanceCreateComputeInstance);
+    // SAFETY: handles are resolved here and used only within this call; structs are plain data.
+    unsafe {
+        let gi = gpu_instance_handle(nvml, device, gpu_instance)?;
+        let mut last = RawError {
+            call: "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+            code: 3,
+        };
+        for index in CI_PROFILE_INDICES_LARGEST_FIRST {
+            let mut prof: nvmlComputeInstanceProfileInfo_t = mem::zeroed();
+            let ret = profile_info(gi, index, NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, &mut prof);
+            if ret != NVML_SUCCESS {
+                last.code = ret;
+                continue;
+            }
+            let mut ci: nvmlComputeInstance_t = ptr::null_mut();
+            check(
+                "nvmlGpuInstanceCreateComputeInstance",
+                create(gi, prof.id, &mut ci),
+            )?;
+            return compute_instance_info(nvml, ci);
+        }
+        Err(last)
+    }
+}
+
+/// `nvmlComputeInstanceDestroy` of CI `compute_instance` in GI `gpu_instance`.
+pub(super) fn destroy_compute_instance(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    gpu_instance: u32,
+    compute_instance: u32,
+) -> RawResult<()> {
+    let get_ci = sym!(nvml, nvmlGpuInstanceGetComputeInstanceById);
+    let destroy = sym!(nvml, nvmlComputeInstanceDestroy);
+    // SAFETY: handles are resolved here and not used after the destroy.
+    unsafe {
+        let gi = gpu_instance_handle(nvml, device, gpu_instance)?;
+        let mut ci: nvmlComputeInstance_t = ptr::null_mut();
+        check(
+            "nvmlGpuInstanceGetComputeInstanceById",
+            get_ci(gi, compute_instance, &mut ci),
+        )?;
+        check("nvmlComputeInstanceDestroy", destroy(ci))
+    }
+}
+
+/// `nvmlGpuInstanceDestroy` of GI `gpu_instance`.
+pub(super) fn destroy_gpu_instance(nvml: &Nvml, device: &Device<'_>, gpu_instance: u32) -> RawResult<()> {
+    let destroy = sym!(nvml, nvmlGpuInstanceDestroy);
+    // SAFETY: the handle is resolved here and not used after the destroy.
+    unsafe {
+        let gi = gpu_instance_handle(nvml, device, gpu_instance)?;
+        check("nvmlGpuInstanceDestroy", destroy(gi))
+    }
+}
+
+/// A live GPU instance as read back from the driver.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct RawGpuInstance {
+    pub id: u32,
+    pub profile_id: u32,
+    pub placement: MigPlacement,
+    pub compute_instances: Vec<RawComputeInstance>,
+}
+
+/// Every GI of the given GI profiles (`(profile id, instance count)`), with all its CIs.
+/// `nvmlDeviceGetGpuInstances` per profile also finds GIs without CIs, which walking MIG device handles
+/// would miss (a crash between creating a GI and its CI leaves one).
+pub(super) fn gpu_instances(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    gi_profiles: &[(u32, u32)],
+) -> RawResult<Vec<RawGpuInstance>> {
+    let get_gis = sym!(nvml, nvmlDeviceGetGpuInstances);
+    let gi_info = sym!(nvml, nvmlGpuInstanceGetInfo);
+    let ci_profile_info = sym!(nvml, nvmlGpuInstanceGetComputeInstanceProfileInfo);
+    let get_cis = sym!(nvml, nvmlGpuInstanceGetComputeInstances);
+    let mut out = Vec::new();
+    // SAFETY: buffers are sized by the profile's instance count and only `count` entries are read; the
+    // handles are used within this call only.
+    unsafe {
+        for &(profile_id, instance_count) in gi_profiles {
+            let mut gis: Vec<nvmlGpuInstance_t> = vec![ptr::null_mut(); instance_count.max(1) as usize];
+            let mut count: c_uint = gis.len() as c_uint;
+            check(
+                "nvmlDeviceGetGpuInstances",
+                get_gis(device.handle(), profile_id, gis.as_mut_ptr(), &mut count),
+            )?;
+            for &gi in &gis[..(count as usize).min(gis.len())] {
+                let mut info: nvmlGpuInstanceInfo_t = mem::zeroed();
+                check("nvmlGpuInstanceGetInfo", gi_info(gi, &mut info))?;
+                let mut cis_out = Vec::new();
+                for ci_index in CI_PROFILE_INDICES_LARGEST_FIRST {
+                    let mut prof: nvmlComputeInstanceProfileInfo_t = mem::zeroed();
+                    if ci_profile_info(
+                        gi,
+                        ci_index,
+                        NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED,
+                        &mut prof,
+                    ) != NVML_SUCCESS
+                    {
+                        continue;
+                    }
+                    let mut cis: Vec<nvmlComputeInstance_t> =
+                        vec![ptr::null_mut(); prof.instanceCount.max(1) as usize];
+                    let mut ci_count: c_uint = cis.len() as c_uint;
+                    check(
+                        "nvmlGpuInstanceGetComputeInstances",
+                        get_cis(gi, prof.id, cis.as_mut_ptr(), &mut ci_count),
+                    )?;
+                    for &ci in &cis[..(ci_count as usize).min(cis.len())] {
+                        cis_out.push(compute_instance_info(nvml, ci)?);
+                    }
+                }
+                cis_out.sort_by_key(|c| c.id);
+                out.push(RawGpuInstance {
+                    id: info.id,
+                    profile_id: info.profileId,
+                    placement: MigPlacement {
+                        start: info.placement.start,
+                        size: info.placement.size,
+                    },
+                    compute_instances: cis_out,
+                });
+            }
+        }
+    }
+    out.sort_by_key(|gi| gi.id);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn struct_versions_encode_size_and_version_like_the_nvml_macro() {
+        let v3 = struct_version::<nvmlGpuInstanceProfileInfo_v3_t>(3);
+        assert_eq!(v3 >> 24, 3);
+        assert_eq!(
+            v3 & 0x00ff_ffff,
+            mem::size_of::<nvmlGpuInstanceProfileInfo_v3_t>() as u32
+        );
+    }
+
+    #[test]
+    fn driver_profile_names_lose_the_mig_prefix() {
+        let mut raw = [0 as std::os::raw::c_char; 96];
+        for (i, b) in b"MIG 1g.10gb+me".iter().enumerate() {
+            raw[i] = *b as std::os::raw::c_char;
+        }
+        assert_eq!(c_name(&raw).as_deref(), Some("1g.10gb+me"));
+        assert_eq!(c_name(&[0; 96]), None);
+    }
+}

@@ -1,0 +1,28 @@
+//! tessera's kubelet plugin: the node half of the `gpu.tessera.dev` DRA driver.
+//!
+//! ```text
+//!  kubelet ──registration socket──▶ [`registration`]   (GetInfo / NotifyRegistrationStatus)
+//!     │                                   │ registered?
+//!     └──────DRA socket──▶ [`driver`] ──▶ [`state`] ──▶ [`gpu`] backend (NVML or simulated)
+//!                                          │   │
+//!                            [`claims`] ◀──┘   ├──▶ [`cdi`] specs (one per claim)
+//!                  (ResourceClaim from the     └──▶ [`checkpoint`] (prepared claims, two-phase)
+//!                        API server)
+//!  [`inventory`] ──▶ NodeInventory (spec: discovered GPUs; status: ready + heartbeat)
+//! ```
+//!
+//! Start with [`state::NodeState`]: the prepare/unprepare state machine; everything else adapts it to
+//! kubelet, the API server, the runtime (CDI) and the disk.
+
+pub mod args;
+pub mod cdi;
+pub mod checkpoint;
+pub mod claims;
+pub mod driver;
+pub mod error;
+pub mod gpu;
+pub mod inventory;
+pub mod mig;
+pub mod registration;
+pub mod sharing;
+pub mod state;

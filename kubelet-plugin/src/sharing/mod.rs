@@ -1,0 +1,497 @@
+//! Sharing one GPU (or MIG device) between claims: MPS ([`mps`]) or time-slicing ([`timeslice`]).
+//!
+//! A shared device has per-device state that must exist while any share is prepared and be undone after
+//! the last one: an MPS control daemon, or a non-default time-slice. [`ShareUsers`] counts the holders per
+//! device; it is rebuilt from the checkpoint at start, so "first" and "last" survive a plugin restart.
+//!
+//! All shares of one device use one strategy: an MPS daemon puts a whole GPU in exclusive-process mode,
+//! which locks out a time-sliced client, so a second strategy on the same device is refused.
+
+pub mod mps;
+pub mod timeslice;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::{Arc, Mutex},
+};
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use tessera_api::{
+    DeviceName, GpuInfo, attributes,
+    config::{MpsConfig, QuantityError, SharingStrategy, TimeSliceInterval, parse_quantity},
+};
+use tracing::warn;
+
+use crate::{
+    gpu::{ComputeMode, GpuBackend, GpuError},
+    mig::{self, MigDevice, MigError},
+};
+use mps::{DaemonDefaults, MpsError, MpsManager};
+use timeslice::TimeSliceError;
+
+/// Why a share could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SharingError {
+    /// The device already serves shares of the other strategy.
+    #[error(
+        "device {device} is already shared with {current} by claims {holders:?}; this claim asks for {requested} \
+         (all shares of a device must use one strategy)"
+    )]
+    StrategyConflict {
+        device: String,
+        current: &'static str,
+        requested: &'static str,
+        holders: Vec<String>,
+    },
+    /// A consumed capacity that is not a quantity.
+    #[error("failed to read consumed capacity {name}={value:?}: {source}")]
+    ConsumedCapacity {
+        name: String,
+        value: String,
+        source: QuantityError,
+    },
+    /// The compute share is not a percentage.
+    #[error("consumed capacity compute={0} is not a percentage between 1 and 100")]
+    ComputeShare(u64),
+    /// The device is not a shared device.
+    #[error("device {0} is not a shared device")]
+    NotShared(String),
+    /// Setting the GPU's compute mode failed.
+    #[error("failed to set the compute mode of GPU {gpu}: {source}")]
+    ComputeMode { gpu: u32, source: GpuError },
+    /// The MPS daemon could not be started, reached or stopped.
+    #[error(transparent)]
+    Mps(#[from] MpsError),
+    /// The time-slice could not be set.
+    #[error(transparent)]
+    TimeSlice(#[from] TimeSliceError),
+    /// The MIG device behind a shared MIG placement could not be made or removed.
+    #[error(transparent)]
+    Mig(#[from] MigError),
+}
+
+/// Holders of each shared device, by device key ([`share_key`]).
+#[derive(Debug, Default)]
+pub struct ShareUsers {
+    devices: Mutex<BTreeMap<String, DeviceShares>>,
+}
+
+/// The state of one shared device.
+#[derive(Clone, Debug)]
+struct DeviceShares {
+    strategy: SharingStrategy,
+    holders: BTreeSet<String>,
+    /// The MIG device behind a shared MIG placement, made by its first share.
+    mig: Option<MigDevice>,
+}
+
+impl ShareUsers {
+    /// Records `holder` (e.g. `<claim uid>/<device name>`) on `device`; returns true when it is the first.
+    /// Adding a holder twice is harmless (a retried prepare).
+    pub fn add(&self, device: &str, holder: &str, strategy: SharingStrategy) -> Result<bool, SharingError> {
+        let mut devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        let shares = devices.entry(device.to_string()).or_insert_with(|| DeviceShares {
+            strategy,
+            holders: BTreeSet::new(),
+            mig: None,
+        });
+        if shares.strategy != strategy && !shares.holders.is_empty() {
+            return Err(SharingError::StrategyConflict {
+                device: device.to_string(),
+                current: shares.strategy.as_str(),
+                requested: strategy.as_str(),
+                holders: shares.holders.iter().cloned().collect(),
+            });
+        }
+        shares.strategy = strategy;
+        let first = shares.holders.is_empty();
+        shares.holders.insert(holder.to_string());
+        Ok(first)
+    }
+
+    /// Removes `holder`; returns true when no holder is left on `device` (also when it was never there, so
+    /// an unprepare after a crash still cleans up).
+    pub fn remove(&self, device: &str, holder: &str) -> bool {
+        let mut devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(shares) = devices.get_mut(device) else {
+            return true;
+        };
+        shares.holders.remove(holder);
+        if shares.holders.is_empty() {
+            devices.remove(device);
+            return true;
+        }
+        false
+    }
+
+    /// Number of holders of `device`.
+    pub fn count(&self, device: &str) -> usize {
+        let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        devices.get(device).map_or(0, |d| d.holders.len())
+    }
+
+    fn mig(&self, device: &str) -> Option<MigDevice> {
+        let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        devices.get(device).and_then(|d| d.mig.clone())
+    }
+
+    fn set_mig(&self, device: &str, mig: Option<MigDevice>) {
+        let mut devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = devices.get_mut(device) {
+            d.mig = mig;
+        }
+    }
+
+    /// MIG devices behind shared MIG placements that still have holders.
+    pub fn mig_devices(&self) -> Vec<MigDevice> {
+        let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        devices.values().filter_map(|d| d.mig.clone()).collect()
+    }
+}
+
+/// The key of a shared device: every share of a whole GPU (`gpu-<i>-shared` and the slots
+/// `gpu-<i>-share-<n>`) shares the GPU, keyed `gpu-<i>`; a shared MIG placement is keyed by its name
+/// without `-shared`. Keys name the MPS daemon directory too.
+pub fn share_key(device: &DeviceName) -> Option<String> {
+    match device {
+        DeviceName::SharedGpu { gpu } | DeviceName::ShareSlot { gpu, .. } => Some(format!("gpu-{gpu}")),
+        DeviceName::SharedMig { gpu, profile, start } => Some(
+            DeviceName::Mig {
+                gpu: *gpu,
+                profile: profile.clone(),
+                start: *start,
+            }
+            .to_string(),
+        ),
+        DeviceName::Gpu { .. } | DeviceName::Mig { .. } => None,
+    }
+}
+
+/// One share to prepare.
+#[derive(Clone, Debug)]
+pub struct ShareRequest<'a> {
+    /// Unique per claim and device: `<claim uid>/<device name>`.
+    pub holder: String,
+    pub device: &'a DeviceName,
+    /// The physical GPU.
+    pub gpu: &'a GpuInfo,
+    pub strategy: SharingStrategy,
+    pub mps: Option<&'a MpsConfig>,
+    /// Requested interval (time-slicing of whole GPUs).
+    pub interval: TimeSliceInterval,
+    /// The allocation result's `consumedCapacity`.
+    pub consumed: &'a BTreeMap<String, Quantity>,
+}
+
+/// What a prepared share gives its containers and what the checkpoint keeps.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PreparedShare {
+    /// `GPU-…` or `MIG-…` UUID the containers use.
+    pub uuid: String,
+    /// The MIG device behind a shared MIG placement.
+    pub mig: Option<MigDevice>,
+    pub env: Vec<String>,
+    /// `(host path, container path)` bind mounts.
+    pub mounts: Vec<(String, String)>,
+    pub mps_pipe_dir: Option<String>,
+    /// Applied limits by name (`activeThreadPercentage`, `pinnedDeviceMemoryLimit`, `timeSlice`).
+    pub limits: BTreeMap<String, String>,
+}
+
+/// Prepares and unprepares shares: keeps the holder count per device and starts/stops what the first and
+/// last share need (MPS daemon and exclusive compute mode, time-slice, the MIG device of a shared MIG
+/// placement). Callers hold the GPU's lock.
+pub struct Sharer {
+    backend: Arc<dyn GpuBackend>,
+    mps: MpsManager,
+    users: ShareUsers,
+    /// On real GPUs MPS clients must share the host's /dev/shm with the daemon.
+    real_hardware: bool,
+}
+
+impl Sharer {
+    pub fn new(backend: Arc<dyn GpuBackend>, mps: MpsManager, real_hardware: bool) -> Self {
+        Self {
+            backend,
+            mps,
+            users: ShareUsers::default(),
+            real_hardware,
+        }
+    }
+
+    pub fn users(&self) -> &ShareUsers {
+        &self.users
+    }
+
+    pub fn mps(&self) -> &MpsManager {
+        &self.mps
+    }
+
+    /// Re-registers a share prepared before a restart (from a completed checkpoint record).
+    pub fn restore(
+        &self,
+        device: &DeviceName,
+        holder: &str,
+        strategy: SharingStrategy,
+        mig: Option<MigDevice>,
+    ) {
+        let Some(key) = share_key(device) else { return };
+        if self.users.add(&key, holder, strategy).is_ok() && mig.is_some() {
+            self.users.set_mig(&key, mig);
+        }
+    }
+
+    /// Prepares one share. On failure the device is left as it was before the call.
+    pub fn prepare(&self, req: &ShareRequest<'_>) -> Result<PreparedShare, SharingError> {
+        let key = share_key(req.device).ok_or_else(|| SharingError::NotShared(req.device.to_string()))?;
+        let first = self.users.add(&key, &req.holder, req.strategy)?;
+        let result = self.prepare_registered(req, &key, first);
+        if result.is_err() {
+            let mig = self.users.mig(&key);
+            if self.users.remove(&key, &req.holder)
+                && let Err(e) = self.teardown(req.gpu, &key, req.strategy, req.device, mig)
+            {
+                warn!(key, error = %e, "could not undo the shared device's setup");
+            }
+        }
+        result
+    }
+
+    fn prepare_registered(
+        &self,
+        req: &ShareRequest<'_>,
+        key: &str,
+        first: bool,
+    ) -> Result<PreparedShare, SharingError> {
+        let gpu = req.gpu.index;
+        let mig = match req.device {
+            DeviceName::SharedMig { profile, start, .. } => {
+                let recorded = self.users.mig(key);
+                let dev =
+                    mig::prepare_mig(self.backend.as_ref(), req.gpu, profile, *start, recorded.as_ref())?;
+                self.users.set_mig(key, Some(dev.clone()));
+                Some(dev)
+            }
+            _ => None,
+        };
+        let uuid = mig
+            .as_ref()
+            .map_or_else(|| req.gpu.uuid.clone(), |m| m.uuid.clone());
+        let mut out = PreparedShare {
+            uuid: uuid.clone(),
+            mig: mig.clone(),
+            ..Default::default()
+        };
+        match req.strategy {
+            SharingStrategy::Mps => {
+                let limits = share_limits(req.consumed, req.mps, &req.device.to_string())?;
+                if !self.mps.is_running(key) {
+                    if mig.is_none() {
+                        // Only the MPS server may own the GPU, so clients cannot bypass it.
+                        self.backend
+                            .set_compute_mode(gpu, ComputeMode::ExclusiveProcess)
+                            .map_err(|source| SharingError::ComputeMode { gpu, source })?;
+                    }
+                    let defaults = DaemonDefaults {
+                        active_thread_percentage: req.mps.and_then(|m| m.default_active_thread_percentage),
+                        pinned_memory_bytes: req
+                            .mps
+                            .and_then(|m| m.pinned_limit_bytes(&req.device.to_string())),
+                    };
+                    self.mps.start(key, &uuid, defaults)?;
+                }
+                let dirs = self.mps.dirs(key);
+                let (env, mounts) = mps::client_edits(&dirs, limits, self.real_hardware);
+                out.env = env;
+                out.mounts = mounts;
+                out.mps_pipe_dir = Some(dirs.pipe.display().to_string());
+                if let Some(p) = limits.active_thread_percentage {
+                    out.limits.insert("activeThreadPercentage".into(), p.to_string());
+                }
+                if let Some(b) = limits.pinned_memory_bytes {
+                    out.limits
+                        .insert("pinnedDeviceMemoryLimit".into(), format!("{}M", b >> 20));
+                }
+            }
+            SharingStrategy::TimeSlicing => {
+                if mig.is_none() {
+                    let slice = timeslice::acquire(self.backend.as_ref(), gpu, req.interval, first)?;
+                    out.limits.insert("timeSlice".into(), format!("{slice:?}"));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Unprepares one share; after the last share of the device, undoes the device-wide setup.
+    pub fn unprepare(
+        &self,
+        gpu: &GpuInfo,
+        device: &DeviceName,
+        holder: &str,
+        strategy: SharingStrategy,
+    ) -> Result<(), SharingError> {
+        let key = share_key(device).ok_or_else(|| SharingError::NotShared(device.to_string()))?;
+        let mig = self.users.mig(&key);
+        if self.users.remove(&key, holder) {
+            return self.teardown(gpu, &key, strategy, device, mig);
+        }
+        Ok(())
+    }
+
+    fn teardown(
+        &self,
+        gpu: &GpuInfo,
+        key: &str,
+        strategy: SharingStrategy,
+        device: &DeviceName,
+        mig: Option<MigDevice>,
+    ) -> Result<(), SharingError> {
+        let index = gpu.index;
+        let is_mig = matches!(device, DeviceName::SharedMig { .. } | DeviceName::Mig { .. });
+        match strategy {
+            SharingStrategy::Mps => {
+                self.mps.stop(key)?;
+                if !is_mig {
+                    self.backend
+                        .set_compute_mode(index, ComputeMode::Default)
+                        .map_err(|source| SharingError::ComputeMode { gpu: index, source })?;
+                }
+            }
+            SharingStrategy::TimeSlicing if !is_mig => {
+                timeslice::release(self.backend.as_ref(), index, true)?
+            }
+            SharingStrategy::TimeSlicing => {}
+        }
+        if let DeviceName::SharedMig { profile, start, .. } | DeviceName::Mig { profile, start, .. } = device
+        {
+            // The MIG device lives as long as its shares: the last one destroys it. Without a record (a crash
+            // before it was known) the start-up reconcile removes it instead.
+            if let Some(dev) = mig.filter(|d| &d.profile == profile && d.placement.start == *start) {
+                mig::unprepare_mig(self.backend.as_ref(), gpu, &dev)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The limits one MPS share gets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShareLimits {
+    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`; `None` = no limit.
+    pub active_thread_percentage: Option<u32>,
+    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` in bytes; `None` = no limit.
+    pub pinned_memory_bytes: Option<u64>,
+}
+
+/// A share's limits: the allocation's consumed `compute` (percent) and `memory` (bytes) capacity when the
+/// scheduler assigned them, else the MPS config's defaults (per device name, then the default).
+pub fn share_limits(
+    consumed: &BTreeMap<String, Quantity>,
+    mps: Option<&MpsConfig>,
+    device_name: &str,
+) -> Result<ShareLimits, SharingError> {
+    let read = |name: &str| -> Result<Option<u64>, SharingError> {
+        consumed
+            .get(name)
+            .map(|q| {
+                parse_quantity(&q.0).map_err(|source| SharingError::ConsumedCapacity {
+                    name: name.to_string(),
+                    value: q.0.clone(),
+                    source,
+                })
+            })
+            .transpose()
+    };
+    let compute = match read(attributes::COMPUTE)? {
+        Some(p) if (1..=100).contains(&p) => Some(p as u32),
+        Some(p) => return Err(SharingError::ComputeShare(p)),
+        None => mps.and_then(|m| m.default_active_thread_percentage),
+    };
+    let memory = match read(attributes::MEMORY)? {
+        Some(b) => Some(b),
+        None => mps.and_then(|m| m.pinned_limit_bytes(device_name)),
+    };
+    Ok(ShareLimits {
+        active_thread_percentage: compute.filter(|p| *p < 100),
+        pinned_memory_bytes: memory,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_and_last_holders_are_reported_and_strategies_do_not_mix() {
+        let users = ShareUsers::default();
+        assert!(
+            users
+                .add("GPU-1", "a/gpu-0-shared", SharingStrategy::Mps)
+                .unwrap()
+        );
+        assert!(
+            !users
+                .add("GPU-1", "b/gpu-0-shared", SharingStrategy::Mps)
+                .unwrap()
+        );
+        assert!(
+            !users
+                .add("GPU-1", "b/gpu-0-shared", SharingStrategy::Mps)
+                .unwrap()
+        );
+        let err = users
+            .add("GPU-1", "c/gpu-0-shared", SharingStrategy::TimeSlicing)
+            .unwrap_err();
+        assert!(err.to_string().contains("already shared with MPS"), "{err}");
+        assert!(!users.remove("GPU-1", "a/gpu-0-shared"));
+        assert!(users.remove("GPU-1", "b/gpu-0-shared"));
+        assert!(users.remove("GPU-1", "never-added"));
+        assert!(
+            users
+                .add("GPU-1", "c/gpu-0-shared", SharingStrategy::TimeSlicing)
+                .unwrap()
+        );
+    }
+
+    #[test]
+    fn consumed_capacity_wins_over_config_defaults() {
+        let mps = MpsConfig {
+            default_active_thread_percentage: Some(30),
+            default_pinned_device_memory_limit: Some("4Gi".into()),
+            ..Default::default()
+        };
+        let none = BTreeMap::new();
+        assert_eq!(
+            share_limits(&none, Some(&mps), "gpu-0-shared").unwrap(),
+            ShareLimits {
+                active_thread_percentage: Some(30),
+                pinned_memory_bytes: Some(4 << 30)
+            }
+        );
+        let consumed: BTreeMap<_, _> = [
+            ("compute".to_string(), Quantity("25".into())),
+            ("memory".to_string(), Quantity("10Gi".into())),
+        ]
+        .into();
+        assert_eq!(
+            share_limits(&consumed, Some(&mps), "gpu-0-shared").unwrap(),
+            ShareLimits {
+                active_thread_percentage: Some(25),
+                pinned_memory_bytes: Some(10 << 30)
+            }
+        );
+        let full: BTreeMap<_, _> = [("compute".to_string(), Quantity("100".into()))].into();
+        assert_eq!(
+            share_limits(&full, None, "gpu-0-shared")
+                .unwrap()
+                .active_thread_percentage,
+            None
+        );
+        let bad: BTreeMap<_, _> = [("compute".to_string(), Quantity("250".into()))].into();
+        assert!(matches!(
+            share_limits(&bad, None, "gpu-0-shared"),
+            Err(SharingError::ComputeShare(250))
+        ));
+    }
+}

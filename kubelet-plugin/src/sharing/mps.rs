@@ -1,0 +1,473 @@
+//! MPS control daemons: one per shared GPU or MIG device, started with its first MPS share and stopped
+//! after the last.
+//!
+//! Each daemon has a directory `<state dir>/mps/<key>/` (key = the device's `GPU-…`/`MIG-…` UUID) with
+//! `pipe/` (the control socket `control` and the pid file), `log/` (`control.log`) and `shm/`. A daemon is
+//! its own session leader, not a child the plugin waits on, so it outlives a plugin restart; the plugin finds
+//! it again through its pid file and control socket.
+//!
+//! Two launchers:
+//! * [`Launcher::Nvidia`]: `nvidia-cuda-mps-control -d` with `CUDA_MPS_PIPE_DIRECTORY`,
+//!   `CUDA_MPS_LOG_DIRECTORY` and `CUDA_VISIBLE_DEVICES=<uuid>`; commands go to the tool's stdin (never
+//!   through a shell).
+//! * [`Launcher::Simulated`]: the plugin binary's hidden `mps-control-sim` subcommand ([`run_sim_daemon`]), a
+//!   real process serving the same commands on a unix socket and logging them, for nodes without GPUs.
+//!
+//! What a share gets ([`client_edits`]): `CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps` with the pipe dir mounted
+//! there, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` from its compute share and
+//! `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M` from its memory share.
+//!
+//! Enforcement, honestly:
+//! * Thread percentage: the client's env var can only *lower* the server's limit, and a process can unset
+//!   it; the daemon's default (set from the config's `defaultActiveThreadPercentage`, else 100) is what an
+//!   env-less client gets. MPS applies `set_default_*` only to servers spawned later, so the defaults are
+//!   fixed by the first share.
+//! * Pinned memory: enforced by the MPS server per client context, with the limit the client declares
+//!   through its env; a client that unsets it gets the daemon default (the config's
+//!   `defaultPinnedDeviceMemoryLimit`, else none).
+//! * So the per-claim limits bind cooperative workloads; a hostile container on the same device can take
+//!   up to the daemon defaults. A fault in one client reaches every client of the daemon.
+
+use std::{
+    fs,
+    io::{BufRead, BufReader, Read, Write},
+    os::unix::{
+        net::{UnixListener, UnixStream},
+        process::CommandExt,
+    },
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use tracing::{info, warn};
+
+use super::ShareLimits;
+
+/// Pid file the daemon writes in its pipe directory.
+pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
+/// Control socket in the pipe directory.
+pub const CONTROL_SOCKET: &str = "control";
+/// Where a share's container sees the pipe directory.
+pub const CONTAINER_PIPE_DIR: &str = "/tmp/nvidia-mps";
+/// Hidden subcommand of the plugin binary that runs a simulated daemon.
+pub const SIM_SUBCOMMAND: &str = "mps-control-sim";
+
+/// How long a daemon may take to start serving or to exit after `quit`.
+const DAEMON_TIMEOUT: Duration = Duration::from_secs(10);
+/// Socket read/write timeout for one command.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A failed daemon operation.
+#[derive(Debug, thiserror::Error)]
+pub enum MpsError {
+    /// Creating the daemon's directories failed.
+    #[error("failed to create MPS directory {path}: {source}")]
+    CreateDir { path: PathBuf, source: std::io::Error },
+    /// Running the launcher failed.
+    #[error("failed to start the MPS control daemon for {key} with {program}: {reason}")]
+    Start {
+        key: String,
+        program: PathBuf,
+        reason: String,
+    },
+    /// The daemon did not answer in time after start.
+    #[error("MPS control daemon for {key} did not answer within {timeout:?}; see {log}")]
+    NotReady {
+        key: String,
+        timeout: Duration,
+        log: PathBuf,
+    },
+    /// Sending a command failed.
+    #[error("failed to send {command:?} to the MPS control daemon for {key}: {reason}")]
+    Command {
+        key: String,
+        command: String,
+        reason: String,
+    },
+    /// The daemon kept running after `quit`.
+    #[error("MPS control daemon for {key} (pid {pid}) still runs {timeout:?} after quit")]
+    StillRunning {
+        key: String,
+        pid: u32,
+        timeout: Duration,
+    },
+}
+
+pub type Result<T, E = MpsError> = std::result::Result<T, E>;
+
+/// How daemons are started and spoken to.
+#[derive(Clone, Debug)]
+pub enum Launcher {
+    /// NVIDIA's `nvidia-cuda-mps-control` at this path (under the driver root).
+    Nvidia { control: PathBuf },
+    /// `<program> mps-control-sim`; `program` is normally the plugin binary itself.
+    Simulated { program: PathBuf },
+}
+
+/// A daemon's directories.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DaemonDirs {
+    pub root: PathBuf,
+    pub pipe: PathBuf,
+    pub log: PathBuf,
+    pub shm: PathBuf,
+}
+
+/// Settings applied to a daemon right after start (servers spawned later inherit them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DaemonDefaults {
+    pub active_thread_percentage: Option<u32>,
+    pub pinned_memory_bytes: Option<u64>,
+}
+
+/// Starts, finds and stops MPS control daemons under `<state dir>/mps`.
+#[derive(Clone, Debug)]
+pub struct MpsManager {
+    root: PathBuf,
+    launcher: Launcher,
+}
+
+impl MpsManager {
+    pub fn new(state_dir: &Path, launcher: Launcher) -> Self {
+        Self {
+            root: state_dir.join("mps"),
+            launcher,
+        }
+    }
+
+    /// The directories of the daemon for device `key`.
+    pub fn dirs(&self, key: &str) -> DaemonDirs {
+        let root = self.root.join(key);
+        DaemonDirs {
+            pipe: root.join("pipe"),
+            log: root.join("log"),
+            shm: root.join("shm"),
+            root,
+        }
+    }
+
+    /// Pid from the daemon's pid file, if the file exists and the process is alive.
+    pub fn pid(&self, key: &str) -> Option<u32> {
+        let pid: u32 = fs::read_to_string(self.dirs(key).pipe.join(PID_FILE))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?;
+        process_alive(pid).then_some(pid)
+    }
+
+    /// True when the daemon answers a cheap query (what NVIDIA's device plugin uses as its health probe).
+    pub fn is_running(&self, key: &str) -> bool {
+        self.send(key, "get_default_active_thread_percentage").is_ok()
+    }
+
+    /// Keys of the daemons found running (after a plugin restart: those started by an earlier plugin).
+    pub fn running(&self) -> Vec<String> {
+        let Ok(entries) = fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        let mut keys: Vec<String> = entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|k| self.pid(k).is_some() && self.is_running(k))
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    /// Sends one control command and returns the daemon's answer (trimmed).
+    pub fn send(&self, key: &str, command: &str) -> Result<String> {
+        let dirs = self.dirs(key);
+        let err = |reason: String| MpsError::Command {
+            key: key.to_string(),
+            command: command.to_string(),
+            reason,
+        };
+        match &self.launcher {
+            Launcher::Simulated { .. } => sim_send(&dirs.pipe, command).map_err(|e| err(e.to_string())),
+            Launcher::Nvidia { control } => {
+                let mut child = Command::new(control)
+                    .env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
+                    .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log)
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .map_err(|e| err(e.to_string()))?;
+                if let Some(mut stdin) = child.stdin.take() {
+                    writeln!(stdin, "{command}").map_err(|e| err(e.to_string()))?;
+                }
+                let out = child.wait_with_output().map_err(|e| err(e.to_string()))?;
+                if !out.status.success() {
+                    return Err(err(format!(
+                        "{}: {}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    )));
+                }
+                Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+            }
+        }
+    }
+
+    /// Starts the daemon for device `key` (UUID `device_uuid`) unless it already runs, then applies
+    /// `defaults`. Returns its directories.
+    pub fn start(&self, key: &str, device_uuid: &str, defaults: DaemonDefaults) -> Result<DaemonDirs> {
+        let dirs = self.dirs(key);
+        for dir in [&dirs.pipe, &dirs.log, &dirs.shm] {
+            fs::create_dir_all(dir).map_err(|source| MpsError::CreateDir {
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        if self.is_running(key) {
+            return Ok(dirs);
+        }
+        let start_err = |program: &Path, reason: String| MpsError::Start {
+            key: key.to_string(),
+            program: program.to_path_buf(),
+            reason,
+        };
+        let (program, status) = match &self.launcher {
+            Launcher::Nvidia { control } => (
+                control,
+                Command::new(control)
+                    .arg("-d")
+                    .env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
+                    .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log)
+                    .env("CUDA_VISIBLE_DEVICES", device_uuid)
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status(),
+            ),
+            Launcher::Simulated { program } => (
+                program,
+                Command::new(program)
+                    .args([SIM_SUBCOMMAND, "--detach", "--pipe-dir"])
+                    .arg(&dirs.pipe)
+                    .arg("--log-dir")
+                    .arg(&dirs.log)
+                    .env("CUDA_VISIBLE_DEVICES", device_uuid)
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status(),
+            ),
+        };
+        let status = status.map_err(|e| start_err(program, e.to_string()))?;
+        if !status.success() {
+            return Err(start_err(program, format!("launcher exited with {status}")));
+        }
+        let deadline = Instant::now() + DAEMON_TIMEOUT;
+        while !self.is_running(key) {
+            if Instant::now() > deadline {
+                return Err(MpsError::NotReady {
+                    key: key.to_string(),
+                    timeout: DAEMON_TIMEOUT,
+                    log: dirs.log.join("control.log"),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if let Some(p) = defaults.active_thread_percentage {
+            self.send(key, &format!("set_default_active_thread_percentage {p}"))?;
+        }
+        if let Some(b) = defaults.pinned_memory_bytes {
+            // The daemon sees one device (CUDA_VISIBLE_DEVICES), ordinal 0.
+            self.send(key, &format!("set_default_device_pinned_mem_limit 0 {}M", mib(b)))?;
+        }
+        info!(key, pid = ?self.pid(key), "started MPS control daemon");
+        Ok(dirs)
+    }
+
+    /// Stops the daemon for `key` (`quit`), waits for it to exit and removes its directories. Succeeds when
+    /// no daemon runs.
+    pub fn stop(&self, key: &str) -> Result<()> {
+        let dirs = self.dirs(key);
+        let pid = self.pid(key);
+        if pid.is_some() || self.is_running(key) {
+            if let Err(e) = self.send(key, "quit") {
+                // Already exiting or gone: only the process check below says whether that is a problem.
+                warn!(key, error = %e, "quit was not acknowledged");
+            }
+            if let Some(pid) = pid {
+                let deadline = Instant::now() + DAEMON_TIMEOUT;
+                while process_alive(pid) {
+                    if Instant::now() > deadline {
+                        return Err(MpsError::StillRunning {
+                            key: key.to_string(),
+                            pid,
+                            timeout: DAEMON_TIMEOUT,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            info!(key, ?pid, "stopped MPS control daemon");
+        }
+        if let Err(e) = fs::remove_dir_all(&dirs.root)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            warn!(key, error = %e, "could not remove the MPS daemon directory");
+        }
+        Ok(())
+    }
+}
+
+fn mib(bytes: u64) -> u64 {
+    // Rounding down keeps the limit within the share; config validation guarantees at least 1 MiB.
+    (bytes >> 20).max(1)
+}
+
+/// The container edits of one MPS share on the daemon `dirs`: env and mounts.
+pub fn client_edits(
+    dirs: &DaemonDirs,
+    limits: ShareLimits,
+    real_hardware: bool,
+) -> (Vec<String>, Vec<(String, String)>) {
+    let mut env = vec![format!("CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}")];
+    if let Some(p) = limits.active_thread_percentage {
+        env.push(format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={p}"));
+    }
+    if let Some(b) = limits.pinned_memory_bytes {
+        env.push(format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={}M", mib(b)));
+    }
+    // Clients talk to their server through shared memory as well as the pipe: on real hardware the daemon
+    // runs in the host's /dev/shm, so the container must see that one.
+    let shm = if real_hardware {
+        "/dev/shm".to_string()
+    } else {
+        dirs.shm.display().to_string()
+    };
+    let mounts = vec![
+        (dirs.pipe.display().to_string(), CONTAINER_PIPE_DIR.to_string()),
+        (shm, "/dev/shm".to_string()),
+    ];
+    (env, mounts)
+}
+
+/// True when `pid` runs and is not a zombie waiting for a parent that never reaps it.
+fn process_alive(pid: u32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the first field after the parenthesized command name, which may contain spaces.
+        Ok(stat) => {
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                != Some("Z")
+        }
+        Err(_) => false,
+    }
+}
+
+fn sim_send(pipe_dir: &Path, command: &str) -> std::io::Result<String> {
+    let mut stream = UnixStream::connect(pipe_dir.join(CONTROL_SOCKET))?;
+    stream.set_read_timeout(Some(COMMAND_TIMEOUT))?;
+    stream.set_write_timeout(Some(COMMAND_TIMEOUT))?;
+    writeln!(stream, "{command}")?;
+    stream.shutdown(std::net::Shutdown::Write)?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer)?;
+    Ok(answer.trim().to_string())
+}
+
+/// Runs the simulated MPS control daemon (the `mps-control-sim` subcommand).
+///
+/// With `detach`, starts `<program> mps-control-sim` (without `--detach`) in a new process group with null
+/// stdio, waits until it serves, and returns: the caller exits and the daemon is inherited by init, like
+/// `nvidia-cuda-mps-control -d`. Without `detach`, serves until `quit`.
+pub fn run_sim_daemon(program: &Path, pipe_dir: &Path, log_dir: &Path, detach: bool) -> std::io::Result<()> {
+    fs::create_dir_all(pipe_dir)?;
+    fs::create_dir_all(log_dir)?;
+    if detach {
+        let mut child = Command::new(program)
+            .args([SIM_SUBCOMMAND, "--pipe-dir"])
+            .arg(pipe_dir)
+            .arg("--log-dir")
+            .arg(log_dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()?;
+        let deadline = Instant::now() + DAEMON_TIMEOUT;
+        loop {
+            if sim_send(pipe_dir, "get_default_active_thread_percentage").is_ok() {
+                return Ok(());
+            }
+            if let Some(status) = child.try_wait()? {
+                return Err(std::io::Error::other(format!("daemon exited with {status}")));
+            }
+            if Instant::now() > deadline {
+                return Err(std::io::Error::other("daemon did not serve in time"));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    serve_sim(pipe_dir, log_dir)
+}
+
+fn serve_sim(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
+    let socket = pipe_dir.join(CONTROL_SOCKET);
+    let pid_file = pipe_dir.join(PID_FILE);
+    // A socket left by a killed daemon would make bind fail; only one daemon per directory is started.
+    let _ = fs::remove_file(&socket);
+    let listener = UnixListener::bind(&socket)?;
+    let tmp = pipe_dir.join(format!("{PID_FILE}.tmp"));
+    fs::write(&tmp, format!("{}\n", std::process::id()))?;
+    fs::rename(&tmp, &pid_file)?;
+    let mut log = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_dir.join("control.log"))?;
+    let devices = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
+    writeln!(
+        log,
+        "[{}] startup pid={} devices={devices}",
+        timestamp(),
+        std::process::id()
+    )?;
+    let mut thread_percentage = 100.0f64;
+    let mut pinned: std::collections::BTreeMap<String, String> = Default::default();
+    for stream in listener.incoming() {
+        let Ok(mut stream) = stream else { continue };
+        let mut line = String::new();
+        if BufReader::new(&stream).read_line(&mut line).is_err() {
+            continue;
+        }
+        let line = line.trim();
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let (answer, quit) = match words.as_slice() {
+            ["get_default_active_thread_percentage"] => (format!("{thread_percentage:.1}"), false),
+            ["set_default_active_thread_percentage", p] => match p.parse::<f64>() {
+                Ok(p) if (0.0..=100.0).contains(&p) => {
+                    thread_percentage = p;
+                    (String::new(), false)
+                }
+                _ => (format!("Invalid percentage {p}"), false),
+            },
+            ["set_default_device_pinned_mem_limit", dev, limit] => {
+                pinned.insert(dev.to_string(), limit.to_string());
+                (String::new(), false)
+            }
+            ["get_default_device_pinned_mem_limit", dev] => {
+                (pinned.get(*dev).cloned().unwrap_or_else(|| "0".into()), false)
+            }
+            ["quit"] => (String::new(), true),
+            _ => (format!("Invalid command {line:?}"), false),
+        };
+        writeln!(log, "[{}] {line} -> {answer:?}", timestamp())?;
+        let _ = writeln!(stream, "{answer}");
+        if quit {
+            let _ = fs::remove_file(&socket);
+            let _ = fs::remove_file(&pid_file);
+            writeln!(log, "[{}] exit", timestamp())?;
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+fn timestamp() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}

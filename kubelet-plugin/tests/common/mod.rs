@@ -1,0 +1,117 @@
+//! Fixtures shared by the integration tests: a simulated node in a temp dir, and a kubelet stand-in that
+//! talks to the plugin over its real unix sockets.
+#![allow(dead_code)] // Each test binary uses a different subset.
+
+use std::{path::Path, sync::Arc};
+
+use hyper_util::rt::TokioIo;
+use tempfile::TempDir;
+use tessera_kubelet_plugin::{
+    claims::fake::{FakeClaims, NODE},
+    gpu::{
+        GpuBackend,
+        simulated::{NodeSpec, SimulatedBackend},
+    },
+    state::{NodeState, StateConfig},
+};
+use tonic::transport::{Channel, Endpoint};
+
+pub const BOOT_ID: &str = "11111111-2222-3333-4444-555555555555";
+
+/// A node with 8 simulated H100s and its directories.
+pub struct TestNode {
+    pub dir: TempDir,
+    pub backend: Arc<dyn GpuBackend>,
+    pub claims: FakeClaims,
+}
+
+impl TestNode {
+    pub fn new() -> Self {
+        Self::with_gpus(8)
+    }
+
+    pub fn with_gpus(count: u32) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = NodeSpec::default().with_gpus("H100-SXM5-80GB", count);
+        let backend = SimulatedBackend::from_spec(NODE, &spec, &dir.path().join("state")).unwrap();
+        Self {
+            dir,
+            backend: Arc::new(backend),
+            claims: FakeClaims::new(),
+        }
+    }
+
+    pub fn state_dir(&self) -> std::path::PathBuf {
+        self.dir.path().join("state")
+    }
+
+    pub fn cdi_dir(&self) -> std::path::PathBuf {
+        self.dir.path().join("cdi")
+    }
+
+    pub fn config(&self, boot_id: &str) -> StateConfig {
+        StateConfig {
+            node_name: NODE.into(),
+            boot_id: boot_id.into(),
+            state_dir: self.state_dir(),
+            cdi_dir: self.cdi_dir(),
+        }
+    }
+
+    /// A fresh plugin state over this node, as after a (re)start, not yet recovered.
+    pub fn state_unrecovered(&self, boot_id: &str) -> NodeState {
+        let gpus = self.backend.discover().unwrap().gpus;
+        NodeState::new(
+            self.config(boot_id),
+            self.backend.clone(),
+            gpus,
+            Arc::new(self.claims.clone()),
+        )
+    }
+
+    /// A fresh, recovered plugin state over this node.
+    pub fn state(&self) -> Arc<NodeState> {
+        let state = self.state_unrecovered(BOOT_ID);
+        state.recover().unwrap();
+        Arc::new(state)
+    }
+}
+
+/// A gRPC channel over a unix socket, the way kubelet dials plugins.
+/// Retries for a while, because a test may dial while the plugin is still replacing a stale socket.
+pub async fn dial(path: &Path) -> Channel {
+    let mut last = None;
+    for _ in 0..100 {
+        let path = path.to_path_buf();
+        // The URI is required by the API but ignored: the connector below always opens the unix socket.
+        let connected =
+            Endpoint::from_static("http://[::]:50051")
+                .connect_with_connector(tower::service_fn(move |_| {
+                    let path = path.clone();
+                    async move {
+                        Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+                    }
+                }))
+                .await;
+        match connected {
+            Ok(channel) => return channel,
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("failed to dial {}: {last:?}", path.display());
+}
+
+/// Waits until a socket file exists (the server binds it in the background).
+pub async fn wait_for_socket(path: &Path) {
+    for _ in 0..500 {
+        if path.exists() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!(
+        "socket {} never appeared; the plugin likely failed to bind",
+        path.display()
+    );
+}

@@ -1,0 +1,372 @@
+//! The plugin as kubelet sees it: real unix sockets in a temp dir, kubelet's calls in kubelet's order.
+
+mod common;
+
+use std::{sync::Arc, time::Duration};
+
+use common::{TestNode, dial, wait_for_socket};
+use tessera_kubelet_plugin::{
+    claims::fake::{NODE, claim},
+    driver::{SocketPaths, serve},
+    registration::RegistrationState,
+    state::NodeState,
+};
+use tessera_proto::{
+    dra::{v1, v1beta1},
+    pluginregistration::{InfoRequest, RegistrationStatus, registration_client::RegistrationClient},
+};
+use tokio::{sync::watch, task::JoinHandle};
+
+/// A plugin serving in the background.
+struct Running {
+    paths: SocketPaths,
+    registration: watch::Receiver<RegistrationState>,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<tessera_kubelet_plugin::error::Result<()>>,
+}
+
+async fn start(node: &TestNode, state: Arc<NodeState>) -> Running {
+    let paths = SocketPaths::new(
+        &node.dir.path().join("plugins_registry"),
+        &node.dir.path().join("plugins"),
+    );
+    let (reg_tx, registration) = watch::channel(RegistrationState::Pending);
+    let (stop, mut stopped) = watch::channel(false);
+    let serve_paths = paths.clone();
+    let task = tokio::spawn(async move {
+        serve(&serve_paths, state, reg_tx, async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        })
+        .await
+    });
+    wait_for_socket(&paths.registration).await;
+    Running {
+        paths,
+        registration,
+        stop,
+        task,
+    }
+}
+
+impl Running {
+    async fn shut_down(self) {
+        self.stop.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(10), self.task)
+            .await
+            .expect("the plugin did not shut down; serve likely ignores the shutdown signal")
+            .unwrap()
+            .unwrap();
+    }
+}
+
+/// kubelet's registration handshake: GetInfo on the registration socket, then NotifyRegistrationStatus.
+async fn register(running: &mut Running) -> String {
+    let mut reg = RegistrationClient::new(dial(&running.paths.registration).await);
+    let info = reg.get_info(InfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.r#type, "DRAPlugin");
+    assert_eq!(info.name, "gpu.tessera.dev");
+    assert_eq!(info.supported_versions, vec!["v1.DRAPlugin", "v1beta1.DRAPlugin"]);
+    assert!(
+        info.endpoint.starts_with('/'),
+        "endpoint {} is not absolute",
+        info.endpoint
+    );
+    assert!(
+        info.endpoint.ends_with("/plugins/gpu.tessera.dev/dra.sock"),
+        "{}",
+        info.endpoint
+    );
+    reg.notify_registration_status(RegistrationStatus {
+        plugin_registered: true,
+        error: String::new(),
+    })
+    .await
+    .unwrap();
+    running
+        .registration
+        .wait_for(|s| *s == RegistrationState::Registered)
+        .await
+        .unwrap();
+    info.endpoint
+}
+
+#[tokio::test]
+async fn kubelet_v1_registers_prepares_and_unprepares_a_whole_gpu_over_the_sockets() {
+    let node = TestNode::new();
+    let c = claim("train").namespace("ml").allocated("gpu-3").build();
+    let uid = c.metadata.uid.clone().unwrap();
+    node.claims.insert(c);
+    let mut running = start(&node, node.state()).await;
+
+    let endpoint = register(&mut running).await;
+    let mut dra = v1::dra_plugin_client::DraPluginClient::new(dial(endpoint.as_ref()).await);
+    let kubelet_claim = v1::Claim {
+        namespace: "ml".into(),
+        uid: uid.clone(),
+        name: "train".into(),
+    };
+
+    let response = dra
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: vec![kubelet_claim.clone()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let prepared = &response.claims[&uid];
+    assert_eq!(prepared.error, "");
+    assert_eq!(
+        prepared.devices,
+        vec![v1::Device {
+            request_names: vec!["gpu".into()],
+            pool_name: NODE.into(),
+            device_name: "gpu-3".into(),
+            cdi_device_ids: vec![format!("k8s.gpu.tessera.dev/claim={uid}-gpu-3")],
+            share_id: None,
+        }]
+    );
+    assert!(
+        node.cdi_dir()
+            .join(format!("k8s.gpu.tessera.dev-claim_{uid}.json"))
+            .exists()
+    );
+
+    let response = dra
+        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest {
+            claims: vec![kubelet_claim],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(response.claims[&uid].error, "");
+    assert!(
+        !node
+            .cdi_dir()
+            .join(format!("k8s.gpu.tessera.dev-claim_{uid}.json"))
+            .exists()
+    );
+
+    let paths = running.paths.clone();
+    running.shut_down().await;
+    assert!(!paths.registration.exists(), "registration socket left behind");
+    assert!(!paths.dra.exists(), "DRA socket left behind");
+}
+
+#[tokio::test]
+async fn kubelet_v1beta1_prepares_and_unprepares_over_the_same_socket() {
+    let node = TestNode::new();
+    let c = claim("infer").allocated("gpu-0").allocated("gpu-7").build();
+    let uid = c.metadata.uid.clone().unwrap();
+    node.claims.insert(c);
+    let mut running = start(&node, node.state()).await;
+
+    let endpoint = register(&mut running).await;
+    let mut dra = v1beta1::dra_plugin_client::DraPluginClient::new(dial(endpoint.as_ref()).await);
+    let kubelet_claim = v1beta1::Claim {
+        namespace: "default".into(),
+        uid: uid.clone(),
+        name: "infer".into(),
+    };
+    let response = dra
+        .node_prepare_resources(v1beta1::NodePrepareResourcesRequest {
+            claims: vec![kubelet_claim.clone()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let prepared = &response.claims[&uid];
+    assert_eq!(prepared.error, "");
+    let names: Vec<_> = prepared.devices.iter().map(|d| d.device_name.as_str()).collect();
+    assert_eq!(names, ["gpu-0", "gpu-7"]);
+    assert_eq!(
+        prepared.devices[1].cdi_device_ids,
+        vec![format!("k8s.gpu.tessera.dev/claim={uid}-gpu-7")]
+    );
+
+    let response = dra
+        .node_unprepare_resources(v1beta1::NodeUnprepareResourcesRequest {
+            claims: vec![kubelet_claim],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(response.claims[&uid].error, "");
+    running.shut_down().await;
+}
+
+#[tokio::test]
+async fn one_bad_claim_fails_alone_and_the_rest_of_the_batch_is_prepared() {
+    let node = TestNode::new();
+    let good = claim("good").allocated("gpu-1").build();
+    let bad = claim("bad").allocated("gpu-42").build();
+    let (good_uid, bad_uid) = (
+        good.metadata.uid.clone().unwrap(),
+        bad.metadata.uid.clone().unwrap(),
+    );
+    node.claims.insert(good).insert(bad);
+    let mut running = start(&node, node.state()).await;
+    let endpoint = register(&mut running).await;
+    let mut dra = v1::dra_plugin_client::DraPluginClient::new(dial(endpoint.as_ref()).await);
+
+    let claims = vec![
+        v1::Claim {
+            namespace: "default".into(),
+            uid: good_uid.clone(),
+            name: "good".into(),
+        },
+        v1::Claim {
+            namespace: "default".into(),
+            uid: bad_uid.clone(),
+            name: "bad".into(),
+        },
+        v1::Claim {
+            namespace: "default".into(),
+            uid: "no-such-uid".into(),
+            name: "missing".into(),
+        },
+    ];
+    let response = dra
+        .node_prepare_resources(v1::NodePrepareResourcesRequest { claims })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        response.claims.len(),
+        3,
+        "every claim must have an entry, or kubelet retries it"
+    );
+    assert_eq!(response.claims[&good_uid].error, "");
+    assert_eq!(response.claims[&good_uid].devices.len(), 1);
+    assert!(
+        response.claims[&bad_uid].error.contains("gpu-42"),
+        "{}",
+        response.claims[&bad_uid].error
+    );
+    assert!(response.claims[&bad_uid].devices.is_empty());
+    assert!(
+        response.claims["no-such-uid"].error.contains("not found"),
+        "{}",
+        response.claims["no-such-uid"].error
+    );
+    running.shut_down().await;
+}
+
+#[tokio::test]
+async fn a_share_id_from_the_allocation_reaches_v1_kubelets() {
+    // The shared-device preparer is not wired yet, so a stand-in preparer that exposes the GPU is registered
+    // for the Shared kind; what is tested is that the share id travels from the allocation to kubelet.
+    use tessera_kubelet_plugin::state::{DeviceKind, WholeGpuPreparer};
+    let node = TestNode::new();
+    let c = claim("s").allocated_share("gpu-2-shared", "share-abc").build();
+    let uid = c.metadata.uid.clone().unwrap();
+    node.claims.insert(c);
+    struct AsWholeGpu;
+    impl tessera_kubelet_plugin::state::DevicePreparer for AsWholeGpu {
+        fn plan(
+            &self,
+            ctx: &tessera_kubelet_plugin::state::DeviceContext,
+        ) -> Result<tessera_kubelet_plugin::checkpoint::DeviceDetail, tessera_kubelet_plugin::error::ClaimError>
+        {
+            WholeGpuPreparer.plan(ctx)
+        }
+        fn prepare(
+            &self,
+            ctx: &tessera_kubelet_plugin::state::DeviceContext,
+            planned: tessera_kubelet_plugin::checkpoint::DeviceDetail,
+        ) -> Result<
+            (
+                tessera_kubelet_plugin::checkpoint::DeviceDetail,
+                tessera_kubelet_plugin::cdi::ContainerEdits,
+            ),
+            tessera_kubelet_plugin::error::ClaimError,
+        > {
+            WholeGpuPreparer.prepare(ctx, planned)
+        }
+        fn unprepare(
+            &self,
+            _: &tessera_kubelet_plugin::state::DeviceContext,
+            _: &tessera_kubelet_plugin::checkpoint::DeviceDetail,
+        ) -> Result<(), tessera_kubelet_plugin::error::ClaimError> {
+            Ok(())
+        }
+    }
+    let state = node
+        .state_unrecovered(common::BOOT_ID)
+        .with_preparer(DeviceKind::Shared, Arc::new(AsWholeGpu));
+    state.recover().unwrap();
+    let mut running = start(&node, Arc::new(state)).await;
+    let endpoint = register(&mut running).await;
+
+    let claims = vec![v1::Claim {
+        namespace: "default".into(),
+        uid: uid.clone(),
+        name: "s".into(),
+    }];
+    let mut dra = v1::dra_plugin_client::DraPluginClient::new(dial(endpoint.as_ref()).await);
+    let response = dra
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: claims.clone(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        response.get_ref().claims[&uid].devices[0].share_id.as_deref(),
+        Some("share-abc")
+    );
+
+    // v1beta1 has no share id field; the device is still returned.
+    let mut beta = v1beta1::dra_plugin_client::DraPluginClient::new(dial(endpoint.as_ref()).await);
+    let claims = vec![v1beta1::Claim {
+        namespace: "default".into(),
+        uid: uid.clone(),
+        name: "s".into(),
+    }];
+    let response = beta
+        .node_prepare_resources(v1beta1::NodePrepareResourcesRequest { claims })
+        .await
+        .unwrap();
+    assert_eq!(
+        response.get_ref().claims[&uid].devices[0].device_name,
+        "gpu-2-shared"
+    );
+    running.shut_down().await;
+}
+
+#[tokio::test]
+async fn a_rejected_registration_is_published_with_kubelets_reason() {
+    let node = TestNode::new();
+    let mut running = start(&node, node.state()).await;
+    let mut reg = RegistrationClient::new(dial(&running.paths.registration).await);
+    reg.notify_registration_status(RegistrationStatus {
+        plugin_registered: false,
+        error: "unsupported versions".into(),
+    })
+    .await
+    .unwrap();
+    let state = running
+        .registration
+        .wait_for(|s| *s != RegistrationState::Pending)
+        .await
+        .unwrap()
+        .clone();
+    assert_eq!(state, RegistrationState::Failed("unsupported versions".into()));
+    running.shut_down().await;
+}
+
+#[tokio::test]
+async fn stale_sockets_from_a_crashed_run_are_replaced_at_start() {
+    let node = TestNode::new();
+    let paths = SocketPaths::new(
+        &node.dir.path().join("plugins_registry"),
+        &node.dir.path().join("plugins"),
+    );
+    for p in [&paths.registration, &paths.dra] {
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        // A socket file nobody listens on, as a SIGKILLed plugin leaves it.
+        drop(std::os::unix::net::UnixListener::bind(p).unwrap());
+        assert!(p.exists());
+    }
+    let mut running = start(&node, node.state()).await;
+    register(&mut running).await;
+    running.shut_down().await;
+}
