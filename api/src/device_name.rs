@@ -54,7 +54,10 @@ impl DeviceName {
 
     /// True for devices several claims may hold at once.
     pub fn is_shared(&self) -> bool {
-        matches!(self, Self::SharedGpu { .. } | Self::SharedMig { .. } | Self::ShareSlot { .. })
+        matches!(
+            self,
+            Self::SharedGpu { .. } | Self::SharedMig { .. } | Self::ShareSlot { .. }
+        )
     }
 }
 
@@ -99,7 +102,9 @@ impl fmt::Display for DeviceName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Gpu { gpu } => write!(f, "gpu-{gpu}"),
-            Self::Mig { gpu, profile, start } => write!(f, "gpu-{gpu}-mig-{}-{start}", encode_profile(profile)),
+            Self::Mig { gpu, profile, start } => {
+                write!(f, "gpu-{gpu}-mig-{}-{start}", encode_profile(profile))
+            }
             Self::SharedGpu { gpu } => write!(f, "gpu-{gpu}-shared"),
             Self::SharedMig { gpu, profile, start } => {
                 write!(f, "gpu-{gpu}-mig-{}-{start}-shared", encode_profile(profile))
@@ -121,14 +126,21 @@ impl FromStr for DeviceName {
     type Err = ParseDeviceNameError;
 
     fn from_str(name: &str) -> Result<Self, Self::Err> {
-        let err = |reason| ParseDeviceNameError { name: name.to_string(), reason };
-        let rest = name.strip_prefix("gpu-").ok_or_else(|| err("does not start with \"gpu-\""))?;
+        let err = |reason| ParseDeviceNameError {
+            name: name.to_string(),
+            reason,
+        };
+        let rest = name
+            .strip_prefix("gpu-")
+            .ok_or_else(|| err("does not start with \"gpu-\""))?;
         let (index, rest) = match rest.split_once('-') {
             Some((i, r)) => (i, Some(r)),
             None => (rest, None),
         };
         let gpu = parse_u32(index).ok_or_else(|| err("GPU index is not a number"))?;
-        let Some(rest) = rest else { return Ok(Self::Gpu { gpu }) };
+        let Some(rest) = rest else {
+            return Ok(Self::Gpu { gpu });
+        };
         if rest == "shared" {
             return Ok(Self::SharedGpu { gpu });
         }
@@ -136,15 +148,23 @@ impl FromStr for DeviceName {
             let slot = parse_u32(slot).ok_or_else(|| err("share slot is not a number"))?;
             return Ok(Self::ShareSlot { gpu, slot });
         }
-        let mig = rest.strip_prefix("mig-").ok_or_else(|| err("unknown device kind after the GPU index"))?;
+        let mig = rest
+            .strip_prefix("mig-")
+            .ok_or_else(|| err("unknown device kind after the GPU index"))?;
         let (mig, shared) = match mig.strip_suffix("-shared") {
             Some(m) => (m, true),
             None => (mig, false),
         };
-        let (profile, start) = mig.rsplit_once('-').ok_or_else(|| err("MIG device without a placement"))?;
+        let (profile, start) = mig
+            .rsplit_once('-')
+            .ok_or_else(|| err("MIG device without a placement"))?;
         let start = parse_u32(start).ok_or_else(|| err("MIG placement start is not a number"))?;
         let profile = decode_profile(profile).ok_or_else(|| err("malformed MIG profile"))?;
-        Ok(if shared { Self::SharedMig { gpu, profile, start } } else { Self::Mig { gpu, profile, start } })
+        Ok(if shared {
+            Self::SharedMig { gpu, profile, start }
+        } else {
+            Self::Mig { gpu, profile, start }
+        })
     }
 }
 
@@ -152,7 +172,8 @@ impl FromStr for DeviceName {
 pub fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= MAX_DEVICE_NAME_LEN
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !s.starts_with('-')
         && !s.ends_with('-')
 }
@@ -164,16 +185,31 @@ mod tests {
     fn all_kinds(profile: &str) -> Vec<DeviceName> {
         vec![
             DeviceName::Gpu { gpu: 7 },
-            DeviceName::Mig { gpu: 0, profile: profile.into(), start: 6 },
+            DeviceName::Mig {
+                gpu: 0,
+                profile: profile.into(),
+                start: 6,
+            },
             DeviceName::SharedGpu { gpu: 12 },
-            DeviceName::SharedMig { gpu: 1, profile: profile.into(), start: 4 },
+            DeviceName::SharedMig {
+                gpu: 1,
+                profile: profile.into(),
+                start: 4,
+            },
             DeviceName::ShareSlot { gpu: 3, slot: 10 },
         ]
     }
 
     #[test]
     fn every_device_name_round_trips_and_is_a_dns_label() {
-        for profile in ["1g.10gb", "1g.10gb+me", "7g.141gb", "1g.18gb+me.all", "2g.24gb-me", "4g.90gb+gfx"] {
+        for profile in [
+            "1g.10gb",
+            "1g.10gb+me",
+            "7g.141gb",
+            "1g.18gb+me.all",
+            "2g.24gb-me",
+            "4g.90gb+gfx",
+        ] {
             for d in all_kinds(profile) {
                 let s = d.to_string();
                 assert!(is_dns_label(&s), "{s} is not a DNS label");
@@ -184,9 +220,17 @@ mod tests {
 
     #[test]
     fn mig_names_read_like_nvidia_smi_profiles() {
-        let d = DeviceName::Mig { gpu: 3, profile: "3g.40gb".into(), start: 4 };
+        let d = DeviceName::Mig {
+            gpu: 3,
+            profile: "3g.40gb".into(),
+            start: 4,
+        };
         assert_eq!(d.to_string(), "gpu-3-mig-3g-40gb-4");
-        let d = DeviceName::Mig { gpu: 0, profile: "1g.10gb+me".into(), start: 2 };
+        let d = DeviceName::Mig {
+            gpu: 0,
+            profile: "1g.10gb+me".into(),
+            start: 2,
+        };
         assert_eq!(d.to_string(), "gpu-0-mig-1g-10gb-plus-me-2");
     }
 

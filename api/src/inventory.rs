@@ -145,7 +145,9 @@ pub struct MigProfileInfo {
 }
 
 /// A MIG placement: memory slices `[start, start + size)`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 pub struct MigPlacement {
     pub start: u32,
     pub size: u32,

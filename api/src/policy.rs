@@ -230,7 +230,9 @@ spec:
                 fallback_layout: vec![]
             }))
         );
-        let ModelRef::Shared(shared) = rules[1].model().unwrap() else { panic!("not shared") };
+        let ModelRef::Shared(shared) = rules[1].model().unwrap() else {
+            panic!("not shared")
+        };
         assert_eq!(shared.strategy, SharingStrategy::TimeSlicing);
         assert_eq!(shared.memory_step, Some(Quantity("2Gi".into())));
         assert!(rules[1].optional);
@@ -239,7 +241,10 @@ spec:
 
     #[test]
     fn a_rule_must_name_exactly_one_model() {
-        let none = PolicyRule { name: "r".into(), ..Default::default() };
+        let none = PolicyRule {
+            name: "r".into(),
+            ..Default::default()
+        };
         assert_eq!(none.model(), Err(0));
         let two = PolicyRule {
             name: "r".into(),
@@ -253,7 +258,10 @@ spec:
     #[test]
     fn sharing_strategies_use_the_attribute_spelling() {
         assert_eq!(serde_json::to_value(SharingStrategy::Mps).unwrap(), "MPS");
-        assert_eq!(serde_json::to_value(SharingStrategy::TimeSlicing).unwrap(), "TimeSlicing");
+        assert_eq!(
+            serde_json::to_value(SharingStrategy::TimeSlicing).unwrap(),
+            "TimeSlicing"
+        );
         assert_eq!(SharingStrategy::Mps.as_str(), "MPS");
     }
 }

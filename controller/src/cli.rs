@@ -68,9 +68,14 @@ impl Args {
         match command {
             None => crate::runtime::run(run).await,
             Some(Command::Run(run)) => crate::runtime::run(run).await,
-            Some(Command::Render(RenderArgs { inventory, policy, features })) => {
+            Some(Command::Render(RenderArgs {
+                inventory,
+                policy,
+                features,
+            })) => {
                 let list = crate::render::render_files(&inventory, policy.as_deref(), features)?;
-                println!("{}", serde_json::to_string_pretty(&list)?);
+                // Compact: a 500-node dynamic-MIG cluster is ~100k devices.
+                println!("{}", serde_json::to_string(&list)?);
                 Ok(())
             }
             Some(Command::Crds) => {

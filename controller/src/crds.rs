@@ -15,5 +15,8 @@ pub fn crd_files() -> Vec<(String, String)> {
 
 /// All CRDs as one YAML stream.
 pub fn crds_yaml() -> String {
-    crd_files().into_iter().map(|(_, y)| format!("---\n{y}")).collect()
+    crd_files()
+        .into_iter()
+        .map(|(_, y)| format!("---\n{y}"))
+        .collect()
 }

@@ -44,9 +44,18 @@ pub enum Model {
     /// What a GPU gets when no rule matches: dynamic MIG where possible, else whole.
     Default,
     Whole,
-    DynamicMig { profiles: Vec<String>, fallback_layout: Vec<LayoutEntry> },
-    StaticMig { layout: Vec<LayoutEntry> },
-    Shared { strategy: SharingStrategy, memory_step: u64, fallback_slots: u32 },
+    DynamicMig {
+        profiles: Vec<String>,
+        fallback_layout: Vec<LayoutEntry>,
+    },
+    StaticMig {
+        layout: Vec<LayoutEntry>,
+    },
+    Shared {
+        strategy: SharingStrategy,
+        memory_step: u64,
+        fallback_slots: u32,
+    },
 }
 
 /// One MIG instance of a static layout, resolved against the GPU's profiles.
@@ -66,7 +75,9 @@ pub struct GpuDevices {
 /// True when the plugin can create MIG instances on demand: MIG is on, or can be turned on without a
 /// reset (A100 needs a reset, so it only takes part while an administrator keeps MIG mode on).
 pub fn supports_dynamic_mig(gpu: &GpuInfo) -> bool {
-    gpu.mig.as_ref().is_some_and(|m| (m.enabled || m.mode_toggle_without_reset) && !m.profiles.is_empty())
+    gpu.mig
+        .as_ref()
+        .is_some_and(|m| (m.enabled || m.mode_toggle_without_reset) && !m.profiles.is_empty())
 }
 
 /// Finds `name` among the GPU's profiles: an exact name (`3g.40gb`), or `<n>g` for the `<n>g.` profile
@@ -87,40 +98,70 @@ pub fn resolve_layout(gpu: &GpuInfo, layout: &[String]) -> Result<Vec<LayoutEntr
     let mut taken: Vec<(MigPlacement, &str)> = vec![];
     let mut entries = vec![];
     for item in layout {
-        let (name, start) =
-            item.split_once('@').ok_or_else(|| format!("layout entry {item:?} is not profile@start"))?;
-        let start: u32 = start.parse().map_err(|_| format!("layout entry {item:?}: start is not a number"))?;
-        let profile = find_profile(gpu, name)
-            .ok_or_else(|| format!("layout entry {item:?}: {} has no MIG profile {name:?}", gpu.product_name))?;
-        let placement = *profile.placements.iter().find(|p| p.start == start).ok_or_else(|| {
-            let starts: Vec<u32> = profile.placements.iter().map(|p| p.start).collect();
-            format!("layout entry {item:?}: {} cannot start at {start} (possible: {starts:?})", profile.name)
+        let (name, start) = item
+            .split_once('@')
+            .ok_or_else(|| format!("layout entry {item:?} is not profile@start"))?;
+        let start: u32 = start
+            .parse()
+            .map_err(|_| format!("layout entry {item:?}: start is not a number"))?;
+        let profile = find_profile(gpu, name).ok_or_else(|| {
+            format!(
+                "layout entry {item:?}: {} has no MIG profile {name:?}",
+                gpu.product_name
+            )
         })?;
+        let placement = *profile
+            .placements
+            .iter()
+            .find(|p| p.start == start)
+            .ok_or_else(|| {
+                let starts: Vec<u32> = profile.placements.iter().map(|p| p.start).collect();
+                format!(
+                    "layout entry {item:?}: {} cannot start at {start} (possible: {starts:?})",
+                    profile.name
+                )
+            })?;
         if let Some((_, other)) = taken.iter().find(|(p, _)| p.overlaps(&placement)) {
             return Err(format!("layout entries {other:?} and {item:?} overlap"));
         }
         let count = taken.iter().filter(|(_, other)| {
-            find_profile(gpu, other.split('@').next().unwrap_or_default()).map(|p| &p.name) == Some(&profile.name)
+            find_profile(gpu, other.split('@').next().unwrap_or_default()).map(|p| &p.name)
+                == Some(&profile.name)
         });
         if count.count() as u32 >= profile.instance_count {
-            return Err(format!("layout has more than {} instances of {}", profile.instance_count, profile.name));
+            return Err(format!(
+                "layout has more than {} instances of {}",
+                profile.instance_count, profile.name
+            ));
         }
         taken.push((placement, item));
-        entries.push(LayoutEntry { profile: profile.name.clone(), start });
+        entries.push(LayoutEntry {
+            profile: profile.name.clone(),
+            start,
+        });
     }
     Ok(entries)
 }
 
 fn string(s: impl Into<String>) -> DeviceAttribute {
-    DeviceAttribute { string: Some(s.into()), ..Default::default() }
+    DeviceAttribute {
+        string: Some(s.into()),
+        ..Default::default()
+    }
 }
 
 fn int(i: i64) -> DeviceAttribute {
-    DeviceAttribute { int: Some(i), ..Default::default() }
+    DeviceAttribute {
+        int: Some(i),
+        ..Default::default()
+    }
 }
 
 fn version(raw: &str) -> Option<DeviceAttribute> {
-    Semver::parse_normalized(raw).ok().map(|v| DeviceAttribute { version: Some(v.to_string()), ..Default::default() })
+    Semver::parse_normalized(raw).ok().map(|v| DeviceAttribute {
+        version: Some(v.to_string()),
+        ..Default::default()
+    })
 }
 
 fn quantity(v: u64) -> K8sQuantity {
@@ -128,7 +169,10 @@ fn quantity(v: u64) -> K8sQuantity {
 }
 
 fn capacity(v: u64) -> DeviceCapacity {
-    DeviceCapacity { value: quantity(v), request_policy: None }
+    DeviceCapacity {
+        value: quantity(v),
+        request_policy: None,
+    }
 }
 
 /// Attributes every device of `gpu` carries.
@@ -167,7 +211,10 @@ fn whole_device(node: &NodeInventorySpec, gpu: &GpuInfo) -> Device {
         capacity: Some(
             [
                 (attr::MEMORY.to_string(), capacity(gpu.memory_bytes)),
-                (attr::MULTIPROCESSORS.to_string(), capacity(gpu.multiprocessors.into())),
+                (
+                    attr::MULTIPROCESSORS.to_string(),
+                    capacity(gpu.multiprocessors.into()),
+                ),
             ]
             .into(),
         ),
@@ -189,9 +236,18 @@ fn mig_device(node: &NodeInventorySpec, gpu: &GpuInfo, profile: &MigProfileInfo,
         (attr::OFA_ENGINES, profile.ofa_engines.into()),
     ];
     Device {
-        name: DeviceName::Mig { gpu: gpu.index, profile: profile.name.clone(), start }.to_string(),
+        name: DeviceName::Mig {
+            gpu: gpu.index,
+            profile: profile.name.clone(),
+            start,
+        }
+        .to_string(),
         attributes: Some(attributes),
-        capacity: Some(caps.into_iter().map(|(k, v)| (k.to_string(), capacity(v))).collect()),
+        capacity: Some(
+            caps.into_iter()
+                .map(|(k, v)| (k.to_string(), capacity(v)))
+                .collect(),
+        ),
         ..Default::default()
     }
 }
@@ -234,7 +290,11 @@ fn profile_amounts(p: &MigProfileInfo) -> [(&'static str, u64); 7] {
 fn counter_set(gpu: &GpuInfo) -> CounterSet {
     let mig = gpu.mig.as_ref().expect("only called for MIG-capable GPUs");
     let mut max: BTreeMap<&'static str, u64> = BTreeMap::new();
-    let whole_engines = mig.profiles.iter().max_by_key(|p| p.memory_slices).map(profile_amounts);
+    let whole_engines = mig
+        .profiles
+        .iter()
+        .max_by_key(|p| p.memory_slices)
+        .map(profile_amounts);
     for (k, v) in whole_engines.into_iter().flatten() {
         max.insert(k, v);
     }
@@ -247,7 +307,10 @@ fn counter_set(gpu: &GpuInfo) -> CounterSet {
     let cached = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
     let combos = cached.unwrap_or_else(|| {
         let m = combination_maxima(&mig.profiles);
-        cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, m.clone());
+        cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, m.clone());
         m
     });
     for (k, v) in combos {
@@ -255,19 +318,27 @@ fn counter_set(gpu: &GpuInfo) -> CounterSet {
         *e = (*e).max(v);
     }
     // A counter nothing consumes (encoders on these GPUs) would only add noise.
-    let mut counters: BTreeMap<String, Counter> =
-        max.into_iter().filter(|(_, v)| *v > 0).map(|(k, v)| (k.to_string(), Counter { value: quantity(v) })).collect();
+    let mut counters: BTreeMap<String, Counter> = max
+        .into_iter()
+        .filter(|(_, v)| *v > 0)
+        .map(|(k, v)| (k.to_string(), Counter { value: quantity(v) }))
+        .collect();
     for k in 0..mig.memory_slices {
         counters.insert(memory_slice_counter(k), Counter { value: quantity(1) });
     }
-    CounterSet { name: counter_set_name(gpu.index), counters }
+    CounterSet {
+        name: counter_set_name(gpu.index),
+        counters,
+    }
 }
 
 /// Per resource, the most any hardware-allowed combination of MIG instances uses.
 fn combination_maxima(profiles: &[MigProfileInfo]) -> BTreeMap<&'static str, u64> {
     let mut max = BTreeMap::new();
-    let placements: Vec<(&MigProfileInfo, MigPlacement)> =
-        profiles.iter().flat_map(|p| p.placements.iter().map(move |pl| (p, *pl))).collect();
+    let placements: Vec<(&MigProfileInfo, MigPlacement)> = profiles
+        .iter()
+        .flat_map(|p| p.placements.iter().map(move |pl| (p, *pl)))
+        .collect();
     fn dfs<'a>(
         placements: &[(&'a MigProfileInfo, MigPlacement)],
         from: usize,
@@ -275,8 +346,15 @@ fn combination_maxima(profiles: &[MigProfileInfo]) -> BTreeMap<&'static str, u64
         max: &mut BTreeMap<&'static str, u64>,
     ) {
         for (k, _) in profile_amounts(placements[0].0) {
-            let sum: u64 =
-                chosen.iter().map(|(p, _)| profile_amounts(p).iter().find(|(n, _)| *n == k).map_or(0, |x| x.1)).sum();
+            let sum: u64 = chosen
+                .iter()
+                .map(|(p, _)| {
+                    profile_amounts(p)
+                        .iter()
+                        .find(|(n, _)| *n == k)
+                        .map_or(0, |x| x.1)
+                })
+                .sum();
             let e = max.entry(k).or_default();
             *e = (*e).max(sum);
         }
@@ -298,7 +376,10 @@ fn combination_maxima(profiles: &[MigProfileInfo]) -> BTreeMap<&'static str, u64
 }
 
 fn consumption(set: &str, counters: BTreeMap<String, Counter>) -> Option<Vec<DeviceCounterConsumption>> {
-    Some(vec![DeviceCounterConsumption { counter_set: set.to_string(), counters }])
+    Some(vec![DeviceCounterConsumption {
+        counter_set: set.to_string(),
+        counters,
+    }])
 }
 
 /// Dynamic MIG: every placement of the allowed profiles plus the whole GPU, all drawing on one counter set.
@@ -316,10 +397,20 @@ pub fn dynamic_mig(node: &NodeInventorySpec, gpu: &GpuInfo, allowed: &[String]) 
     let set = counter_set(gpu);
     let allowed_profile = |p: &MigProfileInfo| {
         allowed.is_empty()
-            || allowed.iter().any(|a| a == &p.name || p.name.starts_with(&format!("{a}.")))
+            || allowed
+                .iter()
+                .any(|a| a == &p.name || p.name.starts_with(&format!("{a}.")))
     };
     let mut profiles: Vec<&MigProfileInfo> = mig.profiles.iter().filter(|p| allowed_profile(p)).collect();
-    profiles.sort_by_key(|p| (p.memory_slices, p.compute_slices, p.memory_mib, p.name.contains('+'), p.name.clone()));
+    profiles.sort_by_key(|p| {
+        (
+            p.memory_slices,
+            p.compute_slices,
+            p.memory_mib,
+            p.name.contains('+'),
+            p.name.clone(),
+        )
+    });
     let mut devices = vec![];
     for p in profiles {
         let mut placements = p.placements.clone();
@@ -339,8 +430,14 @@ pub fn dynamic_mig(node: &NodeInventorySpec, gpu: &GpuInfo, allowed: &[String]) 
             });
         }
     }
-    devices.push(Device { consumes_counters: consumption(&set.name, set.counters.clone()), ..whole_device(node, gpu) });
-    GpuDevices { devices, counter_set: Some(set) }
+    devices.push(Device {
+        consumes_counters: consumption(&set.name, set.counters.clone()),
+        ..whole_device(node, gpu)
+    });
+    GpuDevices {
+        devices,
+        counter_set: Some(set),
+    }
 }
 
 /// Static MIG: the layout's instances (already checked by [`resolve_layout`]), no counters needed since
@@ -350,10 +447,17 @@ pub fn static_mig(node: &NodeInventorySpec, gpu: &GpuInfo, layout: &[LayoutEntry
         .iter()
         .filter_map(|e| find_profile(gpu, &e.profile).map(|p| mig_device(node, gpu, p, e.start)))
         .collect();
-    GpuDevices { devices, counter_set: None }
+    GpuDevices {
+        devices,
+        counter_set: None,
+    }
 }
 
-fn shared_attributes(node: &NodeInventorySpec, gpu: &GpuInfo, strategy: SharingStrategy) -> BTreeMap<String, DeviceAttribute> {
+fn shared_attributes(
+    node: &NodeInventorySpec,
+    gpu: &GpuInfo,
+    strategy: SharingStrategy,
+) -> BTreeMap<String, DeviceAttribute> {
     let mut a = gpu_attributes(node, gpu, attr::TYPE_SHARED);
     a.insert(attr::SHARING_STRATEGY.into(), string(strategy.as_str()));
     a
@@ -365,7 +469,12 @@ fn shared_attributes(node: &NodeInventorySpec, gpu: &GpuInfo, strategy: SharingS
 /// (and MPS would otherwise cap it at a default it never asked for). Capacities other than these two are
 /// left off: on a multi-allocatable device an unrequested capacity without a policy counts as fully
 /// consumed, which would make the device exclusive again.
-pub fn shared(node: &NodeInventorySpec, gpu: &GpuInfo, strategy: SharingStrategy, memory_step: u64) -> GpuDevices {
+pub fn shared(
+    node: &NodeInventorySpec,
+    gpu: &GpuInfo,
+    strategy: SharingStrategy,
+    memory_step: u64,
+) -> GpuDevices {
     let step = memory_step.max(MIB);
     let max = (gpu.memory_bytes / step).max(1) * step;
     let policy = |value: u64, min: u64, max: u64, step: u64| DeviceCapacity {
@@ -385,7 +494,10 @@ pub fn shared(node: &NodeInventorySpec, gpu: &GpuInfo, strategy: SharingStrategy
         attributes: Some(shared_attributes(node, gpu, strategy)),
         capacity: Some(
             [
-                (attr::MEMORY.to_string(), policy(gpu.memory_bytes, step, max, step)),
+                (
+                    attr::MEMORY.to_string(),
+                    policy(gpu.memory_bytes, step, max, step),
+                ),
                 (attr::COMPUTE.to_string(), policy(100, 1, 100, 1)),
             ]
             .into(),
@@ -393,12 +505,20 @@ pub fn shared(node: &NodeInventorySpec, gpu: &GpuInfo, strategy: SharingStrategy
         allow_multiple_allocations: Some(true),
         ..Default::default()
     };
-    GpuDevices { devices: vec![device], counter_set: None }
+    GpuDevices {
+        devices: vec![device],
+        counter_set: None,
+    }
 }
 
 /// Fallback without consumable capacity: `slots` equal, exclusive slots, each with 1/N of the memory
 /// (rounded down to MiB) and of the compute percentage.
-pub fn share_slots(node: &NodeInventorySpec, gpu: &GpuInfo, strategy: SharingStrategy, slots: u32) -> GpuDevices {
+pub fn share_slots(
+    node: &NodeInventorySpec,
+    gpu: &GpuInfo,
+    strategy: SharingStrategy,
+    slots: u32,
+) -> GpuDevices {
     let slots = slots.max(1);
     let memory = gpu.memory_bytes / u64::from(slots) / MIB * MIB;
     let devices = (0..slots)
@@ -415,7 +535,10 @@ pub fn share_slots(node: &NodeInventorySpec, gpu: &GpuInfo, strategy: SharingStr
             ..Default::default()
         })
         .collect();
-    GpuDevices { devices, counter_set: None }
+    GpuDevices {
+        devices,
+        counter_set: None,
+    }
 }
 
 /// The whole-GPU device as selectors see it (policy rules are evaluated against it).
@@ -439,11 +562,20 @@ pub fn publish(node: &NodeInventorySpec, gpu: &GpuInfo, model: &Model, features:
             static_mig(node, gpu, fallback_layout)
         }
         Model::StaticMig { layout } => static_mig(node, gpu, layout),
-        Model::Shared { strategy, memory_step, .. } if features.consumable => shared(node, gpu, *strategy, *memory_step),
-        Model::Shared { strategy, fallback_slots, .. } => share_slots(node, gpu, *strategy, *fallback_slots),
-        Model::Default | Model::Whole | Model::DynamicMig { .. } => {
-            GpuDevices { devices: vec![whole_device(node, gpu)], counter_set: None }
-        }
+        Model::Shared {
+            strategy,
+            memory_step,
+            ..
+        } if features.consumable => shared(node, gpu, *strategy, *memory_step),
+        Model::Shared {
+            strategy,
+            fallback_slots,
+            ..
+        } => share_slots(node, gpu, *strategy, *fallback_slots),
+        Model::Default | Model::Whole | Model::DynamicMig { .. } => GpuDevices {
+            devices: vec![whole_device(node, gpu)],
+            counter_set: None,
+        },
     };
     if !gpu.healthy {
         for d in &mut out.devices {

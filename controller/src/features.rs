@@ -38,13 +38,23 @@ pub struct ApiFeatures {
 }
 
 impl ApiFeatures {
-    pub const ALL: Self = Self { partitionable: true, consumable: true, taints: true };
-    pub const NONE: Self = Self { partitionable: false, consumable: false, taints: false };
+    pub const ALL: Self = Self {
+        partitionable: true,
+        consumable: true,
+        taints: true,
+    };
+    pub const NONE: Self = Self {
+        partitionable: false,
+        consumable: false,
+        taints: false,
+    };
 }
 
 /// A `--features` value that is not `none`, `all` or a list of `partitionable`, `consumable`, `taints`.
 #[derive(Debug, thiserror::Error)]
-#[error("unknown feature {0:?}: use `none`, `all` or a comma-separated list of partitionable, consumable, taints")]
+#[error(
+    "unknown feature {0:?}: use `none`, `all` or a comma-separated list of partitionable, consumable, taints"
+)]
 pub struct ParseFeaturesError(String);
 
 impl FromStr for ApiFeatures {
@@ -71,10 +81,14 @@ impl FromStr for ApiFeatures {
 
 impl fmt::Display for ApiFeatures {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let names: Vec<&str> = [(self.partitionable, "partitionable"), (self.consumable, "consumable"), (self.taints, "taints")]
-            .into_iter()
-            .filter_map(|(on, name)| on.then_some(name))
-            .collect();
+        let names: Vec<&str> = [
+            (self.partitionable, "partitionable"),
+            (self.consumable, "consumable"),
+            (self.taints, "taints"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect();
         f.write_str(if names.is_empty() { "none" } else { "" })?;
         f.write_str(&names.join(","))
     }
@@ -86,28 +100,47 @@ const PROBE_SET: &str = "probe-counters";
 
 fn probe_slice(kind: &str, spec: ResourceSliceSpec) -> ResourceSlice {
     ResourceSlice {
-        metadata: ObjectMeta { name: Some(format!("{PROBE_PREFIX}-{kind}")), ..Default::default() },
+        metadata: ObjectMeta {
+            name: Some(format!("{PROBE_PREFIX}-{kind}")),
+            ..Default::default()
+        },
         spec: ResourceSliceSpec {
             driver: DRIVER_NAME.to_string(),
-            pool: ResourcePool { name: format!("{PROBE_PREFIX}-{kind}"), generation: 1, resource_slice_count: 1 },
+            pool: ResourcePool {
+                name: format!("{PROBE_PREFIX}-{kind}"),
+                generation: 1,
+                resource_slice_count: 1,
+            },
             ..spec
         },
     }
 }
 
 fn one_counter() -> std::collections::BTreeMap<String, Counter> {
-    [("c".to_string(), Counter { value: Quantity("1".into()) })].into()
+    [(
+        "c".to_string(),
+        Counter {
+            value: Quantity("1".into()),
+        },
+    )]
+    .into()
 }
 
 /// The probe slices, keyed by what they detect: `counters`, `consumer`, `shared`, `tainted`.
 pub fn probe_slices() -> Vec<ResourceSlice> {
-    let device = |name: &str| Device { name: name.into(), ..Default::default() };
+    let device = |name: &str| Device {
+        name: name.into(),
+        ..Default::default()
+    };
     vec![
         probe_slice(
             "counters",
             ResourceSliceSpec {
                 all_nodes: Some(true),
-                shared_counters: Some(vec![CounterSet { name: PROBE_SET.into(), counters: one_counter() }]),
+                shared_counters: Some(vec![CounterSet {
+                    name: PROBE_SET.into(),
+                    counters: one_counter(),
+                }]),
                 ..Default::default()
             },
         ),
@@ -182,14 +215,23 @@ pub fn features_from_probes(results: &[(String, Option<ResourceSlice>)]) -> ApiF
             .and_then(|(_, s)| s.as_ref())
     };
     let first_device = |kind: &str| get(kind).and_then(|s| s.spec.devices.as_ref()?.first().cloned());
-    let counters = get("counters").is_some_and(|s| s.spec.shared_counters.as_ref().is_some_and(|c| !c.is_empty()));
-    let consumer = first_device("consumer").is_some_and(|d| d.consumes_counters.is_some_and(|c| !c.is_empty()));
+    let counters =
+        get("counters").is_some_and(|s| s.spec.shared_counters.as_ref().is_some_and(|c| !c.is_empty()));
+    let consumer =
+        first_device("consumer").is_some_and(|d| d.consumes_counters.is_some_and(|c| !c.is_empty()));
     let consumable = first_device("shared").is_some_and(|d| {
         d.allow_multiple_allocations == Some(true)
-            && d.capacity.as_ref().and_then(|c| c.get("memory")).is_some_and(|c| c.request_policy.is_some())
+            && d.capacity
+                .as_ref()
+                .and_then(|c| c.get("memory"))
+                .is_some_and(|c| c.request_policy.is_some())
     });
     let taints = first_device("tainted").is_some_and(|d| d.taints.is_some_and(|t| !t.is_empty()));
-    ApiFeatures { partitionable: counters && consumer, consumable, taints }
+    ApiFeatures {
+        partitionable: counters && consumer,
+        consumable,
+        taints,
+    }
 }
 
 #[cfg(test)]
@@ -230,15 +272,32 @@ mod tests {
     #[test]
     fn a_rejected_consumer_probe_means_no_partitionable_devices() {
         let mut results = echo(|_| {});
-        results.iter_mut().find(|(n, _)| n.ends_with("consumer")).unwrap().1 = None;
-        assert_eq!(features_from_probes(&results), ApiFeatures { partitionable: false, ..ApiFeatures::ALL });
+        results
+            .iter_mut()
+            .find(|(n, _)| n.ends_with("consumer"))
+            .unwrap()
+            .1 = None;
+        assert_eq!(
+            features_from_probes(&results),
+            ApiFeatures {
+                partitionable: false,
+                ..ApiFeatures::ALL
+            }
+        );
     }
 
     #[test]
     fn feature_lists_parse_and_print_back() {
         assert_eq!("none".parse::<ApiFeatures>().unwrap(), ApiFeatures::NONE);
         let f: ApiFeatures = "partitionable,taints".parse().unwrap();
-        assert_eq!(f, ApiFeatures { partitionable: true, consumable: false, taints: true });
+        assert_eq!(
+            f,
+            ApiFeatures {
+                partitionable: true,
+                consumable: false,
+                taints: true
+            }
+        );
         assert_eq!(f.to_string(), "partitionable,taints");
         assert_eq!(ApiFeatures::NONE.to_string(), "none");
         assert!("partitionable,mig".parse::<ApiFeatures>().is_err());

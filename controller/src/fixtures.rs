@@ -25,7 +25,21 @@ pub enum GpuModel {
 
 /// One row of a `-lgip` table: name, profile id, index, compute slices, memory slices, SMs, CE, DEC, ENC,
 /// JPEG, OFA, MiB, max instances.
-type Row = (&'static str, u32, u32, u32, u32, u32, u32, u32, u32, u32, u32, u64, u32);
+type Row = (
+    &'static str,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u64,
+    u32,
+);
 
 const H100: [Row; 7] = [
     ("1g.10gb", 19, 0, 1, 1, 16, 1, 1, 0, 1, 0, 9984, 7),
@@ -93,11 +107,29 @@ impl GpuModel {
 
     /// (product name, architecture, compute capability, MiB reported by nvidia-smi, SMs, MIG mode can
     /// change without a reset, table)
-    fn facts(self) -> (&'static str, &'static str, &'static str, u64, u32, bool, &'static [Row; 7]) {
+    fn facts(
+        self,
+    ) -> (
+        &'static str,
+        &'static str,
+        &'static str,
+        u64,
+        u32,
+        bool,
+        &'static [Row; 7],
+    ) {
         match self {
             Self::H100Sxm5_80gb => ("NVIDIA H100 80GB HBM3", "Hopper", "9.0", 81559, 132, true, &H100),
             Self::H200 => ("NVIDIA H200", "Hopper", "9.0", 143771, 132, true, &H200),
-            Self::A100Sxm4_80gb => ("NVIDIA A100-SXM4-80GB", "Ampere", "8.0", 81920, 108, false, &A100_80),
+            Self::A100Sxm4_80gb => (
+                "NVIDIA A100-SXM4-80GB",
+                "Ampere",
+                "8.0",
+                81920,
+                108,
+                false,
+                &A100_80,
+            ),
             Self::B200 => ("NVIDIA B200", "Blackwell", "10.0", 183359, 148, true, &B200),
         }
     }
@@ -116,11 +148,20 @@ pub struct GpuBuilder {
 
 /// A GPU of `model` at `index`.
 pub fn gpu(model: GpuModel, index: u32) -> GpuBuilder {
-    GpuBuilder { model, index, node: "node".into(), mig_enabled: false, healthy: true, numa_node: Some(0) }
+    GpuBuilder {
+        model,
+        index,
+        node: "node".into(),
+        mig_enabled: false,
+        healthy: true,
+        numa_node: Some(0),
+    }
 }
 
 fn fnv(s: &str) -> u32 {
-    s.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
+    s.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
 }
 
 impl GpuBuilder {
@@ -151,27 +192,37 @@ impl GpuBuilder {
         let bus = BUSES[self.index as usize % 8] + 0x100 * (self.index / 8);
         let profiles = table
             .iter()
-            .map(|&(name, id, idx, c, m, sm, ce, dec, enc, jpeg, ofa, mem, max)| MigProfileInfo {
-                name: name.into(),
-                profile_id: id,
-                profile_index: idx,
-                compute_slices: c,
-                memory_slices: m,
-                instance_count: max,
-                memory_mib: mem,
-                multiprocessors: sm,
-                copy_engines: ce,
-                decoders: dec,
-                encoders: enc,
-                jpeg_engines: jpeg,
-                ofa_engines: ofa,
-                placements: starts(name, m).into_iter().map(|start| MigPlacement { start, size: m }).collect(),
-            })
+            .map(
+                |&(name, id, idx, c, m, sm, ce, dec, enc, jpeg, ofa, mem, max)| MigProfileInfo {
+                    name: name.into(),
+                    profile_id: id,
+                    profile_index: idx,
+                    compute_slices: c,
+                    memory_slices: m,
+                    instance_count: max,
+                    memory_mib: mem,
+                    multiprocessors: sm,
+                    copy_engines: ce,
+                    decoders: dec,
+                    encoders: enc,
+                    jpeg_engines: jpeg,
+                    ofa_engines: ofa,
+                    placements: starts(name, m)
+                        .into_iter()
+                        .map(|start| MigPlacement { start, size: m })
+                        .collect(),
+                },
+            )
             .collect();
         GpuInfo {
             index: self.index,
             minor: self.index,
-            uuid: format!("GPU-{:08x}-{:04x}-4000-8000-{:012x}", fnv(&self.node), self.index, bus),
+            uuid: format!(
+                "GPU-{:08x}-{:04x}-4000-8000-{:012x}",
+                fnv(&self.node),
+                self.index,
+                bus
+            ),
             product_name: product.into(),
             brand: "Nvidia".into(),
             architecture: arch.into(),
@@ -205,7 +256,12 @@ pub struct NodeBuilder {
 /// An inventory for node `name`, ready with a heartbeat at the Unix epoch plus one day (tests pass their
 /// own `now`; see [`NodeBuilder::heartbeat_at`]).
 pub fn node(name: &str) -> NodeBuilder {
-    NodeBuilder { name: name.into(), gpus: vec![], ready: true, heartbeat: Some(fixed_time()) }
+    NodeBuilder {
+        name: name.into(),
+        gpus: vec![],
+        ready: true,
+        heartbeat: Some(fixed_time()),
+    }
 }
 
 /// The heartbeat time fixtures use by default.
@@ -219,7 +275,8 @@ impl NodeBuilder {
         for _ in 0..count {
             let index = self.gpus.len() as u32;
             let numa = i64::from(index >= 4);
-            self.gpus.push(gpu(model, index).on_node(&self.name).numa_node(numa).build());
+            self.gpus
+                .push(gpu(model, index).on_node(&self.name).numa_node(numa).build());
         }
         self
     }
@@ -229,7 +286,13 @@ impl NodeBuilder {
         for _ in 0..count {
             let index = self.gpus.len() as u32;
             let numa = i64::from(index >= 4);
-            self.gpus.push(gpu(model, index).on_node(&self.name).numa_node(numa).mig_enabled(true).build());
+            self.gpus.push(
+                gpu(model, index)
+                    .on_node(&self.name)
+                    .numa_node(numa)
+                    .mig_enabled(true)
+                    .build(),
+            );
         }
         self
     }

@@ -12,8 +12,8 @@
 
 use std::sync::Mutex;
 
-use chrono::{DateTime, Utc};
 use crate::reconcile::to_k8s_time;
+use chrono::{DateTime, Utc};
 use k8s_openapi::{
     api::coordination::v1::{Lease, LeaseSpec},
     apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta},
@@ -74,7 +74,8 @@ impl LeaderElector {
 
     /// True while the last renewal is younger than the renew deadline (2/3 of the lease duration).
     pub fn is_leader(&self, now: DateTime<Utc>) -> bool {
-        self.last_renew.is_some_and(|t| now < t + self.lease_duration * 2 / 3)
+        self.last_renew
+            .is_some_and(|t| now < t + self.lease_duration * 2 / 3)
     }
 
     fn spec(&self, now: DateTime<Utc>, acquire: Option<MicroTime>, transitions: i32) -> LeaseSpec {
@@ -163,7 +164,14 @@ pub struct InMemoryLease {
 impl InMemoryLease {
     /// The current holder.
     pub fn holder(&self) -> Option<String> {
-        self.lease.lock().unwrap_or_else(|e| e.into_inner()).as_ref()?.spec.as_ref()?.holder_identity.clone()
+        self.lease
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()?
+            .spec
+            .as_ref()?
+            .holder_identity
+            .clone()
     }
 }
 
@@ -189,7 +197,13 @@ impl LeaseStore for InMemoryLease {
         if current.metadata.resource_version != lease.metadata.resource_version {
             return Err(LeaseError::Conflict);
         }
-        let next: u64 = current.metadata.resource_version.as_deref().and_then(|v| v.parse().ok()).unwrap_or(0) + 1;
+        let next: u64 = current
+            .metadata
+            .resource_version
+            .as_deref()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+            + 1;
         let mut stored = lease.clone();
         stored.metadata.resource_version = Some(next.to_string());
         *slot = Some(stored.clone());

@@ -37,9 +37,18 @@ pub struct PolicyProblem {
 #[derive(Debug, Clone)]
 enum RuleModel {
     Whole,
-    DynamicMig { profiles: Vec<String>, fallback_layout: Vec<String> },
-    StaticMig { layout: Vec<String> },
-    Shared { strategy: api::SharingStrategy, memory_step: u64, fallback_slots: u32 },
+    DynamicMig {
+        profiles: Vec<String>,
+        fallback_layout: Vec<String>,
+    },
+    StaticMig {
+        layout: Vec<String>,
+    },
+    Shared {
+        strategy: api::SharingStrategy,
+        memory_step: u64,
+        fallback_slots: u32,
+    },
 }
 
 #[derive(Debug)]
@@ -60,7 +69,10 @@ pub struct CompiledPolicy {
 pub type Assignments = HashMap<(String, u32), Model>;
 
 fn invalid_model(rule: &str, message: impl std::fmt::Display) -> PolicyProblem {
-    PolicyProblem { reason: api::REASON_INVALID_MODEL, message: format!("rule {rule:?}: {message}") }
+    PolicyProblem {
+        reason: api::REASON_INVALID_MODEL,
+        message: format!("rule {rule:?}: {message}"),
+    }
 }
 
 impl CompiledPolicy {
@@ -83,7 +95,9 @@ impl CompiledPolicy {
                 Ok(ModelRef::StaticMig(m)) if m.layout.is_empty() => {
                     return Err(invalid_model(&name, "staticMig.layout is empty"));
                 }
-                Ok(ModelRef::StaticMig(m)) => RuleModel::StaticMig { layout: m.layout.clone() },
+                Ok(ModelRef::StaticMig(m)) => RuleModel::StaticMig {
+                    layout: m.layout.clone(),
+                },
                 Ok(ModelRef::Shared(m)) => {
                     let memory_step = match &m.memory_step {
                         None => DEFAULT_MEMORY_STEP,
@@ -92,17 +106,29 @@ impl CompiledPolicy {
                             .and_then(|q| q.as_integer())
                             .filter(|v| *v >= 1 << 20)
                             .ok_or_else(|| {
-                                invalid_model(&name, format!("shared.memoryStep {:?} is not a whole number of bytes >= 1Mi", q.0))
+                                invalid_model(
+                                    &name,
+                                    format!(
+                                        "shared.memoryStep {:?} is not a whole number of bytes >= 1Mi",
+                                        q.0
+                                    ),
+                                )
                             })? as u64,
                     };
                     let fallback_slots = m.fallback_slots.unwrap_or(DEFAULT_FALLBACK_SLOTS);
                     if !(1..=MAX_FALLBACK_SLOTS).contains(&fallback_slots) {
                         return Err(invalid_model(
                             &name,
-                            format!("shared.fallbackSlots must be 1..={MAX_FALLBACK_SLOTS}, is {fallback_slots}"),
+                            format!(
+                                "shared.fallbackSlots must be 1..={MAX_FALLBACK_SLOTS}, is {fallback_slots}"
+                            ),
                         ));
                     }
-                    RuleModel::Shared { strategy: m.strategy, memory_step, fallback_slots }
+                    RuleModel::Shared {
+                        strategy: m.strategy,
+                        memory_step,
+                        fallback_slots,
+                    }
                 }
                 Err(n) => {
                     return Err(invalid_model(
@@ -115,7 +141,12 @@ impl CompiledPolicy {
                 None | Some("") => None,
                 Some(src) => Some(cel.compile(src).map_err(|e| problem_from_selector(&name, e))?),
             };
-            rules.push(CompiledRule { name, selector, optional: rule.optional, model });
+            rules.push(CompiledRule {
+                name,
+                selector,
+                optional: rule.optional,
+                model,
+            });
         }
         Ok(Self { rules })
     }
@@ -141,7 +172,8 @@ impl CompiledPolicy {
                         None => true,
                         Some(sel) => cel.matches(sel, &view).map_err(|e| {
                             let mut p = problem_from_selector(&rule.name, e);
-                            p.message = format!("{} (GPU {} of node {})", p.message, gpu.index, node.node_name);
+                            p.message =
+                                format!("{} (GPU {} of node {})", p.message, gpu.index, node.node_name);
                             p
                         })?,
                     };
@@ -151,11 +183,17 @@ impl CompiledPolicy {
                     matched[i] += 1;
                     if model.is_none() {
                         let at = |e: String| {
-                            invalid_model(&rule.name, format!("GPU {} of node {}: {e}", gpu.index, node.node_name))
+                            invalid_model(
+                                &rule.name,
+                                format!("GPU {} of node {}: {e}", gpu.index, node.node_name),
+                            )
                         };
                         model = Some(match &rule.model {
                             RuleModel::Whole => Model::Whole,
-                            RuleModel::DynamicMig { profiles, fallback_layout } => Model::DynamicMig {
+                            RuleModel::DynamicMig {
+                                profiles,
+                                fallback_layout,
+                            } => Model::DynamicMig {
                                 profiles: profiles.clone(),
                                 fallback_layout: if gpu.mig.is_some() && !fallback_layout.is_empty() {
                                     resolve_layout(gpu, fallback_layout).map_err(at)?
@@ -163,10 +201,14 @@ impl CompiledPolicy {
                                     vec![]
                                 },
                             },
-                            RuleModel::StaticMig { layout } => {
-                                Model::StaticMig { layout: resolve_layout(gpu, layout).map_err(at)? }
-                            }
-                            RuleModel::Shared { strategy, memory_step, fallback_slots } => Model::Shared {
+                            RuleModel::StaticMig { layout } => Model::StaticMig {
+                                layout: resolve_layout(gpu, layout).map_err(at)?,
+                            },
+                            RuleModel::Shared {
+                                strategy,
+                                memory_step,
+                                fallback_slots,
+                            } => Model::Shared {
                                 strategy: *strategy,
                                 memory_step: *memory_step,
                                 fallback_slots: *fallback_slots,
@@ -174,7 +216,10 @@ impl CompiledPolicy {
                         });
                     }
                 }
-                out.insert((node.node_name.clone(), gpu.index), model.unwrap_or(Model::Default));
+                out.insert(
+                    (node.node_name.clone(), gpu.index),
+                    model.unwrap_or(Model::Default),
+                );
             }
         }
         let unmatched: Vec<&str> = self
@@ -202,7 +247,10 @@ fn problem_from_selector(rule: &str, e: SelectorError) -> PolicyProblem {
         SelectorError::Type { .. } => api::REASON_CEL_TYPE_ERROR,
         SelectorError::Runtime { .. } => api::REASON_CEL_RUNTIME_ERROR,
     };
-    PolicyProblem { reason, message: format!("rule {rule:?}: {e}") }
+    PolicyProblem {
+        reason,
+        message: format!("rule {rule:?}: {e}"),
+    }
 }
 
 /// Compiles `spec` and assigns models in one step.
@@ -225,8 +273,16 @@ pub fn valid_condition(
     now: DateTime<Utc>,
 ) -> Condition {
     let (status, reason, message) = match outcome {
-        Ok(()) => ("True", api::REASON_VALID, "every rule compiled, evaluated to a bool and matched a GPU".to_string()),
-        Err(p) => ("False", p.reason, format!("{}; the last valid policy stays in effect", p.message)),
+        Ok(()) => (
+            "True",
+            api::REASON_VALID,
+            "every rule compiled, evaluated to a bool and matched a GPU".to_string(),
+        ),
+        Err(p) => (
+            "False",
+            p.reason,
+            format!("{}; the last valid policy stays in effect", p.message),
+        ),
     };
     let last_transition_time = match previous {
         Some(prev) if prev.status == status => prev.last_transition_time.clone(),

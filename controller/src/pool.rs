@@ -51,7 +51,10 @@ pub fn slice_prefix(node: &str) -> String {
         return prefix;
     }
     let hash = hex(&Sha256::digest(node.as_bytes()))[..10].to_string();
-    format!("{}-{hash}-{DRIVER_NAME}", node[..200].trim_end_matches(['-', '.']))
+    format!(
+        "{}-{hash}-{DRIVER_NAME}",
+        node[..200].trim_end_matches(['-', '.'])
+    )
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -81,8 +84,11 @@ pub fn node_slices(
     models: &dyn Fn(u32) -> Model,
     features: ApiFeatures,
 ) -> Vec<ResourceSlice> {
-    let per_gpu: Vec<GpuDevices> =
-        inventory.gpus.iter().map(|gpu| publish(inventory, gpu, &models(gpu.index), features)).collect();
+    let per_gpu: Vec<GpuDevices> = inventory
+        .gpus
+        .iter()
+        .map(|gpu| publish(inventory, gpu, &models(gpu.index), features))
+        .collect();
     let counter_sets: Vec<CounterSet> = per_gpu.iter().filter_map(|g| g.counter_set.clone()).collect();
     let mut device_groups: Vec<Vec<Device>> = vec![];
     let mut loose: Vec<Device> = vec![];
@@ -97,10 +103,16 @@ pub fn node_slices(
 
     let mut specs: Vec<ResourceSliceSpec> = vec![];
     for sets in counter_sets.chunks(MAX_COUNTER_SETS_PER_SLICE) {
-        specs.push(ResourceSliceSpec { shared_counters: Some(sets.to_vec()), ..Default::default() });
+        specs.push(ResourceSliceSpec {
+            shared_counters: Some(sets.to_vec()),
+            ..Default::default()
+        });
     }
     for devices in device_groups.into_iter().filter(|d| !d.is_empty()) {
-        specs.push(ResourceSliceSpec { devices: Some(devices), ..Default::default() });
+        specs.push(ResourceSliceSpec {
+            devices: Some(devices),
+            ..Default::default()
+        });
     }
     let count = specs.len() as i64;
     let prefix = slice_prefix(&node.name);
@@ -111,7 +123,10 @@ pub fn node_slices(
             let mut slice = ResourceSlice {
                 metadata: ObjectMeta {
                     name: Some(format!("{prefix}-{k}")),
-                    labels: Some(BTreeMap::from([(MANAGED_BY_LABEL.0.to_string(), MANAGED_BY_LABEL.1.to_string())])),
+                    labels: Some(BTreeMap::from([(
+                        MANAGED_BY_LABEL.0.to_string(),
+                        MANAGED_BY_LABEL.1.to_string(),
+                    )])),
                     owner_references: node.uid.as_ref().map(|uid| {
                         vec![OwnerReference {
                             api_version: "v1".into(),
@@ -127,7 +142,11 @@ pub fn node_slices(
                 spec: ResourceSliceSpec {
                     driver: DRIVER_NAME.into(),
                     node_name: Some(node.name.clone()),
-                    pool: ResourcePool { name: node.name.clone(), generation: 0, resource_slice_count: count },
+                    pool: ResourcePool {
+                        name: node.name.clone(),
+                        generation: 0,
+                        resource_slice_count: count,
+                    },
                     ..spec
                 },
             };

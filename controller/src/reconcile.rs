@@ -44,7 +44,11 @@ impl Plan {
 
     /// Pools the plan touches.
     pub fn pools(&self) -> BTreeSet<String> {
-        self.creates.iter().chain(&self.updates).map(|s| s.spec.pool.name.clone()).collect()
+        self.creates
+            .iter()
+            .chain(&self.updates)
+            .map(|s| s.spec.pool.name.clone())
+            .collect()
     }
 }
 
@@ -55,7 +59,12 @@ pub type Generations = BTreeMap<String, i64>;
 pub type DesiredPools = BTreeMap<String, Vec<ResourceSlice>>;
 
 fn hash_of(slice: &ResourceSlice) -> Option<&str> {
-    slice.metadata.annotations.as_ref()?.get(CONTENT_HASH_ANNOTATION).map(String::as_str)
+    slice
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(CONTENT_HASH_ANNOTATION)
+        .map(String::as_str)
 }
 
 /// Compares desired pools with the existing slices of this driver.
@@ -65,22 +74,35 @@ pub fn diff(desired: &DesiredPools, existing: &[ResourceSlice], generations: &mu
         by_pool.entry(s.spec.pool.name.as_str()).or_default().push(s);
     }
     let mut plan = Plan::default();
-    let pools: BTreeSet<&str> = desired.keys().map(String::as_str).chain(by_pool.keys().copied()).collect();
+    let pools: BTreeSet<&str> = desired
+        .keys()
+        .map(String::as_str)
+        .chain(by_pool.keys().copied())
+        .collect();
     for pool in pools {
         let have = by_pool.get(pool).map(Vec::as_slice).unwrap_or_default();
         let want = desired.get(pool).map(Vec::as_slice).unwrap_or_default();
         if want.is_empty() {
-            plan.deletes.extend(have.iter().filter_map(|s| s.metadata.name.clone()));
+            plan.deletes
+                .extend(have.iter().filter_map(|s| s.metadata.name.clone()));
             continue;
         }
-        let have_by_name: BTreeMap<&str, &ResourceSlice> =
-            have.iter().filter_map(|s| Some((s.metadata.name.as_deref()?, *s))).collect();
+        let have_by_name: BTreeMap<&str, &ResourceSlice> = have
+            .iter()
+            .filter_map(|s| Some((s.metadata.name.as_deref()?, *s)))
+            .collect();
         let generations_seen: BTreeSet<i64> = have.iter().map(|s| s.spec.pool.generation).collect();
         let unchanged = have.len() == want.len()
             && generations_seen.len() == 1
-            && have.iter().all(|s| s.spec.pool.resource_slice_count == want.len() as i64)
+            && have
+                .iter()
+                .all(|s| s.spec.pool.resource_slice_count == want.len() as i64)
             && want.iter().all(|w| {
-                w.metadata.name.as_deref().and_then(|n| have_by_name.get(n)).is_some_and(|h| hash_of(h) == hash_of(w))
+                w.metadata
+                    .name
+                    .as_deref()
+                    .and_then(|n| have_by_name.get(n))
+                    .is_some_and(|h| hash_of(h) == hash_of(w))
             });
         let max_seen = generations_seen.last().copied().unwrap_or(0);
         if unchanged {
@@ -104,7 +126,9 @@ pub fn diff(desired: &DesiredPools, existing: &[ResourceSlice], generations: &mu
             }
         }
         plan.deletes.extend(
-            have.iter().filter_map(|s| s.metadata.name.clone()).filter(|n| !wanted_names.contains(n.as_str())),
+            have.iter()
+                .filter_map(|s| s.metadata.name.clone())
+                .filter(|n| !wanted_names.contains(n.as_str())),
         );
     }
     plan
@@ -113,7 +137,10 @@ pub fn diff(desired: &DesiredPools, existing: &[ResourceSlice], generations: &mu
 /// True while the node's plugin says it is ready and its heartbeat is younger than `timeout`.
 pub fn is_publishable(inventory: &NodeInventory, now: DateTime<Utc>, timeout: chrono::Duration) -> bool {
     inventory.status.as_ref().is_some_and(|s| {
-        s.ready && s.last_heartbeat_time.as_ref().is_some_and(|t| now.signed_duration_since(from_k8s_time(t.0)) < timeout)
+        s.ready
+            && s.last_heartbeat_time
+                .as_ref()
+                .is_some_and(|t| now.signed_duration_since(from_k8s_time(t.0)) < timeout)
     })
 }
 
@@ -133,11 +160,19 @@ pub fn desired_pools(inputs: &Inputs<'_>) -> DesiredPools {
     let mut pools = DesiredPools::new();
     for inv in inputs.inventories {
         let name = &inv.spec.node_name;
-        let Some(node) = inputs.nodes.get(name) else { continue };
+        let Some(node) = inputs.nodes.get(name) else {
+            continue;
+        };
         if !is_publishable(inv, inputs.now, inputs.heartbeat_timeout) {
             continue;
         }
-        let models = |index: u32| inputs.assignments.get(&(name.clone(), index)).cloned().unwrap_or(Model::Default);
+        let models = |index: u32| {
+            inputs
+                .assignments
+                .get(&(name.clone(), index))
+                .cloned()
+                .unwrap_or(Model::Default)
+        };
         let slices = node_slices(node, &inv.spec, &models, inputs.features);
         if !slices.is_empty() {
             pools.insert(name.clone(), slices);

@@ -97,14 +97,23 @@ pub struct Reconciler {
 
 impl Reconciler {
     pub fn new(features: ApiFeatures, heartbeat_timeout: chrono::Duration) -> Self {
-        Self { cel: CelEnv::new(), features, heartbeat_timeout, last_valid: None, generations: Generations::new() }
+        Self {
+            cel: CelEnv::new(),
+            features,
+            heartbeat_timeout,
+            last_valid: None,
+            generations: Generations::new(),
+        }
     }
 
     fn assignments(&mut self, snap: &Snapshot) -> (Option<Assignments>, Option<PolicyProblem>) {
         let specs = || snap.inventories.iter().map(|i| &i.spec);
         let Some(policy) = &snap.policy else {
             self.last_valid = Some(CompiledPolicy::builtin());
-            return (CompiledPolicy::builtin().assign(&self.cel, specs(), true).ok(), None);
+            return (
+                CompiledPolicy::builtin().assign(&self.cel, specs(), true).ok(),
+                None,
+            );
         };
         match CompiledPolicy::compile(&policy.spec, &self.cel).and_then(|c| {
             let a = c.assign(&self.cel, specs(), true)?;
@@ -117,7 +126,10 @@ impl Reconciler {
             Err(problem) => {
                 // The last valid policy keeps applying to inventories as they change; a rule of it that
                 // no longer matches anything is fine here, it was valid when accepted.
-                let fallback = self.last_valid.as_ref().and_then(|c| c.assign(&self.cel, specs(), false).ok());
+                let fallback = self
+                    .last_valid
+                    .as_ref()
+                    .and_then(|c| c.assign(&self.cel, specs(), false).ok());
                 (fallback, Some(problem))
             }
         }
@@ -127,14 +139,26 @@ impl Reconciler {
     pub fn decide(&mut self, snap: &Snapshot, now: DateTime<Utc>) -> Decision {
         let (assignments, problem) = self.assignments(snap);
         let status = snap.policy.as_ref().and_then(|p| {
-            let previous = p.status.as_ref().and_then(|s| s.conditions.iter().find(|c| c.type_ == CONDITION_VALID));
+            let previous = p
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.iter().find(|c| c.type_ == CONDITION_VALID));
             let generation = p.metadata.generation;
             let condition = valid_condition(problem.as_ref().map_or(Ok(()), Err), generation, previous, now);
-            let status = GpuPolicyStatus { observed_generation: generation, conditions: vec![condition] };
-            (p.status.as_ref() != Some(&status)).then(|| (p.metadata.name.clone().unwrap_or_default(), status))
+            let status = GpuPolicyStatus {
+                observed_generation: generation,
+                conditions: vec![condition],
+            };
+            (p.status.as_ref() != Some(&status))
+                .then(|| (p.metadata.name.clone().unwrap_or_default(), status))
         });
         let Some(assignments) = assignments else {
-            return Decision { plan: None, desired: DesiredPools::new(), status, problem };
+            return Decision {
+                plan: None,
+                desired: DesiredPools::new(),
+                status,
+                problem,
+            };
         };
         let desired = desired_pools(&Inputs {
             inventories: &snap.inventories,
@@ -145,7 +169,12 @@ impl Reconciler {
             heartbeat_timeout: self.heartbeat_timeout,
         });
         let plan = diff(&desired, &snap.slices, &mut self.generations);
-        Decision { plan: Some(plan), desired, status, problem }
+        Decision {
+            plan: Some(plan),
+            desired,
+            status,
+            problem,
+        }
     }
 
     /// Decides, then writes while `may_write()` holds (checked before every call). Returns the decision.
@@ -163,27 +192,41 @@ impl Reconciler {
             }
             api.patch_policy_status(name, status)
                 .await
-                .map_err(|source| Error::PatchPolicyStatus { name: name.clone(), source })?;
+                .map_err(|source| Error::PatchPolicyStatus {
+                    name: name.clone(),
+                    source,
+                })?;
         }
-        let Some(plan) = &decision.plan else { return Ok(decision) };
+        let Some(plan) = &decision.plan else {
+            return Ok(decision);
+        };
         let name = |s: &ResourceSlice| s.metadata.name.clone().unwrap_or_default();
         for s in &plan.creates {
             if !may_write() {
                 return Ok(decision);
             }
-            api.create_slice(s).await.map_err(|source| Error::CreateSlice { name: name(s), source })?;
+            api.create_slice(s).await.map_err(|source| Error::CreateSlice {
+                name: name(s),
+                source,
+            })?;
         }
         for s in &plan.updates {
             if !may_write() {
                 return Ok(decision);
             }
-            api.replace_slice(s).await.map_err(|source| Error::ReplaceSlice { name: name(s), source })?;
+            api.replace_slice(s).await.map_err(|source| Error::ReplaceSlice {
+                name: name(s),
+                source,
+            })?;
         }
         for n in &plan.deletes {
             if !may_write() {
                 return Ok(decision);
             }
-            api.delete_slice(n).await.map_err(|source| Error::DeleteSlice { name: n.clone(), source })?;
+            api.delete_slice(n).await.map_err(|source| Error::DeleteSlice {
+                name: n.clone(),
+                source,
+            })?;
         }
         Ok(decision)
     }
@@ -210,7 +253,10 @@ impl Replica {
         }
         let elector = &self.elector;
         let may_write = || elector.is_leader(clock());
-        self.reconciler.reconcile(snap, api, clock(), &may_write).await.map(Some)
+        self.reconciler
+            .reconcile(snap, api, clock(), &may_write)
+            .await
+            .map(Some)
     }
 }
 
@@ -232,7 +278,13 @@ struct InMemoryState {
 impl InMemoryApi {
     /// Slices as a watch would deliver them.
     pub fn slices(&self) -> Vec<ResourceSlice> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).slices.values().cloned().collect()
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .slices
+            .values()
+            .cloned()
+            .collect()
     }
 
     /// Number of successful writes so far.
@@ -242,12 +294,21 @@ impl InMemoryApi {
 
     /// The last status written for a policy.
     pub fn policy_status(&self, name: &str) -> Option<GpuPolicyStatus> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).policy_status.get(name).cloned()
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .policy_status
+            .get(name)
+            .cloned()
     }
 
     /// Deletes slices behind the controller's back, as kubelet does for a node's driver slices.
     pub fn delete_where(&self, pred: impl Fn(&ResourceSlice) -> bool) {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).slices.retain(|_, s| !pred(s));
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .slices
+            .retain(|_, s| !pred(s));
     }
 
     fn write(&self, f: impl FnOnce(&mut InMemoryState) -> Result<(), ApiError>) -> Result<(), ApiError> {
@@ -283,7 +344,10 @@ impl ClusterApi for InMemoryApi {
     async fn replace_slice(&self, slice: &ResourceSlice) -> Result<(), ApiError> {
         self.write(|st| {
             let name = slice.metadata.name.clone().unwrap_or_default();
-            let current = st.slices.get(&name).ok_or_else(|| format!("resourceslices {name:?} not found"))?;
+            let current = st
+                .slices
+                .get(&name)
+                .ok_or_else(|| format!("resourceslices {name:?} not found"))?;
             if current.metadata.resource_version != slice.metadata.resource_version {
                 return Err(format!("conflict updating resourceslices {name:?}").into());
             }
@@ -295,7 +359,10 @@ impl ClusterApi for InMemoryApi {
 
     async fn delete_slice(&self, name: &str) -> Result<(), ApiError> {
         self.write(|st| {
-            st.slices.remove(name).map(|_| ()).ok_or_else(|| format!("resourceslices {name:?} not found").into())
+            st.slices
+                .remove(name)
+                .map(|_| ())
+                .ok_or_else(|| format!("resourceslices {name:?} not found").into())
         })
     }
 

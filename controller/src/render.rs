@@ -45,7 +45,10 @@ enum InventoryDoc {
 /// (what `tessera-kubelet-plugin discover` prints, when it carries `nodeName`). Several YAML documents
 /// may be separated by `---`.
 pub fn parse_inventories(path: &str, text: &str) -> Result<Vec<NodeInventory>, RenderError> {
-    let err = |message: String| RenderError::ParseInventory { path: path.to_string(), message };
+    let err = |message: String| RenderError::ParseInventory {
+        path: path.to_string(),
+        message,
+    };
     let mut out = vec![];
     for doc in serde_norway::Deserializer::from_str(text) {
         let value = serde_norway::Value::deserialize(doc).map_err(|e| err(e.to_string()))?;
@@ -63,7 +66,10 @@ pub fn parse_inventories(path: &str, text: &str) -> Result<Vec<NodeInventory>, R
 
 /// Reads a GpuPolicy from YAML or JSON text.
 pub fn parse_policy(path: &str, text: &str) -> Result<GpuPolicy, RenderError> {
-    serde_norway::from_str(text).map_err(|e| RenderError::ParsePolicy { path: path.into(), message: e.to_string() })
+    serde_norway::from_str(text).map_err(|e| RenderError::ParsePolicy {
+        path: path.into(),
+        message: e.to_string(),
+    })
 }
 
 /// The slices for `inventories` under `policy` (built-in default without one), as first published
@@ -81,11 +87,20 @@ pub fn render(
     let assignments = compiled.assign(&cel, inventories.iter().map(|i| &i.spec), true)?;
     let mut desired = BTreeMap::new();
     for inv in inventories {
-        let node = NodeRef { name: inv.spec.node_name.clone(), uid: None };
-        let models = |index: u32| {
-            assignments.get(&(node.name.clone(), index)).cloned().unwrap_or(crate::devices::Model::Default)
+        let node = NodeRef {
+            name: inv.spec.node_name.clone(),
+            uid: None,
         };
-        desired.insert(node.name.clone(), node_slices(&node, &inv.spec, &models, features));
+        let models = |index: u32| {
+            assignments
+                .get(&(node.name.clone(), index))
+                .cloned()
+                .unwrap_or(crate::devices::Model::Default)
+        };
+        desired.insert(
+            node.name.clone(),
+            node_slices(&node, &inv.spec, &models, features),
+        );
     }
     Ok(diff(&desired, &[], &mut Generations::new()).creates)
 }
@@ -97,10 +112,32 @@ pub fn render_files(
     features: ApiFeatures,
 ) -> Result<serde_json::Value, RenderError> {
     let read = |p: &Path| {
-        std::fs::read_to_string(p).map_err(|source| RenderError::ReadFile { path: p.display().to_string(), source })
+        std::fs::read_to_string(p).map_err(|source| RenderError::ReadFile {
+            path: p.display().to_string(),
+            source,
+        })
     };
     let inventories = parse_inventories(&inventory.display().to_string(), &read(inventory)?)?;
-    let policy = policy.map(|p| parse_policy(&p.display().to_string(), &read(p)?)).transpose()?;
+    let policy = policy
+        .map(|p| parse_policy(&p.display().to_string(), &read(p)?))
+        .transpose()?;
     let slices = render(&inventories, policy.as_ref(), features)?;
     Ok(serde_json::json!({ "apiVersion": "v1", "kind": "List", "items": slices }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::{GpuModel, node};
+
+    #[test]
+    fn discover_output_and_multi_document_streams_parse_as_inventories() {
+        let a = serde_norway::to_string(&node("a").gpus(GpuModel::H200, 1).build().spec).unwrap();
+        let b = serde_norway::to_string(&node("b").gpus(GpuModel::B200, 2).build()).unwrap();
+        let invs = parse_inventories("x", &format!("{a}---\n{b}")).unwrap();
+        let names: Vec<&str> = invs.iter().map(|i| i.spec.node_name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(invs[0].metadata.name.as_deref(), Some("a"));
+        assert!(parse_inventories("x", "gpus: 3").is_err());
+    }
 }

@@ -23,7 +23,10 @@ use kube::{
         watcher,
     },
 };
-use tessera_api::{DRIVER_NAME, NodeInventory, policy::{DEFAULT_POLICY_NAME, GpuPolicy, GpuPolicyStatus}};
+use tessera_api::{
+    DRIVER_NAME, NodeInventory,
+    policy::{DEFAULT_POLICY_NAME, GpuPolicy, GpuPolicyStatus},
+};
 use tokio::sync::Notify;
 
 use crate::{
@@ -40,6 +43,8 @@ const FIELD_MANAGER: &str = "tessera-controller";
 const DEBOUNCE: Duration = Duration::from_millis(200);
 /// How long to wait for the cache to show the controller's own writes.
 const CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the API server's features are probed again.
+const REPROBE_EVERY: Duration = Duration::from_secs(300);
 
 /// [`ClusterApi`] on a kube client.
 pub struct KubeApi {
@@ -47,18 +52,47 @@ pub struct KubeApi {
     policies: Api<GpuPolicy>,
 }
 
+impl KubeApi {
+    pub fn new(client: &Client) -> Self {
+        Self {
+            slices: Api::all(client.clone()),
+            policies: Api::all(client.clone()),
+        }
+    }
+}
+
+impl KubeLease {
+    pub fn new(client: &Client, namespace: &str, name: &str) -> Self {
+        Self {
+            api: Api::namespaced(client.clone(), namespace),
+            name: name.to_string(),
+        }
+    }
+}
+
 fn post_params() -> PostParams {
-    PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() }
+    PostParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    }
 }
 
 impl ClusterApi for KubeApi {
     async fn create_slice(&self, slice: &ResourceSlice) -> Result<(), ApiError> {
-        self.slices.create(&post_params(), slice).await.map(|_| ()).map_err(Into::into)
+        self.slices
+            .create(&post_params(), slice)
+            .await
+            .map(|_| ())
+            .map_err(Into::into)
     }
 
     async fn replace_slice(&self, slice: &ResourceSlice) -> Result<(), ApiError> {
         let name = slice.metadata.name.clone().unwrap_or_default();
-        self.slices.replace(&name, &post_params(), slice).await.map(|_| ()).map_err(Into::into)
+        self.slices
+            .replace(&name, &post_params(), slice)
+            .await
+            .map(|_| ())
+            .map_err(Into::into)
     }
 
     async fn delete_slice(&self, name: &str) -> Result<(), ApiError> {
@@ -71,7 +105,11 @@ impl ClusterApi for KubeApi {
 
     async fn patch_policy_status(&self, name: &str, status: &GpuPolicyStatus) -> Result<(), ApiError> {
         let patch = Patch::Merge(serde_json::json!({ "status": status }));
-        self.policies.patch_status(name, &PatchParams::default(), &patch).await.map(|_| ()).map_err(Into::into)
+        self.policies
+            .patch_status(name, &PatchParams::default(), &patch)
+            .await
+            .map(|_| ())
+            .map_err(Into::into)
     }
 }
 
@@ -98,34 +136,43 @@ impl LeaseStore for KubeLease {
     }
 
     async fn replace(&self, lease: &Lease) -> Result<Lease, LeaseError> {
-        self.api.replace(&self.name, &post_params(), lease).await.map_err(lease_error)
+        self.api
+            .replace(&self.name, &post_params(), lease)
+            .await
+            .map_err(lease_error)
     }
 }
 
 /// Detects partitionable devices, consumable capacity and taints with dry-run probes (see
-/// [`crate::features`]).
-pub async fn probe_features(client: &Client) -> ApiFeatures {
+/// [`crate::features`]). Only a validation rejection (400/422) counts as "unsupported"; any other
+/// failure makes the whole probe inconclusive, so a network blip never downgrades every pool.
+pub async fn probe_features(client: &Client) -> Result<ApiFeatures, kube::Error> {
     let api: Api<ResourceSlice> = Api::all(client.clone());
-    let params = PostParams { dry_run: true, field_manager: Some(FIELD_MANAGER.into()) };
+    let params = PostParams {
+        dry_run: true,
+        field_manager: Some(FIELD_MANAGER.into()),
+    };
     let mut results = vec![];
     for slice in probe_slices() {
         let name = slice.metadata.name.clone().unwrap_or_default();
         let returned = match api.create(&params, &slice).await {
             Ok(s) => Some(s),
-            Err(e) => {
-                tracing::info!(probe = %name, error = %e, "feature probe rejected");
+            Err(kube::Error::Api(s)) if s.code == 400 || s.code == 422 => {
+                tracing::info!(probe = %name, reason = %s.message, "feature probe rejected");
                 None
             }
+            Err(e) => return Err(e),
         };
         results.push((name, returned));
     }
-    features_from_probes(&results)
+    Ok(features_from_probes(&results))
 }
 
 async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Client> {
     let config = match kubeconfig {
         Some(path) => {
-            let kc = Kubeconfig::read_from(path).with_context(|| format!("failed to read kubeconfig {}", path.display()))?;
+            let kc = Kubeconfig::read_from(path)
+                .with_context(|| format!("failed to read kubeconfig {}", path.display()))?;
             Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?
         }
         None => Config::infer().await?,
@@ -148,7 +195,13 @@ impl Stores {
             .iter()
             .filter_map(|n| {
                 let name = n.metadata.name.clone()?;
-                Some((name.clone(), NodeRef { name, uid: n.metadata.uid.clone() }))
+                Some((
+                    name.clone(),
+                    NodeRef {
+                        name,
+                        uid: n.metadata.uid.clone(),
+                    },
+                ))
             })
             .collect();
         Snapshot {
@@ -166,24 +219,51 @@ impl Stores {
 
     /// True when the cache shows every write of `plan`.
     fn shows(&self, plan: &Plan) -> bool {
-        let current: BTreeMap<String, Arc<ResourceSlice>> =
-            self.slices.state().into_iter().filter_map(|s| Some((s.metadata.name.clone()?, s))).collect();
-        let hash = |s: &ResourceSlice| s.metadata.annotations.as_ref().and_then(|a| a.get(CONTENT_HASH_ANNOTATION).cloned());
+        let current: BTreeMap<String, Arc<ResourceSlice>> = self
+            .slices
+            .state()
+            .into_iter()
+            .filter_map(|s| Some((s.metadata.name.clone()?, s)))
+            .collect();
+        let hash = |s: &ResourceSlice| {
+            s.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(CONTENT_HASH_ANNOTATION).cloned())
+        };
         plan.creates.iter().chain(&plan.updates).all(|w| {
-            w.metadata.name.as_ref().and_then(|n| current.get(n)).is_some_and(|c| {
-                c.spec.pool.generation == w.spec.pool.generation && hash(c) == hash(w)
-            })
+            w.metadata
+                .name
+                .as_ref()
+                .and_then(|n| current.get(n))
+                .is_some_and(|c| c.spec.pool.generation == w.spec.pool.generation && hash(c) == hash(w))
         }) && plan.deletes.iter().all(|n| !current.contains_key(n))
     }
 }
 
 /// Runs the controller until SIGINT/SIGTERM.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let RunArgs { kubeconfig, lease_namespace, lease_name, identity, heartbeat_timeout, features } = args;
+    let RunArgs {
+        kubeconfig,
+        lease_namespace,
+        lease_name,
+        identity,
+        heartbeat_timeout,
+        features,
+    } = args;
     let client = client(kubeconfig.as_deref()).await?;
+    let pinned_features = features;
     let features = match features {
         Some(f) => f,
-        None => probe_features(&client).await,
+        None => loop {
+            match probe_features(&client).await {
+                Ok(f) => break f,
+                Err(e) => {
+                    tracing::warn!(error = %e, "probing the API server's features failed; retrying");
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+            }
+        },
     };
     let identity = identity.unwrap_or_else(|| {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "tessera".into());
@@ -197,19 +277,28 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (pol_reader, pol_writer) = reflector::store();
     let (slice_reader, slice_writer) = reflector::store();
     let wc = watcher::Config::default;
-    let inventories = reflector::reflector(inv_writer, watcher(Api::<NodeInventory>::all(client.clone()), wc()))
-        .default_backoff()
-        .touched_objects()
-        .map(|_| ())
-        .boxed();
-    let nodes = reflector::reflector(node_writer, watcher(Api::<PartialObjectMeta<Node>>::all(client.clone()), wc()))
-        .default_backoff()
-        .touched_objects()
-        .map(|_| ())
-        .boxed();
+    let inventories = reflector::reflector(
+        inv_writer,
+        watcher(Api::<NodeInventory>::all(client.clone()), wc()),
+    )
+    .default_backoff()
+    .touched_objects()
+    .map(|_| ())
+    .boxed();
+    let nodes = reflector::reflector(
+        node_writer,
+        watcher(Api::<PartialObjectMeta<Node>>::all(client.clone()), wc()),
+    )
+    .default_backoff()
+    .touched_objects()
+    .map(|_| ())
+    .boxed();
     let policies = reflector::reflector(
         pol_writer,
-        watcher(Api::<GpuPolicy>::all(client.clone()), wc().fields(&format!("metadata.name={DEFAULT_POLICY_NAME}"))),
+        watcher(
+            Api::<GpuPolicy>::all(client.clone()),
+            wc().fields(&format!("metadata.name={DEFAULT_POLICY_NAME}")),
+        ),
     )
     .default_backoff()
     .touched_objects()
@@ -217,7 +306,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     .boxed();
     let slices = reflector::reflector(
         slice_writer,
-        watcher(Api::<ResourceSlice>::all(client.clone()), wc().fields(&format!("spec.driver={DRIVER_NAME}"))),
+        watcher(
+            Api::<ResourceSlice>::all(client.clone()),
+            wc().fields(&format!("spec.driver={DRIVER_NAME}")),
+        ),
     )
     .default_backoff()
     .touched_objects()
@@ -229,25 +321,61 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         waker.notify_one();
         futures::future::ready(())
     }));
-    let stores = Stores { inventories: inv_reader, nodes: node_reader, policies: pol_reader, slices: slice_reader };
+    let stores = Stores {
+        inventories: inv_reader,
+        nodes: node_reader,
+        policies: pol_reader,
+        slices: slice_reader,
+    };
     for (what, ready) in [
-        ("NodeInventories", stores.inventories.wait_until_ready().await.is_ok()),
+        (
+            "NodeInventories",
+            stores.inventories.wait_until_ready().await.is_ok(),
+        ),
         ("Nodes", stores.nodes.wait_until_ready().await.is_ok()),
         ("GpuPolicies", stores.policies.wait_until_ready().await.is_ok()),
         ("ResourceSlices", stores.slices.wait_until_ready().await.is_ok()),
     ] {
-        anyhow::ensure!(ready, "failed to list {what}: the watch ended before its first list");
+        anyhow::ensure!(
+            ready,
+            "failed to list {what}: the watch ended before its first list"
+        );
     }
 
-    let api = KubeApi { slices: Api::all(client.clone()), policies: Api::all(client.clone()) };
-    let lease = KubeLease { api: Api::namespaced(client.clone(), &lease_namespace), name: lease_name.clone() };
+    let api = KubeApi {
+        slices: Api::all(client.clone()),
+        policies: Api::all(client.clone()),
+    };
+    let lease = KubeLease {
+        api: Api::namespaced(client.clone(), &lease_namespace),
+        name: lease_name.clone(),
+    };
     let mut replica = Replica {
         elector: LeaderElector::new(&identity, &lease_namespace, &lease_name),
         reconciler: Reconciler::new(features, chrono::Duration::seconds(heartbeat_timeout as i64)),
     };
-    let tick_every = replica.elector.renew_interval().to_std().unwrap_or(Duration::from_secs(2));
+    let tick_every = replica
+        .elector
+        .renew_interval()
+        .to_std()
+        .unwrap_or(Duration::from_secs(2));
     let mut was_leader = false;
+    let mut next_probe = tokio::time::Instant::now() + REPROBE_EVERY;
     loop {
+        // Gates change with API server upgrades or restarts; a changed answer republishes every pool.
+        if pinned_features.is_none() && tokio::time::Instant::now() >= next_probe {
+            next_probe = tokio::time::Instant::now() + REPROBE_EVERY;
+            match probe_features(&client).await {
+                Ok(probed) if probed != replica.reconciler.features => {
+                    tracing::info!(from = %replica.reconciler.features, to = %probed, "API server features changed");
+                    replica.reconciler.features = probed;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "re-probing the API server's features failed; keeping them")
+                }
+            }
+        }
         let snap = stores.snapshot();
         match replica.tick(&lease, &api, &snap, &Utc::now).await {
             Ok(Some(decision)) => {

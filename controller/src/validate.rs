@@ -28,7 +28,8 @@ fn is_dns_subdomain(s: &str, max: usize) -> bool {
         && s.len() <= max
         && s.split('.').all(|l| {
             !l.is_empty()
-                && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
                 && !l.starts_with('-')
                 && !l.ends_with('-')
         })
@@ -65,32 +66,50 @@ fn validate_device(p: &mut Vec<String>, at: &str, d: &Device) {
     let attrs = d.attributes.as_ref().map_or(0, |a| a.len());
     let caps = d.capacity.as_ref().map_or(0, |c| c.len());
     if attrs + caps > MAX_ATTRIBUTES_AND_CAPACITIES {
-        p.push(format!("{at}: {attrs} attributes + {caps} capacities > {MAX_ATTRIBUTES_AND_CAPACITIES}"));
+        p.push(format!(
+            "{at}: {attrs} attributes + {caps} capacities > {MAX_ATTRIBUTES_AND_CAPACITIES}"
+        ));
     }
     for (name, a) in d.attributes.iter().flatten() {
         if !is_qualified_name(name) {
             p.push(format!("{at}: attribute name {name:?} is not a qualified name"));
         }
-        let set = [a.int.is_some(), a.bool.is_some(), a.string.is_some(), a.version.is_some()]
+        let set = [
+            a.int.is_some(),
+            a.bool.is_some(),
+            a.string.is_some(),
+            a.version.is_some(),
+        ]
+        .iter()
+        .filter(|x| **x)
+        .count()
+            + [
+                a.ints.is_some(),
+                a.bools.is_some(),
+                a.strings.is_some(),
+                a.versions.is_some(),
+            ]
             .iter()
             .filter(|x| **x)
-            .count()
-            + [a.ints.is_some(), a.bools.is_some(), a.strings.is_some(), a.versions.is_some()]
-                .iter()
-                .filter(|x| **x)
-                .count();
+            .count();
         if set != 1 {
-            p.push(format!("{at}: attribute {name} must have exactly one value, has {set}"));
+            p.push(format!(
+                "{at}: attribute {name} must have exactly one value, has {set}"
+            ));
         }
         if let Some(s) = &a.string
             && s.len() > MAX_ATTRIBUTE_VALUE_LEN
         {
-            p.push(format!("{at}: attribute {name} longer than {MAX_ATTRIBUTE_VALUE_LEN}"));
+            p.push(format!(
+                "{at}: attribute {name} longer than {MAX_ATTRIBUTE_VALUE_LEN}"
+            ));
         }
         if let Some(v) = &a.version
             && (v.len() > MAX_ATTRIBUTE_VALUE_LEN || Semver::parse(v).is_err())
         {
-            p.push(format!("{at}: attribute {name} = {v:?} is not a semantic version of at most 64 characters"));
+            p.push(format!(
+                "{at}: attribute {name} = {v:?} is not a semantic version of at most 64 characters"
+            ));
         }
     }
     let multi = d.allow_multiple_allocations == Some(true);
@@ -99,10 +118,14 @@ fn validate_device(p: &mut Vec<String>, at: &str, d: &Device) {
             p.push(format!("{at}: capacity name {name:?} is not a qualified name"));
         }
         let cat = format!("{at}: capacity {name}");
-        let Some(value) = quantity(p, &cat, &c.value.0) else { continue };
+        let Some(value) = quantity(p, &cat, &c.value.0) else {
+            continue;
+        };
         let Some(policy) = &c.request_policy else { continue };
         if !multi {
-            p.push(format!("{cat}: requestPolicy needs allowMultipleAllocations=true"));
+            p.push(format!(
+                "{cat}: requestPolicy needs allowMultipleAllocations=true"
+            ));
         }
         if policy.valid_range.is_some() && policy.valid_values.is_some() {
             p.push(format!("{cat}: at most one of validValues and validRange"));
@@ -111,7 +134,9 @@ fn validate_device(p: &mut Vec<String>, at: &str, d: &Device) {
         if let Some(values) = &policy.valid_values {
             let qs: Vec<Quantity> = values.iter().filter_map(|q| quantity(p, &cat, &q.0)).collect();
             if qs.len() > MAX_VALID_VALUES || qs.windows(2).any(|w| w[0] >= w[1]) {
-                p.push(format!("{cat}: validValues must be at most 10, strictly ascending"));
+                p.push(format!(
+                    "{cat}: validValues must be at most 10, strictly ascending"
+                ));
             }
             if let Some(d) = default
                 && !qs.contains(&d)
@@ -143,7 +168,8 @@ fn validate_device(p: &mut Vec<String>, at: &str, d: &Device) {
                 if let Some(d) = default {
                     let above_max = max.is_some_and(|m| d > m);
                     let misaligned = step.is_some_and(|s| {
-                        let (Some(off), Some(s)) = (d.checked_sub(&min).and_then(|o| o.as_integer()), s.as_integer())
+                        let (Some(off), Some(s)) =
+                            (d.checked_sub(&min).and_then(|o| o.as_integer()), s.as_integer())
                         else {
                             return false;
                         };
@@ -158,11 +184,18 @@ fn validate_device(p: &mut Vec<String>, at: &str, d: &Device) {
     }
     let consumptions = d.consumes_counters.as_deref().unwrap_or_default();
     if consumptions.len() > MAX_CONSUMPTIONS_PER_DEVICE {
-        p.push(format!("{at}: {} counter consumptions > {MAX_CONSUMPTIONS_PER_DEVICE}", consumptions.len()));
+        p.push(format!(
+            "{at}: {} counter consumptions > {MAX_CONSUMPTIONS_PER_DEVICE}",
+            consumptions.len()
+        ));
     }
     for c in consumptions {
         if c.counters.len() > MAX_COUNTERS_PER_SET || c.counters.is_empty() {
-            p.push(format!("{at}: consumption of {} has {} counters (1..=32)", c.counter_set, c.counters.len()));
+            p.push(format!(
+                "{at}: consumption of {} has {} counters (1..=32)",
+                c.counter_set,
+                c.counters.len()
+            ));
         }
     }
     let taints = d.taints.as_deref().unwrap_or_default();
@@ -182,17 +215,24 @@ pub fn validate_slice(slice: &ResourceSlice) -> Vec<String> {
     let name = slice.metadata.name.clone().unwrap_or_default();
     let at = format!("slice {name}");
     if !is_dns_subdomain(&name, 253) {
-        p.push(format!("{at}: name is not a DNS subdomain of at most 253 characters"));
+        p.push(format!(
+            "{at}: name is not a DNS subdomain of at most 253 characters"
+        ));
     }
     let spec = &slice.spec;
     if !is_dns_subdomain(&spec.driver, 63) {
-        p.push(format!("{at}: driver {:?} is not a DNS subdomain of at most 63", spec.driver));
+        p.push(format!(
+            "{at}: driver {:?} is not a DNS subdomain of at most 63",
+            spec.driver
+        ));
     }
     if spec.pool.name.len() > 253 || !spec.pool.name.split('/').all(|s| is_dns_subdomain(s, 253)) {
         p.push(format!("{at}: pool name {:?} is invalid", spec.pool.name));
     }
     if spec.pool.resource_slice_count <= 0 || spec.pool.generation < 0 {
-        p.push(format!("{at}: pool generation must be >= 0 and resourceSliceCount > 0"));
+        p.push(format!(
+            "{at}: pool generation must be >= 0 and resourceSliceCount > 0"
+        ));
     }
     let selections = [
         spec.node_name.is_some(),
@@ -204,15 +244,25 @@ pub fn validate_slice(slice: &ResourceSlice) -> Vec<String> {
     .filter(|x| **x)
     .count();
     if selections != 1 {
-        p.push(format!("{at}: exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection"));
+        p.push(format!(
+            "{at}: exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection"
+        ));
     }
     let devices = spec.devices.as_deref().unwrap_or_default();
     let sets = spec.shared_counters.as_deref().unwrap_or_default();
     if !devices.is_empty() && !sets.is_empty() {
-        p.push(format!("{at}: only one of devices and sharedCounters can be set (1.35+)"));
+        p.push(format!(
+            "{at}: only one of devices and sharedCounters can be set (1.35+)"
+        ));
     }
-    let advanced = devices.iter().any(|d| d.consumes_counters.is_some() || d.taints.is_some());
-    let limit = if advanced { MAX_DEVICES_ADVANCED } else { MAX_DEVICES };
+    let advanced = devices
+        .iter()
+        .any(|d| d.consumes_counters.is_some() || d.taints.is_some());
+    let limit = if advanced {
+        MAX_DEVICES_ADVANCED
+    } else {
+        MAX_DEVICES
+    };
     if devices.len() > limit {
         p.push(format!("{at}: {} devices > {limit}", devices.len()));
     }
@@ -227,7 +277,11 @@ pub fn validate_slice(slice: &ResourceSlice) -> Vec<String> {
             p.push(format!("{at}: counter set name {:?} is not a DNS label", s.name));
         }
         if s.counters.is_empty() || s.counters.len() > MAX_COUNTERS_PER_SET {
-            p.push(format!("{at}: counter set {} has {} counters (1..=32)", s.name, s.counters.len()));
+            p.push(format!(
+                "{at}: counter set {} has {} counters (1..=32)",
+                s.name,
+                s.counters.len()
+            ));
         }
         for (c, v) in &s.counters {
             if !is_dns_label(c) {
@@ -261,8 +315,11 @@ pub fn validate_pool(slices: &[ResourceSlice]) -> Vec<String> {
     let mut sets: BTreeMap<&str, BTreeMap<&str, Quantity>> = BTreeMap::new();
     for s in slices {
         for set in s.spec.shared_counters.iter().flatten() {
-            let counters =
-                set.counters.iter().filter_map(|(k, v)| Quantity::parse(&v.value.0).ok().map(|q| (k.as_str(), q))).collect();
+            let counters = set
+                .counters
+                .iter()
+                .filter_map(|(k, v)| Quantity::parse(&v.value.0).ok().map(|q| (k.as_str(), q)))
+                .collect();
             if sets.insert(set.name.as_str(), counters).is_some() {
                 p.push(format!("counter set {} defined twice in the pool", set.name));
             }
@@ -275,17 +332,175 @@ pub fn validate_pool(slices: &[ResourceSlice]) -> Vec<String> {
             }
             for c in d.consumes_counters.iter().flatten() {
                 let Some(set) = sets.get(c.counter_set.as_str()) else {
-                    p.push(format!("device {} consumes from unknown counter set {}", d.name, c.counter_set));
+                    p.push(format!(
+                        "device {} consumes from unknown counter set {}",
+                        d.name, c.counter_set
+                    ));
                     continue;
                 };
                 for (name, v) in &c.counters {
                     match (set.get(name.as_str()), Quantity::parse(&v.value.0)) {
                         (Some(have), Ok(need)) if need <= *have => {}
-                        _ => p.push(format!("device {} needs more {name} than set {} has", d.name, c.counter_set)),
+                        _ => p.push(format!(
+                            "device {} needs more {name} than set {} has",
+                            d.name, c.counter_set
+                        )),
                     }
                 }
             }
         }
     }
     p
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::resource::v1::{Counter, CounterSet, DeviceAttribute, DeviceCounterConsumption};
+
+    use super::*;
+    use crate::{
+        features::ApiFeatures,
+        fixtures::{GpuModel, node},
+        render::render,
+    };
+
+    fn h100_pool() -> Vec<ResourceSlice> {
+        render(
+            &[node("n").gpus(GpuModel::H100Sxm5_80gb, 2).build()],
+            None,
+            ApiFeatures::ALL,
+        )
+        .unwrap()
+    }
+
+    fn assert_rejects(slices: &[ResourceSlice], needle: &str) {
+        let problems = validate_pool(slices);
+        assert!(
+            problems.iter().any(|p| p.contains(needle)),
+            "expected {needle:?} in {problems:#?}"
+        );
+    }
+
+    #[test]
+    fn a_valid_pool_has_no_problems() {
+        assert_eq!(validate_pool(&h100_pool()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn devices_and_counters_in_one_slice_are_rejected() {
+        let mut pool = h100_pool();
+        pool[1].spec.shared_counters = pool[0].spec.shared_counters.clone();
+        assert_rejects(&pool, "only one of devices and sharedCounters");
+    }
+
+    #[test]
+    fn more_than_64_devices_with_counters_in_a_slice_are_rejected() {
+        let mut pool = h100_pool();
+        let extra: Vec<Device> = pool[2].spec.devices.clone().unwrap();
+        pool[1]
+            .spec
+            .devices
+            .as_mut()
+            .unwrap()
+            .extend(extra.iter().cloned().map(|mut d| {
+                d.name = format!("x{}", d.name);
+                d
+            }));
+        pool[1]
+            .spec
+            .devices
+            .as_mut()
+            .unwrap()
+            .extend(extra.into_iter().map(|mut d| {
+                d.name = format!("y{}", d.name);
+                d
+            }));
+        assert_rejects(&pool, "78 devices > 64");
+    }
+
+    #[test]
+    fn long_strings_bad_names_and_unknown_counter_sets_are_rejected() {
+        let mut pool = h100_pool();
+        let d = &mut pool[1].spec.devices.as_mut().unwrap()[0];
+        d.attributes.as_mut().unwrap().insert(
+            "productName".into(),
+            DeviceAttribute {
+                string: Some("x".repeat(65)),
+                ..Default::default()
+            },
+        );
+        d.attributes.as_mut().unwrap().insert(
+            "driverVersion".into(),
+            DeviceAttribute {
+                version: Some("580.159.03".into()),
+                ..Default::default()
+            },
+        );
+        d.consumes_counters
+            .as_mut()
+            .unwrap()
+            .push(DeviceCounterConsumption {
+                counter_set: "nope".into(),
+                counters: [(
+                    "memory".to_string(),
+                    Counter {
+                        value: k8s_openapi::apimachinery::pkg::api::resource::Quantity("1".into()),
+                    },
+                )]
+                .into(),
+            });
+        pool[2].spec.devices.as_mut().unwrap()[0].name = "GPU_1".into();
+        assert_rejects(&pool, "longer than 64");
+        assert_rejects(&pool, "not a semantic version");
+        assert_rejects(&pool, "unknown counter set nope");
+        assert_rejects(&pool, "not a DNS label");
+    }
+
+    #[test]
+    fn too_many_counter_sets_too_many_consumptions_and_a_wrong_slice_count_are_rejected() {
+        let mut pool = h100_pool();
+        let set = CounterSet {
+            name: "s".into(),
+            counters: [(
+                "c".to_string(),
+                Counter {
+                    value: k8s_openapi::apimachinery::pkg::api::resource::Quantity("1".into()),
+                },
+            )]
+            .into(),
+        };
+        let sets = pool[0].spec.shared_counters.as_mut().unwrap();
+        for i in 0..7 {
+            sets.push(CounterSet {
+                name: format!("s{i}"),
+                ..set.clone()
+            });
+        }
+        let d = &mut pool[1].spec.devices.as_mut().unwrap()[0];
+        let c = d.consumes_counters.clone().unwrap()[0].clone();
+        d.consumes_counters.as_mut().unwrap().extend([c.clone(), c]);
+        pool[2].spec.pool.resource_slice_count = 7;
+        assert_rejects(&pool, "9 counter sets > 8");
+        assert_rejects(&pool, "3 counter consumptions > 2");
+        assert_rejects(&pool, "resourceSliceCount 7 but the pool has 3 slices");
+    }
+
+    #[test]
+    fn a_request_policy_outside_its_capacity_is_rejected() {
+        let mut pool = render(
+            &[node("n").gpus(GpuModel::H100Sxm5_80gb, 1).build()],
+            Some(&crate::render::parse_policy("p", "apiVersion: gpu.tessera.dev/v1alpha1\nkind: GpuPolicy\nmetadata: {name: default}\nspec:\n  rules:\n  - name: s\n    shared: {strategy: MPS}\n").unwrap()),
+            ApiFeatures::ALL,
+        )
+        .unwrap();
+        assert_eq!(validate_pool(&pool), Vec::<String>::new());
+        let d = &mut pool[0].spec.devices.as_mut().unwrap()[0];
+        let compute = d.capacity.as_mut().unwrap().get_mut("compute").unwrap();
+        compute.request_policy.as_mut().unwrap().default = Some(
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("101".into()),
+        );
+        d.allow_multiple_allocations = None;
+        assert_rejects(&pool, "default is not a valid value");
+        assert_rejects(&pool, "requestPolicy needs allowMultipleAllocations");
+    }
 }

@@ -51,7 +51,10 @@ fn the_kubernetes_documentation_examples_hold_on_an_h100() {
 
 #[test]
 fn an_unknown_domain_is_an_empty_map_and_an_unknown_attribute_an_error() {
-    assert_eq!(eval(r#"size(device.attributes["other.example.com"]) == 0"#), Ok(true));
+    assert_eq!(
+        eval(r#"size(device.attributes["other.example.com"]) == 0"#),
+        Ok(true)
+    );
     assert_eq!(eval(r#""x" in device.capacity["other.example.com"]"#), Ok(false));
     let err = eval(r#"device.attributes["gpu.tessera.dev"].nonexistent == "x""#).unwrap_err();
     assert!(matches!(err, SelectorError::Runtime { .. }), "{err:?}");
@@ -70,12 +73,20 @@ fn a_non_bool_result_or_a_wrong_type_is_a_type_error() {
 
 #[test]
 fn a_syntax_error_is_reported_at_compile_time() {
-    let e = CelEnv::new().compile(r#"device.attributes["gpu.tessera.dev"].productName == "#).unwrap_err();
+    let e = CelEnv::new()
+        .compile(r#"device.attributes["gpu.tessera.dev"].productName == "#)
+        .unwrap_err();
     assert!(matches!(e, SelectorError::Syntax { .. }), "{e:?}");
 }
 
 #[test]
 fn malformed_quantity_and_semver_literals_fail_at_run_time() {
-    assert!(matches!(eval(r#"quantity("10GB").isInteger()"#), Err(SelectorError::Runtime { .. })));
-    assert!(matches!(eval(r#"semver("v1").major() == 1"#), Err(SelectorError::Runtime { .. })));
+    assert!(matches!(
+        eval(r#"quantity("10GB").isInteger()"#),
+        Err(SelectorError::Runtime { .. })
+    ));
+    assert!(matches!(
+        eval(r#"semver("v1").major() == 1"#),
+        Err(SelectorError::Runtime { .. })
+    ));
 }

@@ -58,7 +58,15 @@ impl Cluster {
             nodes: self
                 .nodes
                 .iter()
-                .map(|n| (n.to_string(), NodeRef { name: n.to_string(), uid: Some(format!("uid-{n}")) }))
+                .map(|n| {
+                    (
+                        n.to_string(),
+                        NodeRef {
+                            name: n.to_string(),
+                            uid: Some(format!("uid-{n}")),
+                        },
+                    )
+                })
                 .collect(),
             policy: self.policy.clone(),
             slices: api.slices(),
@@ -72,7 +80,9 @@ fn reconciler() -> Reconciler {
 
 async fn step(r: &mut Reconciler, cluster: &Cluster, api: &InMemoryApi) -> usize {
     let before = api.writes();
-    r.reconcile(&cluster.snapshot(api), api, now(), &|| true).await.expect("in-memory writes succeed");
+    r.reconcile(&cluster.snapshot(api), api, now(), &|| true)
+        .await
+        .expect("in-memory writes succeed");
     api.writes() - before
 }
 
@@ -91,14 +101,22 @@ fn generation(api: &InMemoryApi, pool: &str) -> i64 {
 #[tokio::test]
 async fn the_first_round_publishes_every_ready_node_and_the_second_writes_nothing() {
     let (cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
-    assert_eq!(step(&mut r, &cluster, &api).await, 9 + 3, "node-a: 1 counter + 8 device slices; node-b: 1 + 2");
+    assert_eq!(
+        step(&mut r, &cluster, &api).await,
+        9 + 3,
+        "node-a: 1 counter + 8 device slices; node-b: 1 + 2"
+    );
     let pools = pools(&api);
     assert_eq!(pools.keys().collect::<Vec<_>>(), ["node-a", "node-b"]);
     for slices in pools.values() {
         assert!(validate_pool(slices).is_empty(), "{:?}", validate_pool(slices));
     }
     for _ in 0..3 {
-        assert_eq!(step(&mut r, &cluster, &api).await, 0, "steady state makes no API writes");
+        assert_eq!(
+            step(&mut r, &cluster, &api).await,
+            0,
+            "steady state makes no API writes"
+        );
     }
 }
 
@@ -108,13 +126,23 @@ async fn a_change_on_one_node_rewrites_only_that_nodes_pool_under_a_new_generati
     step(&mut r, &cluster, &api).await;
     let a_before = pools(&api)["node-a"].clone();
     let b_gen = generation(&api, "node-b");
-    cluster.inventories[1] = node("node-b").gpus(GpuModel::H200, 1).gpu(gpu(GpuModel::H200, 1).on_node("node-b").unhealthy().build()).build();
+    cluster.inventories[1] = node("node-b")
+        .gpus(GpuModel::H200, 1)
+        .gpu(gpu(GpuModel::H200, 1).on_node("node-b").unhealthy().build())
+        .build();
     let writes = step(&mut r, &cluster, &api).await;
     assert_eq!(writes, 3, "all three slices of node-b, nothing of node-a");
     assert_eq!(pools(&api)["node-a"], a_before);
     let b = &pools(&api)["node-b"];
-    assert!(b.iter().all(|s| s.spec.pool.generation == b_gen + 1 && s.spec.pool.resource_slice_count == 3));
-    let tainted = b.iter().flat_map(|s| s.spec.devices.iter().flatten()).filter(|d| d.taints.is_some()).count();
+    assert!(
+        b.iter()
+            .all(|s| s.spec.pool.generation == b_gen + 1 && s.spec.pool.resource_slice_count == 3)
+    );
+    let tainted = b
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .filter(|d| d.taints.is_some())
+        .count();
     assert_eq!(tainted, 26, "every device of the unhealthy GPU carries the taint");
     assert_eq!(step(&mut r, &cluster, &api).await, 0);
 }
@@ -136,12 +164,22 @@ async fn a_removed_node_or_inventory_takes_its_pool_with_it() {
 async fn a_stale_heartbeat_or_a_plugin_not_ready_withdraws_the_pool() {
     let (mut cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
     step(&mut r, &cluster, &api).await;
-    cluster.inventories[1] = node("node-b").gpus(GpuModel::H200, 2).heartbeat_at(now() - Duration::seconds(41)).build();
+    cluster.inventories[1] = node("node-b")
+        .gpus(GpuModel::H200, 2)
+        .heartbeat_at(now() - Duration::seconds(41))
+        .build();
     assert_eq!(step(&mut r, &cluster, &api).await, 3);
     assert!(!pools(&api).contains_key("node-b"));
     cluster.inventories[1] = node("node-b").gpus(GpuModel::H200, 2).build();
-    assert_eq!(step(&mut r, &cluster, &api).await, 3, "a fresh heartbeat republishes");
-    cluster.inventories[0] = node("node-a").gpus(GpuModel::H100Sxm5_80gb, 8).not_ready().build();
+    assert_eq!(
+        step(&mut r, &cluster, &api).await,
+        3,
+        "a fresh heartbeat republishes"
+    );
+    cluster.inventories[0] = node("node-a")
+        .gpus(GpuModel::H100Sxm5_80gb, 8)
+        .not_ready()
+        .build();
     assert_eq!(step(&mut r, &cluster, &api).await, 9);
     assert_eq!(pools(&api).keys().collect::<Vec<_>>(), ["node-b"]);
 }
@@ -153,7 +191,10 @@ async fn slices_kubelet_deletes_are_republished_once_under_a_higher_generation()
     let before = generation(&api, "node-a");
     api.delete_where(|s| s.spec.node_name.as_deref() == Some("node-a"));
     assert_eq!(step(&mut r, &cluster, &api).await, 9);
-    assert!(generation(&api, "node-a") > before, "consumers must not mix the new slices with cached old ones");
+    assert!(
+        generation(&api, "node-a") > before,
+        "consumers must not mix the new slices with cached old ones"
+    );
     assert_eq!(step(&mut r, &cluster, &api).await, 0, "no write loop");
     // Only part of the pool deleted: the rest is rewritten under a new generation too.
     api.delete_where(|s| s.metadata.name.as_deref() == Some("node-a-gpu.tessera.dev-3"));
@@ -167,7 +208,11 @@ async fn a_different_feature_set_changes_the_model_of_every_pool() {
     step(&mut r, &cluster, &api).await;
     r.features = ApiFeatures::NONE;
     // Per pool: the first slice is updated in place, the others deleted: node-a 1 + 8, node-b 1 + 2.
-    assert_eq!(step(&mut r, &cluster, &api).await, 9 + 3, "two whole-GPU slices replace twelve");
+    assert_eq!(
+        step(&mut r, &cluster, &api).await,
+        9 + 3,
+        "two whole-GPU slices replace twelve"
+    );
     assert_eq!(api.slices().len(), 2);
 }
 
@@ -198,14 +243,24 @@ impl ClusterApi for Counted<'_> {
 
 #[tokio::test]
 async fn of_two_replicas_only_the_lease_holder_writes_until_it_stops_renewing() {
-    let (mut cluster, api, lease) = (Cluster::two_nodes(), InMemoryApi::default(), InMemoryLease::default());
+    let (mut cluster, api, lease) = (
+        Cluster::two_nodes(),
+        InMemoryApi::default(),
+        InMemoryLease::default(),
+    );
     let mut replicas = [("a", reconciler()), ("b", reconciler())].map(|(id, r)| Replica {
         elector: LeaderElector::new(id, "tessera-system", "tessera-controller"),
         reconciler: r,
     });
     let counters = [
-        Counted { api: &api, writes: AtomicUsize::new(0) },
-        Counted { api: &api, writes: AtomicUsize::new(0) },
+        Counted {
+            api: &api,
+            writes: AtomicUsize::new(0),
+        },
+        Counted {
+            api: &api,
+            writes: AtomicUsize::new(0),
+        },
     ];
     let clock = Mutex::new(now());
     let read = || *clock.lock().unwrap();
@@ -213,33 +268,60 @@ async fn of_two_replicas_only_the_lease_holder_writes_until_it_stops_renewing() 
         // Change node-b now and then so the leader has work.
         if round % 5 == 4 {
             let count = 1 + (round / 5) as u32 % 2;
-            cluster.inventories[1] = node("node-b").gpus(GpuModel::H200, count).heartbeat_at(read()).build();
-            cluster.inventories[0] =
-                node("node-a").gpus(GpuModel::H100Sxm5_80gb, 8).heartbeat_at(read()).build();
+            cluster.inventories[1] = node("node-b")
+                .gpus(GpuModel::H200, count)
+                .heartbeat_at(read())
+                .build();
+            cluster.inventories[0] = node("node-a")
+                .gpus(GpuModel::H100Sxm5_80gb, 8)
+                .heartbeat_at(read())
+                .build();
         }
         for (replica, counter) in replicas.iter_mut().zip(&counters) {
-            replica.tick(&lease, counter, &cluster.snapshot(&api), &read).await.unwrap();
+            replica
+                .tick(&lease, counter, &cluster.snapshot(&api), &read)
+                .await
+                .unwrap();
         }
         *clock.lock().unwrap() += Duration::seconds(1);
     }
-    let (a, b) = (counters[0].writes.load(Ordering::SeqCst), counters[1].writes.load(Ordering::SeqCst));
+    let (a, b) = (
+        counters[0].writes.load(Ordering::SeqCst),
+        counters[1].writes.load(Ordering::SeqCst),
+    );
     assert!(a > 0 && b == 0, "a wrote {a}, b wrote {b}");
     assert_eq!(lease.holder().as_deref(), Some("a"));
 
     // "a" stops (crash): "b" waits out the lease as it observed it, then takes over and writes.
-    cluster.inventories[1] = node("node-b").gpus(GpuModel::H200, 2).heartbeat_at(read()).build();
+    cluster.inventories[1] = node("node-b")
+        .gpus(GpuModel::H200, 2)
+        .heartbeat_at(read())
+        .build();
     let mut took_over_after = None;
     for second in 0..30 {
         let fresh = |n: &str, m, c| node(n).gpus(m, c).heartbeat_at(*clock.lock().unwrap()).build();
-        cluster.inventories = vec![fresh("node-a", GpuModel::H100Sxm5_80gb, 8), fresh("node-b", GpuModel::H200, 1)];
+        cluster.inventories = vec![
+            fresh("node-a", GpuModel::H100Sxm5_80gb, 8),
+            fresh("node-b", GpuModel::H200, 1),
+        ];
         let before = counters[1].writes.load(Ordering::SeqCst);
-        if replicas[1].tick(&lease, &counters[1], &cluster.snapshot(&api), &read).await.unwrap().is_some()
+        if replicas[1]
+            .tick(&lease, &counters[1], &cluster.snapshot(&api), &read)
+            .await
+            .unwrap()
+            .is_some()
             && took_over_after.is_none()
         {
             took_over_after = Some(second);
-            assert!(counters[1].writes.load(Ordering::SeqCst) > before, "the new leader converges the pools");
+            assert!(
+                counters[1].writes.load(Ordering::SeqCst) > before,
+                "the new leader converges the pools"
+            );
         }
-        assert!(!replicas[0].elector.is_leader(read()) || second < 10, "a must consider itself deposed");
+        assert!(
+            !replicas[0].elector.is_leader(read()) || second < 10,
+            "a must consider itself deposed"
+        );
         *clock.lock().unwrap() += Duration::seconds(1);
     }
     // "a" last renewed at t=18 (every 2 s from t=0); "b" saw that record then and takes over once it has
@@ -267,32 +349,61 @@ spec:
 #[tokio::test]
 async fn an_invalid_policy_gets_a_condition_naming_the_error_and_publishing_does_not_change() {
     let (mut cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
-    cluster.policy = Some(policy_with_selector(r#"device.attributes["gpu.tessera.dev"].productName.startsWith("NVIDIA H1")"#));
+    cluster.policy = Some(policy_with_selector(
+        r#"device.attributes["gpu.tessera.dev"].productName.startsWith("NVIDIA H1")"#,
+    ));
     step(&mut r, &cluster, &api).await;
     let status = api.policy_status("default").expect("status written");
     assert_eq!(status.conditions[0].reason, REASON_VALID);
     assert_eq!(status.conditions[0].status, "True");
     assert_eq!(status.observed_generation, Some(3));
     let published = api.slices();
-    assert_eq!(published.len(), 1 + 3, "node-a whole (1 slice), node-b dynamic MIG (1 counter + 2 device slices)");
+    assert_eq!(
+        published.len(),
+        1 + 3,
+        "node-a whole (1 slice), node-b dynamic MIG (1 counter + 2 device slices)"
+    );
 
     for (selector, reason, needle) in [
-        (r#"device.attributes["gpu.tessera.dev"].productName == "#, REASON_CEL_SYNTAX_ERROR, "syntax error"),
-        (r#"device.attributes["gpu.tessera.dev"].index"#, REASON_CEL_TYPE_ERROR, "must return a bool"),
-        (r#"device.attributes["gpu.tessera.dev"].vendor == "x""#, REASON_CEL_RUNTIME_ERROR, "vendor"),
-        (r#"device.attributes["gpu.tessera.dev"].productName == "NVIDIA H900""#, REASON_SELECTS_NOTHING, "h100"),
+        (
+            r#"device.attributes["gpu.tessera.dev"].productName == "#,
+            REASON_CEL_SYNTAX_ERROR,
+            "syntax error",
+        ),
+        (
+            r#"device.attributes["gpu.tessera.dev"].index"#,
+            REASON_CEL_TYPE_ERROR,
+            "must return a bool",
+        ),
+        (
+            r#"device.attributes["gpu.tessera.dev"].vendor == "x""#,
+            REASON_CEL_RUNTIME_ERROR,
+            "vendor",
+        ),
+        (
+            r#"device.attributes["gpu.tessera.dev"].productName == "NVIDIA H900""#,
+            REASON_SELECTS_NOTHING,
+            "h100",
+        ),
     ] {
         cluster.policy = Some(policy_with_selector(selector));
         let writes = step(&mut r, &cluster, &api).await;
         assert_eq!(writes, 1, "{reason}: only the status is written");
         let status = api.policy_status("default").unwrap();
         let c = &status.conditions[0];
-        assert_eq!((c.type_.as_str(), c.status.as_str(), c.reason.as_str()), ("Valid", "False", reason));
+        assert_eq!(
+            (c.type_.as_str(), c.status.as_str(), c.reason.as_str()),
+            ("Valid", "False", reason)
+        );
         assert!(c.message.contains(needle), "{reason}: {}", c.message);
         assert_eq!(api.slices(), published, "{reason}: publishing did not change");
         // The stored status now matches: the next round writes nothing.
         cluster.policy.as_mut().unwrap().status = Some(status);
-        assert_eq!(step(&mut r, &cluster, &api).await, 0, "{reason}: no status write loop");
+        assert_eq!(
+            step(&mut r, &cluster, &api).await,
+            0,
+            "{reason}: no status write loop"
+        );
     }
     // Node changes still apply under the last valid policy.
     cluster.nodes.retain(|n| *n != "node-b");
@@ -315,7 +426,10 @@ spec:
 ",
     ));
     assert_eq!(step(&mut r, &cluster, &api).await, 1, "only the status");
-    assert_eq!(api.policy_status("default").unwrap().conditions[0].reason, REASON_INVALID_MODEL);
+    assert_eq!(
+        api.policy_status("default").unwrap().conditions[0].reason,
+        REASON_INVALID_MODEL
+    );
     assert!(api.slices().is_empty());
 }
 

@@ -9,7 +9,13 @@ use tessera_controller::crds::{crd_files, crds_yaml};
 fn checked_in_crds_match_the_rust_types() {
     let files = crd_files();
     let names: Vec<&str> = files.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(names, ["nodeinventories.gpu.tessera.dev.yaml", "gpupolicies.gpu.tessera.dev.yaml"]);
+    assert_eq!(
+        names,
+        [
+            "nodeinventories.gpu.tessera.dev.yaml",
+            "gpupolicies.gpu.tessera.dev.yaml"
+        ]
+    );
     for (name, yaml) in files {
         check_golden(&repo_root().join("deployments/crds").join(name), &yaml);
     }

@@ -56,7 +56,12 @@ fn each_model_publishes_the_expected_number_of_devices() {
     for (node_name, inv) in nodes() {
         for case in models() {
             if let Some(n) = expected.get(&(node_name, case.name)) {
-                assert_eq!(devices(&render_case(&inv, &case)).len(), *n, "{node_name}/{}", case.name);
+                assert_eq!(
+                    devices(&render_case(&inv, &case)).len(),
+                    *n,
+                    "{node_name}/{}",
+                    case.name
+                );
             }
         }
     }
@@ -65,14 +70,23 @@ fn each_model_publishes_the_expected_number_of_devices() {
 #[test]
 fn dynamic_mig_keeps_counters_and_devices_in_separate_slices_with_one_slice_per_gpu() {
     let slices = render_case(&h100_node(), &models()[2]);
-    assert_eq!(slices.len(), 1 + 8, "one counter slice (8 sets) and one device slice per GPU");
+    assert_eq!(
+        slices.len(),
+        1 + 8,
+        "one counter slice (8 sets) and one device slice per GPU"
+    );
     let counters = &slices[0];
     assert!(counters.spec.devices.is_none());
     assert_eq!(counters.spec.shared_counters.as_ref().unwrap().len(), 8);
     for s in &slices[1..] {
         assert!(s.spec.shared_counters.is_none());
-        let gpus: std::collections::BTreeSet<u32> =
-            s.spec.devices.iter().flatten().map(|d| d.name.parse::<DeviceName>().unwrap().gpu()).collect();
+        let gpus: std::collections::BTreeSet<u32> = s
+            .spec
+            .devices
+            .iter()
+            .flatten()
+            .map(|d| d.name.parse::<DeviceName>().unwrap().gpu())
+            .collect();
         assert_eq!(gpus.len(), 1, "{:?} mixes GPUs", s.metadata.name);
     }
     for s in &slices {
@@ -88,7 +102,11 @@ fn counters_of(slices: &[ResourceSlice]) -> BTreeMap<String, BTreeMap<String, Qu
         .iter()
         .flat_map(|s| s.spec.shared_counters.iter().flatten())
         .map(|set| {
-            let c = set.counters.iter().map(|(k, v)| (k.clone(), Quantity::parse(&v.value.0).unwrap())).collect();
+            let c = set
+                .counters
+                .iter()
+                .map(|(k, v)| (k.clone(), Quantity::parse(&v.value.0).unwrap()))
+                .collect();
             (set.name.clone(), c)
         })
         .collect()
@@ -116,7 +134,14 @@ fn placement(inv: &NodeInventory, d: &Device) -> Option<(String, MigPlacement, u
     match d.name.parse::<DeviceName>().ok()? {
         DeviceName::Mig { gpu, profile, start } => {
             let p = inv.spec.gpus[gpu as usize].mig.as_ref()?.profile(&profile)?;
-            Some((profile.clone(), MigPlacement { start, size: p.memory_slices }, p.instance_count))
+            Some((
+                profile.clone(),
+                MigPlacement {
+                    start,
+                    size: p.memory_slices,
+                },
+                p.instance_count,
+            ))
         }
         _ => None,
     }
@@ -132,7 +157,10 @@ fn mig_devices_can_be_allocated_together_exactly_when_their_placements_do_not_ov
         let sets = counters_of(&slices);
         let mut by_gpu: BTreeMap<u32, Vec<&Device>> = BTreeMap::new();
         for d in devices(&slices) {
-            by_gpu.entry(d.name.parse::<DeviceName>().unwrap().gpu()).or_default().push(d);
+            by_gpu
+                .entry(d.name.parse::<DeviceName>().unwrap().gpu())
+                .or_default()
+                .push(d);
         }
         let mut pairs = 0;
         for devs in by_gpu.values() {
@@ -141,10 +169,18 @@ fn mig_devices_can_be_allocated_together_exactly_when_their_placements_do_not_ov
                 assert!(fits_together(&[a], &sets), "{} does not fit alone", a.name);
                 for b in &devs[i + 1..] {
                     let expected = match (placement(&inv, a), placement(&inv, b)) {
-                        (Some((pa, la, max)), Some((pb, lb, _))) => !la.overlaps(&lb) && !(pa == pb && max == 1),
+                        (Some((pa, la, max)), Some((pb, lb, _))) => {
+                            !(la.overlaps(&lb) || (pa == pb && max == 1))
+                        }
                         _ => false,
                     };
-                    assert_eq!(fits_together(&[a, b], &sets), expected, "{node_name}: {} + {}", a.name, b.name);
+                    assert_eq!(
+                        fits_together(&[a, b], &sets),
+                        expected,
+                        "{node_name}: {} + {}",
+                        a.name,
+                        b.name
+                    );
                     pairs += 1;
                 }
             }
@@ -160,13 +196,34 @@ fn full_mig_layouts_fit_the_counters() {
     let slices = render_case(&inv, &models()[2]);
     let sets = counters_of(&slices);
     let all = devices(&slices);
-    let find = |name: &str| *all.iter().find(|d| d.name == name).unwrap_or_else(|| panic!("{name}"));
+    let find = |name: &str| {
+        *all.iter()
+            .find(|d| d.name == name)
+            .unwrap_or_else(|| panic!("{name}"))
+    };
     let layouts: [&[&str]; 4] = [
         &["gpu-0-mig-4g-40gb-0", "gpu-0-mig-3g-40gb-4"],
-        &["gpu-0-mig-1g-10gb-0", "gpu-0-mig-1g-10gb-1", "gpu-0-mig-1g-10gb-2", "gpu-0-mig-1g-10gb-3",
-          "gpu-0-mig-1g-10gb-4", "gpu-0-mig-1g-10gb-5", "gpu-0-mig-1g-10gb-plus-me-6"],
-        &["gpu-0-mig-2g-20gb-0", "gpu-0-mig-2g-20gb-2", "gpu-0-mig-2g-20gb-4", "gpu-0-mig-1g-20gb-6"],
-        &["gpu-0-mig-4g-40gb-0", "gpu-0-mig-1g-10gb-4", "gpu-0-mig-1g-10gb-5", "gpu-0-mig-1g-20gb-6"],
+        &[
+            "gpu-0-mig-1g-10gb-0",
+            "gpu-0-mig-1g-10gb-1",
+            "gpu-0-mig-1g-10gb-2",
+            "gpu-0-mig-1g-10gb-3",
+            "gpu-0-mig-1g-10gb-4",
+            "gpu-0-mig-1g-10gb-5",
+            "gpu-0-mig-1g-10gb-plus-me-6",
+        ],
+        &[
+            "gpu-0-mig-2g-20gb-0",
+            "gpu-0-mig-2g-20gb-2",
+            "gpu-0-mig-2g-20gb-4",
+            "gpu-0-mig-1g-20gb-6",
+        ],
+        &[
+            "gpu-0-mig-4g-40gb-0",
+            "gpu-0-mig-1g-10gb-4",
+            "gpu-0-mig-1g-10gb-5",
+            "gpu-0-mig-1g-20gb-6",
+        ],
     ];
     for layout in layouts {
         let devs: Vec<&Device> = layout.iter().map(|n| find(n)).collect();
@@ -189,28 +246,51 @@ fn first_fit_in_slice_order_keeps_the_bottom_half_free_for_large_profiles() {
                 .iter()
                 .copied()
                 .find(|d| {
-                    let p = d.attributes.as_ref().and_then(|a| a.get("profile")).and_then(|p| p.string.as_deref());
+                    let p = d
+                        .attributes
+                        .as_ref()
+                        .and_then(|a| a.get("profile"))
+                        .and_then(|p| p.string.as_deref());
                     let mut with = taken.clone();
                     with.push(d);
-                    p == Some(*profile) && !taken.iter().any(|t| t.name == d.name) && fits_together(&with, &sets)
+                    p == Some(*profile)
+                        && !taken.iter().any(|t| t.name == d.name)
+                        && fits_together(&with, &sets)
                 })
                 .expect("a placement is free");
             taken.push(pick);
         }
         taken
     };
-    let four_g = gpu0.iter().copied().find(|d| d.name == "gpu-0-mig-4g-40gb-0").unwrap();
+    let four_g = gpu0
+        .iter()
+        .copied()
+        .find(|d| d.name == "gpu-0-mig-4g-40gb-0")
+        .unwrap();
     for (requests, expected) in [
-        (&["1g.10gb", "1g.10gb", "1g.10gb"][..], &["gpu-0-mig-1g-10gb-6", "gpu-0-mig-1g-10gb-5", "gpu-0-mig-1g-10gb-4"][..]),
+        (
+            &["1g.10gb", "1g.10gb", "1g.10gb"][..],
+            &[
+                "gpu-0-mig-1g-10gb-6",
+                "gpu-0-mig-1g-10gb-5",
+                "gpu-0-mig-1g-10gb-4",
+            ][..],
+        ),
         (&["2g.20gb"], &["gpu-0-mig-2g-20gb-4"]),
         (&["3g.40gb"], &["gpu-0-mig-3g-40gb-4"]),
-        (&["1g.20gb", "1g.10gb"], &["gpu-0-mig-1g-20gb-6", "gpu-0-mig-1g-10gb-5"]),
+        (
+            &["1g.20gb", "1g.10gb"],
+            &["gpu-0-mig-1g-20gb-6", "gpu-0-mig-1g-10gb-5"],
+        ),
     ] {
         let mut taken = first_fit(requests);
         let names: Vec<&str> = taken.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(names, expected);
         taken.push(four_g);
-        assert!(fits_together(&taken, &sets), "a 4g no longer fits after {requests:?}");
+        assert!(
+            fits_together(&taken, &sets),
+            "a 4g no longer fits after {requests:?}"
+        );
     }
 }
 
@@ -218,14 +298,33 @@ fn first_fit_in_slice_order_keeps_the_bottom_half_free_for_large_profiles() {
 #[test]
 fn shared_gpus_pack_several_claims_by_memory_and_compute() {
     let slices = render_case(&h100_node(), &models()[3]);
-    let d = devices(&slices).into_iter().find(|d| d.name == "gpu-0-shared").unwrap();
+    let d = devices(&slices)
+        .into_iter()
+        .find(|d| d.name == "gpu-0-shared")
+        .unwrap();
     assert_eq!(d.allow_multiple_allocations, Some(true));
     let cap = d.capacity.as_ref().unwrap();
-    let mem = Quantity::parse(&cap["memory"].request_policy.as_ref().unwrap().valid_range.as_ref().unwrap().max.as_ref().unwrap().0).unwrap();
+    let mem = Quantity::parse(
+        &cap["memory"]
+            .request_policy
+            .as_ref()
+            .unwrap()
+            .valid_range
+            .as_ref()
+            .unwrap()
+            .max
+            .as_ref()
+            .unwrap()
+            .0,
+    )
+    .unwrap();
     let compute = Quantity::parse(&cap["compute"].value.0).unwrap();
     let per_claim_mem = Quantity::parse("10Gi").unwrap();
     let (mut m, mut c, mut claims) = (mem, compute, 0);
-    while let (Some(m2), Some(c2)) = (m.checked_sub(&per_claim_mem), c.checked_sub(&Quantity::from_int(25))) {
+    while let (Some(m2), Some(c2)) = (
+        m.checked_sub(&per_claim_mem),
+        c.checked_sub(&Quantity::from_int(25)),
+    ) {
         if m2.sign() < 0 || c2.sign() < 0 {
             break;
         }
@@ -240,12 +339,18 @@ fn shared_gpus_pack_several_claims_by_memory_and_compute() {
 #[test]
 fn slots_split_memory_and_compute_equally() {
     let slices = render_case(&h100_node(), &models()[5]);
-    let slots: Vec<&Device> = devices(&slices).into_iter().filter(|d| d.name.starts_with("gpu-0-share-")).collect();
+    let slots: Vec<&Device> = devices(&slices)
+        .into_iter()
+        .filter(|d| d.name.starts_with("gpu-0-share-"))
+        .collect();
     assert_eq!(slots.len(), 4);
     for s in slots {
         let cap = s.capacity.as_ref().unwrap();
         assert_eq!(cap["compute"].value.0, "25");
-        assert_eq!(Quantity::parse(&cap["memory"].value.0).unwrap().as_integer(), Some((81559 / 4) << 20));
+        assert_eq!(
+            Quantity::parse(&cap["memory"].value.0).unwrap().as_integer(),
+            Some((81559 / 4) << 20)
+        );
         assert!(s.allow_multiple_allocations.is_none());
     }
 }
@@ -261,7 +366,8 @@ fn static_layouts_publish_non_overlapping_instances_without_counters() {
             for b in &devs {
                 if a.name != b.name
                     && let (Some((_, pa, _)), Some((_, pb, _))) = (placement(&inv, a), placement(&inv, b))
-                    && a.name.parse::<DeviceName>().unwrap().gpu() == b.name.parse::<DeviceName>().unwrap().gpu()
+                    && a.name.parse::<DeviceName>().unwrap().gpu()
+                        == b.name.parse::<DeviceName>().unwrap().gpu()
                 {
                     assert!(!pa.overlaps(&pb), "{} overlaps {}", a.name, b.name);
                 }

@@ -2,6 +2,9 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"time"
 
@@ -19,6 +22,8 @@ type Config struct {
 	Checkpoints []int
 	// SkipGPUsNeeded leaves out the elastic run.
 	SkipGPUsNeeded bool
+	// Classes are the DeviceClasses claims refer to (tessera's deployments/classes).
+	Classes []*resourceapi.DeviceClass
 }
 
 // nodeModels lists the GPU models of trace node i.
@@ -33,15 +38,21 @@ func (c Config) nodeModels(i, gpus int) []string {
 
 // Cluster is the trace's nodes as one policy publishes them.
 type Cluster struct {
-	Nodes  []NodeSlices
-	Claims *ClaimBuilder
+	Nodes   []NodeSlices
+	Claims  *ClaimBuilder
+	Classes []*resourceapi.DeviceClass
+	// Fingerprint digests the rendered slices and every claim of the trace: two policies with the same
+	// fingerprint replay identically (the built-in default is dynamic MIG on an H100, like the mig policy).
+	Fingerprint string
 	// Grow makes extra nodes (8 reference GPUs each) for the elastic run.
 	Grow func(i int) (NodeSlices, error)
 }
 
 // BuildCluster renders each distinct node shape once and copies it onto every node of that shape.
-func BuildCluster(src SliceSource, policy PolicySpec, nodes []TraceNode, cfg Config) (*Cluster, error) {
-	c := &Cluster{}
+func BuildCluster(src SliceSource, policy PolicySpec, tr *Trace, cfg Config) (*Cluster, error) {
+	nodes := tr.Nodes
+	c := &Cluster{Classes: cfg.Classes}
+	digest := sha256.New()
 	var all [][]*resourceapi.ResourceSlice
 	shapes := map[string]bool{}
 	for i, n := range nodes {
@@ -53,6 +64,9 @@ func BuildCluster(src SliceSource, policy PolicySpec, nodes []TraceNode, cfg Con
 		if k := shapeKey(models); !shapes[k] {
 			shapes[k] = true
 			all = append(all, tmpl)
+			if err := json.NewEncoder(digest).Encode(tmpl); err != nil {
+				return nil, fmt.Errorf("failed to digest the slices of %s: %w", k, err)
+			}
 		}
 		c.Nodes = append(c.Nodes, ForNode(tmpl, n.Name))
 	}
@@ -65,6 +79,22 @@ func BuildCluster(src SliceSource, policy PolicySpec, nodes []TraceNode, cfg Con
 		return nil, fmt.Errorf("failed to size fractional demands under policy %s: %w", policy.Name, err)
 	}
 	c.Claims = NewClaimBuilder(policy.Style, ref, refSlices, all)
+	seen := map[[2]int]bool{}
+	for _, p := range tr.Pods {
+		k := [2]int{p.NumGPU, p.GPUMilli}
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		claim, err := c.Claims.Claim(TracePod{Name: "fingerprint", NumGPU: p.NumGPU, GPUMilli: p.GPUMilli})
+		if err != nil {
+			return nil, err
+		}
+		if err := json.NewEncoder(digest).Encode(claim.Spec); err != nil {
+			return nil, fmt.Errorf("failed to digest a claim: %w", err)
+		}
+	}
+	c.Fingerprint = hex.EncodeToString(digest.Sum(nil))
 	grow := make([]string, 8)
 	for g := range grow {
 		grow[g] = cfg.Models[0]
@@ -101,14 +131,14 @@ func refGPU(slices []*resourceapi.ResourceSlice) (RefGPU, error) {
 // RunPolicy replays the trace under one policy, then (unless skipped) measures the GPUs it needs.
 func RunPolicy(ctx context.Context, c *Cluster, policy PolicySpec, tr *Trace, cfg Config) (RunResult, error) {
 	start := time.Now()
-	sim := NewSim(policy, c.Claims, c.Nodes)
+	sim := NewSim(policy, c)
 	pods := ReplaySequence(tr.Pods, sim.TotalGPUs(), cfg.MaxDemand)
 	res, err := Replay(ctx, sim, pods, cfg.Checkpoints)
 	if err != nil {
 		return res, fmt.Errorf("failed to replay the trace under policy %s: %w", policy.Name, err)
 	}
 	if !cfg.SkipGPUsNeeded {
-		elastic := NewSim(policy, c.Claims, c.Nodes)
+		elastic := NewSim(policy, c)
 		elastic.Grow = c.Grow
 		needed, unplaceable, calls, err := GPUsNeeded(ctx, elastic, tr.Pods)
 		if err != nil {

@@ -3,6 +3,8 @@ package main
 import (
 	"fmt"
 	"math/big"
+	"os"
+	"path/filepath"
 	"regexp"
 	"sort"
 	"strconv"
@@ -11,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/yaml"
 )
 
 // ClaimStyle is how the pods of a policy ask for GPUs.
@@ -40,19 +43,42 @@ type PolicySpec struct {
 	Style      ClaimStyle
 }
 
-// ClassName is the DeviceClass every claim uses (deployments/classes: all of tessera's devices).
-const ClassName = "gpu.tessera.dev"
+// The DeviceClasses tessera ships (deployments/classes): one per device type, selecting on the driver and
+// the `type` attribute. Claims name the class and add only what the pod needs.
+const (
+	ClassGPU    = "gpu.tessera.dev"
+	ClassMIG    = "mig.gpu.tessera.dev"
+	ClassShared = "shared.gpu.tessera.dev"
+)
 
-// DeviceClass selects every tessera device; the claims narrow it with their own selectors.
-func DeviceClass() *resourceapi.DeviceClass {
-	return &resourceapi.DeviceClass{
-		ObjectMeta: metav1.ObjectMeta{Name: ClassName},
-		Spec: resourceapi.DeviceClassSpec{
-			Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
-				Expression: fmt.Sprintf("device.driver == %q", DriverName),
-			}}},
-		},
+// LoadClasses reads every DeviceClass YAML in dir (tessera's deployments/classes).
+func LoadClasses(dir string) ([]*resourceapi.DeviceClass, error) {
+	files, err := filepath.Glob(filepath.Join(dir, "*.yaml"))
+	if err != nil || len(files) == 0 {
+		return nil, fmt.Errorf("failed to find DeviceClass YAML files in %s (the -classes-dir flag)", dir)
 	}
+	var out []*resourceapi.DeviceClass
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			return nil, fmt.Errorf("failed to read DeviceClass file %s: %w", f, err)
+		}
+		c := &resourceapi.DeviceClass{}
+		if err := yaml.UnmarshalStrict(data, c); err != nil {
+			return nil, fmt.Errorf("failed to parse DeviceClass file %s: %w", f, err)
+		}
+		out = append(out, c)
+	}
+	for _, want := range []string{ClassGPU, ClassMIG, ClassShared} {
+		found := false
+		for _, c := range out {
+			found = found || c.Name == want
+		}
+		if !found {
+			return nil, fmt.Errorf("failed to find DeviceClass %s in %s", want, dir)
+		}
+	}
+	return out, nil
 }
 
 // Device types (attribute `type`).
@@ -218,10 +244,6 @@ func sel(expr string) []resourceapi.DeviceSelector {
 	return []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: expr}}}
 }
 
-func typeIs(t string) string {
-	return fmt.Sprintf("device.attributes[%q].type == %q", DriverName, t)
-}
-
 // migSelector matches every MIG instance with at least the demand's memory and SMs. tessera publishes
 // each GPU's MIG devices smallest profile first (controller/src/devices.rs), and the allocator takes the
 // first free matching device in slice order, so this one selector gets the smallest covering profile that
@@ -229,8 +251,8 @@ func typeIs(t string) string {
 // (A firstAvailable list with one subrequest per profile picks the same profile; it costs the allocator one
 // pass over the node's devices per profile, which made the benchmark several times slower.)
 func (b *ClaimBuilder) migSelector(milli int) string {
-	return fmt.Sprintf(`%s && device.capacity[%q].memory.compareTo(quantity("%d")) >= 0 && device.capacity[%q].multiprocessors.compareTo(quantity("%d")) >= 0`,
-		typeIs(TypeMIG), DriverName, b.Ref.MemoryFor(milli), DriverName, b.Ref.SMsFor(milli))
+	return fmt.Sprintf(`device.capacity[%q].memory.compareTo(quantity("%d")) >= 0 && device.capacity[%q].multiprocessors.compareTo(quantity("%d")) >= 0`,
+		DriverName, b.Ref.MemoryFor(milli), DriverName, b.Ref.SMsFor(milli))
 }
 
 // migCandidates are the profiles covering both the demand's memory and its SMs, smallest first.
@@ -319,6 +341,7 @@ func (b *ClaimBuilder) MinMemory(pod TracePod) int64 {
 	if b.WholeGPUs(pod) > 0 || b.Style == StyleShares || (b.Style == StyleAuto && b.shared != nil) {
 		return 0
 	}
+	// A whole GPU (the fallback) is more than any MIG instance, so the smallest instance stays a bound.
 	var m int64
 	for i, p := range b.migCandidates(pod.GPUMilli) {
 		if i == 0 || p.Memory < m {
@@ -334,13 +357,13 @@ func (b *ClaimBuilder) Claim(pod TracePod) (*resourceapi.ResourceClaim, error) {
 		ObjectMeta: metav1.ObjectMeta{Namespace: "openb", Name: pod.Name, UID: types.UID("claim-" + pod.Name)},
 	}
 	whole := func(n int) resourceapi.DeviceRequest {
-		t := TypeGPU
+		class := ClassGPU
 		if !b.hasWhole && b.shared != nil {
-			t = TypeShared
+			class = ClassShared
 		}
 		return resourceapi.DeviceRequest{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
-			DeviceClassName: ClassName, Selectors: sel(typeIs(t)),
-			AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: int64(n),
+			DeviceClassName: class,
+			AllocationMode:  resourceapi.DeviceAllocationModeExactCount, Count: int64(n),
 		}}
 	}
 	if !pod.Fractional() || b.Style == StyleWhole {
@@ -349,7 +372,7 @@ func (b *ClaimBuilder) Claim(pod TracePod) (*resourceapi.ResourceClaim, error) {
 	}
 	share := func() resourceapi.DeviceSubRequest {
 		return resourceapi.DeviceSubRequest{
-			Name: "share", DeviceClassName: ClassName, Selectors: sel(typeIs(TypeShared)),
+			Name: "share", DeviceClassName: ClassShared,
 			AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
 			Capacity: &resourceapi.CapacityRequirements{Requests: b.shareRequests(pod.GPUMilli)},
 		}
@@ -365,30 +388,33 @@ func (b *ClaimBuilder) Claim(pod TracePod) (*resourceapi.ResourceClaim, error) {
 		}}}
 		return claim, nil
 	case StyleMIG, StyleAuto:
-		if len(b.migCandidates(pod.GPUMilli)) == 0 {
-			if b.Style == StyleAuto && b.shared != nil {
-				s := share()
-				claim.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
-					DeviceClassName: s.DeviceClassName, Selectors: s.Selectors, AllocationMode: s.AllocationMode, Count: 1, Capacity: s.Capacity,
-				}}}
-				return claim, nil
-			}
-			// No MIG profile is big enough (or none is offered): the pod needs a whole GPU.
-			claim.Spec.Devices.Requests = []resourceapi.DeviceRequest{whole(1)}
-			return claim, nil
-		}
-		mig := resourceapi.DeviceSubRequest{
-			Name: "mig", DeviceClassName: ClassName, Selectors: sel(b.migSelector(pod.GPUMilli)),
-			AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+		// Smallest isolation first: a covering MIG instance, then (auto, when offered) a share, then a whole
+		// GPU. The whole GPU only matters on nodes without dynamic MIG (an A100 under the built-in default):
+		// where a GPU is free, a covering MIG instance on it is free too.
+		var subs []resourceapi.DeviceSubRequest
+		if len(b.migCandidates(pod.GPUMilli)) > 0 {
+			subs = append(subs, resourceapi.DeviceSubRequest{
+				Name: "mig", DeviceClassName: ClassMIG, Selectors: sel(b.migSelector(pod.GPUMilli)),
+				AllocationMode: resourceapi.DeviceAllocationModeExactCount, Count: 1,
+			})
 		}
 		if b.Style == StyleAuto && b.shared != nil {
-			// Isolation first: a MIG instance, else a share.
-			claim.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "gpu", FirstAvailable: []resourceapi.DeviceSubRequest{mig, share()}}}
+			subs = append(subs, share())
+		}
+		w := whole(1).Exactly
+		if w.DeviceClassName == ClassGPU {
+			subs = append(subs, resourceapi.DeviceSubRequest{
+				Name: "gpu", DeviceClassName: w.DeviceClassName, AllocationMode: w.AllocationMode, Count: 1,
+			})
+		}
+		if len(subs) == 1 {
+			s := subs[0]
+			claim.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
+				DeviceClassName: s.DeviceClassName, Selectors: s.Selectors, AllocationMode: s.AllocationMode, Count: 1, Capacity: s.Capacity,
+			}}}
 			return claim, nil
 		}
-		claim.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
-			DeviceClassName: mig.DeviceClassName, Selectors: mig.Selectors, AllocationMode: mig.AllocationMode, Count: 1,
-		}}}
+		claim.Spec.Devices.Requests = []resourceapi.DeviceRequest{{Name: "gpu", FirstAvailable: subs}}
 		return claim, nil
 	}
 	return nil, fmt.Errorf("failed to write a claim for %s: unknown claim style %q", pod.Name, b.Style)

@@ -59,6 +59,8 @@ type RunResult struct {
 	Unplaceable   int
 	AllocateCalls int
 	Elapsed       time.Duration
+	// SameAs names the policy whose replay this one reused (identical slices and claims).
+	SameAs string
 }
 
 // ReplaySequence lists the pods replayed: the trace in creation order, repeated (names suffixed -r<k>) while

@@ -106,6 +106,10 @@ func (r Report) Markdown() string {
 	}
 	b.WriteString("\nStructured allocator calls and wall time per policy (both runs):\n\n")
 	for _, res := range r.Results {
+		if res.SameAs != "" {
+			fmt.Fprintf(&b, "- %s: rendered the same slices and wrote the same claims as %s, so its replay is %s's\n", res.Policy, res.SameAs, res.SameAs)
+			continue
+		}
 		fmt.Fprintf(&b, "- %s: %d Allocate calls, %.1f s\n", res.Policy, res.AllocateCalls, res.Elapsed.Seconds())
 	}
 	return b.String()

@@ -190,15 +190,15 @@ type failKey struct {
 
 // NewSim builds a simulator over the given nodes. The CEL cache is bigger than the scheduler's 10 entries
 // because every demand size has its own MIG selectors; the cache only saves compilation time.
-func NewSim(policy PolicySpec, claims *ClaimBuilder, nodes []NodeSlices) *Sim {
+func NewSim(policy PolicySpec, c *Cluster) *Sim {
 	s := &Sim{
 		Policy:  policy,
-		Claims:  claims,
-		classes: classLister{classes: []*resourceapi.DeviceClass{DeviceClass()}},
+		Claims:  c.Claims,
+		classes: classLister{classes: c.Classes},
 		cache:   cel.NewCache(4096, cel.Features{EnableConsumableCapacity: true}),
 		failed:  map[failKey]int{},
 	}
-	for _, ns := range nodes {
+	for _, ns := range c.Nodes {
 		s.nodes = append(s.nodes, newNode(ns))
 	}
 	return s

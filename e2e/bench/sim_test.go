@@ -3,10 +3,22 @@ package main
 import (
 	"context"
 	"testing"
+
+	resourceapi "k8s.io/api/resource/v1"
 )
 
 // Two nodes with one H100 each (demand is measured against the H100: 81,559 MiB, 132 SMs).
 var twoSingleGPUNodes = []TraceNode{{Name: "node-a", GPUs: 1, Model: "T4"}, {Name: "node-b", GPUs: 1, Model: "T4"}}
+
+// tesseraClasses are the DeviceClasses tessera ships; the claims name them.
+func tesseraClasses(t *testing.T) []*resourceapi.DeviceClass {
+	t.Helper()
+	classes, err := LoadClasses("../../deployments/classes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return classes
+}
 
 func pod(name string, numGPU, milli int) TracePod {
 	return TracePod{Name: name, NumGPU: numGPU, GPUMilli: milli}
@@ -24,12 +36,12 @@ func fixturePolicies() []PolicySpec {
 func replayFixture(t *testing.T, policy PolicySpec, nodes []TraceNode, pods []TracePod) RunResult {
 	t.Helper()
 	tr := &Trace{Pods: pods, Nodes: nodes}
-	cfg := Config{Models: []string{"H100-SXM5-80GB"}, MaxDemand: 10, Checkpoints: []int{100}, SkipGPUsNeeded: true}
-	c, err := BuildCluster(fixtureSource{}, policy, tr.Nodes, cfg)
+	cfg := Config{Models: []string{"H100-SXM5-80GB"}, MaxDemand: 10, Checkpoints: []int{100}, SkipGPUsNeeded: true, Classes: tesseraClasses(t)}
+	c, err := BuildCluster(fixtureSource{}, policy, tr, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	res, err := Replay(context.Background(), NewSim(policy, c.Claims, c.Nodes), tr.Pods, cfg.Checkpoints)
+	res, err := Replay(context.Background(), NewSim(policy, c), tr.Pods, cfg.Checkpoints)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -105,8 +117,8 @@ func TestGPUsNeededGrowsTheClusterUntilEveryPodFits(t *testing.T) {
 	want := map[string]int{"whole": 5, "mig": 3, "shares": 2, "default": 3}
 	for _, p := range fixturePolicies() {
 		tr := &Trace{Pods: pods, Nodes: twoSingleGPUNodes}
-		cfg := Config{Models: []string{"H100-SXM5-80GB"}, MaxDemand: 1, Checkpoints: []int{100}}
-		c, err := BuildCluster(fixtureSource{}, p, tr.Nodes, cfg)
+		cfg := Config{Models: []string{"H100-SXM5-80GB"}, MaxDemand: 1, Checkpoints: []int{100}, Classes: tesseraClasses(t)}
+		c, err := BuildCluster(fixtureSource{}, p, tr, cfg)
 		if err != nil {
 			t.Fatal(err)
 		}

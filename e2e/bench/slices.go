@@ -53,6 +53,9 @@ type Renderer struct {
 	ControllerBin string
 	WorkDir       string
 	cache         map[string][]*resourceapi.ResourceSlice
+	// inventories keeps each shape's discovered inventory, so every policy renders the same GPUs (the
+	// simulated backend draws fresh UUIDs on every discover).
+	inventories map[string]string
 }
 
 // simulatedNodeFile is the plugin's --simulated-node-file format.
@@ -90,52 +93,19 @@ func (r *Renderer) Slices(policy PolicySpec, gpus []string) ([]*resourceapi.Reso
 	defer cancel()
 
 	nodeName := "shape-" + sanitize(shapeKey(gpus))
-	dir := filepath.Join(r.WorkDir, sanitize(policy.Name)+"-"+nodeName)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, fmt.Errorf("failed to create render dir %s: %w", dir, err)
-	}
-	var nf simulatedNodeFile
-	for _, m := range gpus {
-		if n := len(nf.GPUs); n > 0 && nf.GPUs[n-1].Model == m {
-			nf.GPUs[n-1].Count++
-		} else {
-			nf.GPUs = append(nf.GPUs, simulatedGPU{Model: m, Count: 1})
-		}
-	}
-	nodeFile := filepath.Join(dir, "node.yaml")
-	if err := writeYAML(nodeFile, nf); err != nil {
-		return nil, err
-	}
-	out, err := runBinary(ctx, r.PluginBin, "discover", "--backend", "simulated", "--simulated-node-file", nodeFile, "--node-name", nodeName)
+	invFile, err := r.inventory(ctx, nodeName, gpus)
 	if err != nil {
 		return nil, err
 	}
-	var spec map[string]any
-	if err := yaml.Unmarshal(out, &spec); err != nil {
-		return nil, fmt.Errorf("failed to parse the inventory printed by %s discover: %w", r.PluginBin, err)
-	}
-	spec["nodeName"] = nodeName
-	gpuList, _ := spec["gpus"].([]any)
-	inv := map[string]any{
-		"apiVersion": "gpu.tessera.dev/v1alpha1",
-		"kind":       "NodeInventory",
-		"metadata":   map[string]any{"name": nodeName},
-		"spec":       spec,
-		"status": map[string]any{
-			"ready":             true,
-			"lastHeartbeatTime": time.Now().UTC().Format(time.RFC3339),
-			"gpuCount":          len(gpuList),
-		},
-	}
-	invFile := filepath.Join(dir, "inventory.yaml")
-	if err := writeYAML(invFile, inv); err != nil {
-		return nil, err
+	dir := filepath.Join(r.WorkDir, sanitize(policy.Name)+"-"+nodeName)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, fmt.Errorf("failed to create render dir %s: %w", dir, err)
 	}
 	args := []string{"render", "--inventory", invFile}
 	if policy.PolicyFile != "" {
 		args = append(args, "--policy", policy.PolicyFile)
 	}
-	out, err = runBinary(ctx, r.ControllerBin, args...)
+	out, err := runBinary(ctx, r.ControllerBin, args...)
 	if err != nil {
 		return nil, err
 	}
@@ -153,14 +123,70 @@ func (r *Renderer) Slices(policy PolicySpec, gpus []string) ([]*resourceapi.Reso
 	return slices, nil
 }
 
+// inventory discovers a simulated node of the given GPUs once and writes it as a ready NodeInventory.
+func (r *Renderer) inventory(ctx context.Context, nodeName string, gpus []string) (string, error) {
+	if f, ok := r.inventories[nodeName]; ok {
+		return f, nil
+	}
+	dir := filepath.Join(r.WorkDir, nodeName)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", fmt.Errorf("failed to create render dir %s: %w", dir, err)
+	}
+	var nf simulatedNodeFile
+	for _, m := range gpus {
+		if n := len(nf.GPUs); n > 0 && nf.GPUs[n-1].Model == m {
+			nf.GPUs[n-1].Count++
+		} else {
+			nf.GPUs = append(nf.GPUs, simulatedGPU{Model: m, Count: 1})
+		}
+	}
+	nodeFile := filepath.Join(dir, "node.yaml")
+	if err := writeYAML(nodeFile, nf); err != nil {
+		return "", err
+	}
+	out, err := runBinary(ctx, r.PluginBin, "discover", "--backend", "simulated", "--simulated-node-file", nodeFile, "--node-name", nodeName)
+	if err != nil {
+		return "", err
+	}
+	var spec map[string]any
+	if err := yaml.Unmarshal(out, &spec); err != nil {
+		return "", fmt.Errorf("failed to parse the inventory printed by %s discover: %w", r.PluginBin, err)
+	}
+	spec["nodeName"] = nodeName
+	gpuList, _ := spec["gpus"].([]any)
+	inv := map[string]any{
+		"apiVersion": "gpu.tessera.dev/v1alpha1",
+		"kind":       "NodeInventory",
+		"metadata":   map[string]any{"name": nodeName},
+		"spec":       spec,
+		"status": map[string]any{
+			"ready":             true,
+			"lastHeartbeatTime": time.Now().UTC().Format(time.RFC3339),
+			"gpuCount":          len(gpuList),
+		},
+	}
+	invFile := filepath.Join(dir, "inventory.yaml")
+	if err := writeYAML(invFile, inv); err != nil {
+		return "", err
+	}
+	if r.inventories == nil {
+		r.inventories = map[string]string{}
+	}
+	r.inventories[nodeName] = invFile
+	return invFile, nil
+}
+
 // ParseSliceList reads a JSON (or YAML) `List` of ResourceSlices, or a bare array of them.
 func ParseSliceList(data []byte) ([]*resourceapi.ResourceSlice, error) {
 	var list struct {
 		Items []*resourceapi.ResourceSlice `json:"items"`
 	}
-	jsonData, err := yaml.YAMLToJSON(data)
-	if err != nil {
-		return nil, err
+	jsonData := bytes.TrimSpace(data)
+	if len(jsonData) == 0 || (jsonData[0] != '{' && jsonData[0] != '[') {
+		var err error
+		if jsonData, err = yaml.YAMLToJSON(data); err != nil {
+			return nil, err
+		}
 	}
 	if len(bytes.TrimSpace(jsonData)) > 0 && bytes.TrimSpace(jsonData)[0] == '[' {
 		if err := json.Unmarshal(jsonData, &list.Items); err != nil {

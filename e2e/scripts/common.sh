@@ -46,6 +46,9 @@ die() {
     tail -n 25 "$2" >&2
     printf -- '--- (full log: %s)\n' "$2" >&2
   fi
+  if [[ -d "$PID_DIR" ]] && compgen -G "$PID_DIR/*.pid" >/dev/null; then
+    printf 'processes started so far are still running for inspection; stop them with: make down\n' >&2
+  fi
   exit 1
 }
 
@@ -85,6 +88,10 @@ start_proc() {
   echo "---- start $(date -Is) ----" >> "$LOG_DIR/$name.log"
   setsid "$PROC_DIR/$name.sh" >> "$LOG_DIR/$name.log" 2>&1 < /dev/null &
   echo $! > "$PID_DIR/$name.pid"
+  # setsid makes the process a session leader (sid = pid); helpers it spawns (the plugin's simulated MPS
+  # control daemons, which deliberately outlive plugin restarts) stay in that session, so make down can
+  # find them by session id.
+  echo $! >> "$PID_DIR/sessions"
   grep -qxF "$name" "$PID_DIR/order" 2>/dev/null || echo "$name" >> "$PID_DIR/order"
 }
 
@@ -106,6 +113,19 @@ stop_proc() {
 # expect_alive NAME: fails with the process's log if it exited right after start.
 expect_alive() {
   pid_of "$1" >/dev/null || die "$1 exited during startup" "$LOG_DIR/$1.log"
+}
+
+# stop_sessions: terminates, by pid, whatever is left in the sessions of processes this run dir started.
+stop_sessions() {
+  [[ -f "$PID_DIR/sessions" ]] || return 0
+  local sids pids
+  sids="$(sort -u "$PID_DIR/sessions" | tr '\n' ' ')"
+  pids="$(ps -eo pid=,sid= | awk -v s=" $sids" '{ if (index(s, " " $2 " ")) print $1 }')"
+  [[ -n "$pids" ]] || return 0
+  echo "stopping leftover helper processes: $pids"
+  kill -TERM $pids 2>/dev/null || true
+  sleep 1
+  kill -KILL $pids 2>/dev/null || true
 }
 
 clusterctl() { "$BIN_DIR/clusterctl" "$@"; }

@@ -22,6 +22,7 @@ for n in "${names[@]}"; do
   fi
   rm -f "$PID_DIR/$n.pid"
 done
+stop_sessions
 find "$RUN_DIR" -mindepth 1 -maxdepth 1 ! -name logs -exec rm -rf {} +
 left="$(find "$RUN_DIR" -type s 2>/dev/null | wc -l)"
 [[ "$left" == 0 ]] || { echo "FAILED: $left socket(s) left under $RUN_DIR" >&2; exit 1; }

@@ -21,8 +21,13 @@ use crate::{
     error::{Error, Result},
     gpu::{GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend},
     inventory::InventoryPublisher,
+    mig::MigPreparer,
     registration::RegistrationState,
-    state::{NodeState, StateConfig},
+    sharing::{
+        GpuPreparer, SharedPreparer, Sharer,
+        mps::{Launcher, MpsManager},
+    },
+    state::{DeviceKind, NodeState, StateConfig},
 };
 
 /// tessera's kubelet plugin: discovers the node's NVIDIA GPUs, publishes them as a NodeInventory, and
@@ -94,6 +99,35 @@ pub struct Args {
 enum Command {
     /// Print the node's GPUs (the NodeInventory spec) as YAML and exit; needs no cluster.
     Discover(DiscoverArgs),
+    /// Run a simulated MPS control daemon (what the simulated backend starts per shared device).
+    #[command(name = "mps-control-sim", hide = true)]
+    MpsControlSim(MpsControlSimArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct MpsControlSimArgs {
+    /// Directory of the control socket and pid file.
+    #[arg(long, env = "CUDA_MPS_PIPE_DIRECTORY")]
+    pipe_dir: PathBuf,
+    /// Directory of `control.log`.
+    #[arg(long, env = "CUDA_MPS_LOG_DIRECTORY")]
+    log_dir: PathBuf,
+    /// Start the daemon in the background and return once it serves (like `nvidia-cuda-mps-control -d`).
+    #[arg(long, env = "TESSERA_MPS_DETACH")]
+    detach: bool,
+}
+
+impl MpsControlSimArgs {
+    fn run(self) -> Result<()> {
+        let Self {
+            pipe_dir,
+            log_dir,
+            detach,
+        } = self;
+        let program = std::env::current_exe().map_err(|source| Error::MpsControlSim { source })?;
+        crate::sharing::mps::run_sim_daemon(&program, &pipe_dir, &log_dir, detach)
+            .map_err(|source| Error::MpsControlSim { source })
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -172,8 +206,10 @@ impl Args {
             boot_id_file,
             log_format: _,
         } = self;
-        if let Some(Command::Discover(args)) = command {
-            return args.run();
+        match command {
+            Some(Command::Discover(args)) => return args.run(),
+            Some(Command::MpsControlSim(args)) => return args.run(),
+            None => {}
         }
         let node_name = node_name.ok_or(Error::MissingNodeName)?;
 
@@ -200,6 +236,14 @@ impl Args {
             .to_string();
         let client = kube_client(kubeconfig.as_deref()).await?;
 
+        let sharer = Sharer::new(
+            gpu_backend.clone(),
+            MpsManager::new(&state_dir, backend.mps_launcher()?),
+            backend.backend == BackendKind::Nvml,
+        );
+        let shared = Arc::new(SharedPreparer {
+            sharer: Arc::new(sharer),
+        });
         let state = NodeState::new(
             StateConfig {
                 node_name: node_name.clone(),
@@ -210,8 +254,22 @@ impl Args {
             gpu_backend,
             spec.gpus.clone(),
             Arc::new(KubeClaims::new(client.clone())),
-        );
+        )
+        .with_preparer(
+            DeviceKind::Gpu,
+            Arc::new(GpuPreparer {
+                shared: shared.clone(),
+            }),
+        )
+        .with_preparer(
+            DeviceKind::Mig,
+            Arc::new(MigPreparer {
+                shared: shared.clone(),
+            }),
+        )
+        .with_preparer(DeviceKind::Shared, shared.clone());
         let recovery = state.recover()?;
+        shared.stop_orphaned_daemons(&spec.gpus);
         info!(?recovery, "loaded the checkpoint");
         let state = Arc::new(state);
 
@@ -283,6 +341,19 @@ impl DiscoverArgs {
 }
 
 impl BackendArgs {
+    /// How MPS control daemons are started: NVIDIA's tool from the driver root, or this binary's simulated
+    /// daemon.
+    fn mps_launcher(&self) -> Result<Launcher> {
+        Ok(match self.backend {
+            BackendKind::Simulated => Launcher::Simulated {
+                program: std::env::current_exe().map_err(|source| Error::MpsControlSim { source })?,
+            },
+            BackendKind::Nvml => Launcher::Nvidia {
+                control: self.driver_root.join("usr/bin/nvidia-cuda-mps-control"),
+            },
+        })
+    }
+
     fn open(&self, node_name: &str, state_dir: &Path) -> Result<Arc<dyn GpuBackend>> {
         match self.backend {
             BackendKind::Simulated => {

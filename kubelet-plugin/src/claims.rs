@@ -4,10 +4,13 @@
 //! [`ClaimSource`] is the seam: [`KubeClaims`] asks the API server, [`fake::FakeClaims`] serves claims built
 //! in-process by tests (`claim("c0").allocated("gpu-0")`).
 
-use std::sync::Arc;
+use std::{collections::BTreeMap, sync::Arc};
 
 use futures::future::BoxFuture;
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::{
+    api::resource::v1::{DeviceAllocationConfiguration, ResourceClaim},
+    apimachinery::pkg::api::resource::Quantity,
+};
 use kube::Api;
 
 /// Error of a claim lookup, opaque to the state machine (it only reports it).
@@ -69,6 +72,11 @@ pub struct AllocatedDevice {
     /// `parameters` of every `status.allocation.devices.config` entry for this driver that applies to the
     /// request, in the order the API server lists them (class configuration before claim configuration).
     pub configs: Vec<serde_json::Value>,
+    /// The same entries whole (source and request list included), for the precedence rules of
+    /// [`tessera_api::config::effective_config`].
+    pub config_entries: Vec<DeviceAllocationConfiguration>,
+    /// Capacity the scheduler assigned to a share (`compute`, `memory`); empty for exclusive devices.
+    pub consumed_capacity: BTreeMap<String, Quantity>,
 }
 
 /// This driver's allocation results of `claim`, or `None` when the claim is not allocated.
@@ -86,14 +94,18 @@ pub fn allocated_devices(claim: &ResourceClaim, driver: &str) -> Option<Vec<Allo
             .map(|r| {
                 // A configuration naming `<request>` applies to all its subrequests too.
                 let parent = r.request.split('/').next().unwrap_or(&r.request);
-                let configs = configs
+                let config_entries: Vec<DeviceAllocationConfiguration> = configs
                     .iter()
                     .filter(|c| match c.requests.as_deref() {
                         None | Some([]) => true,
                         Some(reqs) => reqs.iter().any(|q| q == &r.request || q == parent),
                     })
+                    .filter(|c| c.opaque.as_ref().is_some_and(|o| o.driver == driver))
+                    .cloned()
+                    .collect();
+                let configs = config_entries
+                    .iter()
                     .filter_map(|c| c.opaque.as_ref())
-                    .filter(|o| o.driver == driver)
                     .map(|o| o.parameters.0.clone())
                     .collect();
                 AllocatedDevice {
@@ -102,6 +114,8 @@ pub fn allocated_devices(claim: &ResourceClaim, driver: &str) -> Option<Vec<Allo
                     device: r.device.clone(),
                     share_id: r.share_id.clone(),
                     configs,
+                    config_entries,
+                    consumed_capacity: r.consumed_capacity.clone().unwrap_or_default(),
                 }
             })
             .collect(),
@@ -279,6 +293,30 @@ pub mod fake {
         /// An allocation with no results (allocated, but nothing for any driver).
         pub fn allocated_empty(mut self) -> Self {
             self.allocated = true;
+            self
+        }
+
+        /// Sets the consumed capacity of the last result added (a share the scheduler sized).
+        pub fn consumed(mut self, name: &str, quantity: &str) -> Self {
+            if let Some(r) = self.results.last_mut() {
+                r.consumed_capacity.get_or_insert_with(BTreeMap::new).insert(
+                    name.into(),
+                    k8s_openapi::apimachinery::pkg::api::resource::Quantity(quantity.into()),
+                );
+            }
+            self
+        }
+
+        /// Adds an opaque configuration of this driver that comes from the DeviceClass and names no request.
+        pub fn class_config(mut self, parameters: serde_json::Value) -> Self {
+            self.configs.push(DeviceAllocationConfiguration {
+                source: "FromClass".into(),
+                requests: None,
+                opaque: Some(OpaqueDeviceConfiguration {
+                    driver: self.driver.clone(),
+                    parameters: RawExtension(parameters),
+                }),
+            });
             self
         }
 

@@ -28,6 +28,12 @@ pub enum Error {
         "the simulated backend needs a node file: set --simulated-node-file (TESSERA_SIMULATED_NODE_FILE)"
     )]
     MissingSimulatedNodeFile,
+    /// The simulated MPS control daemon failed to start or serve.
+    #[error("failed to run the simulated MPS control daemon: {source}")]
+    MpsControlSim {
+        #[source]
+        source: io::Error,
+    },
     /// `--node-name` not given.
     #[error("the node name is required: set --node-name or NODE_NAME (the downward API's spec.nodeName)")]
     MissingNodeName,
@@ -193,6 +199,29 @@ pub enum ClaimError {
         device: String,
         #[source]
         source: GpuError,
+    },
+    /// The claim's opaque configuration for the device is invalid. (Sources of the variants below are boxed:
+    /// they are large and every preparer call returns this type.)
+    #[error("invalid configuration for request {request} (device {device}): {source}")]
+    InvalidConfig {
+        request: String,
+        device: String,
+        #[source]
+        source: Box<tessera_api::config::ConfigError>,
+    },
+    /// Creating or destroying a MIG device failed.
+    #[error("failed to prepare MIG device {device}: {source}")]
+    Mig {
+        device: String,
+        #[source]
+        source: Box<crate::mig::MigError>,
+    },
+    /// Setting up or tearing down a share failed.
+    #[error("failed to share device {device}: {source}")]
+    Sharing {
+        device: String,
+        #[source]
+        source: Box<crate::sharing::SharingError>,
     },
     /// A preparation step that runs off the async runtime panicked or was cancelled.
     #[error("failed to run the preparation of device {device}: {reason}")]

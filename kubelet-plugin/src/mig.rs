@@ -92,6 +92,12 @@ pub enum MigError {
     /// Turning MIG mode off failed.
     #[error("failed to disable MIG mode on GPU {gpu}: {source}")]
     DisableMigMode { gpu: u32, source: GpuError },
+    /// A whole-GPU claim on a GPU that stays in MIG mode.
+    #[error(
+        "GPU {gpu} is in MIG mode (MIG instances exist, or leaving MIG mode needs a GPU reset), so it cannot be \
+         used as a whole GPU"
+    )]
+    MigModeOn { gpu: u32 },
     /// Listing the GPU's instances failed.
     #[error("failed to list the MIG instances of GPU {gpu}: {source}")]
     ListInstances { gpu: u32, source: GpuError },
@@ -499,10 +505,7 @@ pub fn ensure_whole_gpu(backend: &dyn GpuBackend, gpu: &GpuInfo) -> Result<()> {
         })?;
     if mode.current {
         // Either instances remain or the GPU needs a reset to leave MIG mode; both make CUDA see no GPU.
-        return Err(MigError::DisableMigMode {
-            gpu: gpu.index,
-            source: GpuError::InUse(format!("GPU {} is in MIG mode", gpu.index)),
-        });
+        return Err(MigError::MigModeOn { gpu: gpu.index });
     }
     Ok(())
 }
@@ -558,7 +561,11 @@ pub fn known_devices(checkpoint: &Checkpoint, gpus: &[GpuInfo]) -> Vec<MigDevice
 
 /// CDI edits of a GPU or MIG device: the GPU's `/dev/nvidia<minor>`, the control devices and, for MIG, the
 /// GPU- and compute-instance capability nodes; `NVIDIA_VISIBLE_DEVICES` names the device's UUID.
-pub fn device_edits(backend: &dyn GpuBackend, gpu: &GpuInfo, mig: Option<&MigDevice>) -> Result<ContainerEdits, GpuError> {
+pub fn device_edits(
+    backend: &dyn GpuBackend,
+    gpu: &GpuInfo,
+    mig: Option<&MigDevice>,
+) -> Result<ContainerEdits, GpuError> {
     let mut device_nodes = Vec::with_capacity(6);
     let gpu_node = format!("/dev/nvidia{}", gpu.minor);
     for path in std::iter::once(gpu_node.as_str()).chain(CONTROL_DEVICES) {
@@ -568,7 +575,8 @@ pub fn device_edits(backend: &dyn GpuBackend, gpu: &GpuInfo, mig: Option<&MigDev
     let uuid = match mig {
         None => gpu.uuid.clone(),
         Some(dev) => {
-            let (gi_minor, ci_minor) = backend.mig_capability_minors(dev.gpu, dev.gpu_instance, dev.compute_instance)?;
+            let (gi_minor, ci_minor) =
+                backend.mig_capability_minors(dev.gpu, dev.gpu_instance, dev.compute_instance)?;
             for minor in [gi_minor, ci_minor] {
                 let path = format!("/dev/nvidia-caps/nvidia-cap{minor}");
                 // The caps major is dynamic (`nvidia-caps` in /proc/devices); the minor is the capability's.
@@ -578,7 +586,11 @@ pub fn device_edits(backend: &dyn GpuBackend, gpu: &GpuInfo, mig: Option<&MigDev
             dev.uuid.clone()
         }
     };
-    Ok(ContainerEdits { env: vec![format!("NVIDIA_VISIBLE_DEVICES={uuid}")], device_nodes, mounts: vec![] })
+    Ok(ContainerEdits {
+        env: vec![format!("NVIDIA_VISIBLE_DEVICES={uuid}")],
+        device_nodes,
+        mounts: vec![],
+    })
 }
 
 /// Prepares exclusive MIG devices (`gpu-<i>-mig-<profile>-<start>`). A claim whose `MigConfig` asks for
@@ -590,13 +602,18 @@ pub struct MigPreparer {
 impl DevicePreparer for MigPreparer {
     fn plan(&self, ctx: &DeviceContext) -> Result<DeviceDetail, ClaimError> {
         let DeviceName::Mig { profile, start, .. } = &ctx.device else {
-            return Err(ClaimError::NotSupported { device: ctx.device.to_string(), kind: "non-MIG" });
+            return Err(ClaimError::NotSupported {
+                device: ctx.device.to_string(),
+                kind: "non-MIG",
+            });
         };
         if device_config(ctx)?.as_ref().and_then(|c| c.sharing()).is_some() {
             return self.shared.plan(ctx);
         }
-        let (_, placement) = resolve(&ctx.gpu, profile, *start)
-            .map_err(|source| ClaimError::Mig { device: ctx.device.to_string(), source })?;
+        let (_, placement) = resolve(&ctx.gpu, profile, *start).map_err(|source| ClaimError::Mig {
+            device: ctx.device.to_string(),
+            source: Box::new(source),
+        })?;
         Ok(DeviceDetail::Mig(MigDetail {
             gpu: ctx.gpu.index,
             profile: profile.clone(),
@@ -607,19 +624,35 @@ impl DevicePreparer for MigPreparer {
         }))
     }
 
-    fn prepare(&self, ctx: &DeviceContext, planned: DeviceDetail) -> Result<(DeviceDetail, ContainerEdits), ClaimError> {
+    fn prepare(
+        &self,
+        ctx: &DeviceContext,
+        planned: DeviceDetail,
+    ) -> Result<(DeviceDetail, ContainerEdits), ClaimError> {
         let detail = match planned {
             DeviceDetail::Mig(d) => d,
             shared @ DeviceDetail::Shared(_) => return self.shared.prepare(ctx, shared),
             DeviceDetail::Gpu { .. } => {
-                return Err(ClaimError::NotSupported { device: ctx.device.to_string(), kind: "whole-GPU" });
+                return Err(ClaimError::NotSupported {
+                    device: ctx.device.to_string(),
+                    kind: "whole-GPU",
+                });
             }
         };
         let device = ctx.device.to_string();
         let backend = ctx.backend.as_ref();
         let recorded = device_of(&ctx.gpu, &detail);
-        let dev = prepare_mig(backend, &ctx.gpu, &detail.profile, detail.placement.start, recorded.as_ref())
-            .map_err(|source| ClaimError::Mig { device: device.clone(), source })?;
+        let dev = prepare_mig(
+            backend,
+            &ctx.gpu,
+            &detail.profile,
+            detail.placement.start,
+            recorded.as_ref(),
+        )
+        .map_err(|source| ClaimError::Mig {
+            device: device.clone(),
+            source: Box::new(source),
+        })?;
         match device_edits(backend, &ctx.gpu, Some(&dev)) {
             Ok(edits) => Ok((DeviceDetail::Mig(detail_of(&dev)), edits)),
             Err(source) => {
@@ -642,6 +675,9 @@ impl DevicePreparer for MigPreparer {
         let backend = ctx.backend.as_ref();
         destroy_recorded(backend, d.gpu, gi, ci, d.placement)
             .and_then(|()| maybe_disable_mig_mode(backend, &ctx.gpu))
-            .map_err(|source| ClaimError::Mig { device: ctx.device.to_string(), source })
+            .map_err(|source| ClaimError::Mig {
+                device: ctx.device.to_string(),
+                source: Box::new(source),
+            })
     }
 }

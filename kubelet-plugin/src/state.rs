@@ -131,6 +131,10 @@ pub trait DevicePreparer: Send + Sync + 'static {
     /// Undoes `prepare`. Also called on a `PrepareStarted` record after a crash, so it must accept a
     /// partly done, fully done or never started device and succeed when there is nothing left to undo.
     fn unprepare(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError>;
+
+    /// Called at start for every device of a completed claim, before interrupted claims are rolled back,
+    /// so per-device bookkeeping (how many shares hold a GPU) is whole again before anything is undone.
+    fn restore(&self, _ctx: &DeviceContext, _detail: &DeviceDetail) {}
 }
 
 /// Whole GPUs: the hardware is not touched; the CDI device exposes `/dev/nvidia<minor>` and the control
@@ -224,6 +228,8 @@ pub struct Recovery {
     pub removed_cdi_specs: Vec<String>,
     /// Completed claims kept.
     pub prepared: usize,
+    /// MIG GPU instances destroyed because no completed claim holds them.
+    pub destroyed_mig_instances: usize,
 }
 
 impl NodeState {
@@ -283,6 +289,18 @@ impl NodeState {
                 }
             }
         };
+        for record in checkpoint
+            .claims
+            .values()
+            .filter(|r| r.phase == Phase::PrepareCompleted)
+        {
+            for d in &record.devices {
+                match self.recorded_context(record, d) {
+                    Ok((preparer, ctx)) => preparer.restore(&ctx, &d.detail),
+                    Err(e) => warn!(claim = %record.uid, error = %e, "cannot restore a prepared device"),
+                }
+            }
+        }
         let started: Vec<ClaimRecord> = checkpoint
             .claims
             .values()
@@ -307,6 +325,14 @@ impl NodeState {
                 self.cdi.remove(&uid)?;
                 recovery.removed_cdi_specs.push(uid);
             }
+        }
+        // MIG instances no completed claim holds were left by a crash (or made by hand): destroy them, so the
+        // placements the scheduler thinks free are free.
+        let gpus: Vec<GpuInfo> = self.gpus.values().cloned().collect();
+        let known = crate::mig::known_devices(&checkpoint, &gpus);
+        match crate::mig::reconcile_at_start(self.backend.as_ref(), &gpus, &known) {
+            Ok(report) => recovery.destroyed_mig_instances = report.gpu_instances.len(),
+            Err(e) => warn!(error = %e, "could not remove every unknown MIG instance"),
         }
         recovery.prepared = checkpoint.claims.len();
         self.store.save(&checkpoint)?;
@@ -580,36 +606,48 @@ impl NodeState {
 
     /// Undoes devices in reverse order, synchronously (start-up recovery calls it directly).
     fn undo_devices(&self, record: &ClaimRecord, devices: &[DeviceRecord]) -> Result<(), ClaimError> {
-        let claim = ClaimRef {
-            namespace: record.namespace.clone(),
-            name: record.name.clone(),
-            uid: record.uid.clone(),
-        };
         for d in devices.iter().rev() {
-            let kind = DeviceKind::of_detail(&d.detail);
-            let preparer = self.preparer(kind, &d.device)?;
-            let device: DeviceName = d.device.parse().map_err(|e| ClaimError::UnknownDevice {
-                request: d.request.clone(),
-                device: d.device.clone(),
-                reason: format!("{e}"),
-            })?;
-            let gpu = self.gpus.get(&d.detail.gpu()).cloned().unwrap_or_default();
-            let ctx = DeviceContext {
-                backend: self.backend.clone(),
-                gpu,
-                claim: claim.clone(),
-                device,
-                allocation: AllocatedDevice {
-                    request: d.request.clone(),
-                    pool: d.pool.clone(),
-                    device: d.device.clone(),
-                    share_id: d.share_id.clone(),
-                    configs: Vec::new(),
-                },
-            };
+            let (preparer, ctx) = self.recorded_context(record, d)?;
             preparer.unprepare(&ctx, &d.detail)?;
         }
         Ok(())
+    }
+
+    /// The preparer and context of a recorded device, as far as the checkpoint knows it (no allocation
+    /// configs: they are not recorded, and undoing needs only the detail).
+    fn recorded_context(
+        &self,
+        record: &ClaimRecord,
+        d: &DeviceRecord,
+    ) -> Result<(Arc<dyn DevicePreparer>, DeviceContext), ClaimError> {
+        let kind = DeviceKind::of_detail(&d.detail);
+        let preparer = self.preparer(kind, &d.device)?;
+        let device: DeviceName = d.device.parse().map_err(|e| ClaimError::UnknownDevice {
+            request: d.request.clone(),
+            device: d.device.clone(),
+            reason: format!("{e}"),
+        })?;
+        let gpu = self.gpus.get(&d.detail.gpu()).cloned().unwrap_or_default();
+        let ctx = DeviceContext {
+            backend: self.backend.clone(),
+            gpu,
+            claim: ClaimRef {
+                namespace: record.namespace.clone(),
+                name: record.name.clone(),
+                uid: record.uid.clone(),
+            },
+            device,
+            allocation: AllocatedDevice {
+                request: d.request.clone(),
+                pool: d.pool.clone(),
+                device: d.device.clone(),
+                share_id: d.share_id.clone(),
+                configs: Vec::new(),
+                config_entries: Vec::new(),
+                consumed_capacity: BTreeMap::new(),
+            },
+        };
+        Ok((preparer, ctx))
     }
 
     fn preparer(&self, kind: DeviceKind, device: &str) -> Result<Arc<dyn DevicePreparer>, ClaimError> {

@@ -305,6 +305,11 @@ fn a_whole_gpu_claim_turns_an_idle_hopper_out_of_mig_mode_but_not_a_busy_one() {
     mig::ensure_whole_gpu(&n.backend, &n.gpus[0]).unwrap();
     assert!(!n.backend.mig_mode(0).unwrap().current);
     let dev = mig::prepare_mig(&n.backend, &n.gpus[0], "1g.10gb", 0, None).unwrap();
-    assert!(mig::ensure_whole_gpu(&n.backend, &n.gpus[0]).is_err());
+    let err = mig::ensure_whole_gpu(&n.backend, &n.gpus[0]).unwrap_err();
+    assert!(matches!(err, MigError::MigModeOn { gpu: 0 }), "{err}");
     mig::unprepare_mig(&n.backend, &n.gpus[0], &dev).unwrap();
+    // An A100 cannot leave MIG mode without a reset, so it is never handed out whole while in it.
+    let a100 = node("A100-SXM4-40GB", 1, true);
+    let err = mig::ensure_whole_gpu(&a100.backend, &a100.gpus[0]).unwrap_err();
+    assert!(matches!(err, MigError::MigModeOn { gpu: 0 }), "{err}");
 }

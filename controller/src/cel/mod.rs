@@ -94,12 +94,18 @@ impl DeviceView {
             } else {
                 continue;
             };
-            view.attributes.entry(domain.to_string()).or_default().insert(id.to_string(), value);
+            view.attributes
+                .entry(domain.to_string())
+                .or_default()
+                .insert(id.to_string(), value);
         }
         for (name, cap) in device.capacity.iter().flatten() {
             let (domain, id) = split_qualified(name, driver);
             if let Ok(q) = Quantity::parse(&cap.value.0) {
-                view.capacity.entry(domain.to_string()).or_default().insert(id.to_string(), Value::Opaque(Arc::new(q)));
+                view.capacity
+                    .entry(domain.to_string())
+                    .or_default()
+                    .insert(id.to_string(), Value::Opaque(Arc::new(q)));
             }
         }
         view
@@ -139,7 +145,10 @@ impl Domains {
             Box::<dyn Val>::try_from(Value::Map(Map::from(map)))
         };
         Ok(Self {
-            domains: domains.iter().map(|(k, v)| Ok((k.clone(), to_val(v)?))).collect::<Result<_, ExecutionError>>()?,
+            domains: domains
+                .iter()
+                .map(|(k, v)| Ok((k.clone(), to_val(v)?)))
+                .collect::<Result<_, ExecutionError>>()?,
             empty: to_val(&BTreeMap::new())?,
         })
     }
@@ -148,17 +157,23 @@ impl Domains {
 impl Domains {
     fn duplicate(&self) -> Self {
         Self {
-            domains: self.domains.iter().map(|(k, v)| (k.clone(), v.clone_as_boxed())).collect(),
+            domains: self
+                .domains
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone_as_boxed()))
+                .collect(),
             empty: self.empty.clone_as_boxed(),
         }
     }
 }
 
 fn key_str(idx: &dyn Val) -> Result<&str, ExecutionError> {
-    idx.downcast_ref::<CelString<'_>>().map(|s| s.inner()).ok_or_else(|| ExecutionError::UnexpectedType {
-        got: idx.get_type().name().to_owned(),
-        want: "string".to_owned(),
-    })
+    idx.downcast_ref::<CelString<'_>>()
+        .map(|s| s.inner())
+        .ok_or_else(|| ExecutionError::UnexpectedType {
+            got: idx.get_type().name().to_owned(),
+            want: "string".to_owned(),
+        })
 }
 
 impl Indexer for Domains {
@@ -277,7 +292,10 @@ fn as_quantity<'a>(function: &str, v: &'a Value) -> Result<&'a Quantity, Executi
         Value::Opaque(o) => o.downcast_ref::<Quantity>(),
         _ => None,
     }
-    .ok_or_else(|| ExecutionError::UnexpectedType { got: format!("{v:?}"), want: format!("Quantity for {function}") })
+    .ok_or_else(|| ExecutionError::UnexpectedType {
+        got: format!("{v:?}"),
+        want: format!("Quantity for {function}"),
+    })
 }
 
 fn as_semver<'a>(function: &str, v: &'a Value) -> Result<&'a Semver, ExecutionError> {
@@ -285,7 +303,10 @@ fn as_semver<'a>(function: &str, v: &'a Value) -> Result<&'a Semver, ExecutionEr
         Value::Opaque(o) => o.downcast_ref::<Semver>(),
         _ => None,
     }
-    .ok_or_else(|| ExecutionError::UnexpectedType { got: format!("{v:?}"), want: format!("Semver for {function}") })
+    .ok_or_else(|| ExecutionError::UnexpectedType {
+        got: format!("{v:?}"),
+        want: format!("Semver for {function}"),
+    })
 }
 
 /// Compares two quantities or two versions.
@@ -297,7 +318,9 @@ fn ordering(function: &str, a: &Value, b: &Value) -> Result<std::cmp::Ordering, 
 }
 
 fn quantity_fn(s: Arc<String>) -> ResolveResult {
-    Quantity::parse(&s).map(|q| Value::Opaque(Arc::new(q))).map_err(|e| fail("quantity", e))
+    Quantity::parse(&s)
+        .map(|q| Value::Opaque(Arc::new(q)))
+        .map_err(|e| fail("quantity", e))
 }
 
 fn is_quantity(s: Arc<String>) -> bool {
@@ -305,7 +328,9 @@ fn is_quantity(s: Arc<String>) -> bool {
 }
 
 fn semver_fn(s: Arc<String>) -> ResolveResult {
-    Semver::parse(&s).map(|v| Value::Opaque(Arc::new(v))).map_err(|e| fail("semver", e))
+    Semver::parse(&s)
+        .map(|v| Value::Opaque(Arc::new(v)))
+        .map_err(|e| fail("semver", e))
 }
 
 fn is_semver(s: Arc<String>) -> bool {
@@ -336,7 +361,9 @@ fn is_integer(This(this): This<Value>) -> ResolveResult {
 }
 
 fn as_approximate_float(This(this): This<Value>) -> ResolveResult {
-    Ok(Value::Float(as_quantity("asApproximateFloat", &this)?.as_approximate_float()))
+    Ok(Value::Float(
+        as_quantity("asApproximateFloat", &this)?.as_approximate_float(),
+    ))
 }
 
 fn sign(This(this): This<Value>) -> ResolveResult {
@@ -352,12 +379,14 @@ fn operand(function: &str, v: &Value) -> Result<Quantity, ExecutionError> {
 
 fn add(This(this): This<Value>, other: Value) -> ResolveResult {
     let sum = as_quantity("add", &this)?.checked_add(&operand("add", &other)?);
-    sum.map(|q| Value::Opaque(Arc::new(q))).ok_or_else(|| fail("add", "overflow"))
+    sum.map(|q| Value::Opaque(Arc::new(q)))
+        .ok_or_else(|| fail("add", "overflow"))
 }
 
 fn sub(This(this): This<Value>, other: Value) -> ResolveResult {
     let diff = as_quantity("sub", &this)?.checked_sub(&operand("sub", &other)?);
-    diff.map(|q| Value::Opaque(Arc::new(q))).ok_or_else(|| fail("sub", "overflow"))
+    diff.map(|q| Value::Opaque(Arc::new(q)))
+        .ok_or_else(|| fail("sub", "overflow"))
 }
 
 fn major(This(this): This<Value>) -> ResolveResult {
@@ -374,7 +403,8 @@ fn patch(This(this): This<Value>) -> ResolveResult {
 
 /// Compiles and evaluates selectors.
 pub struct CelEnv {
-    env: Arc<Env>,
+    /// Root context with the quantity/semver functions; each evaluation binds `device` in a child scope.
+    root: Context<'static, 'static>,
 }
 
 impl Default for CelEnv {
@@ -387,31 +417,49 @@ impl CelEnv {
     pub fn new() -> Self {
         let mut env = Env::stdlib();
         // Kubernetes' base environment has ext.Strings; the cel crate's strings extension is the same set.
-        env.add_extension(cel::extensions::strings).expect("the strings extension registers once");
-        Self { env: Arc::new(env) }
+        env.add_extension(cel::extensions::strings)
+            .expect("the strings extension registers once");
+        Self {
+            root: Self::root_context(Arc::new(env)),
+        }
     }
 
     /// Parses `source`.
     pub fn compile(&self, source: &str) -> Result<Selector, SelectorError> {
-        self.env
+        self.env()
             .compile(source)
-            .map(|program| Selector { source: source.to_string(), program })
-            .map_err(|e| SelectorError::Syntax { source_text: source.to_string(), message: e.to_string() })
+            .map(|program| Selector {
+                source: source.to_string(),
+                program,
+            })
+            .map_err(|e| SelectorError::Syntax {
+                source_text: source.to_string(),
+                message: e.to_string(),
+            })
     }
 
-    fn context(&self) -> Context<'static, 'static> {
-        let mut ctx = Context::with_env(Arc::clone(&self.env));
+    fn env(&self) -> &Env {
+        match &self.root {
+            Context::Root { env, .. } => env,
+            Context::Child { .. } => unreachable!("the root context is a root"),
+        }
+    }
+
+    fn root_context(env: Arc<Env>) -> Context<'static, 'static> {
+        let mut ctx = Context::with_env(env);
         let names_in_use = "function names are not taken by the standard library";
         ctx.add_function("quantity", quantity_fn).expect(names_in_use);
         ctx.add_function("isQuantity", is_quantity).expect(names_in_use);
         ctx.add_function("semver", semver_fn).expect(names_in_use);
         ctx.add_function("isSemver", is_semver).expect(names_in_use);
         ctx.add_function("compareTo", compare_to).expect(names_in_use);
-        ctx.add_function("isGreaterThan", is_greater_than).expect(names_in_use);
+        ctx.add_function("isGreaterThan", is_greater_than)
+            .expect(names_in_use);
         ctx.add_function("isLessThan", is_less_than).expect(names_in_use);
         ctx.add_function("asInteger", as_integer).expect(names_in_use);
         ctx.add_function("isInteger", is_integer).expect(names_in_use);
-        ctx.add_function("asApproximateFloat", as_approximate_float).expect(names_in_use);
+        ctx.add_function("asApproximateFloat", as_approximate_float)
+            .expect(names_in_use);
         ctx.add_function("sign", sign).expect(names_in_use);
         ctx.add_function("add", add).expect(names_in_use);
         ctx.add_function("sub", sub).expect(names_in_use);
@@ -424,14 +472,19 @@ impl CelEnv {
     /// Evaluates `selector` on `device`; anything but a bool is an error, as in Kubernetes.
     pub fn matches(&self, selector: &Selector, device: &DeviceView) -> Result<bool, SelectorError> {
         let source_text = selector.source.clone();
-        let runtime = |message: String| SelectorError::Runtime { source_text: source_text.clone(), message };
-        let mut ctx = self.context();
+        let runtime = |message: String| SelectorError::Runtime {
+            source_text: source_text.clone(),
+            message,
+        };
+        let mut ctx = self.root.new_inner_scope();
         let device_val = DeviceVal {
             driver: Box::new(CelString::from(device.driver.clone())),
             attributes: Domains::new(&device.attributes).map_err(|e| runtime(e.to_string()))?,
             capacity: Domains::new(&device.capacity).map_err(|e| runtime(e.to_string()))?,
-            allow_multiple_allocations: Box::<dyn Val>::try_from(Value::Bool(device.allow_multiple_allocations))
-                .map_err(|e| runtime(e.to_string()))?,
+            allow_multiple_allocations: Box::<dyn Val>::try_from(Value::Bool(
+                device.allow_multiple_allocations,
+            ))
+            .map_err(|e| runtime(e.to_string()))?,
         };
         ctx.add_variable_as_val("device", Box::new(device_val));
         match selector.program.execute(&ctx) {

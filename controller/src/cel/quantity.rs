@@ -24,20 +24,28 @@ pub struct ParseQuantityError {
 impl Quantity {
     /// `value` whole units.
     pub fn from_int(value: i64) -> Self {
-        Self { nanos: value as i128 * NANO }
+        Self {
+            nanos: value as i128 * NANO,
+        }
     }
 
     /// Parses the Kubernetes serialization: a signed decimal number, then a binary suffix (`Ki` … `Ei`), a
     /// decimal suffix (`n`, `u`, `m`, `k`, `M`, `G`, `T`, `P`, `E`) or an exponent (`e3`, `E-2`).
     pub fn parse(input: &str) -> Result<Self, ParseQuantityError> {
-        let err = |reason| ParseQuantityError { input: input.to_string(), reason };
+        let err = |reason| ParseQuantityError {
+            input: input.to_string(),
+            reason,
+        };
         let (negative, rest) = match input.as_bytes().first() {
             Some(b'-') => (true, &input[1..]),
             Some(b'+') => (false, &input[1..]),
             Some(_) => (false, input),
             None => return Err(err("empty")),
         };
-        let number_len = rest.bytes().take_while(|b| b.is_ascii_digit() || *b == b'.').count();
+        let number_len = rest
+            .bytes()
+            .take_while(|b| b.is_ascii_digit() || *b == b'.')
+            .count();
         let (number, suffix) = rest.split_at(number_len);
         let (int_part, frac_part) = number.split_once('.').unwrap_or((number, ""));
         if (int_part.is_empty() && frac_part.is_empty()) || frac_part.contains('.') {
@@ -74,7 +82,11 @@ impl Quantity {
         if digits.len() > 30 {
             return Err(err("too many digits"));
         }
-        let mantissa: i128 = if digits.is_empty() { 0 } else { digits.parse().map_err(|_| err("no number"))? };
+        let mantissa: i128 = if digits.is_empty() {
+            0
+        } else {
+            digits.parse().map_err(|_| err("no number"))?
+        };
         // value in nanos = mantissa * mult * 10^(pow10 + 9 - frac_len)
         let scale = pow10 + 9 - frac_part.len() as i32;
         let mut nanos = mantissa.checked_mul(mult).ok_or_else(|| err("too large"))?;
@@ -91,7 +103,9 @@ impl Quantity {
         if nanos > (i64::MAX as i128) * NANO * 1024 {
             return Err(err("too large"));
         }
-        Ok(Self { nanos: if negative { -nanos } else { nanos } })
+        Ok(Self {
+            nanos: if negative { -nanos } else { nanos },
+        })
     }
 
     /// True when the quantity is a whole number of units.
@@ -101,7 +115,9 @@ impl Quantity {
 
     /// The whole number of units, when it is one and fits an `i64`.
     pub fn as_integer(&self) -> Option<i64> {
-        self.is_integer().then(|| i64::try_from(self.nanos / NANO).ok()).flatten()
+        self.is_integer()
+            .then(|| i64::try_from(self.nanos / NANO).ok())
+            .flatten()
     }
 
     pub fn as_approximate_float(&self) -> f64 {

@@ -49,7 +49,10 @@ impl Semver {
     }
 
     fn parse_inner(input: &str, normalize: bool) -> Result<Self, ParseSemverError> {
-        let err = |reason| ParseSemverError { input: input.to_string(), reason };
+        let err = |reason| ParseSemverError {
+            input: input.to_string(),
+            reason,
+        };
         let (rest, build) = match input.split_once('+') {
             Some((r, b)) => (r, identifiers(b).ok_or_else(|| err("malformed build metadata"))?),
             None => (input, vec![]),
@@ -58,13 +61,18 @@ impl Semver {
             Some((c, p)) => (c, identifiers(p).ok_or_else(|| err("malformed pre-release"))?),
             None => (rest, vec![]),
         };
-        if pre.iter().any(|id| id.bytes().all(|b| b.is_ascii_digit()) && id.len() > 1 && id.starts_with('0')) {
+        if pre
+            .iter()
+            .any(|id| id.bytes().all(|b| b.is_ascii_digit()) && id.len() > 1 && id.starts_with('0'))
+        {
             return Err(err("numeric pre-release identifier with a leading zero"));
         }
         let mut parts = core.split('.');
         let mut next = |required: bool| -> Result<u64, ParseSemverError> {
             match parts.next() {
-                Some(p) => numeric(p, !normalize).ok_or_else(|| err("version numbers must be decimal integers")),
+                Some(p) => {
+                    numeric(p, !normalize).ok_or_else(|| err("version numbers must be decimal integers"))
+                }
                 None if !required => Ok(0),
                 None => Err(err("expected major.minor.patch")),
             }
@@ -75,13 +83,20 @@ impl Semver {
         if parts.next().is_some() {
             return Err(err("more than three version numbers"));
         }
-        Ok(Self { major, minor, patch, pre, build })
+        Ok(Self {
+            major,
+            minor,
+            patch,
+            pre,
+            build,
+        })
     }
 
     /// Semver precedence.
     pub fn compare(&self, other: &Self) -> Ordering {
-        (self.major, self.minor, self.patch).cmp(&(other.major, other.minor, other.patch)).then_with(|| {
-            match (self.pre.is_empty(), other.pre.is_empty()) {
+        (self.major, self.minor, self.patch)
+            .cmp(&(other.major, other.minor, other.patch))
+            .then_with(|| match (self.pre.is_empty(), other.pre.is_empty()) {
                 (true, true) => Ordering::Equal,
                 (true, false) => Ordering::Greater,
                 (false, true) => Ordering::Less,
@@ -99,8 +114,7 @@ impl Semver {
                     }
                     self.pre.len().cmp(&other.pre.len())
                 }
-            }
-        })
+            })
     }
 }
 
@@ -127,24 +141,46 @@ mod tests {
 
     #[test]
     fn precedence_follows_semver_two() {
-        let order = ["1.0.0-alpha", "1.0.0-alpha.1", "1.0.0-alpha.beta", "1.0.0-beta", "1.0.0-beta.2",
-            "1.0.0-beta.11", "1.0.0-rc.1", "1.0.0", "1.0.1", "1.10.0", "550.0.0"];
+        let order = [
+            "1.0.0-alpha",
+            "1.0.0-alpha.1",
+            "1.0.0-alpha.beta",
+            "1.0.0-beta",
+            "1.0.0-beta.2",
+            "1.0.0-beta.11",
+            "1.0.0-rc.1",
+            "1.0.0",
+            "1.0.1",
+            "1.10.0",
+            "550.0.0",
+        ];
         for pair in order.windows(2) {
-            assert_eq!(v(pair[0]).compare(&v(pair[1])), Ordering::Less, "{} < {}", pair[0], pair[1]);
+            assert_eq!(
+                v(pair[0]).compare(&v(pair[1])),
+                Ordering::Less,
+                "{} < {}",
+                pair[0],
+                pair[1]
+            );
         }
         assert_eq!(v("1.0.0+build.1").compare(&v("1.0.0")), Ordering::Equal);
     }
 
     #[test]
     fn strict_parsing_rejects_what_the_api_server_rejects() {
-        for bad in ["", "1", "1.2", "v1.2.3", "01.2.3", "1.2.3.4", "1.2.x", "1.2.3-", "1.2.3-01"] {
+        for bad in [
+            "", "1", "1.2", "v1.2.3", "01.2.3", "1.2.3.4", "1.2.x", "1.2.3-", "1.2.3-01",
+        ] {
             assert!(Semver::parse(bad).is_err(), "{bad} parsed");
         }
     }
 
     #[test]
     fn driver_versions_normalize_to_strict_semver() {
-        assert_eq!(Semver::parse_normalized("580.159.03").unwrap().to_string(), "580.159.3");
+        assert_eq!(
+            Semver::parse_normalized("580.159.03").unwrap().to_string(),
+            "580.159.3"
+        );
         assert_eq!(Semver::parse_normalized("9.0").unwrap().to_string(), "9.0.0");
         assert_eq!(Semver::parse_normalized("v13").unwrap().to_string(), "13.0.0");
     }

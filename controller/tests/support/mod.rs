@@ -21,11 +21,18 @@ pub fn h200_node() -> NodeInventory {
 
 /// Four A100-80GB with MIG mode on (A100 cannot toggle it without a reset) and four B200.
 pub fn mixed_node() -> NodeInventory {
-    node("mixed-node").mig_gpus(GpuModel::A100Sxm4_80gb, 4).gpus(GpuModel::B200, 4).build()
+    node("mixed-node")
+        .mig_gpus(GpuModel::A100Sxm4_80gb, 4)
+        .gpus(GpuModel::B200, 4)
+        .build()
 }
 
 pub fn nodes() -> Vec<(&'static str, NodeInventory)> {
-    vec![("h100", h100_node()), ("h200", h200_node()), ("mixed", mixed_node())]
+    vec![
+        ("h100", h100_node()),
+        ("h200", h200_node()),
+        ("mixed", mixed_node()),
+    ]
 }
 
 /// A device model as the golden files name it: policy text (None = built-in default) and features.
@@ -77,12 +84,36 @@ spec:
 
 pub fn models() -> Vec<ModelCase> {
     vec![
-        ModelCase { name: "default", policy: None, features: ApiFeatures::ALL },
-        ModelCase { name: "whole", policy: Some(WHOLE), features: ApiFeatures::ALL },
-        ModelCase { name: "dynamic-mig", policy: Some(DYNAMIC_MIG), features: ApiFeatures::ALL },
-        ModelCase { name: "shared", policy: Some(SHARED), features: ApiFeatures::ALL },
-        ModelCase { name: "static-mig-fallback", policy: Some(STATIC_MIG), features: ApiFeatures::NONE },
-        ModelCase { name: "slot-fallback", policy: Some(SHARED), features: ApiFeatures::NONE },
+        ModelCase {
+            name: "default",
+            policy: None,
+            features: ApiFeatures::ALL,
+        },
+        ModelCase {
+            name: "whole",
+            policy: Some(WHOLE),
+            features: ApiFeatures::ALL,
+        },
+        ModelCase {
+            name: "dynamic-mig",
+            policy: Some(DYNAMIC_MIG),
+            features: ApiFeatures::ALL,
+        },
+        ModelCase {
+            name: "shared",
+            policy: Some(SHARED),
+            features: ApiFeatures::ALL,
+        },
+        ModelCase {
+            name: "static-mig-fallback",
+            policy: Some(STATIC_MIG),
+            features: ApiFeatures::NONE,
+        },
+        ModelCase {
+            name: "slot-fallback",
+            policy: Some(SHARED),
+            features: ApiFeatures::NONE,
+        },
     ]
 }
 
@@ -96,11 +127,17 @@ pub fn render_case(inv: &NodeInventory, case: &ModelCase) -> Vec<ResourceSlice> 
 }
 
 pub fn devices(slices: &[ResourceSlice]) -> Vec<&Device> {
-    slices.iter().flat_map(|s| s.spec.devices.iter().flatten()).collect()
+    slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .collect()
 }
 
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("the crate is in the workspace").to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the crate is in the workspace")
+        .to_path_buf()
 }
 
 /// Compares `actual` with the checked-in file; `TESSERA_BLESS=1` rewrites the file instead.
@@ -113,7 +150,11 @@ pub fn check_golden(path: &std::path::Path, actual: &str) {
     let expected = std::fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("{}: {e}; run with TESSERA_BLESS=1 to create it", path.display()));
     if expected != actual {
-        panic!("{} drifted (TESSERA_BLESS=1 accepts the new output):\n{}", path.display(), line_diff(&expected, actual));
+        panic!(
+            "{} drifted (TESSERA_BLESS=1 accepts the new output):\n{}",
+            path.display(),
+            line_diff(&expected, actual)
+        );
     }
 }
 
@@ -121,7 +162,11 @@ pub fn check_golden(path: &std::path::Path, actual: &str) {
 pub fn line_diff(expected: &str, actual: &str) -> String {
     let e: Vec<&str> = expected.lines().collect();
     let a: Vec<&str> = actual.lines().collect();
-    let first = e.iter().zip(&a).position(|(x, y)| x != y).unwrap_or(e.len().min(a.len()));
+    let first = e
+        .iter()
+        .zip(&a)
+        .position(|(x, y)| x != y)
+        .unwrap_or(e.len().min(a.len()));
     let (mut ee, mut ae) = (e.len(), a.len());
     while ee > first && ae > first && e[ee - 1] == a[ae - 1] {
         ee -= 1;

@@ -344,7 +344,7 @@ func allocations(t *testing.T, p *v1.Pod) []allocation {
 			if r.Driver != driver {
 				continue
 			}
-			out = append(out, allocation{pod: p, claim: c, result: r, edits: edits["ctr"]})
+			out = append(out, allocation{pod: p, claim: c, result: r, edits: edits[p.Spec.Containers[0].Name]})
 		}
 	}
 	if len(out) == 0 {
@@ -369,6 +369,24 @@ func sliceDevice(t *testing.T, node, device string) resourcev1.Device {
 	}
 	t.Fatalf("device %s not in the ResourceSlices of %s", device, node)
 	return resourcev1.Device{}
+}
+
+// countDevices counts the node's published devices whose name matches.
+func countDevices(t *testing.T, node string, name *regexp.Regexp) int {
+	t.Helper()
+	slices, err := e.client.ResourceV1().ResourceSlices().List(ctxFor(t, 30*time.Second), metav1.ListOptions{FieldSelector: "spec.nodeName=" + node + ",spec.driver=" + driver})
+	if err != nil {
+		t.Fatalf("list slices: %v", err)
+	}
+	n := 0
+	for _, s := range slices.Items {
+		for _, d := range s.Spec.Devices {
+			if name.MatchString(d.Name) {
+				n++
+			}
+		}
+	}
+	return n
 }
 
 func attr(d resourcev1.Device, name string) resourcev1.DeviceAttribute {

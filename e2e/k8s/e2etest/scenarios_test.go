@@ -82,13 +82,14 @@ func TestEveryManifestIsAcceptedByTheAPIServer(t *testing.T) {
 	}
 
 	ns := namespace(t, "e2e-examples")
-	files, err := filepath.Glob(filepath.Join(e.repoRoot, "deployments", "examples", "*", "*.yaml"))
+	examples := filepath.Join(e.repoRoot, "deployments", "examples")
+	files, err := cluster.ManifestFiles(examples)
 	if err != nil || len(files) == 0 {
-		t.Fatalf("no examples under deployments/examples/<name>/<name>.yaml (%v)", err)
+		t.Fatalf("no examples under deployments/examples (%v)", err)
 	}
 	for _, f := range files {
-		dir := filepath.Base(filepath.Dir(f))
-		if strings.TrimSuffix(filepath.Base(f), ".yaml") != dir {
+		dir := filepath.Dir(f)
+		if dir != examples && strings.TrimSuffix(filepath.Base(f), ".yaml") != filepath.Base(dir) {
 			t.Errorf("example %s does not follow examples/<name>/<name>.yaml", f)
 		}
 	}
@@ -276,11 +277,15 @@ func TestSurplusClaimsStayPendingUntilCapacityFrees(t *testing.T) {
 	ns := namespace(t, "e2e-surplus")
 	node := e.nodes[len(e.nodes)-1]
 	class := gpuClass(t)
-	claimTemplate(t, ns, "all", class, count(int64(e.gpus)))
+	whole := countDevices(t, node, wholeGPUName)
+	if whole == 0 {
+		t.Fatalf("node %s publishes no whole GPU", node)
+	}
+	claimTemplate(t, ns, "all", class, count(int64(whole)))
 	claimTemplate(t, ns, "one", class)
 	big := waitRunning(t, ns, pod(t, ns, "all-gpus", "all", node).Name, 2*time.Minute)
-	if n := len(allocations(t, big)); n != e.gpus {
-		t.Fatalf("all-gpus got %d devices, want %d", n, e.gpus)
+	if n := len(allocations(t, big)); n != whole {
+		t.Fatalf("all-gpus got %d devices, want all %d whole GPUs of %s", n, whole, node)
 	}
 
 	pod(t, ns, "surplus", "one", node)

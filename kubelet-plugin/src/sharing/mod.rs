@@ -4,6 +4,19 @@
 //! the last one: an MPS control daemon, or a non-default time-slice. [`ShareUsers`] counts the holders per
 //! device; it is rebuilt from the checkpoint at start, so "first" and "last" survive a plugin restart.
 //!
+//! What is enforced, and by whom:
+//!
+//! | Limit | Set by | Enforced by | A hostile container can |
+//! |---|---|---|---|
+//! | MPS: device access | plugin: GPU in `EXCLUSIVE_PROCESS` while the daemon runs (whole GPUs) | driver: only the MPS server opens the GPU | nothing more: every CUDA process goes through the server |
+//! | MPS: compute share (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) | CDI env from `compute` capacity or `defaultActiveThreadPercentage` | MPS server, per client context | unset it and get the daemon default (config default, else 100%) |
+//! | MPS: pinned memory (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<N>M`) | CDI env from `memory` capacity or the config's limits | MPS server, per client context | unset it and get the daemon default (config default, else none) |
+//! | MPS: IPC (`/dev/shm`) | plugin mounts the host's `/dev/shm` on real GPUs (the daemon runs in it); a per-daemon dir on the simulated backend | — | see other host shared-memory segments (real GPUs) |
+//! | MPS: fault isolation | — | none: a fatal fault in one client reaches all clients of the daemon | crash the other shares' work |
+//! | Time-slicing: interval | first share's config (`timeSlicing.interval`), reset after the last | driver scheduler | nothing (no per-share limit exists) |
+//! | Time-slicing: memory, compute | — | nothing | use all memory and compute of the GPU |
+//! | Strategy per device | plugin: one strategy per device, checked at prepare | plugin | — |
+//!
 //! All shares of one device use one strategy: an MPS daemon puts a whole GPU in exclusive-process mode,
 //! which locks out a time-sliced client, so a second strategy on the same device is refused.
 
@@ -18,13 +31,19 @@ use std::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use tessera_api::{
     DeviceName, GpuInfo, attributes,
-    config::{MpsConfig, QuantityError, SharingStrategy, TimeSliceInterval, parse_quantity},
+    config::{
+        self, DeviceConfig, MpsConfig, QuantityError, SharingStrategy, TimeSliceInterval, parse_quantity,
+    },
 };
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::{
+    cdi::{ContainerEdits, Mount},
+    checkpoint::{DeviceDetail, MigDetail, SharedDetail},
+    error::ClaimError,
     gpu::{ComputeMode, GpuBackend, GpuError},
     mig::{self, MigDevice, MigError},
+    state::{DeviceContext, DevicePreparer, WholeGpuPreparer},
 };
 use mps::{DaemonDefaults, MpsError, MpsManager};
 use timeslice::TimeSliceError;
@@ -53,9 +72,6 @@ pub enum SharingError {
     /// The compute share is not a percentage.
     #[error("consumed capacity compute={0} is not a percentage between 1 and 100")]
     ComputeShare(u64),
-    /// The device is not a shared device.
-    #[error("device {0} is not a shared device")]
-    NotShared(String),
     /// Setting the GPU's compute mode failed.
     #[error("failed to set the compute mode of GPU {gpu}: {source}")]
     ComputeMode { gpu: u32, source: GpuError },
@@ -151,19 +167,22 @@ impl ShareUsers {
 
 /// The key of a shared device: every share of a whole GPU (`gpu-<i>-shared` and the slots
 /// `gpu-<i>-share-<n>`) shares the GPU, keyed `gpu-<i>`; a shared MIG placement is keyed by its name
-/// without `-shared`. Keys name the MPS daemon directory too.
-pub fn share_key(device: &DeviceName) -> Option<String> {
+/// without `-shared`. Keys name the MPS daemon directory too. An exclusive device (`gpu-<i>`, a MIG
+/// placement) whose claim's config asks for sharing among its own containers gets the same key, with that
+/// claim as the only holder.
+pub fn share_key(device: &DeviceName) -> String {
     match device {
-        DeviceName::SharedGpu { gpu } | DeviceName::ShareSlot { gpu, .. } => Some(format!("gpu-{gpu}")),
-        DeviceName::SharedMig { gpu, profile, start } => Some(
+        DeviceName::Gpu { gpu } | DeviceName::SharedGpu { gpu } | DeviceName::ShareSlot { gpu, .. } => {
+            format!("gpu-{gpu}")
+        }
+        DeviceName::SharedMig { gpu, profile, start } | DeviceName::Mig { gpu, profile, start } => {
             DeviceName::Mig {
                 gpu: *gpu,
                 profile: profile.clone(),
                 start: *start,
             }
-            .to_string(),
-        ),
-        DeviceName::Gpu { .. } | DeviceName::Mig { .. } => None,
+            .to_string()
+        }
     }
 }
 
@@ -235,7 +254,7 @@ impl Sharer {
         strategy: SharingStrategy,
         mig: Option<MigDevice>,
     ) {
-        let Some(key) = share_key(device) else { return };
+        let key = share_key(device);
         if self.users.add(&key, holder, strategy).is_ok() && mig.is_some() {
             self.users.set_mig(&key, mig);
         }
@@ -243,7 +262,7 @@ impl Sharer {
 
     /// Prepares one share. On failure the device is left as it was before the call.
     pub fn prepare(&self, req: &ShareRequest<'_>) -> Result<PreparedShare, SharingError> {
-        let key = share_key(req.device).ok_or_else(|| SharingError::NotShared(req.device.to_string()))?;
+        let key = share_key(req.device);
         let first = self.users.add(&key, &req.holder, req.strategy)?;
         let result = self.prepare_registered(req, &key, first);
         if result.is_err() {
@@ -265,14 +284,19 @@ impl Sharer {
     ) -> Result<PreparedShare, SharingError> {
         let gpu = req.gpu.index;
         let mig = match req.device {
-            DeviceName::SharedMig { profile, start, .. } => {
+            DeviceName::SharedMig { profile, start, .. } | DeviceName::Mig { profile, start, .. } => {
                 let recorded = self.users.mig(key);
                 let dev =
                     mig::prepare_mig(self.backend.as_ref(), req.gpu, profile, *start, recorded.as_ref())?;
                 self.users.set_mig(key, Some(dev.clone()));
                 Some(dev)
             }
-            _ => None,
+            _ => {
+                if first {
+                    mig::ensure_whole_gpu(self.backend.as_ref(), req.gpu)?;
+                }
+                None
+            }
         };
         let uuid = mig
             .as_ref()
@@ -331,7 +355,7 @@ impl Sharer {
         holder: &str,
         strategy: SharingStrategy,
     ) -> Result<(), SharingError> {
-        let key = share_key(device).ok_or_else(|| SharingError::NotShared(device.to_string()))?;
+        let key = share_key(device);
         let mig = self.users.mig(&key);
         if self.users.remove(&key, holder) {
             return self.teardown(gpu, &key, strategy, device, mig);
@@ -339,7 +363,7 @@ impl Sharer {
         Ok(())
     }
 
-    fn teardown(
+    pub(crate) fn teardown(
         &self,
         gpu: &GpuInfo,
         key: &str,
@@ -416,6 +440,228 @@ pub fn share_limits(
         active_thread_percentage: compute.filter(|p| *p < 100),
         pinned_memory_bytes: memory,
     })
+}
+
+/// Strategy of a shared device whose claim has no sharing config; the policy's default too.
+pub const DEFAULT_STRATEGY: SharingStrategy = SharingStrategy::Mps;
+
+/// The opaque configuration that applies to the context's device, validated; `None` when the allocation
+/// has none for it (and during crash recovery, where only the checkpoint is known).
+pub fn device_config(ctx: &DeviceContext) -> Result<Option<DeviceConfig>, ClaimError> {
+    config::effective_config(
+        &ctx.allocation.config_entries,
+        &ctx.allocation.request,
+        &ctx.device,
+    )
+    .map_err(|source| ClaimError::InvalidConfig {
+        request: ctx.allocation.request.clone(),
+        device: ctx.device.to_string(),
+        source: Box::new(source),
+    })
+}
+
+fn strategy_of(detail: &SharedDetail) -> SharingStrategy {
+    match detail.strategy.as_deref() {
+        Some("TimeSlicing") => SharingStrategy::TimeSlicing,
+        _ => SharingStrategy::Mps,
+    }
+}
+
+fn holder(ctx: &DeviceContext) -> String {
+    format!("{}/{}", ctx.claim.uid, ctx.device)
+}
+
+/// Prepares shares of GPUs and MIG placements (`gpu-<i>-shared`, `gpu-<i>-share-<n>`,
+/// `gpu-<i>-mig-<p>-<s>-shared`), and exclusive devices whose config asks for sharing among the claim's
+/// own containers.
+pub struct SharedPreparer {
+    pub sharer: Arc<Sharer>,
+}
+
+impl SharedPreparer {
+    /// Stops MPS daemons no prepared share uses any more (left by a crash between the last unprepare's
+    /// checkpoint write and the daemon's stop). Call after [`crate::state::NodeState::recover`].
+    pub fn stop_orphaned_daemons(&self, gpus: &[GpuInfo]) {
+        for key in self.sharer.mps().running() {
+            if self.sharer.users().count(&key) > 0 {
+                continue;
+            }
+            let Ok(device) = key.parse::<DeviceName>() else {
+                continue;
+            };
+            let Some(gpu) = gpus.iter().find(|g| g.index == device.gpu()) else {
+                continue;
+            };
+            info!(key, "stopping an MPS daemon no prepared claim uses");
+            if let Err(e) = self
+                .sharer
+                .teardown(gpu, &key, SharingStrategy::Mps, &device, None)
+            {
+                warn!(key, error = %e, "could not stop an orphaned MPS daemon");
+            }
+        }
+    }
+}
+
+impl DevicePreparer for SharedPreparer {
+    fn plan(&self, ctx: &DeviceContext) -> Result<DeviceDetail, ClaimError> {
+        let config = device_config(ctx)?;
+        let sharing = config.as_ref().and_then(|c| c.sharing());
+        let strategy = sharing.map_or(DEFAULT_STRATEGY, |s| s.strategy);
+        let err = |source: SharingError| ClaimError::Sharing {
+            device: ctx.device.to_string(),
+            source: Box::new(source),
+        };
+        let mig = match &ctx.device {
+            DeviceName::SharedMig { profile, start, .. } | DeviceName::Mig { profile, start, .. } => {
+                let (_, placement) = mig::resolve(&ctx.gpu, profile, *start).map_err(|e| err(e.into()))?;
+                Some(MigDetail {
+                    gpu: ctx.gpu.index,
+                    profile: profile.clone(),
+                    placement,
+                    gpu_instance: None,
+                    compute_instance: None,
+                    uuid: None,
+                })
+            }
+            _ => None,
+        };
+        if strategy == SharingStrategy::Mps {
+            // Fail on a malformed capacity now, before anything is touched.
+            share_limits(
+                &ctx.allocation.consumed_capacity,
+                sharing.and_then(|s| s.mps.as_ref()),
+                &ctx.device.to_string(),
+            )
+            .map_err(err)?;
+        }
+        Ok(DeviceDetail::Shared(SharedDetail {
+            gpu: ctx.gpu.index,
+            uuid: None,
+            mig,
+            strategy: Some(strategy.as_str().to_string()),
+            mps_pipe_dir: None,
+            limits: BTreeMap::new(),
+        }))
+    }
+
+    fn prepare(
+        &self,
+        ctx: &DeviceContext,
+        planned: DeviceDetail,
+    ) -> Result<(DeviceDetail, ContainerEdits), ClaimError> {
+        let DeviceDetail::Shared(planned) = planned else {
+            return Err(ClaimError::NotSupported {
+                device: ctx.device.to_string(),
+                kind: "unshared",
+            });
+        };
+        let config = device_config(ctx)?;
+        let sharing = config.as_ref().and_then(|c| c.sharing());
+        let req = ShareRequest {
+            holder: holder(ctx),
+            device: &ctx.device,
+            gpu: &ctx.gpu,
+            strategy: strategy_of(&planned),
+            mps: sharing.and_then(|s| s.mps.as_ref()),
+            interval: sharing
+                .and_then(|s| s.time_slicing)
+                .map(|t| t.interval)
+                .unwrap_or_default(),
+            consumed: &ctx.allocation.consumed_capacity,
+        };
+        let device = ctx.device.to_string();
+        let share = self.sharer.prepare(&req).map_err(|source| ClaimError::Sharing {
+            device: device.clone(),
+            source: Box::new(source),
+        })?;
+        let mut edits = match mig::device_edits(ctx.backend.as_ref(), &ctx.gpu, share.mig.as_ref()) {
+            Ok(edits) => edits,
+            Err(source) => {
+                let _ = self
+                    .sharer
+                    .unprepare(&ctx.gpu, &ctx.device, &req.holder, req.strategy);
+                return Err(ClaimError::PrepareDevice { device, source });
+            }
+        };
+        edits.env.extend(share.env.iter().cloned());
+        edits
+            .mounts
+            .extend(share.mounts.iter().map(|(host, container)| Mount {
+                host_path: host.clone(),
+                container_path: container.clone(),
+                options: ["rw", "nosuid", "nodev", "bind"].map(String::from).to_vec(),
+            }));
+        let detail = SharedDetail {
+            gpu: ctx.gpu.index,
+            uuid: Some(share.uuid),
+            mig: share.mig.as_ref().map(mig::detail_of),
+            strategy: planned.strategy,
+            mps_pipe_dir: share.mps_pipe_dir,
+            limits: share.limits,
+        };
+        Ok((DeviceDetail::Shared(detail), edits))
+    }
+
+    fn unprepare(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError> {
+        let DeviceDetail::Shared(d) = detail else {
+            return Ok(());
+        };
+        self.sharer
+            .unprepare(&ctx.gpu, &ctx.device, &holder(ctx), strategy_of(d))
+            .map_err(|source| ClaimError::Sharing {
+                device: ctx.device.to_string(),
+                source: Box::new(source),
+            })
+    }
+
+    fn restore(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
+        let DeviceDetail::Shared(d) = detail else { return };
+        let mig = d.mig.as_ref().and_then(|m| mig::device_of(&ctx.gpu, m));
+        self.sharer
+            .restore(&ctx.device, &holder(ctx), strategy_of(d), mig);
+    }
+}
+
+/// Whole GPUs: [`WholeGpuPreparer`], after turning an idle Hopper out of MIG mode; a claim whose
+/// `GpuConfig` asks for sharing among its own containers goes to the shared preparer.
+pub struct GpuPreparer {
+    pub shared: Arc<SharedPreparer>,
+}
+
+impl DevicePreparer for GpuPreparer {
+    fn plan(&self, ctx: &DeviceContext) -> Result<DeviceDetail, ClaimError> {
+        if device_config(ctx)?.as_ref().and_then(|c| c.sharing()).is_some() {
+            return self.shared.plan(ctx);
+        }
+        WholeGpuPreparer.plan(ctx)
+    }
+
+    fn prepare(
+        &self,
+        ctx: &DeviceContext,
+        planned: DeviceDetail,
+    ) -> Result<(DeviceDetail, ContainerEdits), ClaimError> {
+        if matches!(planned, DeviceDetail::Shared(_)) {
+            return self.shared.prepare(ctx, planned);
+        }
+        mig::ensure_whole_gpu(ctx.backend.as_ref(), &ctx.gpu).map_err(|source| ClaimError::Mig {
+            device: ctx.device.to_string(),
+            source: Box::new(source),
+        })?;
+        WholeGpuPreparer.prepare(ctx, planned)
+    }
+
+    fn unprepare(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError> {
+        match detail {
+            DeviceDetail::Shared(_) => self.shared.unprepare(ctx, detail),
+            _ => WholeGpuPreparer.unprepare(ctx, detail),
+        }
+    }
+
+    fn restore(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
+        self.shared.restore(ctx, detail);
+    }
 }
 
 #[cfg(test)]

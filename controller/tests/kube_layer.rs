@@ -1,0 +1,199 @@
+//! The thin kube-rs layer against a scripted API server: the requests it sends and how it reads answers.
+
+use std::{
+    convert::Infallible,
+    sync::{Arc, Mutex},
+};
+
+use http::{Request, Response};
+use kube::{Client, client::Body};
+use tessera_controller::{
+    features::{ApiFeatures, PROBE_PREFIX},
+    runtime::probe_features,
+};
+
+/// A client whose API server answers with `answer(method, path+query, body)` and records the requests.
+fn scripted(
+    answer: impl Fn(&str, &str, &serde_json::Value) -> (u16, serde_json::Value) + Send + Sync + 'static,
+) -> (Client, Arc<Mutex<Vec<String>>>) {
+    let seen = Arc::new(Mutex::new(vec![]));
+    let log = Arc::clone(&seen);
+    let answer = Arc::new(answer);
+    let service = tower::service_fn(move |req: Request<Body>| {
+        let (log, answer) = (Arc::clone(&log), Arc::clone(&answer));
+        async move {
+            let method = req.method().to_string();
+            let uri = req.uri().to_string();
+            let bytes = http_body_util_collect(req.into_body()).await;
+            let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+            log.lock().unwrap().push(format!("{method} {uri}"));
+            let (code, reply) = answer(&method, &uri, &body);
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(code)
+                    .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                    .unwrap(),
+            )
+        }
+    });
+    (Client::new(service, "default"), seen)
+}
+
+async fn http_body_util_collect(body: Body) -> Vec<u8> {
+    body.collect_bytes().await.map(|b| b.to_vec()).unwrap_or_default()
+}
+
+fn status(code: u16, reason: &str) -> serde_json::Value {
+    serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "reason": reason, "message": reason})
+}
+
+#[tokio::test]
+async fn probes_are_dry_run_creates_and_dropped_fields_mean_unsupported() {
+    // A 1.35 server without gates: partitionable and consumable fields dropped, taints kept, and the
+    // consumer probe rejected outright.
+    let (client, seen) = scripted(|_, _, body| {
+        let name = body["metadata"]["name"].as_str().unwrap_or_default().to_string();
+        let mut echoed = body.clone();
+        if name.ends_with("consumer") {
+            return (422, status(422, "Invalid"));
+        }
+        echoed["spec"].as_object_mut().unwrap().remove("sharedCounters");
+        for d in echoed["spec"]["devices"].as_array_mut().into_iter().flatten() {
+            d.as_object_mut().unwrap().remove("allowMultipleAllocations");
+        }
+        (201, echoed)
+    });
+    let features = probe_features(&client).await.unwrap();
+    assert_eq!(
+        features,
+        ApiFeatures {
+            partitionable: false,
+            consumable: false,
+            taints: true
+        }
+    );
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 4);
+    assert!(
+        seen.iter()
+            .all(|r| r.starts_with("POST /apis/resource.k8s.io/v1/resourceslices?")
+                && r.contains("dryRun=All")),
+        "{seen:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_server_error_makes_the_probe_inconclusive_instead_of_downgrading() {
+    let (client, _) = scripted(|_, _, body| {
+        if body["metadata"]["name"] == format!("{PROBE_PREFIX}-shared") {
+            (503, status(503, "ServiceUnavailable"))
+        } else {
+            (201, body.clone())
+        }
+    });
+    assert!(probe_features(&client).await.is_err());
+}
+
+#[tokio::test]
+async fn a_lease_another_replica_just_renewed_is_not_taken_and_a_missing_one_is_created() {
+    use tessera_controller::{leader::LeaderElector, runtime::KubeLease};
+    let now = chrono::Utc::now();
+    let held = serde_json::json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": "tessera-controller", "namespace": "tessera-system", "resourceVersion": "7"},
+        "spec": {"holderIdentity": "other", "leaseDurationSeconds": 15, "renewTime": now.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)}
+    });
+    let (client, seen) = scripted(move |method, _, _| match method {
+        "GET" => (200, held.clone()),
+        _ => (409, status(409, "Conflict")),
+    });
+    let mut elector = LeaderElector::new("me", "tessera-system", "tessera-controller");
+    assert!(
+        !elector
+            .try_acquire_or_renew(
+                &KubeLease::new(&client, "tessera-system", "tessera-controller"),
+                now
+            )
+            .await
+    );
+    assert_eq!(
+        *seen.lock().unwrap(),
+        ["GET /apis/coordination.k8s.io/v1/namespaces/tessera-system/leases/tessera-controller"]
+    );
+
+    let (client, seen) = scripted(|method, _, body| match method {
+        "GET" => (404, status(404, "NotFound")),
+        _ => {
+            assert_eq!(body["spec"]["holderIdentity"], "me");
+            let mut created = body.clone();
+            created["metadata"]["resourceVersion"] = "1".into();
+            (201, created)
+        }
+    });
+    assert!(
+        elector
+            .try_acquire_or_renew(
+                &KubeLease::new(&client, "tessera-system", "tessera-controller"),
+                now
+            )
+            .await
+    );
+    let create = seen.lock().unwrap()[1].clone();
+    assert!(
+        create.starts_with("POST /apis/coordination.k8s.io/v1/namespaces/tessera-system/leases?"),
+        "{create}"
+    );
+    assert!(create.contains("fieldManager=tessera-controller"), "{create}");
+}
+
+#[tokio::test]
+async fn a_reconcile_through_kube_creates_slices_and_patches_the_policy_status() {
+    use tessera_controller::{
+        fixtures::{GpuModel, fixed_time, node},
+        pool::NodeRef,
+        reconciler::{Reconciler, Snapshot},
+        runtime::KubeApi,
+    };
+    let (client, seen) = scripted(|method, _, body| match method {
+        "PATCH" => {
+            assert_eq!(body["status"]["conditions"][0]["reason"], "Valid");
+            let stored = serde_json::json!({
+                "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "GpuPolicy",
+                "metadata": {"name": "default"}, "spec": {"rules": []}, "status": body["status"],
+            });
+            (200, stored)
+        }
+        _ => (201, body.clone()),
+    });
+    let policy: tessera_api::policy::GpuPolicy = serde_norway::from_str(
+        "apiVersion: gpu.tessera.dev/v1alpha1\nkind: GpuPolicy\nmetadata: {name: default}\nspec: {rules: [{name: w, whole: {}}]}\n",
+    )
+    .unwrap();
+    let snap = Snapshot {
+        inventories: vec![node("n1").gpus(GpuModel::H100Sxm5_80gb, 2).build()],
+        nodes: [(
+            "n1".to_string(),
+            NodeRef {
+                name: "n1".into(),
+                uid: Some("u1".into()),
+            },
+        )]
+        .into(),
+        policy: Some(policy),
+        slices: vec![],
+    };
+    let mut r = Reconciler::new(ApiFeatures::ALL, chrono::Duration::seconds(40));
+    r.reconcile(&snap, &KubeApi::new(&client), fixed_time(), &|| true)
+        .await
+        .unwrap();
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert!(
+        seen[0].starts_with("PATCH /apis/gpu.tessera.dev/v1alpha1/gpupolicies/default/status"),
+        "{seen:?}"
+    );
+    assert!(
+        seen[1].starts_with("POST /apis/resource.k8s.io/v1/resourceslices?"),
+        "{seen:?}"
+    );
+}

@@ -1,0 +1,313 @@
+//! MIG devices, shares and opaque configs through the prepare state machine, with the plugin's real
+//! preparers on a simulated node (real MPS daemon processes included).
+
+mod common;
+
+use std::{path::PathBuf, sync::Arc};
+
+use common::{BOOT_ID, TestNode};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde_json::json;
+use tessera_api::GROUP_VERSION;
+use tessera_kubelet_plugin::{
+    checkpoint::DeviceDetail,
+    claims::fake::claim,
+    gpu::{ComputeMode, simulated::mig_minors_by_formula},
+    mig::MigPreparer,
+    sharing::{
+        GpuPreparer, SharedPreparer, Sharer,
+        mps::{Launcher, MpsManager},
+    },
+    state::{ClaimRef, DeviceKind, NodeState, Recovery},
+};
+
+struct Plugin {
+    state: Arc<NodeState>,
+    shared: Arc<SharedPreparer>,
+    recovery: Recovery,
+}
+
+/// The plugin as `args.rs` assembles it, (re)started over `node`.
+fn plugin(node: &TestNode) -> Plugin {
+    let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
+    let mps = MpsManager::new(&node.state_dir(), Launcher::Simulated { program });
+    let shared = Arc::new(SharedPreparer {
+        sharer: Arc::new(Sharer::new(node.backend.clone(), mps, false)),
+    });
+    let state = node
+        .state_unrecovered(BOOT_ID)
+        .with_preparer(
+            DeviceKind::Gpu,
+            Arc::new(GpuPreparer {
+                shared: shared.clone(),
+            }),
+        )
+        .with_preparer(
+            DeviceKind::Mig,
+            Arc::new(MigPreparer {
+                shared: shared.clone(),
+            }),
+        )
+        .with_preparer(DeviceKind::Shared, shared.clone());
+    let recovery = state.recover().unwrap();
+    shared.stop_orphaned_daemons(&node.backend.discover().unwrap().gpus);
+    Plugin {
+        state: Arc::new(state),
+        shared,
+        recovery,
+    }
+}
+
+fn claim_ref(c: &ResourceClaim) -> ClaimRef {
+    ClaimRef {
+        namespace: c.metadata.namespace.clone().unwrap(),
+        name: c.metadata.name.clone().unwrap(),
+        uid: c.metadata.uid.clone().unwrap(),
+    }
+}
+
+fn add(node: &TestNode, c: ResourceClaim) -> ClaimRef {
+    let r = claim_ref(&c);
+    node.claims.insert(c);
+    r
+}
+
+fn env_of(p: &Plugin, r: &ClaimRef) -> Vec<String> {
+    p.state.cdi().read(&r.uid).unwrap().unwrap().devices[0]
+        .container_edits
+        .env
+        .clone()
+}
+
+#[tokio::test]
+async fn a_mig_claim_gets_its_parent_gpu_and_capability_nodes_and_leaves_nothing_behind() {
+    let node = TestNode::with_gpus(2);
+    let p = plugin(&node);
+    let r = add(&node, claim("m").allocated("gpu-1-mig-3g-40gb-4").build());
+    p.state.prepare(&r).await.unwrap();
+
+    let DeviceDetail::Mig(detail) = &p.state.checkpoint().claims[&r.uid].devices[0].detail else {
+        panic!()
+    };
+    let (gi, ci, uuid) = (
+        detail.gpu_instance.unwrap(),
+        detail.compute_instance.unwrap(),
+        detail.uuid.clone().unwrap(),
+    );
+    let spec = p.state.cdi().read(&r.uid).unwrap().unwrap();
+    let edits = &spec.devices[0].container_edits;
+    assert!(
+        edits.env.contains(&format!("NVIDIA_VISIBLE_DEVICES={uuid}")),
+        "{:?}",
+        edits.env
+    );
+    let paths: Vec<&str> = edits.device_nodes.iter().map(|n| n.path.as_str()).collect();
+    let (gi_minor, ci_minor) = mig_minors_by_formula(1, gi, ci).unwrap();
+    for want in [
+        "/dev/nvidia1".to_string(),
+        "/dev/nvidiactl".to_string(),
+        format!("/dev/nvidia-caps/nvidia-cap{gi_minor}"),
+        format!("/dev/nvidia-caps/nvidia-cap{ci_minor}"),
+    ] {
+        assert!(paths.contains(&want.as_str()), "{want} missing from {paths:?}");
+    }
+    let cap = edits
+        .device_nodes
+        .iter()
+        .find(|n| n.path.ends_with(&format!("cap{ci_minor}")))
+        .unwrap();
+    assert_eq!(
+        (cap.kind.as_deref(), cap.minor),
+        (Some("c"), Some(i64::from(ci_minor)))
+    );
+    assert_eq!(node.backend.list_gpu_instances(1).unwrap().len(), 1);
+
+    p.state.unprepare(&r).await.unwrap();
+    assert!(node.backend.list_gpu_instances(1).unwrap_or_default().is_empty());
+    assert!(!node.backend.mig_mode(1).unwrap().current);
+}
+
+#[tokio::test]
+async fn a_bad_config_fails_the_prepare_with_its_validation_message_and_changes_nothing() {
+    let node = TestNode::with_gpus(1);
+    let p = plugin(&node);
+    let bad = json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 150}}});
+    let r = add(&node, claim("bad").allocated("gpu-0-shared").config(bad).build());
+    let err = p.state.prepare(&r).await.unwrap_err().to_string();
+    assert!(
+        err.contains("sharing.mps.defaultActiveThreadPercentage: must be between 1 and 100, got 150"),
+        "{err}"
+    );
+    let wrong_kind =
+        json!({"apiVersion": GROUP_VERSION, "kind": "MigConfig", "sharing": {"strategy": "MPS"}});
+    let r2 = add(
+        &node,
+        claim("wrong").allocated("gpu-0").config(wrong_kind).build(),
+    );
+    let err = p.state.prepare(&r2).await.unwrap_err().to_string();
+    assert!(
+        err.contains("cannot apply MigConfig to whole GPU gpu-0; use GpuConfig"),
+        "{err}"
+    );
+    let typo =
+        json!({"apiVersion": GROUP_VERSION, "kind": "MigConfig", "sharing": {"strategy": "MPS", "mpss": {}}});
+    let r3 = add(
+        &node,
+        claim("typo")
+            .allocated("gpu-0-mig-1g-10gb-0")
+            .config(typo)
+            .build(),
+    );
+    let err = p.state.prepare(&r3).await.unwrap_err().to_string();
+    assert!(
+        err.contains("sharing: unknown field \"mpss\"; allowed fields: strategy, mps, timeSlicing"),
+        "{err}"
+    );
+
+    assert!(p.state.checkpoint().claims.is_empty());
+    assert!(p.state.cdi().claim_uids().unwrap().is_empty());
+    assert!(p.shared.sharer.mps().running().is_empty());
+    assert_eq!(node.backend.compute_mode(0).unwrap(), ComputeMode::Default);
+    assert!(!node.backend.mig_mode(0).unwrap().current);
+}
+
+#[tokio::test]
+async fn two_share_claims_get_their_own_limits_and_the_last_unprepare_stops_the_daemon() {
+    let node = TestNode::with_gpus(1);
+    let p = plugin(&node);
+    let a = add(
+        &node,
+        claim("a")
+            .allocated_share("gpu-0-shared", "s1")
+            .consumed("compute", "30")
+            .consumed("memory", "20Gi")
+            .build(),
+    );
+    let b = add(
+        &node,
+        claim("b")
+            .allocated_share("gpu-0-shared", "s2")
+            .consumed("compute", "60")
+            .consumed("memory", "40Gi")
+            .build(),
+    );
+    let (pa, pb) = tokio::join!(p.state.prepare(&a), p.state.prepare(&b));
+    assert_eq!(pa.unwrap()[0].share_id.as_deref(), Some("s1"));
+    pb.unwrap();
+    let (ea, eb) = (env_of(&p, &a), env_of(&p, &b));
+    assert!(
+        ea.contains(&"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30".into())
+            && ea.contains(&"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M".into()),
+        "{ea:?}"
+    );
+    assert!(
+        eb.contains(&"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=60".into())
+            && eb.contains(&"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=40960M".into()),
+        "{eb:?}"
+    );
+    let mps = p.shared.sharer.mps();
+    assert_eq!(mps.running(), vec!["gpu-0".to_string()]);
+
+    p.state.unprepare(&a).await.unwrap();
+    assert_eq!(mps.running(), vec!["gpu-0".to_string()]);
+    p.state.unprepare(&b).await.unwrap();
+    assert!(mps.running().is_empty());
+    assert_eq!(node.backend.compute_mode(0).unwrap(), ComputeMode::Default);
+}
+
+#[tokio::test]
+async fn a_class_time_slicing_config_sets_the_interval_until_the_last_share_leaves() {
+    let node = TestNode::with_gpus(1);
+    let p = plugin(&node);
+    let ts = json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Medium"}}});
+    let a = add(
+        &node,
+        claim("a")
+            .allocated("gpu-0-share-0")
+            .class_config(ts.clone())
+            .build(),
+    );
+    let b = add(
+        &node,
+        claim("b").allocated("gpu-0-share-1").class_config(ts).build(),
+    );
+    p.state.prepare(&a).await.unwrap();
+    p.state.prepare(&b).await.unwrap();
+    assert_eq!(
+        node.backend.time_slice(0).unwrap(),
+        tessera_kubelet_plugin::gpu::TimeSlice::Medium
+    );
+    assert!(
+        !env_of(&p, &a).iter().any(|e| e.starts_with("CUDA_MPS")),
+        "{:?}",
+        env_of(&p, &a)
+    );
+    p.state.unprepare(&a).await.unwrap();
+    assert_eq!(
+        node.backend.time_slice(0).unwrap(),
+        tessera_kubelet_plugin::gpu::TimeSlice::Medium
+    );
+    p.state.unprepare(&b).await.unwrap();
+    assert_eq!(
+        node.backend.time_slice(0).unwrap(),
+        tessera_kubelet_plugin::gpu::TimeSlice::Default
+    );
+}
+
+#[tokio::test]
+async fn a_restarted_plugin_removes_leaked_mig_instances_and_keeps_prepared_claims_and_daemons() {
+    let node = TestNode::with_gpus(2);
+    let first = plugin(&node);
+    let shares: Vec<ClaimRef> = ["a", "b"]
+        .map(|n| {
+            add(
+                &node,
+                claim(n)
+                    .allocated_share("gpu-0-shared", n)
+                    .consumed("compute", "40")
+                    .build(),
+            )
+        })
+        .into();
+    for s in &shares {
+        first.state.prepare(s).await.unwrap();
+    }
+    let m = add(&node, claim("m").allocated("gpu-1-mig-1g-10gb-6").build());
+    first.state.prepare(&m).await.unwrap();
+    let daemon = first.shared.sharer.mps().pid("gpu-0").unwrap();
+    // What a crash between creating an instance and recording it leaves: an instance nobody knows.
+    let prof = node.backend.discover().unwrap().gpus[1]
+        .mig
+        .as_ref()
+        .unwrap()
+        .profile("3g.40gb")
+        .unwrap()
+        .profile_id;
+    node.backend
+        .create_gpu_instance(1, prof, tessera_api::MigPlacement { start: 0, size: 4 })
+        .unwrap();
+    drop(first);
+
+    let second = plugin(&node);
+    assert_eq!(second.recovery.destroyed_mig_instances, 1);
+    assert_eq!(second.recovery.prepared, 3);
+    assert_eq!(
+        node.backend.list_gpu_instances(1).unwrap().len(),
+        1,
+        "the prepared MIG claim must survive"
+    );
+    assert_eq!(
+        second.shared.sharer.mps().pid("gpu-0"),
+        Some(daemon),
+        "the daemon must survive the restart"
+    );
+    // The restored share count keeps the daemon until the last share goes.
+    second.state.unprepare(&shares[0]).await.unwrap();
+    assert_eq!(second.shared.sharer.mps().pid("gpu-0"), Some(daemon));
+    second.state.unprepare(&shares[1]).await.unwrap();
+    assert!(second.shared.sharer.mps().running().is_empty());
+    second.state.unprepare(&m).await.unwrap();
+    assert!(node.backend.list_gpu_instances(1).unwrap_or_default().is_empty());
+}
