@@ -172,7 +172,8 @@ func (r RefGPU) SMsFor(milli int) int64 { return ceilDiv(r.SMs*int64(milli), 100
 
 func ceilDiv(a, b int64) int64 { return (a + b - 1) / b }
 
-// migProfile is one MIG profile the slices offer, sized by its smallest published instance.
+// migProfile is one MIG profile size the slices offer. A name can come in several sizes across GPU models
+// (A100 and H100 `1g.10gb` differ in SMs); each size is kept, so the bounds derived from them stay exact.
 type migProfile struct {
 	Name   string
 	Memory int64
@@ -200,19 +201,15 @@ type ClaimBuilder struct {
 // size the demands.
 func NewClaimBuilder(style ClaimStyle, ref RefGPU, refSlices []*resourceapi.ResourceSlice, all [][]*resourceapi.ResourceSlice) *ClaimBuilder {
 	b := &ClaimBuilder{Style: style, Ref: ref}
-	profiles := map[string]migProfile{}
+	profiles := map[migProfile]bool{}
 	for _, slices := range append(all, refSlices) {
 		for _, d := range Devices(slices) {
-			if d.Type != TypeMIG || d.Profile == "" {
-				continue
-			}
-			p, seen := profiles[d.Profile]
-			if !seen || d.SMs < p.SMs || (d.SMs == p.SMs && d.Memory < p.Memory) {
-				profiles[d.Profile] = migProfile{Name: d.Profile, Memory: d.Memory, SMs: d.SMs}
+			if d.Type == TypeMIG && d.Profile != "" {
+				profiles[migProfile{Name: d.Profile, Memory: d.Memory, SMs: d.SMs}] = true
 			}
 		}
 	}
-	for _, p := range profiles {
+	for p := range profiles {
 		b.mig = append(b.mig, p)
 	}
 	// Smallest first: SMs, then memory, then name (so `1g.10gb` comes before `1g.10gb+me`).
@@ -315,9 +312,11 @@ func (b *ClaimBuilder) Key(pod TracePod) string {
 		return fmt.Sprintf("whole-%d", pod.NumGPU)
 	}
 	if b.Style == StyleMIG || (b.Style == StyleAuto && b.shared == nil) {
+		// The selector matches exactly the instances of the covering profile sizes (and the fallback whole
+		// GPU), so demands with the same covering sizes fit or fail alike.
 		key := "mig"
 		for _, p := range b.migCandidates(pod.GPUMilli) {
-			key += "-" + p.Name
+			key += fmt.Sprintf("-%s/%d/%d", p.Name, p.Memory, p.SMs)
 		}
 		return key
 	}

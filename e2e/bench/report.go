@@ -35,11 +35,14 @@ func (r Report) byName(name string) (RunResult, bool) {
 	return RunResult{}, false
 }
 
+// atFullDemand: the targets are defined at 100 % arrived demand (the replay ends within one pod of it).
+func atFullDemand(res RunResult) bool { return res.Final.ArrivedPct(res.TotalGPUs) >= 99.5 }
+
 // TargetMisses lists the policies below their target at the end of the replay.
 func (r Report) TargetMisses() []string {
 	var out []string
 	for _, res := range r.Results {
-		if t, ok := Targets[res.Policy]; ok && res.Final.AllocPct(res.TotalGPUs) < t {
+		if t, ok := Targets[res.Policy]; ok && atFullDemand(res) && res.Final.AllocPct(res.TotalGPUs) < t {
 			out = append(out, fmt.Sprintf("%s: %.1f %% < %.0f %%", res.Policy, res.Final.AllocPct(res.TotalGPUs), t))
 		}
 	}
@@ -66,7 +69,9 @@ func (r Report) Markdown() string {
 			vs = fmt.Sprintf("%+.1f pp", f.AllocPct(res.TotalGPUs)-whole.Final.AllocPct(whole.TotalGPUs))
 		}
 		target := "—"
-		if t, ok := Targets[res.Policy]; ok {
+		if t, ok := Targets[res.Policy]; ok && !atFullDemand(res) {
+			target = fmt.Sprintf("≥ %.0f %% at 100 %% demand", t)
+		} else if ok {
 			verdict := "met"
 			if f.AllocPct(res.TotalGPUs) < t {
 				verdict = "**MISSED**"
@@ -166,10 +171,15 @@ var lineColors = map[string]color.RGBA{
 // WritePlot draws allocation ratio against arrived demand, one line per policy (FGD paper, Fig. 7 style).
 func (r Report) WritePlot(path string) error {
 	p := plot.New()
-	p.Title.Text = fmt.Sprintf("openb default trace (FGD, ATC'23) on %d GPUs as %s", r.Results[0].TotalGPUs, strings.Join(r.Cfg.Models, " / "))
-	p.X.Label.Text = "Arrived GPU demand (% of cluster GPUs)"
+	short := make([]string, len(r.Cfg.Models))
+	for i, m := range r.Cfg.Models {
+		short[i], _, _ = strings.Cut(m, "-")
+	}
+	p.Title.Text = fmt.Sprintf("openb trace (FGD, ATC'23): %d GPUs as %s, Kubernetes 1.36 allocator", r.Results[0].TotalGPUs, strings.Join(short, "/"))
+	p.X.Label.Text = "Arrived GPU demand (% of cluster GPUs; pods never leave)"
 	p.Y.Label.Text = "GPU allocation ratio (%)"
-	p.X.Min, p.X.Max, p.Y.Min, p.Y.Max = 0, 100*r.Cfg.MaxDemand, 0, 100
+	// Every policy places everything below ~80 % arrived demand; the plot starts where they part.
+	p.X.Min, p.X.Max, p.Y.Min, p.Y.Max = 60, 100*r.Cfg.MaxDemand, 60, 100
 	p.Add(plotter.NewGrid())
 	// Bottom right: below the diagonal and the curves' plateaus.
 	p.Legend.Top = false
@@ -177,7 +187,7 @@ func (r Report) WritePlot(path string) error {
 	p.Legend.XOffs = -vg.Points(8)
 	p.Legend.YOffs = vg.Points(8)
 
-	ideal, err := plotter.NewLine(plotter.XYs{{X: 0, Y: 0}, {X: 100 * r.Cfg.MaxDemand, Y: 100 * r.Cfg.MaxDemand}})
+	ideal, err := plotter.NewLine(plotter.XYs{{X: 60, Y: 60}, {X: 100 * r.Cfg.MaxDemand, Y: 100 * r.Cfg.MaxDemand}})
 	if err != nil {
 		return fmt.Errorf("failed to draw the plot's diagonal: %w", err)
 	}
@@ -188,7 +198,9 @@ func (r Report) WritePlot(path string) error {
 	for i, res := range r.Results {
 		xy := make(plotter.XYs, 0, len(res.Points))
 		for _, pt := range res.Points {
-			xy = append(xy, plotter.XY{X: pt.ArrivedPct, Y: pt.AllocPct})
+			if pt.ArrivedPct >= 60 {
+				xy = append(xy, plotter.XY{X: pt.ArrivedPct, Y: pt.AllocPct})
+			}
 		}
 		l, err := plotter.NewLine(xy)
 		if err != nil {
@@ -196,10 +208,14 @@ func (r Report) WritePlot(path string) error {
 		}
 		l.Color = lineColors[res.Policy]
 		l.Width = vg.Points(1.6)
-		if i%2 == 1 {
-			// Policies can coincide (default and mig do when the default is dynamic MIG): dash every other
-			// line so both stay visible.
-			l.Dashes = []vg.Length{vg.Points(6), vg.Points(3)}
+		// Policies can coincide (default and mig do when the default is dynamic MIG): distinct dash
+		// patterns keep both visible.
+		switch i % 4 {
+		case 1:
+			l.Dashes = []vg.Length{vg.Points(7), vg.Points(3)}
+		case 3:
+			l.Dashes = []vg.Length{vg.Points(2), vg.Points(4)}
+			l.Width = vg.Points(2.2)
 		}
 		p.Add(l)
 		p.Legend.Add(fmt.Sprintf("%s (%.1f %%)", res.Policy, res.Final.AllocPct(res.TotalGPUs)), l)

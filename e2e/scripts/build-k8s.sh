@@ -10,7 +10,7 @@ E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MOD_DIR="$E2E_DIR/k8s"
 SELF="$E2E_DIR/scripts/$(basename "${BASH_SOURCE[0]}")"
 BIN_DIR="${E2E_BIN_DIR:-$E2E_DIR/bin}"
-export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
+export GOTOOLCHAIN=local GOFLAGS="-mod=mod -buildvcs=false" CGO_ENABLED=0
 
 if ! command -v go >/dev/null 2>&1; then
   echo "error: go not found in PATH; install Go >= 1.26.0 (the Kubernetes 1.36 modules need it)" >&2

@@ -6,10 +6,6 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 start=$(date +%s)
 
-"$E2E_DIR/scripts/down.sh" > /dev/null 2>&1 || true
-SKIP_EXAMPLES=1 "$E2E_DIR/scripts/up.sh"
-up_done=$(date +%s)
-
 cleanup() {
   if [[ "${KEEP_CLUSTER:-0}" != 1 ]]; then
     "$E2E_DIR/scripts/down.sh" > /dev/null || echo "warning: make down failed" >&2
@@ -18,6 +14,11 @@ cleanup() {
   fi
 }
 trap cleanup EXIT
+
+"$E2E_DIR/scripts/down.sh" > /dev/null 2>&1 || true
+# A failed start is torn down too (by the trap), after up.sh has printed the failing step and its log.
+SKIP_EXAMPLES=1 "$E2E_DIR/scripts/up.sh"
+up_done=$(date +%s)
 
 step "e2e scenarios (log: $LOG_DIR/e2e.log)"
 set +e

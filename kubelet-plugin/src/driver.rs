@@ -75,7 +75,7 @@ pub async fn serve(
             state: state.clone(),
         }))
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(DraV1beta1 {
-            state,
+            v1: DraV1 { state },
         }))
         .serve_with_incoming_shutdown(dra_incoming, stopped(stop_rx.clone()));
     let dra = tokio::spawn(dra);
@@ -248,9 +248,21 @@ fn device_v1(d: PreparedDevice) -> v1::Device {
 
 // === impl DraV1beta1 ===
 
-/// `k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin`: v1 without `Device.share_id`, for 1.32/1.33 kubelets.
+/// `k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin`, for 1.32/1.33 kubelets.
+///
+/// v1beta1 is v1 on the wire minus `Device.share_id` (field 5), so each message is re-encoded and the v1
+/// code runs: one implementation of prepare semantics, and a v1beta1 kubelet simply never sees share ids
+/// (prost skips the unknown field when decoding the v1 response as v1beta1).
 pub struct DraV1beta1 {
-    state: Arc<NodeState>,
+    v1: DraV1,
+}
+
+fn transcode<From: prost::Message, To: prost::Message + Default>(message: From) -> Result<To, Status> {
+    To::decode(message.encode_to_vec().as_slice()).map_err(|e| {
+        Status::internal(format!(
+            "failed to convert between DRA v1beta1 and v1 messages: {e}"
+        ))
+    })
 }
 
 #[tonic::async_trait]
@@ -259,79 +271,19 @@ impl v1beta1::dra_plugin_server::DraPlugin for DraV1beta1 {
         &self,
         request: Request<v1beta1::NodePrepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodePrepareResourcesResponse>, Status> {
-        let claims: Vec<ClaimRef> = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(claim_ref_v1beta1)
-            .collect();
-        let results = self.state.prepare_all(&claims).await;
-        let claims = results
-            .into_iter()
-            .map(|(claim, result)| {
-                let response = match result {
-                    Ok(devices) => v1beta1::NodePrepareResourceResponse {
-                        devices: devices.into_iter().map(device_v1beta1).collect(),
-                        error: String::new(),
-                    },
-                    Err(e) => {
-                        warn!(claim = %claim.uid, error = %e, "failed to prepare claim");
-                        v1beta1::NodePrepareResourceResponse {
-                            devices: vec![],
-                            error: e.to_string(),
-                        }
-                    }
-                };
-                (claim.uid, response)
-            })
-            .collect();
-        Ok(Response::new(v1beta1::NodePrepareResourcesResponse { claims }))
+        use v1::dra_plugin_server::DraPlugin as _;
+        let request: v1::NodePrepareResourcesRequest = transcode(request.into_inner())?;
+        let response = self.v1.node_prepare_resources(Request::new(request)).await?;
+        Ok(Response::new(transcode(response.into_inner())?))
     }
 
     async fn node_unprepare_resources(
         &self,
         request: Request<v1beta1::NodeUnprepareResourcesRequest>,
     ) -> Result<Response<v1beta1::NodeUnprepareResourcesResponse>, Status> {
-        let claims: Vec<ClaimRef> = request
-            .into_inner()
-            .claims
-            .into_iter()
-            .map(claim_ref_v1beta1)
-            .collect();
-        let results = self.state.unprepare_all(&claims).await;
-        let claims = results
-            .into_iter()
-            .map(|(claim, result)| {
-                let error = result.err().map(|e| {
-                    warn!(claim = %claim.uid, error = %e, "failed to unprepare claim");
-                    e.to_string()
-                });
-                (
-                    claim.uid,
-                    v1beta1::NodeUnprepareResourceResponse {
-                        error: error.unwrap_or_default(),
-                    },
-                )
-            })
-            .collect();
-        Ok(Response::new(v1beta1::NodeUnprepareResourcesResponse { claims }))
-    }
-}
-
-fn claim_ref_v1beta1(c: v1beta1::Claim) -> ClaimRef {
-    ClaimRef {
-        namespace: c.namespace,
-        name: c.name,
-        uid: c.uid,
-    }
-}
-
-/// v1beta1 has no `share_id`; shared devices keep working with older kubelets, which do not need it.
-fn device_v1beta1(d: PreparedDevice) -> v1beta1::Device {
-    v1beta1::Device {
-        request_names: d.request_names,
-        pool_name: d.pool_name,
-        device_name: d.device_name,
-        cdi_device_ids: d.cdi_device_ids,
+        use v1::dra_plugin_server::DraPlugin as _;
+        let request: v1::NodeUnprepareResourcesRequest = transcode(request.into_inner())?;
+        let response = self.v1.node_unprepare_resources(Request::new(request)).await?;
+        Ok(Response::new(transcode(response.into_inner())?))
     }
 }

@@ -370,3 +370,108 @@ async fn stale_sockets_from_a_crashed_run_are_replaced_at_start() {
     register(&mut running).await;
     running.shut_down().await;
 }
+
+/// HPACK "literal header field without indexing, new name" (RFC 7541 6.2.2), no Huffman coding.
+fn hpack_literal(block: &mut Vec<u8>, name: &str, value: &str) {
+    fn string(block: &mut Vec<u8>, s: &str) {
+        // 7-bit prefix integer (RFC 7541 5.1) with the Huffman bit clear.
+        let mut len = s.len();
+        if len < 127 {
+            block.push(len as u8);
+        } else {
+            block.push(127);
+            len -= 127;
+            while len >= 128 {
+                block.push((len % 128 + 128) as u8);
+                len /= 128;
+            }
+            block.push(len as u8);
+        }
+        block.extend_from_slice(s.as_bytes());
+    }
+    block.push(0x00);
+    string(block, name);
+    string(block, value);
+}
+
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// kubelet 1.36's plugin manager dials the registration socket by its bare path, and grpc-go then sends
+/// the path, percent-encoded, as `:authority`. Upstream h2 resets such a stream with PROTOCOL_ERROR, so
+/// kubelet never registers the plugin; tessera patches h2 (third_party/README.md). The request is written
+/// frame by frame because Rust HTTP clients refuse to send such an authority at all.
+#[tokio::test]
+async fn get_info_is_answered_when_the_authority_is_the_percent_encoded_socket_path_as_grpc_go_sends_it() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let node = TestNode::with_gpus(1);
+    let running = start(&node, node.state()).await;
+    let authority = running.paths.registration.to_string_lossy().replace('/', "%2F");
+
+    let mut block = Vec::new();
+    for (name, value) in [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/pluginregistration.Registration/GetInfo"),
+        (":authority", authority.as_str()),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ] {
+        hpack_literal(&mut block, name, value);
+    }
+    let mut request = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    request.extend(frame(0x4, 0, 0, &[])); // SETTINGS
+    request.extend(frame(0x1, 0x4, 1, &block)); // HEADERS, END_HEADERS
+    request.extend(frame(0x0, 0x1, 1, &[0, 0, 0, 0, 0])); // DATA: empty InfoRequest, END_STREAM
+
+    let mut conn = tokio::net::UnixStream::connect(&running.paths.registration)
+        .await
+        .unwrap();
+    conn.write_all(&request).await.unwrap();
+
+    let mut answer = Vec::new();
+    let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let mut header = [0u8; 9];
+            conn.read_exact(&mut header).await?;
+            let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+            let (kind, flags) = (header[3], header[4]);
+            let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & 0x7fff_ffff;
+            let mut payload = vec![0u8; len];
+            conn.read_exact(&mut payload).await?;
+            match (kind, stream) {
+                (0x4, 0) if flags & 0x1 == 0 => conn.write_all(&frame(0x4, 0x1, 0, &[])).await?,
+                (0x3, 1) => return Ok::<_, std::io::Error>(Err(payload)),
+                (0x0, 1) => answer.extend_from_slice(&payload),
+                (0x1, 1) if flags & 0x1 != 0 => return Ok(Ok(())), // trailers end the call
+                _ => {}
+            }
+        }
+    })
+    .await
+    .expect("no answer within 10 s")
+    .expect("connection failed");
+    if let Err(code) = outcome {
+        panic!(
+            "the stream was reset with error code {code:?}; is the h2 patch in third_party/ still applied?"
+        );
+    }
+    let text = String::from_utf8_lossy(&answer);
+    assert!(
+        text.contains("gpu.tessera.dev"),
+        "GetInfo answer lacks the driver name: {text:?}"
+    );
+    assert!(
+        text.contains("v1.DRAPlugin"),
+        "GetInfo answer lacks the services: {text:?}"
+    );
+    // Graceful shutdown waits for open connections.
+    drop(conn);
+    running.shut_down().await;
+}

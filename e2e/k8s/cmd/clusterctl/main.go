@@ -174,11 +174,21 @@ func run(ctx context.Context, cmd string, args []string) error {
 			if err != nil {
 				return false, nil
 			}
+			// A pool is complete when all resourceSliceCount slices of its newest generation exist.
+			var gen int64
+			for _, s := range slices.Items {
+				gen = max(gen, s.Spec.Pool.Generation)
+			}
+			count, want := 0, int64(0)
 			devices = 0
 			for _, s := range slices.Items {
-				devices += len(s.Spec.Devices)
+				if s.Spec.Pool.Generation == gen {
+					count++
+					want = s.Spec.Pool.ResourceSliceCount
+					devices += len(s.Spec.Devices)
+				}
 			}
-			return devices > 0, nil
+			return count > 0 && int64(count) == want && devices > 0, nil
 		})
 		if err != nil {
 			return fmt.Errorf("no ResourceSlices of %s for node %s after %s", cluster.DriverName, *node, *timeout)
