@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-.PHONY: help build test test-unit lint up down e2e bench-packing
+.PHONY: help build test test-unit test-bench lint up down e2e bench-packing
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-16s %s\n", $$1, $$2}'
@@ -12,11 +12,15 @@ build: ## Build every Rust binary (debug)
 
 test: ## The README's test command: unit and integration tests, then the end-to-end suite on a real local cluster
 	$(MAKE) test-unit
+	$(MAKE) test-bench
 	$(MAKE) e2e
 
 test-unit: ## Rust unit and integration tests (no cluster)
 	cargo build --workspace --all-targets
 	cargo test --workspace
+
+test-bench: ## The packing benchmark's own tests (allocation counts on a fixed slice of the trace; no timing)
+	cd e2e/bench && GOTOOLCHAIN=local go test -count=1 ./...
 
 lint: ## rustfmt and clippy, as CI would want them
 	cargo fmt --all -- --check

@@ -5,6 +5,7 @@ package e2etest
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -411,6 +412,48 @@ func cdiSpecsMentioning(t *testing.T, node, s string) []string {
 	return files
 }
 
+// simGPUInstance is one GPU instance in the simulated backend's hardware state file.
+type simGPUInstance struct {
+	ID        int `json:"id"`
+	ProfileID int `json:"profileId"`
+	Placement struct {
+		Start int `json:"start"`
+		Size  int `json:"size"`
+	} `json:"placement"`
+	ComputeInstances []struct {
+		ID   int    `json:"id"`
+		UUID string `json:"uuid"`
+	} `json:"computeInstances"`
+}
+
+// simulatedGPUInstance reads the node's simulated hardware state (what NVML would report on a real GPU)
+// and returns the GPU instance starting at memory slice start on GPU gpu.
+func simulatedGPUInstance(t *testing.T, node string, gpu, start int) (simGPUInstance, bool) {
+	t.Helper()
+	path := filepath.Join(e.runDir, "nodes", node, "plugin-state", "simulated-gpus.json")
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("read simulated GPU state: %v", err)
+	}
+	var state struct {
+		GPUs []struct {
+			GPUInstances []simGPUInstance `json:"gpuInstances"`
+		} `json:"gpus"`
+	}
+	if err := json.Unmarshal(data, &state); err != nil {
+		t.Fatalf("parse %s: %v", path, err)
+	}
+	if gpu >= len(state.GPUs) {
+		t.Fatalf("%s has %d GPUs, want index %d", path, len(state.GPUs), gpu)
+	}
+	for _, gi := range state.GPUs[gpu].GPUInstances {
+		if gi.Placement.Start == start {
+			return gi, true
+		}
+	}
+	return simGPUInstance{}, false
+}
+
 // cdiID is the contract's CDI id for a claim's device.
 func cdiID(a allocation) string {
 	return fmt.Sprintf("k8s.gpu.tessera.dev/claim=%s-%s", a.claim.UID, a.result.Device)
@@ -419,8 +462,10 @@ func cdiID(a allocation) string {
 var (
 	wholeGPUName = regexp.MustCompile(`^gpu-\d+$`)
 	mig3gName    = regexp.MustCompile(`^gpu-\d+-mig-3g-[a-z0-9-]+-\d+$`)
-	sharedName   = regexp.MustCompile(`^gpu-\d+(-mig-[a-z0-9-]+-\d+)?-shared$|^gpu-\d+-share-\d+$`)
-	anyName      = regexp.MustCompile(`^gpu-\d+(-mig-[a-z0-9-]+-\d+)?(-shared)?$|^gpu-\d+-share-\d+$`)
+	// migDeviceName captures GPU index, encoded profile and placement start.
+	migDeviceName = regexp.MustCompile(`^gpu-(\d+)-mig-([a-z0-9-]+)-(\d+)$`)
+	sharedName    = regexp.MustCompile(`^gpu-\d+(-mig-[a-z0-9-]+-\d+)?-shared$|^gpu-\d+-share-\d+$`)
+	anyName       = regexp.MustCompile(`^gpu-\d+(-mig-[a-z0-9-]+-\d+)?(-shared)?$|^gpu-\d+-share-\d+$`)
 )
 
 // checkPrepared asserts the contract's CDI wiring for one allocation: the CDI id, the spec file on the

@@ -194,6 +194,21 @@ func TestWholeMigAndShareClaimsAreAllocatedAndPrepared(t *testing.T) {
 		if !contains(paths, "/dev/nvidiactl") {
 			t.Errorf("device nodes %v lack /dev/nvidiactl", paths)
 		}
+		// The simulated hardware must now hold a 3g GPU instance exactly at the placement the scheduler
+		// chose, whose compute instance is the MIG device the container was given.
+		m := migDeviceName.FindStringSubmatch(a.result.Device)
+		gpu, _ := strconv.Atoi(m[1])
+		start, _ := strconv.Atoi(m[3])
+		gi, ok := simulatedGPUInstance(t, p.Spec.NodeName, gpu, start)
+		if !ok {
+			t.Fatalf("no GPU instance at placement start %d on %s gpu %d", start, p.Spec.NodeName, gpu)
+		}
+		if gi.ProfileID != 9 || gi.Placement.Size != 4 {
+			t.Errorf("GPU instance %+v, want the 3g profile (ID 9) over 4 memory slices", gi)
+		}
+		if len(gi.ComputeInstances) != 1 || gi.ComputeInstances[0].UUID != env["NVIDIA_VISIBLE_DEVICES"] {
+			t.Errorf("compute instances %+v, want one whose uuid is %s", gi.ComputeInstances, env["NVIDIA_VISIBLE_DEVICES"])
+		}
 	})
 
 	t.Run("10Gi 25% share", func(t *testing.T) {
@@ -219,6 +234,41 @@ func TestWholeMigAndShareClaimsAreAllocatedAndPrepared(t *testing.T) {
 			t.Errorf("CUDA_MPS_PIPE_DIRECTORY not set")
 		}
 	})
+}
+
+// (b, continued) Two share claims on one node land on its one shared GPU, each with its own limits in its
+// CDI env, served by one MPS control daemon.
+func TestTwoSharesOnOneGPUGetTheirOwnLimits(t *testing.T) {
+	ns := namespace(t, "e2e-two-shares")
+	claimTemplate(t, ns, "small", sharedClass(t), capacity(map[string]string{"memory": "10Gi", "compute": "25"}))
+	claimTemplate(t, ns, "large", sharedClass(t), capacity(map[string]string{"memory": "20Gi", "compute": "50"}))
+	node := e.nodes[0]
+	pod(t, ns, "small", "small", node)
+	pod(t, ns, "large", "large", node)
+	small := allocations(t, waitRunning(t, ns, "small", 2*time.Minute))[0]
+	large := allocations(t, waitRunning(t, ns, "large", 2*time.Minute))[0]
+	if small.result.Device != large.result.Device {
+		t.Fatalf("shares landed on %s and %s, want one shared GPU", small.result.Device, large.result.Device)
+	}
+	if small.result.ShareID == nil || large.result.ShareID == nil || *small.result.ShareID == *large.result.ShareID {
+		t.Errorf("share ids %v and %v, want two distinct ones", small.result.ShareID, large.result.ShareID)
+	}
+	for _, c := range []struct {
+		a       allocation
+		percent string
+		bytes   int64
+	}{{small, "25", 10 << 30}, {large, "50", 20 << 30}} {
+		env := checkPrepared(t, c.a)
+		if env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != c.percent {
+			t.Errorf("%s: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%q, want %s", c.a.pod.Name, env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], c.percent)
+		}
+		if got := mpsLimitBytes(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]); got != c.bytes {
+			t.Errorf("%s: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=%q, want %d bytes", c.a.pod.Name, env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], c.bytes)
+		}
+	}
+	if a, b := small.edits.EnvMap()["CUDA_MPS_PIPE_DIRECTORY"], large.edits.EnvMap()["CUDA_MPS_PIPE_DIRECTORY"]; a == "" || a != b {
+		t.Errorf("MPS pipe directories %q and %q, want one daemon for the GPU", a, b)
+	}
 }
 
 // mpsLimitBytes parses CUDA_MPS_PINNED_DEVICE_MEM_LIMIT ("<ordinal|uuid>=<n>G|M", MPS units are binary).
