@@ -32,7 +32,9 @@ step "build: Kubernetes control plane + kubelet stand-in (log: $LOG_DIR/build-go
 grep -E 'built in|up to date' "$LOG_DIR/build-go.log" | sed 's/^/    /'
 
 if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
-  if [[ ! -x "$PLUGIN_BIN" || ! -x "$CONTROLLER_BIN" || "${REBUILD_RUST:-0}" == 1 ]]; then
+  # Always let cargo decide (seconds when nothing changed): a stale binary from an older tree would
+  # otherwise run silently. Without cargo, prebuilt binaries are used as they are.
+  if command -v cargo >/dev/null || [[ ! -x "$PLUGIN_BIN" || ! -x "$CONTROLLER_BIN" ]]; then
     command -v cargo >/dev/null || die "cargo not found in PATH and $PLUGIN_BIN / $CONTROLLER_BIN are missing"
     step "build: cargo build -p tessera-kubelet-plugin -p tessera-controller (log: $LOG_DIR/build-rust.log)"
     cargo build -p tessera-kubelet-plugin -p tessera-controller > "$LOG_DIR/build-rust.log" 2>&1 \
@@ -116,21 +118,16 @@ clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "$RUN_DIR/namespace.yaml" > /d
 
 for i in $(seq 0 $((NODES - 1))); do
   n="$(node_name "$i")"; d="$(node_dir "$n")"
-  mkdir -p "$d/registry" "$d/plugin-registry" "$d/plugins" "$d/cdi" "$d/plugin-state" "$d/kubelet-state"
+  mkdir -p "$d/registry" "$d/plugins" "$d/cdi" "$d/plugin-state" "$d/kubelet-state"
   printf 'gpus:\n  - model: %s\n    count: %s\n' "$MODEL" "$GPUS" > "$d/node.yaml"
   # A stable fake boot id per node: a plugin restart is not a node reboot.
   echo "$(cat /proc/sys/kernel/random/uuid)" > "$d/boot_id"
 
-  # REGISTRATION_PROXY=1: opt-in workaround, see e2e/k8s/cmd/mini-kubelet/regproxy.go and e2e/README.md.
-  plugin_registry="$d/registry"; proxy=()
-  if [[ "${REGISTRATION_PROXY:-0}" == 1 ]]; then
-    plugin_registry="$d/plugin-registry"; proxy=(--registration-proxy-from "$plugin_registry")
-  fi
-  step "node $n: kubelet stand-in${proxy:+ (with registration proxy)}"
+  step "node $n: kubelet stand-in"
   write_proc "kubelet-$n" -- "$BIN_DIR/mini-kubelet" \
     --kubeconfig "$PKI_DIR/kubelet-$n.kubeconfig" --node-name "$n" \
     --registry-dir "$d/registry" --cdi-dir "$d/cdi" --state-dir "$d/kubelet-state" \
-    ${FEATURE_GATES:+--feature-gates "$FEATURE_GATES"} "${proxy[@]}"
+    ${FEATURE_GATES:+--feature-gates "$FEATURE_GATES"}
   start_proc "kubelet-$n"
   clusterctl wait-node --kubeconfig "$ADMIN_KUBECONFIG" --node "$n" --timeout 60s || die "node $n did not become Ready" "$LOG_DIR/kubelet-$n.log"
 
@@ -138,7 +135,7 @@ for i in $(seq 0 $((NODES - 1))); do
     step "node $n: tessera-kubelet-plugin (simulated, $GPUS x $MODEL)"
     write_proc "plugin-$n" KUBECONFIG="$PKI_DIR/plugin-$n.kubeconfig" RUST_LOG="${RUST_LOG:-info}" -- "$PLUGIN_BIN" \
       --node-name "$n" --backend simulated --simulated-node-file "$d/node.yaml" \
-      --state-dir "$d/plugin-state" --kubelet-registry-dir "$plugin_registry" --kubelet-plugins-dir "$d/plugins" \
+      --state-dir "$d/plugin-state" --kubelet-registry-dir "$d/registry" --kubelet-plugins-dir "$d/plugins" \
       --cdi-dir "$d/cdi" --boot-id-file "$d/boot_id" --kubeconfig "$PKI_DIR/plugin-$n.kubeconfig"
     start_proc "plugin-$n"
   fi
@@ -153,9 +150,8 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
       if clusterctl wait-inventory --kubeconfig "$ADMIN_KUBECONFIG" --node "$n" --timeout 5s 2>/dev/null; then ready=1; break; fi
       if grep -q 'PROTOCOL_ERROR' "$LOG_DIR/kubelet-$n.log"; then
         grep -m1 'PROTOCOL_ERROR' "$LOG_DIR/kubelet-$n.log" | cut -c1-400 >&2
-        echo "kubelet's registration call (GetInfo) was rejected by the plugin's gRPC server: h2 refuses the" >&2
-        echo ":authority grpc-go sends for a unix socket path; see e2e/README.md 'Known issue'." >&2
-        echo "REGISTRATION_PROXY=1 works around it for testing." >&2
+        echo "kubelet's registration call (GetInfo) was rejected by the plugin's gRPC server: is the h2 patch" >&2
+        echo "in third_party/ (see third_party/README.md) still applied?" >&2
         die "plugin on $n cannot register with the kubelet" "$LOG_DIR/kubelet-$n.log"
       fi
     done

@@ -75,7 +75,6 @@ type options struct {
 	maxPods      string
 	featureGates string
 	labels       string
-	regProxyFrom string
 }
 
 // ContainerEdits is what CDI injection produced for one container.
@@ -112,7 +111,6 @@ func main() {
 	flag.StringVar(&o.maxPods, "max-pods", "110", "node pod capacity")
 	flag.StringVar(&o.featureGates, "feature-gates", "", "kubelet feature gates (k=v,...)")
 	flag.StringVar(&o.labels, "node-labels", "", "extra node labels (k=v,...)")
-	flag.StringVar(&o.regProxyFrom, "registration-proxy-from", "", "opt-in workaround: re-expose plugin registration sockets from this dir (see regproxy.go)")
 	flag.Parse()
 	if o.nodeName == "" || o.registryDir == "" || o.cdiDir == "" || o.stateDir == "" {
 		fmt.Fprintln(os.Stderr, "mini-kubelet: --node-name, --registry-dir, --cdi-dir and --state-dir are required")
@@ -207,12 +205,6 @@ func run(ctx context.Context, o options) error {
 	}
 	k.dra = manager
 
-	if o.regProxyFrom != "" {
-		if err := os.MkdirAll(o.regProxyFrom, 0o750); err != nil {
-			return fmt.Errorf("failed to create %s: %w", o.regProxyFrom, err)
-		}
-		go runRegistrationProxy(ctx, o.regProxyFrom, o.registryDir)
-	}
 	plugins := pluginmanager.NewPluginManager(o.registryDir, recorder)
 	plugins.AddHandler(registerapi.DRAPlugin, manager.GetWatcherHandler())
 	go plugins.Run(ctx, sourcesReady, ctx.Done())
