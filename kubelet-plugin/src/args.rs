@@ -21,13 +21,12 @@ use crate::{
     error::{Error, Result},
     gpu::{GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend},
     inventory::InventoryPublisher,
-    mig::MigPreparer,
     registration::RegistrationState,
     sharing::{
-        GpuPreparer, SharedPreparer, Sharer,
+        self, SharedPreparer, Sharer,
         mps::{Launcher, MpsManager},
     },
-    state::{DeviceKind, NodeState, StateConfig},
+    state::{NodeState, StateConfig},
 };
 
 /// tessera's kubelet plugin: discovers the node's NVIDIA GPUs, publishes them as a NodeInventory, and
@@ -254,20 +253,8 @@ impl Args {
             gpu_backend,
             spec.gpus.clone(),
             Arc::new(KubeClaims::new(client.clone())),
-        )
-        .with_preparer(
-            DeviceKind::Gpu,
-            Arc::new(GpuPreparer {
-                shared: shared.clone(),
-            }),
-        )
-        .with_preparer(
-            DeviceKind::Mig,
-            Arc::new(MigPreparer {
-                shared: shared.clone(),
-            }),
-        )
-        .with_preparer(DeviceKind::Shared, shared.clone());
+        );
+        let state = sharing::with_preparers(state, &shared);
         let recovery = state.recover()?;
         shared.stop_orphaned_daemons(&spec.gpus);
         info!(?recovery, "loaded the checkpoint");

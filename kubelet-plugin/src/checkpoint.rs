@@ -118,6 +118,20 @@ pub struct MigDetail {
     pub uuid: Option<String>,
 }
 
+impl MigDetail {
+    /// A MIG device as planned, before any instance exists.
+    pub fn planned(gpu: u32, profile: String, placement: MigPlacement) -> Self {
+        Self {
+            gpu,
+            profile,
+            placement,
+            gpu_instance: None,
+            compute_instance: None,
+            uuid: None,
+        }
+    }
+}
+
 /// A share of a GPU (or of a MIG device, when `mig` is set).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -614,14 +614,11 @@ impl DevicePreparer for MigPreparer {
             device: ctx.device.to_string(),
             source: Box::new(source),
         })?;
-        Ok(DeviceDetail::Mig(MigDetail {
-            gpu: ctx.gpu.index,
-            profile: profile.clone(),
+        Ok(DeviceDetail::Mig(MigDetail::planned(
+            ctx.gpu.index,
+            profile.clone(),
             placement,
-            gpu_instance: None,
-            compute_instance: None,
-            uuid: None,
-        }))
+        )))
     }
 
     fn prepare(

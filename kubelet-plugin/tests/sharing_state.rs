@@ -13,12 +13,12 @@ use tessera_kubelet_plugin::{
     checkpoint::DeviceDetail,
     claims::fake::claim,
     gpu::{ComputeMode, simulated::mig_minors_by_formula},
-    mig::MigPreparer,
     sharing::{
-        GpuPreparer, SharedPreparer, Sharer,
+        SharedPreparer, Sharer,
         mps::{Launcher, MpsManager},
+        with_preparers,
     },
-    state::{ClaimRef, DeviceKind, NodeState, Recovery},
+    state::{ClaimRef, NodeState, Recovery},
 };
 
 struct Plugin {
@@ -34,21 +34,7 @@ fn plugin(node: &TestNode) -> Plugin {
     let shared = Arc::new(SharedPreparer {
         sharer: Arc::new(Sharer::new(node.backend.clone(), mps, false)),
     });
-    let state = node
-        .state_unrecovered(BOOT_ID)
-        .with_preparer(
-            DeviceKind::Gpu,
-            Arc::new(GpuPreparer {
-                shared: shared.clone(),
-            }),
-        )
-        .with_preparer(
-            DeviceKind::Mig,
-            Arc::new(MigPreparer {
-                shared: shared.clone(),
-            }),
-        )
-        .with_preparer(DeviceKind::Shared, shared.clone());
+    let state = with_preparers(node.state_unrecovered(BOOT_ID), &shared);
     let recovery = state.recover().unwrap();
     shared.stop_orphaned_daemons(&node.backend.discover().unwrap().gpus);
     Plugin {

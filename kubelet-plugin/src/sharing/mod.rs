@@ -43,7 +43,7 @@ use crate::{
     error::ClaimError,
     gpu::{ComputeMode, GpuBackend, GpuError},
     mig::{self, MigDevice, MigError},
-    state::{DeviceContext, DevicePreparer, WholeGpuPreparer},
+    state::{DeviceContext, DeviceKind, DevicePreparer, NodeState, WholeGpuPreparer},
 };
 use mps::{DaemonDefaults, MpsError, MpsManager};
 use timeslice::TimeSliceError;
@@ -471,6 +471,26 @@ fn holder(ctx: &DeviceContext) -> String {
     format!("{}/{}", ctx.claim.uid, ctx.device)
 }
 
+/// Registers a preparer for every device kind: whole GPUs and MIG devices (each of which becomes a
+/// one-holder share when its config asks for sharing) and shared devices. The binary and the restart
+/// tests assemble the plugin through this one function, so they cannot drift apart.
+pub fn with_preparers(state: NodeState, shared: &Arc<SharedPreparer>) -> NodeState {
+    state
+        .with_preparer(
+            DeviceKind::Gpu,
+            Arc::new(GpuPreparer {
+                shared: shared.clone(),
+            }),
+        )
+        .with_preparer(
+            DeviceKind::Mig,
+            Arc::new(mig::MigPreparer {
+                shared: shared.clone(),
+            }),
+        )
+        .with_preparer(DeviceKind::Shared, shared.clone())
+}
+
 /// Prepares shares of GPUs and MIG placements (`gpu-<i>-shared`, `gpu-<i>-share-<n>`,
 /// `gpu-<i>-mig-<p>-<s>-shared`), and exclusive devices whose config asks for sharing among the claim's
 /// own containers.
@@ -515,14 +535,7 @@ impl DevicePreparer for SharedPreparer {
         let mig = match &ctx.device {
             DeviceName::SharedMig { profile, start, .. } | DeviceName::Mig { profile, start, .. } => {
                 let (_, placement) = mig::resolve(&ctx.gpu, profile, *start).map_err(|e| err(e.into()))?;
-                Some(MigDetail {
-                    gpu: ctx.gpu.index,
-                    profile: profile.clone(),
-                    placement,
-                    gpu_instance: None,
-                    compute_instance: None,
-                    uuid: None,
-                })
+                Some(MigDetail::planned(ctx.gpu.index, profile.clone(), placement))
             }
             _ => None,
         };
