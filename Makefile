@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-.PHONY: help build test test-unit test-bench lint up down e2e bench-packing
+.PHONY: help build test test-unit test-bench test-sample lint up down e2e bench-packing bench-scheduler
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-16s %s\n", $$1, $$2}'
@@ -10,10 +10,11 @@ help: ## List the targets
 build: ## Build every Rust binary (debug)
 	cargo build --workspace --bins
 
-test: ## The README's test command: unit and integration tests, then the end-to-end suite on a real local cluster
+test: ## The README's test command: unit and integration tests, the end-to-end suite on a real local cluster, the scheduler check
 	$(MAKE) test-unit
 	$(MAKE) test-bench
 	$(MAKE) e2e
+	$(MAKE) test-sample
 
 test-unit: ## Rust unit and integration tests (no cluster)
 	cargo build --workspace --all-targets
@@ -39,5 +40,20 @@ e2e: ## End-to-end scenarios on a fresh local cluster (builds control plane, har
 BENCH_OPENB_DIR ?= $(abspath $(CURDIR)/../shared/data/openb)
 bench-packing: ## Replay the openb GPU trace through the structured allocator per tessera policy (bench-results/)
 	cargo build -p tessera-controller -p tessera-kubelet-plugin
-	cd e2e/bench && GOTOOLCHAIN=local go run . -out $(CURDIR)/bench-results -openb-dir $(BENCH_OPENB_DIR) \
-		-controller $(CURDIR)/target/debug/tessera-controller -plugin $(CURDIR)/target/debug/tessera-kubelet-plugin
+	cd e2e/bench && GOTOOLCHAIN=local go run . -out $(CURDIR)/bench-results $(BENCH_ARGS)
+
+# The same benchmark through the real kube-scheduler: a stratified 1-in-N sample of the trace's nodes and
+# pods on a control plane of its own (e2e/scripts/bench-scheduler.sh), every scheduling decision checked
+# against the structured allocator. Exits non-zero on any disagreement.
+BENCH_SAMPLE_EVERY ?= 10
+BENCH_ARGS = -openb-dir $(BENCH_OPENB_DIR) -controller $(CURDIR)/target/debug/tessera-controller \
+	-plugin $(CURDIR)/target/debug/tessera-kubelet-plugin
+bench-scheduler: ## 1 in 10 of the trace through the real kube-scheduler, checked against the allocator (~40 min on 2 cores)
+	cargo build -p tessera-controller -p tessera-kubelet-plugin
+	e2e/scripts/bench-scheduler.sh -skip-full -sample-every $(BENCH_SAMPLE_EVERY) -out $(CURDIR)/bench-results $(BENCH_ARGS)
+
+test-sample: ## The scheduler check in `make test`: 1 in 100 of the trace (committed) through the real kube-scheduler (~1 min)
+	cargo build -p tessera-controller -p tessera-kubelet-plugin
+	e2e/scripts/bench-scheduler.sh -skip-full -sample-every 1 -openb-dir $(CURDIR)/e2e/bench/testdata/openb-1in100 \
+		-controller $(CURDIR)/target/debug/tessera-controller -plugin $(CURDIR)/target/debug/tessera-kubelet-plugin \
+		-out $(CURDIR)/bench-results/test-sample

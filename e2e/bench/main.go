@@ -37,6 +37,9 @@ type args struct {
 	maxDemand     float64
 	policies      string
 	skipNeeded    bool
+	kubeconfig    string
+	sampleEvery   int
+	skipFull      bool
 }
 
 // env gives each flag an environment fallback.
@@ -59,6 +62,13 @@ func parseArgs() (args, error) {
 	demand := env("BENCH_MAX_DEMAND", "1.0")
 	flag.StringVar(&a.policies, "policies", env("BENCH_POLICIES", "whole,mig,shares,default"), "policies to compare (env BENCH_POLICIES)")
 	flag.BoolVar(&a.skipNeeded, "skip-gpus-needed", env("BENCH_SKIP_GPUS_NEEDED", "") == "true", "skip the elastic run that counts the GPUs every pod needs (env BENCH_SKIP_GPUS_NEEDED)")
+	flag.StringVar(&a.kubeconfig, "kubeconfig", env("BENCH_KUBECONFIG", ""), "a running cluster (kube-apiserver + kube-scheduler, nothing else on it): replay a stratified sample of the trace through its scheduler and check every decision against the allocator (env BENCH_KUBECONFIG)")
+	every := env("BENCH_SAMPLE_EVERY", "10")
+	flag.Func("sample-every", "the scheduler sample keeps 1 in N nodes and pods of each stratum (default 10) (env BENCH_SAMPLE_EVERY)", func(s string) error {
+		every = s
+		return nil
+	})
+	flag.BoolVar(&a.skipFull, "skip-full", env("BENCH_SKIP_FULL", "") == "true", "skip the full-trace replay (only the scheduler sample) (env BENCH_SKIP_FULL)")
 	flag.Func("max-demand", "arrived demand to replay up to, as a fraction of the cluster's GPUs (default 1.0) (env BENCH_MAX_DEMAND)", func(s string) error {
 		demand = s
 		return nil
@@ -69,6 +79,14 @@ func parseArgs() (args, error) {
 		return a, fmt.Errorf("failed to read -max-demand %q: want a positive fraction such as 1.0", demand)
 	}
 	a.maxDemand = v
+	n, err := strconv.Atoi(every)
+	if err != nil || n < 1 {
+		return a, fmt.Errorf("failed to read -sample-every %q: want a whole number of at least 1, such as 10", every)
+	}
+	a.sampleEvery = n
+	if a.skipFull && a.kubeconfig == "" {
+		return a, fmt.Errorf("-skip-full leaves nothing to do without -kubeconfig (the scheduler sample)")
+	}
 	return a, nil
 }
 
@@ -126,6 +144,23 @@ func run(a args) error {
 
 	renderDir := filepath.Join(a.out, "render")
 	r := &Renderer{PluginBin: a.pluginBin, ControllerBin: a.controllerBin, WorkDir: renderDir}
+	if !a.skipFull {
+		if err := runFull(r, tr, policies, cfg, a.out); err != nil {
+			return err
+		}
+	}
+	if a.kubeconfig != "" {
+		if err := runSchedulerSample(context.Background(), a, r, tr, policies, cfg); err != nil {
+			return err
+		}
+	}
+	fmt.Printf("\ndone in %.1f s\n", time.Since(start).Seconds())
+	return nil
+}
+
+// runFull replays the whole trace under every policy and writes the report.
+func runFull(r *Renderer, tr *Trace, policies []PolicySpec, cfg Config, out string) error {
+	start := time.Now()
 	clusters := make([]*Cluster, len(policies))
 	for i, p := range policies {
 		c, err := BuildCluster(r, p, tr, cfg)
@@ -133,7 +168,7 @@ func run(a args) error {
 			return fmt.Errorf("failed to build the cluster for policy %s: %w", p.Name, err)
 		}
 		clusters[i] = c
-		slog.Info("slices rendered", "policy", p.Name, "nodes", len(c.Nodes), "renderDir", renderDir)
+		slog.Info("slices rendered", "policy", p.Name, "nodes", len(c.Nodes), "renderDir", r.WorkDir)
 	}
 
 	// Policies are independent: replay them side by side, one per core. A policy whose slices and claims
@@ -184,7 +219,7 @@ func run(a args) error {
 		}
 	}
 	rep := Report{Results: results, Trace: tr, Cfg: cfg, Checkpoints: cfg.Checkpoints}
-	files, err := rep.Write(a.out)
+	files, err := rep.Write(out)
 	if err != nil {
 		return err
 	}

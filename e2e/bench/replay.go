@@ -23,6 +23,23 @@ type Snapshot struct {
 	FailedWhole      int
 }
 
+// Record counts one replayed pod, placed or failed.
+func (s *Snapshot) Record(pod TracePod, placed bool) {
+	s.Arrived++
+	s.ArrivedMilli += pod.DemandMilli()
+	if placed {
+		s.Placed++
+		s.AllocatedMilli += pod.DemandMilli()
+		return
+	}
+	s.Failed++
+	if pod.Fractional() {
+		s.FailedFractional++
+	} else {
+		s.FailedWhole++
+	}
+}
+
 // ArrivedPct is arrived demand in percent of the cluster's GPUs.
 func (s Snapshot) ArrivedPct(totalGPUs int) float64 {
 	return 100 * float64(s.ArrivedMilli) / float64(totalGPUs*1000)
@@ -98,19 +115,7 @@ func Replay(ctx context.Context, sim *Sim, pods []TracePod, checkpoints []int) (
 		if err != nil {
 			return res, err
 		}
-		s.Arrived++
-		s.ArrivedMilli += pod.DemandMilli()
-		if ok {
-			s.Placed++
-			s.AllocatedMilli += pod.DemandMilli()
-		} else {
-			s.Failed++
-			if pod.Fractional() {
-				s.FailedFractional++
-			} else {
-				s.FailedWhole++
-			}
-		}
+		s.Record(pod, ok)
 		arrived := s.ArrivedPct(total)
 		if arrived >= nextPoint {
 			res.Points = append(res.Points, Point{ArrivedPct: arrived, AllocPct: s.AllocPct(total)})

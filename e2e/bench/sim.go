@@ -260,23 +260,64 @@ func (s *Sim) Place(ctx context.Context, pod TracePod) (bool, error) {
 
 func (s *Sim) tryNode(ctx context.Context, i int, claim *resourceapi.ResourceClaim, key string) (bool, error) {
 	n := s.nodes[i]
-	s.AllocateCalls++
-	alloc, err := structured.NewAllocator(ctx, Features, n.state, s.classes, n.slices, s.cache)
-	if err != nil {
-		return false, fmt.Errorf("failed to create the structured allocator for node %s: %w", n.name, err)
+	result, err := s.allocate(ctx, n, claim)
+	if err != nil || result == nil {
+		if err == nil {
+			s.failed[failKey{i, key}] = n.version
+		}
+		return false, err
 	}
-	results, err := alloc.Allocate(ctx, n.obj, []*resourceapi.ResourceClaim{claim})
-	if err != nil {
-		return false, fmt.Errorf("failed to allocate claim %s on node %s: %w", claim.Name, n.name, err)
-	}
-	if len(results) == 0 {
-		s.failed[failKey{i, key}] = n.version
-		return false, nil
-	}
-	if err := n.commit(results[0]); err != nil {
+	if err := n.commit(*result); err != nil {
 		return false, err
 	}
 	return true, nil
+}
+
+// AllocateOn asks the structured allocator for the claim on one named node, given that node's allocated
+// state, without recording the result: the scheduler-sample check compares it with the scheduler's choice.
+// A nil result means the claim does not fit there.
+func (s *Sim) AllocateOn(ctx context.Context, nodeName string, claim *resourceapi.ResourceClaim) (*resourceapi.AllocationResult, error) {
+	n, err := s.node(nodeName)
+	if err != nil {
+		return nil, err
+	}
+	return s.allocate(ctx, n, claim)
+}
+
+// allocate runs the structured allocator on one node with only that node's slices and allocated state, as
+// the scheduler's Filter does.
+func (s *Sim) allocate(ctx context.Context, n *node, claim *resourceapi.ResourceClaim) (*resourceapi.AllocationResult, error) {
+	s.AllocateCalls++
+	alloc, err := structured.NewAllocator(ctx, Features, n.state, s.classes, n.slices, s.cache)
+	if err != nil {
+		return nil, fmt.Errorf("failed to create the structured allocator for node %s: %w", n.name, err)
+	}
+	results, err := alloc.Allocate(ctx, n.obj, []*resourceapi.ResourceClaim{claim})
+	if err != nil {
+		return nil, fmt.Errorf("failed to allocate claim %s on node %s: %w", claim.Name, n.name, err)
+	}
+	if len(results) == 0 {
+		return nil, nil
+	}
+	return &results[0], nil
+}
+
+// Commit records an allocation made elsewhere (by kube-scheduler) on the named node.
+func (s *Sim) Commit(nodeName string, result resourceapi.AllocationResult) error {
+	n, err := s.node(nodeName)
+	if err != nil {
+		return err
+	}
+	return n.commit(result)
+}
+
+func (s *Sim) node(name string) (*node, error) {
+	for _, n := range s.nodes {
+		if n.name == name {
+			return n, nil
+		}
+	}
+	return nil, fmt.Errorf("failed to find node %s in the simulated cluster", name)
 }
 
 // GPUsInUse counts GPUs holding at least one allocation.

@@ -3,7 +3,7 @@
 # kube-controller-manager) as plain processes, N fake GPU nodes (kubelet stand-in + tessera's kubelet
 # plugin on the simulated backend), tessera's controller, CRDs, DeviceClasses and the examples.
 # Variables: NODES GPUS MODEL (node shape), SKIP_EXAMPLES=1, SKIP_DRIVER=1 (control plane and nodes
-# only), RUN_DIR, *_PORT, FEATURE_GATES, RUNTIME_CONFIG.
+# only), RUN_DIR, *_PORT, FEATURE_GATES, RUNTIME_CONFIG, SCHEDULER_ARGS (extra kube-scheduler flags).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$REPO_ROOT"
@@ -85,7 +85,8 @@ clusterctl wait-api --kubeconfig "$ADMIN_KUBECONFIG" --timeout 90s || die "kube-
 step "kube-scheduler and kube-controller-manager"
 write_proc kube-scheduler -- "$BIN_DIR/kube-scheduler" \
   --kubeconfig "$PKI_DIR/scheduler.kubeconfig" --leader-elect=false \
-  --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" --cert-dir "$RUN_DIR/scheduler-certs" "${gates[@]}"
+  --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" --cert-dir "$RUN_DIR/scheduler-certs" "${gates[@]}" \
+  ${SCHEDULER_ARGS:-}
 start_proc kube-scheduler
 write_proc kube-controller-manager -- "$BIN_DIR/kube-controller-manager" \
   --kubeconfig "$PKI_DIR/controller-manager.kubeconfig" --leader-elect=false \
