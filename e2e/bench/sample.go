@@ -98,7 +98,7 @@ func (r SampleReport) Markdown() string {
 	sn, sp := Strata(r.Sample)
 	b.WriteString("| nodes with | sampled | of |\n|---|---|---|\n")
 	for _, k := range sortedKeys(tn) {
-		fmt.Fprintf(&b, "| %d GPUs | %d | %d |\n", k, sn[k], tn[k])
+		fmt.Fprintf(&b, "| %s | %d | %d |\n", plural(k, "GPU"), sn[k], tn[k])
 	}
 	fmt.Fprintf(&b, "| **all** | **%d nodes, %d GPUs** | %d nodes, %d GPUs |\n\n", len(r.Sample.Nodes), r.Sample.TotalGPUs(), len(r.Trace.Nodes), r.Trace.TotalGPUs())
 	b.WriteString("| pods asking for | sampled | of |\n|---|---|---|\n")
@@ -138,5 +138,13 @@ func stratumLabel(k string) string {
 		t, _ := strconv.Atoi(rest)
 		return fmt.Sprintf("gpu_milli %d–%d", 100*t, 100*t+99)
 	}
-	return strings.TrimPrefix(k, "gpus-") + " whole GPUs"
+	n, _ := strconv.Atoi(strings.TrimPrefix(k, "gpus-"))
+	return plural(n, "whole GPU")
+}
+
+func plural(n int, what string) string {
+	if n == 1 {
+		return fmt.Sprintf("1 %s", what)
+	}
+	return fmt.Sprintf("%d %ss", n, what)
 }
