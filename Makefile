@@ -48,7 +48,7 @@ bench-packing: ## Replay the openb GPU trace through the structured allocator pe
 BENCH_SAMPLE_EVERY ?= 10
 BENCH_ARGS = -openb-dir $(BENCH_OPENB_DIR) -controller $(CURDIR)/target/debug/tessera-controller \
 	-plugin $(CURDIR)/target/debug/tessera-kubelet-plugin
-bench-scheduler: ## 1 in 10 of the trace through the real kube-scheduler, checked against the allocator (~40 min on 2 cores)
+bench-scheduler: ## 1 in 10 of the trace through the real kube-scheduler, checked against the allocator (~35 min on 2 cores)
 	cargo build -p tessera-controller -p tessera-kubelet-plugin
 	e2e/scripts/bench-scheduler.sh -skip-full -sample-every $(BENCH_SAMPLE_EVERY) -out $(CURDIR)/bench-results $(BENCH_ARGS)
 
