@@ -242,6 +242,24 @@ impl Stores {
 }
 
 /// Runs the controller until SIGINT/SIGTERM.
+/// Keeps `writer`'s store in step with the objects `api` lists and watches; the stream yields once per change
+/// (retrying with backoff), which is all the reconcile loop needs to know.
+fn mirror<K>(
+    writer: reflector::store::Writer<K>,
+    api: Api<K>,
+    config: watcher::Config,
+) -> futures::stream::BoxStream<'static, ()>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+{
+    reflector::reflector(writer, watcher(api, config))
+        .default_backoff()
+        .touched_objects()
+        .map(|_| ())
+        .boxed()
+}
+
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let RunArgs {
         kubeconfig,
@@ -277,44 +295,22 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (pol_reader, pol_writer) = reflector::store();
     let (slice_reader, slice_writer) = reflector::store();
     let wc = watcher::Config::default;
-    let inventories = reflector::reflector(
-        inv_writer,
-        watcher(Api::<NodeInventory>::all(client.clone()), wc()),
-    )
-    .default_backoff()
-    .touched_objects()
-    .map(|_| ())
-    .boxed();
-    let nodes = reflector::reflector(
+    let inventories = mirror(inv_writer, Api::<NodeInventory>::all(client.clone()), wc());
+    let nodes = mirror(
         node_writer,
-        watcher(Api::<PartialObjectMeta<Node>>::all(client.clone()), wc()),
-    )
-    .default_backoff()
-    .touched_objects()
-    .map(|_| ())
-    .boxed();
-    let policies = reflector::reflector(
+        Api::<PartialObjectMeta<Node>>::all(client.clone()),
+        wc(),
+    );
+    let policies = mirror(
         pol_writer,
-        watcher(
-            Api::<GpuPolicy>::all(client.clone()),
-            wc().fields(&format!("metadata.name={DEFAULT_POLICY_NAME}")),
-        ),
-    )
-    .default_backoff()
-    .touched_objects()
-    .map(|_| ())
-    .boxed();
-    let slices = reflector::reflector(
+        Api::<GpuPolicy>::all(client.clone()),
+        wc().fields(&format!("metadata.name={DEFAULT_POLICY_NAME}")),
+    );
+    let slices = mirror(
         slice_writer,
-        watcher(
-            Api::<ResourceSlice>::all(client.clone()),
-            wc().fields(&format!("spec.driver={DRIVER_NAME}")),
-        ),
-    )
-    .default_backoff()
-    .touched_objects()
-    .map(|_| ())
-    .boxed();
+        Api::<ResourceSlice>::all(client.clone()),
+        wc().fields(&format!("spec.driver={DRIVER_NAME}")),
+    );
     let events = stream::select_all([inventories, nodes, policies, slices]);
     let waker = Arc::clone(&notify);
     tokio::spawn(events.for_each(move |()| {

@@ -79,19 +79,14 @@ fn validate_device(p: &mut Vec<String>, at: &str, d: &Device) {
             a.bool.is_some(),
             a.string.is_some(),
             a.version.is_some(),
+            a.ints.is_some(),
+            a.bools.is_some(),
+            a.strings.is_some(),
+            a.versions.is_some(),
         ]
         .iter()
         .filter(|x| **x)
-        .count()
-            + [
-                a.ints.is_some(),
-                a.bools.is_some(),
-                a.strings.is_some(),
-                a.versions.is_some(),
-            ]
-            .iter()
-            .filter(|x| **x)
-            .count();
+        .count();
         if set != 1 {
             p.push(format!(
                 "{at}: attribute {name} must have exactly one value, has {set}"

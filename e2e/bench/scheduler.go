@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -379,16 +380,7 @@ func deviceKeys(results []resourceapi.DeviceRequestAllocationResult) []string {
 }
 
 func sameDevices(a, b []resourceapi.DeviceRequestAllocationResult) bool {
-	x, y := deviceKeys(a), deviceKeys(b)
-	if len(x) != len(y) {
-		return false
-	}
-	for i := range x {
-		if x[i] != y[i] {
-			return false
-		}
-	}
-	return true
+	return slices.Equal(deviceKeys(a), deviceKeys(b))
 }
 
 func describe(results []resourceapi.DeviceRequestAllocationResult) string {
