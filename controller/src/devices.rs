@@ -379,6 +379,7 @@ fn consumption(set: &str, counters: BTreeMap<String, Counter>) -> Option<Vec<Dev
     Some(vec![DeviceCounterConsumption {
         counter_set: set.to_string(),
         counters,
+        ..Default::default()
     }])
 }
 

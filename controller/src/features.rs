@@ -152,6 +152,7 @@ pub fn probe_slices() -> Vec<ResourceSlice> {
                     consumes_counters: Some(vec![DeviceCounterConsumption {
                         counter_set: PROBE_SET.into(),
                         counters: one_counter(),
+                        ..Default::default()
                     }]),
                     ..device("probe")
                 }]),

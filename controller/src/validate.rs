@@ -443,6 +443,7 @@ mod tests {
                     },
                 )]
                 .into(),
+                ..Default::default()
             });
         pool[2].spec.devices.as_mut().unwrap()[0].name = "GPU_1".into();
         assert_rejects(&pool, "longer than 64");

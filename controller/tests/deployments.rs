@@ -43,9 +43,8 @@ fn all_selectors_match(cel: &CelEnv, exprs: &[String], d: &Device) -> bool {
 
 fn class_selectors(c: &DeviceClass) -> Vec<String> {
     c.spec
-        .selectors
         .iter()
-        .flatten()
+        .flat_map(|s| s.selectors.iter().flatten())
         .filter_map(|s| s.cel.as_ref().map(|c| c.expression.clone()))
         .collect()
 }
@@ -55,7 +54,9 @@ fn candidates(template: &ResourceClaimTemplate, devices: &[&Device]) -> Vec<Stri
     let cel = CelEnv::new();
     let request = &template
         .spec
-        .spec
+        .as_ref()
+        .and_then(|t| t.spec.as_ref())
+        .expect("every example template has a claim spec")
         .devices
         .as_ref()
         .unwrap()

@@ -345,7 +345,7 @@ pub mod fake {
                     uid: Some(self.uid),
                     ..Default::default()
                 },
-                spec: ResourceClaimSpec::default(),
+                spec: Some(ResourceClaimSpec::default()),
                 status: self.allocated.then(|| ResourceClaimStatus {
                     allocation: Some(AllocationResult {
                         devices: Some(DeviceAllocationResult {
