@@ -40,9 +40,14 @@ pub struct RunArgs {
     /// Identity in the Lease; defaults to `<hostname>-<pid>`.
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
-    /// Seconds after which a NodeInventory heartbeat is stale and the node's pool is withdrawn.
+    /// Seconds without a heartbeat change, as this controller observes it (time during which its watch is
+    /// down does not count), after which a node's pool is withdrawn.
     #[arg(long, env = "TESSERA_HEARTBEAT_TIMEOUT", default_value_t = 40)]
     pub heartbeat_timeout: u64,
+    /// Seconds a node's plugin may report not ready (a restart, until kubelet registers it again) before
+    /// its pool is withdrawn; until then the pool is kept unchanged.
+    #[arg(long, env = "TESSERA_NOT_READY_GRACE", default_value_t = 30)]
+    pub not_ready_grace: u64,
     /// Skip probing the API server and assume these features (`none`, `all`, or a list of
     /// partitionable, consumable, taints).
     #[arg(long, env = "TESSERA_FEATURES")]

@@ -20,6 +20,7 @@ pub mod devices;
 pub mod features;
 pub mod fixtures;
 pub mod leader;
+pub mod liveness;
 pub mod policy;
 pub mod pool;
 pub mod reconcile;

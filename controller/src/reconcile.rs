@@ -2,8 +2,10 @@
 //! slices) to the desired pools and the writes that get there.
 //!
 //! Rules:
-//! * a node's pool is published while its Node exists and its inventory is ready with a heartbeat younger
-//!   than the timeout; otherwise the pool is deleted;
+//! * a node's pool is published while its Node exists and [`crate::liveness`] says its plugin is alive;
+//!   it is left exactly as it is while liveness cannot tell yet ([`Verdict::Hold`]: the controller's view
+//!   is lost, the plugin is restarting, or the controller has not seen a heartbeat change since it
+//!   listed); otherwise, and when the Node is gone, the pool is deleted;
 //! * a pool is left alone when every desired slice exists with the same content hash, one generation and
 //!   the right slice count: zero writes at steady state;
 //! * any change bumps the pool generation (above both what exists and what this controller last wrote,
@@ -19,6 +21,7 @@ use tessera_api::{DRIVER_NAME, NodeInventory};
 use crate::{
     devices::Model,
     features::ApiFeatures,
+    liveness::Verdict,
     policy::Assignments,
     pool::{CONTENT_HASH_ANNOTATION, NodeRef, node_slices},
 };
@@ -67,8 +70,13 @@ fn hash_of(slice: &ResourceSlice) -> Option<&str> {
         .map(String::as_str)
 }
 
-/// Compares desired pools with the existing slices of this driver.
-pub fn diff(desired: &DesiredPools, existing: &[ResourceSlice], generations: &mut Generations) -> Plan {
+/// Compares desired pools with the existing slices of this driver; pools in `held` are not touched.
+pub fn diff(
+    desired: &DesiredPools,
+    existing: &[ResourceSlice],
+    held: &BTreeSet<String>,
+    generations: &mut Generations,
+) -> Plan {
     let mut by_pool: BTreeMap<&str, Vec<&ResourceSlice>> = BTreeMap::new();
     for s in existing.iter().filter(|s| s.spec.driver == DRIVER_NAME) {
         by_pool.entry(s.spec.pool.name.as_str()).or_default().push(s);
@@ -78,6 +86,7 @@ pub fn diff(desired: &DesiredPools, existing: &[ResourceSlice], generations: &mu
         .keys()
         .map(String::as_str)
         .chain(by_pool.keys().copied())
+        .filter(|p| !held.contains(*p))
         .collect();
     for pool in pools {
         let have = by_pool.get(pool).map(Vec::as_slice).unwrap_or_default();
@@ -134,16 +143,6 @@ pub fn diff(desired: &DesiredPools, existing: &[ResourceSlice], generations: &mu
     plan
 }
 
-/// True while the node's plugin says it is ready and its heartbeat is younger than `timeout`.
-pub fn is_publishable(inventory: &NodeInventory, now: DateTime<Utc>, timeout: chrono::Duration) -> bool {
-    inventory.status.as_ref().is_some_and(|s| {
-        s.ready
-            && s.last_heartbeat_time
-                .as_ref()
-                .is_some_and(|t| now.signed_duration_since(from_k8s_time(t.0)) < timeout)
-    })
-}
-
 /// What the desired pools are built from.
 pub struct Inputs<'a> {
     pub inventories: &'a [NodeInventory],
@@ -151,11 +150,24 @@ pub struct Inputs<'a> {
     pub nodes: &'a BTreeMap<String, NodeRef>,
     pub assignments: &'a Assignments,
     pub features: ApiFeatures,
-    pub now: DateTime<Utc>,
-    pub heartbeat_timeout: chrono::Duration,
+    /// What [`crate::liveness`] says of a node's pool.
+    pub verdict: &'a dyn Fn(&str) -> Verdict,
 }
 
-/// The pools that should exist: one per node that exists and whose plugin is ready.
+/// The pools to leave as they are: those of existing nodes (with slices or an inventory) whose verdict is
+/// [`Verdict::Hold`].
+pub fn held_pools(inputs: &Inputs<'_>, existing: &[ResourceSlice]) -> BTreeSet<String> {
+    inputs
+        .inventories
+        .iter()
+        .map(|i| i.spec.node_name.as_str())
+        .chain(existing.iter().map(|s| s.spec.pool.name.as_str()))
+        .filter(|n| inputs.nodes.contains_key(*n) && (inputs.verdict)(n) == Verdict::Hold)
+        .map(str::to_string)
+        .collect()
+}
+
+/// The pools that should exist: one per node that exists and whose plugin is alive.
 pub fn desired_pools(inputs: &Inputs<'_>) -> DesiredPools {
     let mut pools = DesiredPools::new();
     for inv in inputs.inventories {
@@ -163,7 +175,7 @@ pub fn desired_pools(inputs: &Inputs<'_>) -> DesiredPools {
         let Some(node) = inputs.nodes.get(name) else {
             continue;
         };
-        if !is_publishable(inv, inputs.now, inputs.heartbeat_timeout) {
+        if (inputs.verdict)(name) != Verdict::Publish {
             continue;
         }
         let models = |index: u32| {

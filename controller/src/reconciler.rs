@@ -13,7 +13,7 @@
 //!                              ClusterApi
 //! ```
 
-use std::{collections::BTreeMap, sync::Mutex};
+use std::{collections::BTreeMap, sync::Mutex, time::Instant};
 
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::resource::v1::ResourceSlice;
@@ -26,9 +26,10 @@ use crate::{
     cel::CelEnv,
     features::ApiFeatures,
     leader::{LeaderElector, LeaseStore},
+    liveness::{Liveness, View},
     policy::{Assignments, CompiledPolicy, PolicyProblem, valid_condition},
     pool::NodeRef,
-    reconcile::{DesiredPools, Generations, Inputs, Plan, desired_pools, diff},
+    reconcile::{DesiredPools, Generations, Inputs, Plan, desired_pools, diff, held_pools},
 };
 
 /// Error of an API call, as the runtime reports it.
@@ -67,6 +68,8 @@ pub trait ClusterApi: Sync {
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     pub inventories: Vec<NodeInventory>,
+    /// How current `inventories` is.
+    pub inventory_view: View,
     pub nodes: BTreeMap<String, NodeRef>,
     /// The policy named `default`, if any.
     pub policy: Option<GpuPolicy>,
@@ -81,29 +84,39 @@ pub struct Decision {
     pub plan: Option<Plan>,
     /// The desired pools behind `plan`.
     pub desired: DesiredPools,
+    /// Pools left as they are this round (see [`crate::liveness::Verdict::Hold`]).
+    pub held: std::collections::BTreeSet<String>,
     /// The policy status to write, when it differs from the stored one.
     pub status: Option<(String, GpuPolicyStatus)>,
     pub problem: Option<PolicyProblem>,
 }
 
-/// Turns snapshots into writes, remembering the last valid policy and the pool generations it wrote.
+/// Turns snapshots into writes, remembering the last valid policy, the pool generations it wrote and
+/// what it saw of each node's heartbeat.
 pub struct Reconciler {
     cel: CelEnv,
     pub features: ApiFeatures,
-    pub heartbeat_timeout: chrono::Duration,
+    pub liveness: Liveness,
     last_valid: Option<CompiledPolicy>,
     generations: Generations,
 }
 
 impl Reconciler {
-    pub fn new(features: ApiFeatures, heartbeat_timeout: chrono::Duration) -> Self {
+    pub fn new(features: ApiFeatures, liveness: Liveness) -> Self {
         Self {
             cel: CelEnv::new(),
             features,
-            heartbeat_timeout,
+            liveness,
             last_valid: None,
             generations: Generations::new(),
         }
+    }
+
+    /// Records the snapshot's heartbeats at `mono` (the monotonic clock). Idempotent for one snapshot, so
+    /// a replica may observe before it knows whether it leads.
+    pub fn observe(&mut self, snap: &Snapshot, mono: Instant) {
+        self.liveness
+            .observe(&snap.inventories, snap.inventory_view, mono);
     }
 
     fn assignments(&mut self, snap: &Snapshot) -> (Option<Assignments>, Option<PolicyProblem>) {
@@ -135,8 +148,10 @@ impl Reconciler {
         }
     }
 
-    /// The pure part: desired pools, the diff against existing slices, and the policy status.
-    pub fn decide(&mut self, snap: &Snapshot, now: DateTime<Utc>) -> Decision {
+    /// The pure part: desired pools, the diff against existing slices, and the policy status. `now` is
+    /// the wall clock (condition times), `mono` the monotonic clock (heartbeat ages).
+    pub fn decide(&mut self, snap: &Snapshot, now: DateTime<Utc>, mono: Instant) -> Decision {
+        self.observe(snap, mono);
         let (assignments, problem) = self.assignments(snap);
         let status = snap.policy.as_ref().and_then(|p| {
             let previous = p
@@ -156,22 +171,27 @@ impl Reconciler {
             return Decision {
                 plan: None,
                 desired: DesiredPools::new(),
+                held: Default::default(),
                 status,
                 problem,
             };
         };
-        let desired = desired_pools(&Inputs {
+        let liveness = &self.liveness;
+        let verdict = |node: &str| liveness.verdict(node, mono);
+        let inputs = Inputs {
             inventories: &snap.inventories,
             nodes: &snap.nodes,
             assignments: &assignments,
             features: self.features,
-            now,
-            heartbeat_timeout: self.heartbeat_timeout,
-        });
-        let plan = diff(&desired, &snap.slices, &mut self.generations);
+            verdict: &verdict,
+        };
+        let desired = desired_pools(&inputs);
+        let held = held_pools(&inputs, &snap.slices);
+        let plan = diff(&desired, &snap.slices, &held, &mut self.generations);
         Decision {
             plan: Some(plan),
             desired,
+            held,
             status,
             problem,
         }
@@ -183,9 +203,10 @@ impl Reconciler {
         snap: &Snapshot,
         api: &A,
         now: DateTime<Utc>,
+        mono: Instant,
         may_write: &(dyn Fn() -> bool + Sync),
     ) -> Result<Decision, Error> {
-        let decision = self.decide(snap, now);
+        let decision = self.decide(snap, now, mono);
         if let Some((name, status)) = &decision.status {
             if !may_write() {
                 return Ok(decision);
@@ -239,29 +260,32 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// Renews or acquires the lease, then reconciles if leading. `clock` is read again before every
-    /// write, so a replica that lost its lease mid-way stops writing.
+    /// Observes the snapshot's heartbeats, renews or acquires the lease, then reconciles if leading.
+    /// `clock` is read again before every write, so a replica that lost its lease mid-way stops writing.
+    /// A follower observes too, so on taking over it already knows which heartbeats are alive.
     pub async fn tick<S: LeaseStore, A: ClusterApi>(
         &mut self,
         lease: &S,
         api: &A,
         snap: &Snapshot,
         clock: &(dyn Fn() -> DateTime<Utc> + Sync),
+        mono: Instant,
     ) -> Result<Option<Decision>, Error> {
+        self.reconciler.observe(snap, mono);
         if !self.elector.try_acquire_or_renew(lease, clock()).await {
             return Ok(None);
         }
         let elector = &self.elector;
         let may_write = || elector.is_leader(clock());
         self.reconciler
-            .reconcile(snap, api, clock(), &may_write)
+            .reconcile(snap, api, clock(), mono, &may_write)
             .await
             .map(Some)
     }
 }
 
-/// An in-memory API server for slices and policies: applies writes like the real one (resourceVersion
-/// checks, AlreadyExists, NotFound) and counts them per writer.
+/// An in-memory API server for slices and policies: applies writes like the real one (UIDs,
+/// resourceVersion checks, AlreadyExists, NotFound) and counts them per writer.
 #[derive(Debug, Default)]
 pub struct InMemoryApi {
     state: Mutex<InMemoryState>,
@@ -335,7 +359,8 @@ impl ClusterApi for InMemoryApi {
             if st.slices.contains_key(&name) {
                 return Err(format!("resourceslices {name:?} already exists").into());
             }
-            let stored = st.stamp(slice);
+            let mut stored = st.stamp(slice);
+            stored.metadata.uid = Some(format!("uid-{}", st.next_rv));
             st.slices.insert(name, stored);
             Ok(())
         })
@@ -351,7 +376,9 @@ impl ClusterApi for InMemoryApi {
             if current.metadata.resource_version != slice.metadata.resource_version {
                 return Err(format!("conflict updating resourceslices {name:?}").into());
             }
-            let stored = st.stamp(slice);
+            let uid = current.metadata.uid.clone();
+            let mut stored = st.stamp(slice);
+            stored.metadata.uid = uid;
             st.slices.insert(name, stored);
             Ok(())
         })

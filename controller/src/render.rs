@@ -102,7 +102,7 @@ pub fn render(
             node_slices(&node, &inv.spec, &models, features),
         );
     }
-    Ok(diff(&desired, &[], &mut Generations::new()).creates)
+    Ok(diff(&desired, &[], &Default::default(), &mut Generations::new()).creates)
 }
 
 /// [`render`] from files, as a `v1` `List` in JSON.

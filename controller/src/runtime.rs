@@ -1,16 +1,25 @@
 //! The kube-rs layer: watches feed a [`Snapshot`], a single loop ticks the [`Replica`].
 //!
+//! Each watch mirrors one kind into a store. When a watch fails (API server restarted or unreachable),
+//! its view counts as lost until a fresh list has completed: the watch is started over rather than
+//! resumed, and [`crate::liveness`] neither withdraws pools nor counts heartbeat age meanwhile. Retries
+//! are capped at [`RELIST_MAX_BACKOFF`] so the view comes back within seconds of the API server.
+//!
 //! Events from any watch (inventories, nodes, the policy, this driver's slices) wake the loop after a
 //! short debounce; a timer wakes it every lease-renew interval so stale heartbeats are noticed and the
 //! lease is renewed. Because the slice watch is one of the inputs, slices kubelet deletes (plugin
 //! deregistration, kubelet start) are republished on the next tick. After writing, the loop waits until
 //! the slice cache shows its own writes, so a stale cache never triggers a second round of writes.
 
-use std::{collections::BTreeMap, sync::Arc, time::Duration};
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
 
 use anyhow::Context as _;
 use chrono::Utc;
-use futures::{StreamExt, stream};
+use futures::StreamExt;
 use k8s_openapi::api::{coordination::v1::Lease, core::v1::Node, resource::v1::ResourceSlice};
 use kube::{
     Api, Client, Config,
@@ -18,7 +27,6 @@ use kube::{
     config::{KubeConfigOptions, Kubeconfig},
     core::PartialObjectMeta,
     runtime::{
-        WatchStreamExt,
         reflector::{self, Store},
         watcher,
     },
@@ -33,6 +41,7 @@ use crate::{
     cli::RunArgs,
     features::{ApiFeatures, features_from_probes, probe_slices},
     leader::{LeaderElector, LeaseError, LeaseStore},
+    liveness::{Liveness, View},
     pool::{CONTENT_HASH_ANNOTATION, NodeRef},
     reconcile::Plan,
     reconciler::{ApiError, ClusterApi, Reconciler, Replica, Snapshot},
@@ -45,6 +54,10 @@ const DEBOUNCE: Duration = Duration::from_millis(200);
 const CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the API server's features are probed again.
 const REPROBE_EVERY: Duration = Duration::from_secs(300);
+/// First delay before listing again after a watch failed.
+const RELIST_INITIAL_BACKOFF: Duration = Duration::from_millis(500);
+/// Longest delay between list attempts: a restarted API server is seen again within this (plus jitter).
+const RELIST_MAX_BACKOFF: Duration = Duration::from_secs(4);
 
 /// [`ClusterApi`] on a kube client.
 pub struct KubeApi {
@@ -185,10 +198,50 @@ struct Stores {
     nodes: Store<PartialObjectMeta<Node>>,
     policies: Store<GpuPolicy>,
     slices: Store<ResourceSlice>,
+    inventory_view: ViewCell,
+    node_view: ViewCell,
+}
+
+/// The [`View`] of one watched kind, written by its mirror task.
+#[derive(Clone, Debug)]
+struct ViewCell(Arc<Mutex<View>>);
+
+impl ViewCell {
+    fn new(now: Instant) -> Self {
+        Self(Arc::new(Mutex::new(View::Lost { since: now })))
+    }
+
+    fn get(&self) -> View {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set(&self, view: View) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = view;
+    }
+
+    /// Marks the view lost, keeping the earliest loss.
+    fn lose(&self, now: Instant) {
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let View::Synced { .. } = *v {
+            *v = View::Lost { since: now };
+        }
+    }
+}
+
+/// The inventories' view as liveness needs it: lost while either the inventories or the Nodes are
+/// (a pool's fate depends on both), numbered by the inventories' lists.
+fn combined_view(inventories: View, nodes: View) -> View {
+    match (inventories, nodes) {
+        (View::Lost { since: a }, View::Lost { since: b }) => View::Lost { since: a.min(b) },
+        (View::Lost { since }, _) | (_, View::Lost { since }) => View::Lost { since },
+        (synced, View::Synced { .. }) => synced,
+    }
 }
 
 impl Stores {
     fn snapshot(&self) -> Snapshot {
+        // Read the views before the stores: a view that turns lost right after still covers this copy.
+        let inventory_view = combined_view(self.inventory_view.get(), self.node_view.get());
         let nodes: BTreeMap<String, NodeRef> = self
             .nodes
             .state()
@@ -206,6 +259,7 @@ impl Stores {
             .collect();
         Snapshot {
             inventories: self.inventories.state().iter().map(|i| (**i).clone()).collect(),
+            inventory_view,
             nodes,
             policy: self
                 .policies
@@ -241,25 +295,59 @@ impl Stores {
     }
 }
 
-/// Runs the controller until SIGINT/SIGTERM.
-/// Keeps `writer`'s store in step with the objects `api` lists and watches; the stream yields once per change
-/// (retrying with backoff), which is all the reconcile loop needs to know.
-fn mirror<K>(
-    writer: reflector::store::Writer<K>,
+/// A delay in `[d/2, d]`: replicas and watches that failed together do not retry together.
+fn jittered(d: Duration) -> Duration {
+    use std::hash::{BuildHasher, RandomState};
+    let r = RandomState::new().hash_one(Instant::now()) % 1000;
+    d / 2 + d / 2 * r as u32 / 1000
+}
+
+/// Keeps `writer`'s store in step with the objects `api` lists and watches, and `view` with how current
+/// it is; wakes `wake` on every change. A failed watch is started over with a fresh list instead of
+/// resumed, so "synced" always means "listed since the failure".
+async fn mirror<K>(
+    kind: &'static str,
+    mut writer: reflector::store::Writer<K>,
     api: Api<K>,
     config: watcher::Config,
-) -> futures::stream::BoxStream<'static, ()>
-where
+    view: ViewCell,
+    wake: Arc<Notify>,
+) where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Eq + std::hash::Hash + Clone + Default,
 {
-    reflector::reflector(writer, watcher(api, config))
-        .default_backoff()
-        .touched_objects()
-        .map(|_| ())
-        .boxed()
+    let mut lists = 0u64;
+    let mut backoff = RELIST_INITIAL_BACKOFF;
+    loop {
+        let mut events = std::pin::pin!(watcher(api.clone(), config.clone()));
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(event) => {
+                    writer.apply_watcher_event(&event);
+                    if let watcher::Event::InitDone = event {
+                        lists += 1;
+                        view.set(View::Synced { list: lists });
+                        backoff = RELIST_INITIAL_BACKOFF;
+                        if lists > 1 {
+                            tracing::info!(kind, "listed again; the view is current");
+                        }
+                    }
+                }
+                Err(e) => {
+                    view.lose(Instant::now());
+                    tracing::warn!(kind, error = %e, retry_in = ?backoff, "watch failed; listing again");
+                    wake.notify_one();
+                    break;
+                }
+            }
+            wake.notify_one();
+        }
+        tokio::time::sleep(jittered(backoff)).await;
+        backoff = (backoff * 2).min(RELIST_MAX_BACKOFF);
+    }
 }
 
+/// Runs the controller until SIGINT/SIGTERM.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let RunArgs {
         kubeconfig,
@@ -267,6 +355,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         lease_name,
         identity,
         heartbeat_timeout,
+        not_ready_grace,
         features,
     } = args;
     let client = client(kubeconfig.as_deref()).await?;
@@ -294,34 +383,48 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (node_reader, node_writer) = reflector::store();
     let (pol_reader, pol_writer) = reflector::store();
     let (slice_reader, slice_writer) = reflector::store();
+    let started = Instant::now();
+    let views = [(); 4].map(|()| ViewCell::new(started));
     let wc = watcher::Config::default;
-    let inventories = mirror(inv_writer, Api::<NodeInventory>::all(client.clone()), wc());
-    let nodes = mirror(
+    tokio::spawn(mirror(
+        "NodeInventory",
+        inv_writer,
+        Api::<NodeInventory>::all(client.clone()),
+        wc(),
+        views[0].clone(),
+        Arc::clone(&notify),
+    ));
+    tokio::spawn(mirror(
+        "Node",
         node_writer,
         Api::<PartialObjectMeta<Node>>::all(client.clone()),
         wc(),
-    );
-    let policies = mirror(
+        views[1].clone(),
+        Arc::clone(&notify),
+    ));
+    tokio::spawn(mirror(
+        "GpuPolicy",
         pol_writer,
         Api::<GpuPolicy>::all(client.clone()),
         wc().fields(&format!("metadata.name={DEFAULT_POLICY_NAME}")),
-    );
-    let slices = mirror(
+        views[2].clone(),
+        Arc::clone(&notify),
+    ));
+    tokio::spawn(mirror(
+        "ResourceSlice",
         slice_writer,
         Api::<ResourceSlice>::all(client.clone()),
         wc().fields(&format!("spec.driver={DRIVER_NAME}")),
-    );
-    let events = stream::select_all([inventories, nodes, policies, slices]);
-    let waker = Arc::clone(&notify);
-    tokio::spawn(events.for_each(move |()| {
-        waker.notify_one();
-        futures::future::ready(())
-    }));
+        views[3].clone(),
+        Arc::clone(&notify),
+    ));
     let stores = Stores {
         inventories: inv_reader,
         nodes: node_reader,
         policies: pol_reader,
         slices: slice_reader,
+        inventory_view: views[0].clone(),
+        node_view: views[1].clone(),
     };
     for (what, ready) in [
         (
@@ -348,7 +451,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let mut replica = Replica {
         elector: LeaderElector::new(&identity, &lease_namespace, &lease_name),
-        reconciler: Reconciler::new(features, chrono::Duration::seconds(heartbeat_timeout as i64)),
+        reconciler: Reconciler::new(
+            features,
+            Liveness::new(
+                Duration::from_secs(heartbeat_timeout),
+                Duration::from_secs(not_ready_grace),
+            ),
+        ),
     };
     let tick_every = replica
         .elector
@@ -373,10 +482,23 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         }
         let snap = stores.snapshot();
-        match replica.tick(&lease, &api, &snap, &Utc::now).await {
+        let was_lost = replica.reconciler.liveness.view_lost();
+        match replica.tick(&lease, &api, &snap, &Utc::now, Instant::now()).await {
             Ok(Some(decision)) => {
                 if !was_leader {
                     tracing::info!("became leader");
+                }
+                match (was_lost, replica.reconciler.liveness.view_lost()) {
+                    (false, true) => {
+                        tracing::warn!("lost the view of NodeInventories or Nodes; holding every pool")
+                    }
+                    (true, false) => {
+                        tracing::info!("NodeInventories and Nodes listed again; judging heartbeats")
+                    }
+                    _ => {}
+                }
+                if !decision.held.is_empty() {
+                    tracing::debug!(pools = ?decision.held, "holding pools");
                 }
                 was_leader = true;
                 if let Some(problem) = &decision.problem {

@@ -9,10 +9,11 @@ use std::{
         Mutex,
         atomic::{AtomicUsize, Ordering},
     },
+    time::{Duration as StdDuration, Instant},
 };
 
 use chrono::{DateTime, Duration, Utc};
-use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::{api::resource::v1::ResourceSlice, apimachinery::pkg::apis::meta::v1::Time};
 use tessera_api::{
     NodeInventory,
     policy::{
@@ -24,7 +25,9 @@ use tessera_controller::{
     features::ApiFeatures,
     fixtures::{GpuModel, fixed_time, gpu, node},
     leader::{InMemoryLease, LeaderElector},
+    liveness::{Liveness, View},
     pool::NodeRef,
+    reconcile::to_k8s_time,
     reconciler::{ApiError, ClusterApi, InMemoryApi, Reconciler, Replica, Snapshot},
     validate::validate_pool,
 };
@@ -33,11 +36,22 @@ fn now() -> DateTime<Utc> {
     fixed_time() + Duration::seconds(5)
 }
 
-/// The cluster as the watches would show it; slices always come from the API.
+/// The cluster as the watches would show it, one step per second of the controller's monotonic clock;
+/// slices always come from the API. Every node's plugin heartbeats each step unless silenced.
 struct Cluster {
     inventories: Vec<NodeInventory>,
     nodes: Vec<&'static str>,
     policy: Option<GpuPolicy>,
+    /// The controller's monotonic clock at step 0.
+    start: Instant,
+    /// Seconds since `start`.
+    elapsed: u64,
+    /// Nodes whose plugin stopped heartbeating, with the second of their last heartbeat.
+    silent: BTreeMap<String, u64>,
+    /// What the watch shows.
+    view: View,
+    /// How far each plugin's clock is off the controller's.
+    skew: BTreeMap<String, Duration>,
 }
 
 impl Cluster {
@@ -49,12 +63,49 @@ impl Cluster {
             ],
             nodes: vec!["node-a", "node-b"],
             policy: None,
+            start: Instant::now(),
+            elapsed: 0,
+            silent: BTreeMap::new(),
+            view: View::Synced { list: 1 },
+            skew: BTreeMap::new(),
         }
     }
 
+    /// The controller's wall clock: it advances with the steps, so a judgment by wall-clock heartbeat age
+    /// (the code before issue 16) would withdraw frozen heartbeats.
+    fn wall(&self) -> DateTime<Utc> {
+        now() + Duration::seconds(self.elapsed as i64)
+    }
+
+    fn mono(&self) -> Instant {
+        self.start + StdDuration::from_secs(self.elapsed)
+    }
+
+    /// Stops `node`'s heartbeat at its current value.
+    fn silence(&mut self, node: &str) {
+        self.silent.insert(node.to_string(), self.elapsed);
+    }
+
     fn snapshot(&self, api: &InMemoryApi) -> Snapshot {
+        let inventories = self
+            .inventories
+            .iter()
+            .map(|inv| {
+                let mut inv = inv.clone();
+                let second = self
+                    .silent
+                    .get(&inv.spec.node_name)
+                    .copied()
+                    .unwrap_or(self.elapsed);
+                let skew = self.skew.get(&inv.spec.node_name).copied().unwrap_or_default();
+                let at = fixed_time() + Duration::seconds(second as i64) + skew;
+                inv.status.as_mut().unwrap().last_heartbeat_time = Some(Time(to_k8s_time(at)));
+                inv
+            })
+            .collect();
         Snapshot {
-            inventories: self.inventories.clone(),
+            inventories,
+            inventory_view: self.view,
             nodes: self
                 .nodes
                 .iter()
@@ -74,16 +125,45 @@ impl Cluster {
     }
 }
 
-fn reconciler() -> Reconciler {
-    Reconciler::new(ApiFeatures::ALL, Duration::seconds(40))
+fn liveness() -> Liveness {
+    Liveness::new(StdDuration::from_secs(40), StdDuration::from_secs(30))
 }
 
-async fn step(r: &mut Reconciler, cluster: &Cluster, api: &InMemoryApi) -> usize {
+/// A reconciler that has already listed the cluster once (at step 0), so the heartbeats of the first step
+/// count as renewals.
+fn reconciler_for(cluster: &Cluster, api: &InMemoryApi) -> Reconciler {
+    let mut r = Reconciler::new(ApiFeatures::ALL, liveness());
+    r.observe(&cluster.snapshot(api), cluster.mono());
+    r
+}
+
+fn reconciler() -> Reconciler {
+    Reconciler::new(ApiFeatures::ALL, liveness())
+}
+
+/// Advances the clock by a second (the plugins heartbeat), reconciles, and returns the number of writes.
+async fn step(r: &mut Reconciler, cluster: &mut Cluster, api: &InMemoryApi) -> usize {
+    cluster.elapsed += 1;
     let before = api.writes();
-    r.reconcile(&cluster.snapshot(api), api, now(), &|| true)
-        .await
-        .expect("in-memory writes succeed");
+    r.reconcile(
+        &cluster.snapshot(api),
+        api,
+        cluster.wall(),
+        cluster.mono(),
+        &|| true,
+    )
+    .await
+    .expect("in-memory writes succeed");
     api.writes() - before
+}
+
+/// `n` steps; the total number of writes.
+async fn steps(n: u64, r: &mut Reconciler, cluster: &mut Cluster, api: &InMemoryApi) -> usize {
+    let mut writes = 0;
+    for _ in 0..n {
+        writes += step(r, cluster, api).await;
+    }
+    writes
 }
 
 fn pools(api: &InMemoryApi) -> BTreeMap<String, Vec<ResourceSlice>> {
@@ -98,11 +178,20 @@ fn generation(api: &InMemoryApi, pool: &str) -> i64 {
     pools(api)[pool][0].spec.pool.generation
 }
 
+/// The UIDs of every published slice, by name.
+fn uids(api: &InMemoryApi) -> BTreeMap<String, String> {
+    api.slices()
+        .into_iter()
+        .map(|s| (s.metadata.name.unwrap(), s.metadata.uid.unwrap()))
+        .collect()
+}
+
 #[tokio::test]
 async fn the_first_round_publishes_every_ready_node_and_the_second_writes_nothing() {
-    let (cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
     assert_eq!(
-        step(&mut r, &cluster, &api).await,
+        step(&mut r, &mut cluster, &api).await,
         9 + 3,
         "node-a: 1 counter + 8 device slices; node-b: 1 + 2"
     );
@@ -113,7 +202,7 @@ async fn the_first_round_publishes_every_ready_node_and_the_second_writes_nothin
     }
     for _ in 0..3 {
         assert_eq!(
-            step(&mut r, &cluster, &api).await,
+            step(&mut r, &mut cluster, &api).await,
             0,
             "steady state makes no API writes"
         );
@@ -122,15 +211,16 @@ async fn the_first_round_publishes_every_ready_node_and_the_second_writes_nothin
 
 #[tokio::test]
 async fn a_change_on_one_node_rewrites_only_that_nodes_pool_under_a_new_generation() {
-    let (mut cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
-    step(&mut r, &cluster, &api).await;
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
+    step(&mut r, &mut cluster, &api).await;
     let a_before = pools(&api)["node-a"].clone();
     let b_gen = generation(&api, "node-b");
     cluster.inventories[1] = node("node-b")
         .gpus(GpuModel::H200, 1)
         .gpu(gpu(GpuModel::H200, 1).on_node("node-b").unhealthy().build())
         .build();
-    let writes = step(&mut r, &cluster, &api).await;
+    let writes = step(&mut r, &mut cluster, &api).await;
     assert_eq!(writes, 3, "all three slices of node-b, nothing of node-a");
     assert_eq!(pools(&api)["node-a"], a_before);
     let b = &pools(&api)["node-b"];
@@ -144,72 +234,197 @@ async fn a_change_on_one_node_rewrites_only_that_nodes_pool_under_a_new_generati
         .filter(|d| d.taints.is_some())
         .count();
     assert_eq!(tainted, 26, "every device of the unhealthy GPU carries the taint");
-    assert_eq!(step(&mut r, &cluster, &api).await, 0);
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 0);
 }
 
 #[tokio::test]
 async fn a_removed_node_or_inventory_takes_its_pool_with_it() {
-    let (mut cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
-    step(&mut r, &cluster, &api).await;
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
+    step(&mut r, &mut cluster, &api).await;
     cluster.nodes.retain(|n| *n != "node-b");
-    assert_eq!(step(&mut r, &cluster, &api).await, 3);
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 3);
     assert!(!pools(&api).contains_key("node-b"));
     cluster.inventories.retain(|i| i.spec.node_name != "node-a");
-    assert_eq!(step(&mut r, &cluster, &api).await, 9);
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 9);
     assert!(api.slices().is_empty());
-    assert_eq!(step(&mut r, &cluster, &api).await, 0);
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 0);
 }
 
 #[tokio::test]
-async fn a_stale_heartbeat_or_a_plugin_not_ready_withdraws_the_pool() {
-    let (mut cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
-    step(&mut r, &cluster, &api).await;
-    cluster.inventories[1] = node("node-b")
-        .gpus(GpuModel::H200, 2)
-        .heartbeat_at(now() - Duration::seconds(41))
-        .build();
-    assert_eq!(step(&mut r, &cluster, &api).await, 3);
-    assert!(!pools(&api).contains_key("node-b"));
-    cluster.inventories[1] = node("node-b").gpus(GpuModel::H200, 2).build();
+async fn a_heartbeat_unchanged_for_the_timeout_or_a_plugin_not_ready_past_the_grace_withdraws_the_pool() {
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
+    step(&mut r, &mut cluster, &api).await;
+    cluster.silence("node-b");
     assert_eq!(
-        step(&mut r, &cluster, &api).await,
+        steps(39, &mut r, &mut cluster, &api).await,
+        0,
+        "39 s without a change: still published"
+    );
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 3, "40 s: withdrawn");
+    assert!(!pools(&api).contains_key("node-b"));
+    cluster.silent.clear();
+    assert_eq!(
+        step(&mut r, &mut cluster, &api).await,
         3,
-        "a fresh heartbeat republishes"
+        "a changed heartbeat republishes"
     );
     cluster.inventories[0] = node("node-a")
         .gpus(GpuModel::H100Sxm5_80gb, 8)
         .not_ready()
         .build();
-    assert_eq!(step(&mut r, &cluster, &api).await, 9);
+    assert_eq!(
+        steps(30, &mut r, &mut cluster, &api).await,
+        0,
+        "held through the grace"
+    );
+    assert_eq!(
+        step(&mut r, &mut cluster, &api).await,
+        9,
+        "withdrawn after 30 s not ready"
+    );
     assert_eq!(pools(&api).keys().collect::<Vec<_>>(), ["node-b"]);
+}
+
+/// Issue 16 items 1 and 2: the controller judged heartbeats by wall-clock age from a cache that had not
+/// caught up after API server restarts, and withdrew healthy nodes' pools (`deletes=9`).
+#[tokio::test]
+async fn an_api_server_outage_longer_than_the_timeout_withdraws_nothing() {
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
+    step(&mut r, &mut cluster, &api).await;
+    let published = uids(&api);
+    // The API server goes away: the watch fails, the plugins cannot write, the cache stays as it was.
+    cluster.silence("node-a");
+    cluster.silence("node-b");
+    cluster.view = View::Lost {
+        since: cluster.mono(),
+    };
+    assert_eq!(
+        steps(50, &mut r, &mut cluster, &api).await,
+        0,
+        "50 s without a view: nothing withdrawn"
+    );
+    // Back and re-listed, but the plugins' next heartbeats (retry backoff) have not landed yet.
+    cluster.view = View::Synced { list: 2 };
+    assert_eq!(
+        steps(5, &mut r, &mut cluster, &api).await,
+        0,
+        "the old heartbeat is 1 to 6 s old as the controller saw it, not 56 s"
+    );
+    cluster.silent.clear();
+    assert_eq!(steps(45, &mut r, &mut cluster, &api).await, 0);
+    assert_eq!(uids(&api), published, "the same slices throughout");
+}
+
+/// Issue 16 item 2: heartbeat age is not the difference of two clocks.
+#[tokio::test]
+async fn a_plugin_whose_clock_is_an_hour_behind_stays_published_while_it_heartbeats() {
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    cluster.skew.insert("node-b".into(), -Duration::hours(1));
+    let mut r = reconciler_for(&cluster, &api);
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 9 + 3, "published at once");
+    assert_eq!(steps(45, &mut r, &mut cluster, &api).await, 0, "never withdrawn");
+}
+
+/// Issue 16 item 3: every plugin restart deleted and recreated the node's slices (new UIDs).
+#[tokio::test]
+async fn a_plugin_restart_that_reports_not_ready_keeps_the_pools_slices_and_their_uids() {
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
+    step(&mut r, &mut cluster, &api).await;
+    let published = uids(&api);
+    // SIGTERM: the plugin may still write "not ready"; kill -9: the heartbeat just stops. Either way the
+    // new instance reports not ready until kubelet registers it again, then ready with the same GPUs.
+    let ready = cluster.inventories[0].clone();
+    cluster.inventories[0] = node("node-a")
+        .gpus(GpuModel::H100Sxm5_80gb, 8)
+        .not_ready()
+        .build();
+    cluster.silence("node-a");
+    assert_eq!(steps(3, &mut r, &mut cluster, &api).await, 0);
+    cluster.silent.clear();
+    assert_eq!(
+        steps(5, &mut r, &mut cluster, &api).await,
+        0,
+        "the new instance, not yet registered"
+    );
+    cluster.inventories[0] = ready.clone();
+    assert_eq!(steps(5, &mut r, &mut cluster, &api).await, 0, "registered");
+    // A rolling upgrade: two instances heartbeat, the new one not ready until registered.
+    for second in 0..20 {
+        cluster.inventories[0] = if second % 2 == 0 {
+            node("node-a")
+                .gpus(GpuModel::H100Sxm5_80gb, 8)
+                .not_ready()
+                .build()
+        } else {
+            ready.clone()
+        };
+        assert_eq!(step(&mut r, &mut cluster, &api).await, 0, "second {second}");
+    }
+    assert_eq!(uids(&api), published, "no slice was recreated");
+}
+
+/// Issue 16 item 3, controller side: a restarted controller lists heartbeats it cannot date yet.
+#[tokio::test]
+async fn a_restarted_controller_keeps_existing_pools_until_it_sees_heartbeats_change() {
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
+    step(&mut r, &mut cluster, &api).await;
+    let published = uids(&api);
+    let mut restarted = reconciler();
+    cluster.silence("node-a");
+    cluster.silence("node-b");
+    assert_eq!(
+        step(&mut restarted, &mut cluster, &api).await,
+        0,
+        "first list: held, not withdrawn and not rewritten"
+    );
+    cluster.silent.remove("node-a");
+    assert_eq!(
+        steps(45, &mut restarted, &mut cluster, &api).await,
+        3,
+        "node-b never renewed: withdrawn"
+    );
+    assert!(!pools(&api).contains_key("node-b"));
+    assert!(
+        uids(&api)
+            .iter()
+            .all(|(name, uid)| published.get(name) == Some(uid)),
+        "node-a's slices are the ones the previous controller wrote"
+    );
 }
 
 #[tokio::test]
 async fn slices_kubelet_deletes_are_republished_once_under_a_higher_generation() {
-    let (cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
-    step(&mut r, &cluster, &api).await;
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
+    step(&mut r, &mut cluster, &api).await;
     let before = generation(&api, "node-a");
     api.delete_where(|s| s.spec.node_name.as_deref() == Some("node-a"));
-    assert_eq!(step(&mut r, &cluster, &api).await, 9);
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 9);
     assert!(
         generation(&api, "node-a") > before,
         "consumers must not mix the new slices with cached old ones"
     );
-    assert_eq!(step(&mut r, &cluster, &api).await, 0, "no write loop");
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 0, "no write loop");
     // Only part of the pool deleted: the rest is rewritten under a new generation too.
     api.delete_where(|s| s.metadata.name.as_deref() == Some("node-a-gpu.tessera.dev-3"));
-    assert_eq!(step(&mut r, &cluster, &api).await, 9);
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 9);
     assert!(validate_pool(&pools(&api)["node-a"]).is_empty());
 }
 
 #[tokio::test]
 async fn a_different_feature_set_changes_the_model_of_every_pool() {
-    let (cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
-    step(&mut r, &cluster, &api).await;
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
+    step(&mut r, &mut cluster, &api).await;
     r.features = ApiFeatures::NONE;
     // Per pool: the first slice is updated in place, the others deleted: node-a 1 + 8, node-b 1 + 2.
     assert_eq!(
-        step(&mut r, &cluster, &api).await,
+        step(&mut r, &mut cluster, &api).await,
         9 + 3,
         "two whole-GPU slices replace twelve"
     );
@@ -279,11 +494,12 @@ async fn of_two_replicas_only_the_lease_holder_writes_until_it_stops_renewing() 
         }
         for (replica, counter) in replicas.iter_mut().zip(&counters) {
             replica
-                .tick(&lease, counter, &cluster.snapshot(&api), &read)
+                .tick(&lease, counter, &cluster.snapshot(&api), &read, cluster.mono())
                 .await
                 .unwrap();
         }
         *clock.lock().unwrap() += Duration::seconds(1);
+        cluster.elapsed += 1;
     }
     let (a, b) = (
         counters[0].writes.load(Ordering::SeqCst),
@@ -306,7 +522,13 @@ async fn of_two_replicas_only_the_lease_holder_writes_until_it_stops_renewing() 
         ];
         let before = counters[1].writes.load(Ordering::SeqCst);
         if replicas[1]
-            .tick(&lease, &counters[1], &cluster.snapshot(&api), &read)
+            .tick(
+                &lease,
+                &counters[1],
+                &cluster.snapshot(&api),
+                &read,
+                cluster.mono(),
+            )
             .await
             .unwrap()
             .is_some()
@@ -323,6 +545,7 @@ async fn of_two_replicas_only_the_lease_holder_writes_until_it_stops_renewing() 
             "a must consider itself deposed"
         );
         *clock.lock().unwrap() += Duration::seconds(1);
+        cluster.elapsed += 1;
     }
     // "a" last renewed at t=18 (every 2 s from t=0); "b" saw that record then and takes over once it has
     // stayed unchanged for the 15 s lease duration: t=33, the 13th second of this phase (which starts at 20).
@@ -348,11 +571,12 @@ spec:
 
 #[tokio::test]
 async fn an_invalid_policy_gets_a_condition_naming_the_error_and_publishing_does_not_change() {
-    let (mut cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
     cluster.policy = Some(policy_with_selector(
         r#"device.attributes["gpu.tessera.dev"].productName.startsWith("NVIDIA H1")"#,
     ));
-    step(&mut r, &cluster, &api).await;
+    step(&mut r, &mut cluster, &api).await;
     let status = api.policy_status("default").expect("status written");
     assert_eq!(status.conditions[0].reason, REASON_VALID);
     assert_eq!(status.conditions[0].status, "True");
@@ -387,7 +611,7 @@ async fn an_invalid_policy_gets_a_condition_naming_the_error_and_publishing_does
         ),
     ] {
         cluster.policy = Some(policy_with_selector(selector));
-        let writes = step(&mut r, &cluster, &api).await;
+        let writes = step(&mut r, &mut cluster, &api).await;
         assert_eq!(writes, 1, "{reason}: only the status is written");
         let status = api.policy_status("default").unwrap();
         let c = &status.conditions[0];
@@ -400,19 +624,20 @@ async fn an_invalid_policy_gets_a_condition_naming_the_error_and_publishing_does
         // The stored status now matches: the next round writes nothing.
         cluster.policy.as_mut().unwrap().status = Some(status);
         assert_eq!(
-            step(&mut r, &cluster, &api).await,
+            step(&mut r, &mut cluster, &api).await,
             0,
             "{reason}: no status write loop"
         );
     }
     // Node changes still apply under the last valid policy.
     cluster.nodes.retain(|n| *n != "node-b");
-    assert_eq!(step(&mut r, &cluster, &api).await, 3);
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 3);
 }
 
 #[tokio::test]
 async fn an_invalid_policy_seen_first_freezes_publishing() {
-    let (mut cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
     cluster.policy = Some(support::policy(
         "
 apiVersion: gpu.tessera.dev/v1alpha1
@@ -425,7 +650,7 @@ spec:
     shared: {strategy: MPS}
 ",
     ));
-    assert_eq!(step(&mut r, &cluster, &api).await, 1, "only the status");
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 1, "only the status");
     assert_eq!(
         api.policy_status("default").unwrap().conditions[0].reason,
         REASON_INVALID_MODEL
@@ -435,7 +660,8 @@ spec:
 
 #[tokio::test]
 async fn a_static_layout_that_does_not_fit_a_gpu_is_an_invalid_model() {
-    let (mut cluster, api, mut r) = (Cluster::two_nodes(), InMemoryApi::default(), reconciler());
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
     cluster.policy = Some(support::policy(
         "
 apiVersion: gpu.tessera.dev/v1alpha1
@@ -447,7 +673,7 @@ spec:
     staticMig: {layout: ['3g@0', '4g@0']}
 ",
     ));
-    step(&mut r, &cluster, &api).await;
+    step(&mut r, &mut cluster, &api).await;
     let c = &api.policy_status("default").unwrap().conditions[0];
     assert_eq!(c.reason, REASON_INVALID_MODEL);
     assert!(c.message.contains("overlap"), "{}", c.message);

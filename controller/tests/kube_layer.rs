@@ -171,6 +171,7 @@ async fn a_reconcile_through_kube_creates_slices_and_patches_the_policy_status()
     .unwrap();
     let snap = Snapshot {
         inventories: vec![node("n1").gpus(GpuModel::H100Sxm5_80gb, 2).build()],
+        inventory_view: Default::default(),
         nodes: [(
             "n1".to_string(),
             NodeRef {
@@ -182,8 +183,24 @@ async fn a_reconcile_through_kube_creates_slices_and_patches_the_policy_status()
         policy: Some(policy),
         slices: vec![],
     };
-    let mut r = Reconciler::new(ApiFeatures::ALL, chrono::Duration::seconds(40));
-    r.reconcile(&snap, &KubeApi::new(&client), fixed_time(), &|| true)
+    let mut r = Reconciler::new(
+        ApiFeatures::ALL,
+        tessera_controller::liveness::Liveness::new(
+            std::time::Duration::from_secs(40),
+            std::time::Duration::from_secs(30),
+        ),
+    );
+    // Seen twice with a changed heartbeat: live.
+    let start = std::time::Instant::now();
+    r.observe(&snap, start);
+    let mut renewed = snap.clone();
+    renewed.inventories = vec![
+        node("n1")
+            .gpus(GpuModel::H100Sxm5_80gb, 2)
+            .heartbeat_at(fixed_time() + chrono::Duration::seconds(10))
+            .build(),
+    ];
+    r.reconcile(&renewed, &KubeApi::new(&client), fixed_time(), start, &|| true)
         .await
         .unwrap();
     let seen = seen.lock().unwrap();
