@@ -60,6 +60,10 @@ pub struct ClaimRecord {
     /// In `PrepareStarted`: the devices about to be prepared (details as far as known, updated as devices
     /// complete). In `PrepareCompleted`: what was prepared, as returned to kubelet.
     pub devices: Vec<DeviceRecord>,
+    /// Why the last attempt to roll this claim back (at start or in a later reconcile) failed. The record
+    /// is kept, so the devices it names stay reserved and the rollback is retried.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery_error: Option<String>,
 }
 
 /// Where a claim's preparation stands.
@@ -303,6 +307,7 @@ mod tests {
                     uuid: Some("MIG-1".into()),
                 }),
             }],
+            recovery_error: None,
         }
     }
 

@@ -24,6 +24,10 @@ pub trait ClaimSource: Send + Sync + 'static {
         namespace: &'a str,
         name: &'a str,
     ) -> BoxFuture<'a, Result<Option<ResourceClaim>, SourceError>>;
+
+    /// Every ResourceClaim of the cluster. Recovery uses it to learn which claims are allocated to this
+    /// node and reserved by a pod (there is no field selector for allocation results, so it filters).
+    fn list(&self) -> BoxFuture<'_, Result<Vec<ResourceClaim>, SourceError>>;
 }
 
 /// Claims read from the API server.
@@ -49,6 +53,23 @@ impl ClaimSource for KubeClaims {
             api.get_opt(name).await.map_err(|e| Box::new(e) as SourceError)
         })
     }
+
+    fn list(&self) -> BoxFuture<'_, Result<Vec<ResourceClaim>, SourceError>> {
+        Box::pin(async move {
+            let api: Api<ResourceClaim> = Api::all(self.client.clone());
+            let mut claims = Vec::new();
+            let mut params = kube::api::ListParams::default().limit(500);
+            // Paged, so a large cluster does not make one huge response.
+            loop {
+                let page = api.list(&params).await.map_err(|e| Box::new(e) as SourceError)?;
+                claims.extend(page.items);
+                match page.metadata.continue_.filter(|c| !c.is_empty()) {
+                    Some(token) => params = params.continue_token(&token),
+                    None => return Ok(claims),
+                }
+            }
+        })
+    }
 }
 
 impl<T: ClaimSource> ClaimSource for Arc<T> {
@@ -59,6 +80,26 @@ impl<T: ClaimSource> ClaimSource for Arc<T> {
     ) -> BoxFuture<'a, Result<Option<ResourceClaim>, SourceError>> {
         (**self).get(namespace, name)
     }
+
+    fn list(&self) -> BoxFuture<'_, Result<Vec<ResourceClaim>, SourceError>> {
+        (**self).list()
+    }
+}
+
+/// Whether `claim` has a result of `driver` in `pool` (the claim is allocated, at least partly, to that
+/// node's devices).
+pub fn allocated_to(claim: &ResourceClaim, driver: &str, pool: &str) -> bool {
+    allocated_devices(claim, driver).is_some_and(|devices| devices.iter().any(|d| d.pool == pool))
+}
+
+/// Whether a pod (or anything else) has reserved `claim`: kubelet only runs containers of a pod listed in
+/// `status.reservedFor`, so an unreserved claim has no running consumer.
+pub fn reserved(claim: &ResourceClaim) -> bool {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.reserved_for.as_ref())
+        .is_some_and(|r| !r.is_empty())
 }
 
 /// One allocation result of this driver, with the opaque configuration that applies to it.
@@ -134,8 +175,8 @@ pub mod fake {
     use k8s_openapi::{
         api::resource::v1::{
             AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult,
-            DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim, ResourceClaimSpec,
-            ResourceClaimStatus,
+            DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim,
+            ResourceClaimConsumerReference, ResourceClaimSpec, ResourceClaimStatus,
         },
         apimachinery::pkg::{apis::meta::v1::ObjectMeta, runtime::RawExtension},
     };
@@ -207,6 +248,23 @@ pub mod fake {
                 }
             })
         }
+
+        fn list(&self) -> BoxFuture<'_, Result<Vec<ResourceClaim>, SourceError>> {
+            let failing = self.failing.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let claims: Vec<ResourceClaim> = self
+                .claims
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .cloned()
+                .collect();
+            Box::pin(async move {
+                match failing {
+                    Some(message) => Err(message.into()),
+                    None => Ok(claims),
+                }
+            })
+        }
     }
 
     /// Starts a claim named `name` in namespace `default` with a fresh UID and no allocation.
@@ -221,6 +279,7 @@ pub mod fake {
             allocated: false,
             results: Vec::new(),
             configs: Vec::new(),
+            reserved_for: Vec::new(),
         }
     }
 
@@ -236,6 +295,7 @@ pub mod fake {
         allocated: bool,
         results: Vec<DeviceRequestAllocationResult>,
         configs: Vec<DeviceAllocationConfiguration>,
+        reserved_for: Vec<ResourceClaimConsumerReference>,
     }
 
     impl ClaimBuilder {
@@ -333,6 +393,17 @@ pub mod fake {
             self
         }
 
+        /// Reserves the claim for pod `name` (what the scheduler does when it binds the pod).
+        pub fn reserved_for_pod(mut self, name: &str) -> Self {
+            self.reserved_for.push(ResourceClaimConsumerReference {
+                api_group: None,
+                resource: "pods".into(),
+                name: name.into(),
+                uid: uuid::Uuid::new_v4().to_string(),
+            });
+            self
+        }
+
         pub fn uid_str(&self) -> &str {
             &self.uid
         }
@@ -354,6 +425,7 @@ pub mod fake {
                         }),
                         ..Default::default()
                     }),
+                    reserved_for: (!self.reserved_for.is_empty()).then_some(self.reserved_for),
                     ..Default::default()
                 }),
             }

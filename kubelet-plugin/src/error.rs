@@ -226,6 +226,16 @@ pub enum ClaimError {
     /// A preparation step that runs off the async runtime panicked or was cancelled.
     #[error("failed to run the preparation of device {device}: {reason}")]
     Task { device: String, reason: String },
+    /// The plugin found its checkpoint corrupted at start and refuses to change anything on the node
+    /// until an operator decides (it stays registered so kubelet shows this text instead of "driver not
+    /// registered").
+    #[error(
+        "the tessera plugin on this node refuses to prepare or unprepare claims: checkpoint {path} is \
+         corrupted ({reason}). Fix: move the file aside (mv {path} {path}.corrupt); within a minute, or at \
+         the next plugin start, the plugin re-adopts the devices of running pods from the API server and \
+         the hardware. See the plugin's log line \"refusing to serve: corrupted checkpoint\""
+    )]
+    CheckpointRefused { path: PathBuf, reason: String },
     /// Node state (checkpoint or CDI spec) could not be written.
     #[error(transparent)]
     State(#[from] Box<Error>),

@@ -20,15 +20,19 @@
 //! other. The checkpoint is one file, so its writes are serialized, but they are short (a few KiB and two
 //! fsyncs) and never wait on hardware.
 
+mod recovery;
+
 use std::{
     collections::{BTreeMap, BTreeSet},
     path::PathBuf,
     sync::{Arc, Mutex as SyncMutex},
+    time::Duration,
 };
 
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use tessera_api::{DRIVER_NAME, DeviceName, GpuInfo};
-use tokio::sync::{Mutex, OwnedMutexGuard};
-use tracing::{info, warn};
+use tokio::sync::{Mutex, OwnedMutexGuard, watch};
+use tracing::{error, info, warn};
 
 use crate::{
     cdi::{self, CdiDir, ContainerEdits, DeviceNode},
@@ -37,6 +41,7 @@ use crate::{
     error::{ClaimError, Error, Result},
     gpu::GpuBackend,
 };
+use recovery::{ClaimUse, claim_key, claim_use};
 
 /// A claim as kubelet names it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -215,12 +220,40 @@ pub struct NodeState {
     cdi: CdiDir,
     store: CheckpointStore,
     checkpoint: SyncMutex<Checkpoint>,
+    /// Set while the checkpoint on disk is corrupted: every prepare and unprepare is refused with it.
+    refused: SyncMutex<Option<Refusal>>,
+    /// Recovery that needs the API server before anything may be cleaned (see [`Pending`]).
+    pending: SyncMutex<Pending>,
+    /// Node-level leftovers other modules own (MPS daemons no share uses), swept after recovery.
+    sweeps: Vec<Arc<dyn Fn(&[GpuInfo]) + Send + Sync>>,
+    /// What the last reconcile found wrong, for the inventory's message.
+    problems: SyncMutex<Vec<String>>,
 }
 
-/// What the start-up found and did, for logs and tests.
+/// Why the plugin refuses to change the node.
+#[derive(Clone, Debug)]
+struct Refusal {
+    path: PathBuf,
+    reason: String,
+}
+
+/// Recovery that waits for the API server: without a trusted checkpoint of this boot, the CDI specs and MIG
+/// instances on the node may belong to running pods, and only the API says which.
+#[derive(Clone, Debug, Default)]
+struct Pending {
+    /// The checkpoint was missing or of another boot: rebuild records of in-use claims from the API, the
+    /// CDI directory and the hardware, then sweep what no record owns.
+    adopt: bool,
+    /// Completed records of a checkpoint of another boot, re-adopted when their claim is in use and their
+    /// devices are still on the hardware.
+    old_records: BTreeMap<String, ClaimRecord>,
+}
+
+/// What the start-up (and each reconcile) found and did, for logs and tests.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Recovery {
-    /// A checkpoint of an earlier boot was discarded.
+    /// A checkpoint of an earlier boot was found; its records were checked against the API and the
+    /// hardware instead of being trusted.
     pub discarded_other_boot: bool,
     /// Claims found half prepared and rolled back.
     pub rolled_back: Vec<String>,
@@ -230,10 +263,57 @@ pub struct Recovery {
     pub prepared: usize,
     /// MIG GPU instances destroyed because no completed claim holds them.
     pub destroyed_mig_instances: usize,
+    /// Set when the checkpoint is corrupted: the plugin serves, but refuses every prepare and unprepare
+    /// with this message until the file is moved aside.
+    pub refused: Option<String>,
+    /// Claims in use by a pod whose devices were re-adopted (from a checkpoint of another boot, or rebuilt
+    /// from the API, the CDI directory and the hardware when the checkpoint was missing).
+    pub adopted: Vec<String>,
+    /// Records whose claim is gone or no longer allocated to this node and not reserved: rolled back.
+    pub orphans_cleaned: Vec<String>,
+    /// Claims whose rollback failed, with the reason: kept in the checkpoint and retried.
+    pub failed: Vec<(String, String)>,
+    /// MIG instances that more than one record holds.
+    pub conflicts: Vec<String>,
+    /// The API server could not be asked; what needs it was left for the next reconcile.
+    pub api_error: Option<String>,
 }
 
+impl Recovery {
+    fn merge(&mut self, other: Recovery) {
+        self.discarded_other_boot |= other.discarded_other_boot;
+        self.rolled_back.extend(other.rolled_back);
+        self.removed_cdi_specs.extend(other.removed_cdi_specs);
+        self.prepared = other.prepared;
+        self.destroyed_mig_instances += other.destroyed_mig_instances;
+        self.refused = other.refused.or(self.refused.take());
+        self.adopted.extend(other.adopted);
+        self.orphans_cleaned.extend(other.orphans_cleaned);
+        self.failed = other.failed;
+        self.conflicts = other.conflicts;
+        self.api_error = other.api_error;
+    }
+
+    /// One line per thing an operator should know about, empty when all is well.
+    pub fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        out.extend(self.refused.iter().cloned());
+        out.extend(
+            self.failed
+                .iter()
+                .map(|(uid, reason)| format!("claim {uid} failed to recover (retried): {reason}")),
+        );
+        out.extend(self.conflicts.iter().cloned());
+        out
+    }
+}
+
+/// How often [`NodeState::reconcile_periodically`] checks records against the API by default.
+pub const RECONCILE_INTERVAL: Duration = Duration::from_secs(60);
+
 impl NodeState {
-    /// Opens the node state with the whole-GPU preparer. Call [`NodeState::recover`] before serving.
+    /// Opens the node state with the whole-GPU preparer. Call [`NodeState::start`] (or, without an API
+    /// server, [`NodeState::recover`]) before serving.
     pub fn new(
         config: StateConfig,
         backend: Arc<dyn GpuBackend>,
@@ -256,6 +336,10 @@ impl NodeState {
                 boot_id: config.boot_id,
                 claims: BTreeMap::new(),
             }),
+            refused: SyncMutex::new(None),
+            pending: SyncMutex::new(Pending::default()),
+            sweeps: Vec::new(),
+            problems: SyncMutex::new(Vec::new()),
         }
     }
 
@@ -265,41 +349,102 @@ impl NodeState {
         self
     }
 
-    /// Loads the checkpoint and brings the node to a consistent state: discards a checkpoint of an earlier
-    /// boot with its CDI specs, rolls back claims a crash left in `PrepareStarted`, and removes CDI specs no
-    /// completed claim owns. Fails on a corrupted checkpoint (see [`Error::CorruptCheckpoint`]).
+    /// Registers a sweep of node-level leftovers (e.g. MPS daemons no share uses). Sweeps run, with every
+    /// GPU locked, once the prepared claims are known for sure: after [`NodeState::recover`] on a trusted
+    /// checkpoint, or after the API server told which claims are in use.
+    pub fn with_orphan_sweep(mut self, sweep: Arc<dyn Fn(&[GpuInfo]) + Send + Sync>) -> Self {
+        self.sweeps.push(sweep);
+        self
+    }
+
+    /// Start-up: [`NodeState::recover`], then [`NodeState::reconcile`] against the API server.
+    pub async fn start(self: &Arc<Self>) -> Result<Recovery> {
+        let mut recovery = self.recover()?;
+        let reconciled = self.reconcile().await;
+        recovery.merge(reconciled);
+        Ok(recovery)
+    }
+
+    /// Runs [`NodeState::reconcile`] every `every` until `stop` turns true.
+    pub async fn reconcile_periodically(self: Arc<Self>, every: Duration, mut stop: watch::Receiver<bool>) {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+            let r = self.reconcile().await;
+            if !r.adopted.is_empty() || !r.orphans_cleaned.is_empty() || !r.rolled_back.is_empty() {
+                info!(recovery = ?r, "reconciled the checkpoint with the API server");
+            }
+        }
+    }
+
+    /// What the last recovery or reconcile found wrong (corrupted checkpoint, claims that failed to
+    /// recover, MIG instances recorded twice), one sentence each; empty when all is well.
+    pub fn problems(&self) -> Vec<String> {
+        self.problems.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Loads the checkpoint and brings the node to a consistent state without the API server.
+    ///
+    /// * A checkpoint of this boot is trusted: claims a crash left in `PrepareStarted` are rolled back (one
+    ///   by one: a claim whose rollback fails is kept, marked and retried, and the rest of the node
+    ///   serves), and CDI specs and MIG instances no completed claim owns are removed.
+    /// * A missing checkpoint or one of another boot is not enough to tell what running pods use: nothing
+    ///   is removed until [`NodeState::reconcile`] has asked the API server (see [`NodeState::start`]).
+    /// * A corrupted checkpoint is kept, and every prepare and unprepare is refused with an error naming it
+    ///   and the fix, so kubelet shows that instead of "driver not registered"; nothing on the node changes.
     pub fn recover(&self) -> Result<Recovery> {
         let boot_id = self.lock_checkpoint().boot_id.clone();
         let mut recovery = Recovery::default();
-        let mut checkpoint = match self.store.load(&boot_id)? {
-            Loaded::Missing => Checkpoint {
-                boot_id,
-                claims: BTreeMap::new(),
-            },
-            Loaded::Current(cp) => cp,
-            Loaded::OtherBoot(old) => {
-                warn!(
-                    path = %self.store.path().display(), old_boot_id = %old.boot_id, claims = old.claims.len(),
-                    "discarding the checkpoint of an earlier boot: a reboot undid what it records"
-                );
-                recovery.discarded_other_boot = true;
+        let mut pending = Pending::default();
+        let mut checkpoint = match self.store.load(&boot_id) {
+            Ok(Loaded::Missing) => {
+                pending.adopt = true;
                 Checkpoint {
                     boot_id,
                     claims: BTreeMap::new(),
                 }
             }
+            Ok(Loaded::Current(cp)) => cp,
+            Ok(Loaded::OtherBoot(old)) => {
+                warn!(
+                    path = %self.store.path().display(), old_boot_id = %old.boot_id, claims = old.claims.len(),
+                    "the checkpoint is of an earlier boot: keeping only the claims running pods still use \
+                     and whose devices are still there"
+                );
+                recovery.discarded_other_boot = true;
+                pending.adopt = true;
+                let (completed, started): (BTreeMap<_, _>, BTreeMap<_, _>) = old
+                    .claims
+                    .into_iter()
+                    .partition(|(_, r)| r.phase == Phase::PrepareCompleted);
+                pending.old_records = completed;
+                // Interrupted prepares are rolled back as in this boot: their pod never got the devices.
+                Checkpoint {
+                    boot_id,
+                    claims: started,
+                }
+            }
+            Err(Error::CorruptCheckpoint { path, reason }) => {
+                let refusal = Refusal { path, reason };
+                let message = refused_error(&refusal).to_string();
+                error!(path = %refusal.path.display(), reason = %refusal.reason,
+                    "refusing to serve: corrupted checkpoint; every prepare and unprepare fails until the \
+                     file is moved aside (nothing on the node is changed meanwhile)");
+                *self.refused.lock().unwrap_or_else(|e| e.into_inner()) = Some(refusal);
+                *self.problems.lock().unwrap_or_else(|e| e.into_inner()) = vec![message.clone()];
+                recovery.refused = Some(message);
+                return Ok(recovery);
+            }
+            Err(e) => return Err(e),
         };
         for record in checkpoint
             .claims
             .values()
             .filter(|r| r.phase == Phase::PrepareCompleted)
         {
-            for d in &record.devices {
-                match self.recorded_context(record, d) {
-                    Ok((preparer, ctx)) => preparer.restore(&ctx, &d.detail),
-                    Err(e) => warn!(claim = %record.uid, error = %e, "cannot restore a prepared device"),
-                }
-            }
+            self.restore_record(record);
         }
         let started: Vec<ClaimRecord> = checkpoint
             .claims
@@ -310,15 +455,188 @@ impl NodeState {
         for record in started {
             warn!(claim = %record.uid, namespace = %record.namespace, name = %record.name,
                 "rolling back a claim whose preparation was interrupted");
-            self.undo_devices(&record, &record.devices)
-                .map_err(|e| Error::RollBack {
-                    uid: record.uid.clone(),
-                    source: Box::new(e),
-                })?;
-            self.cdi.remove(&record.uid)?;
-            checkpoint.claims.remove(&record.uid);
-            recovery.rolled_back.push(record.uid);
+            match self.roll_back_now(&record, &checkpoint) {
+                Ok(()) => {
+                    checkpoint.claims.remove(&record.uid);
+                    recovery.rolled_back.push(record.uid);
+                }
+                Err(e) => {
+                    let reason = e.to_string();
+                    error!(claim = %record.uid, namespace = %record.namespace, name = %record.name,
+                        error = %reason, "failed to roll back an interrupted claim; keeping its record and \
+                        retrying later, the rest of the node serves");
+                    if let Some(r) = checkpoint.claims.get_mut(&record.uid) {
+                        r.recovery_error = Some(reason.clone());
+                    }
+                    recovery.failed.push((record.uid, reason));
+                }
+            }
         }
+        if !pending.adopt {
+            self.sweep_unowned(&checkpoint, &mut recovery)?;
+        }
+        recovery.prepared = checkpoint
+            .claims
+            .values()
+            .filter(|r| r.phase == Phase::PrepareCompleted)
+            .count();
+        self.store.save(&checkpoint)?;
+        *self.lock_checkpoint() = checkpoint;
+        *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = pending;
+        *self.refused.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.problems.lock().unwrap_or_else(|e| e.into_inner()) = recovery.problems();
+        Ok(recovery)
+    }
+
+    /// Checks the records against the API server and finishes what [`NodeState::recover`] left for it:
+    ///
+    /// * re-adopts the claims running pods use (allocated to this node and reserved): records of another
+    ///   boot whose devices are still on the hardware, and, when the checkpoint was lost, records rebuilt
+    ///   from the claim, its CDI spec and the live MIG instances; then removes what no record owns;
+    /// * rolls back records whose claim is gone or no longer allocated here and not reserved (a MIG
+    ///   instance another record also holds is left to that record);
+    /// * retries the rollbacks that failed before, and reports MIG instances two records hold.
+    ///
+    /// Never destroys anything when the API server cannot be asked. Safe to run while serving: it takes
+    /// the GPU locks of what it changes and re-reads a claim before rolling it back.
+    pub async fn reconcile(self: &Arc<Self>) -> Recovery {
+        let mut recovery = Recovery::default();
+        if self.refused().is_some() {
+            // The operator may have moved the corrupted file aside meanwhile.
+            match self.recover() {
+                Ok(r) if r.refused.is_none() => recovery.merge(r),
+                Ok(r) => return r,
+                Err(e) => {
+                    recovery.api_error = Some(e.to_string());
+                    return recovery;
+                }
+            }
+        }
+        let listed = match self.claims.list().await {
+            Ok(list) => list,
+            Err(e) => {
+                warn!(error = %e, "cannot list ResourceClaims; checking the checkpoint against the API later");
+                recovery.api_error = Some(e.to_string());
+                recovery.prepared = self.checkpoint().claims.len();
+                return recovery;
+            }
+        };
+        let by_key: BTreeMap<String, ResourceClaim> = listed
+            .into_iter()
+            .filter_map(|c| {
+                let key = claim_key(c.metadata.namespace.as_deref()?, c.metadata.name.as_deref()?);
+                Some((key, c))
+            })
+            .collect();
+
+        let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        if pending.adopt {
+            let _all = self.lock_gpus(self.gpus.keys().copied()).await;
+            if let Err(e) = self.adopt(&pending, &by_key, &mut recovery) {
+                warn!(error = %e, "could not finish re-adopting prepared claims; retrying later");
+                *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = pending;
+                recovery.api_error = Some(e.to_string());
+                return recovery;
+            }
+        }
+
+        // Reported as found, before cleaning may resolve them (an orphan holding a live claim's instance).
+        recovery.conflicts = recovery::conflicts(&self.checkpoint());
+        self.clean_orphans(&by_key, &mut recovery).await;
+        self.retry_failed(&mut recovery).await;
+
+        let checkpoint = self.checkpoint();
+        let remaining = recovery::conflicts(&checkpoint);
+        for c in &recovery.conflicts {
+            if remaining.contains(c) {
+                error!(conflict = %c, "two records of claims in use hold one MIG instance; check which pod \
+                    really uses it");
+            } else {
+                warn!(conflict = %c, "two records held one MIG instance; the one whose claim is gone was dropped");
+            }
+        }
+        recovery.failed = checkpoint
+            .claims
+            .values()
+            .filter_map(|r| Some((r.uid.clone(), r.recovery_error.clone()?)))
+            .collect();
+        recovery.prepared = checkpoint
+            .claims
+            .values()
+            .filter(|r| r.phase == Phase::PrepareCompleted)
+            .count();
+        let mut problems = recovery.problems();
+        problems.retain(|p| !recovery.conflicts.contains(p) || remaining.contains(p));
+        *self.problems.lock().unwrap_or_else(|e| e.into_inner()) = problems;
+        recovery
+    }
+
+    /// Re-adopts in-use claims (caller holds every GPU lock), then sweeps what no record owns.
+    fn adopt(
+        &self,
+        pending: &Pending,
+        by_key: &BTreeMap<String, ResourceClaim>,
+        recovery: &mut Recovery,
+    ) -> Result<()> {
+        let mut checkpoint = self.checkpoint();
+        for (uid, record) in &pending.old_records {
+            let claim = by_key.get(&claim_key(&record.namespace, &record.name));
+            let verdict = match claim_use(claim, uid, &self.node_name) {
+                ClaimUse::InUse => recovery::record_intact(self.backend.as_ref(), record)
+                    .and_then(|()| self.spec_present(uid)),
+                other => Err(format!("its claim is {other:?}")),
+            };
+            match verdict {
+                Ok(()) => {
+                    info!(claim = %uid, namespace = %record.namespace, name = %record.name,
+                        "re-adopting the devices of a running pod's claim from the checkpoint of an earlier boot");
+                    self.restore_record(record);
+                    checkpoint.claims.insert(uid.clone(), record.clone());
+                    recovery.adopted.push(uid.clone());
+                }
+                Err(why) => info!(claim = %uid, reason = %why, "dropping a record of an earlier boot"),
+            }
+        }
+        for claim in by_key.values() {
+            let Some(uid) = claim.metadata.uid.as_deref() else {
+                continue;
+            };
+            if checkpoint.claims.contains_key(uid)
+                || claim_use(Some(claim), uid, &self.node_name) != ClaimUse::InUse
+            {
+                continue;
+            }
+            let spec = match self.cdi.read(uid) {
+                Ok(Some(spec)) => spec,
+                // No spec: the claim was never prepared here (or its pod has not started yet).
+                Ok(None) => continue,
+                Err(e) => {
+                    warn!(claim = %uid, error = %e, "cannot read the CDI spec of an in-use claim");
+                    continue;
+                }
+            };
+            match self.rebuild_record(claim, &spec) {
+                Ok(record) => {
+                    info!(claim = %uid, namespace = %record.namespace, name = %record.name,
+                        devices = ?record.devices.iter().map(|d| d.device.as_str()).collect::<Vec<_>>(),
+                        "re-adopting the devices of a running pod's claim from the API server, its CDI spec \
+                         and the hardware (no checkpoint record)");
+                    self.restore_record(&record);
+                    checkpoint.claims.insert(uid.to_string(), record);
+                    recovery.adopted.push(uid.to_string());
+                }
+                Err(why) => warn!(claim = %uid, reason = %why,
+                    "cannot re-adopt an in-use claim's devices; its pod keeps what it has, but they are released"),
+            }
+        }
+        self.store.save(&checkpoint)?;
+        self.sweep_unowned(&checkpoint, recovery)?;
+        *self.lock_checkpoint() = checkpoint;
+        Ok(())
+    }
+
+    /// Removes what no record owns: tessera CDI specs, MIG instances, and the registered sweeps' leftovers.
+    fn sweep_unowned(&self, checkpoint: &Checkpoint, recovery: &mut Recovery) -> Result<()> {
         for uid in self.cdi.claim_uids()? {
             if !checkpoint.claims.contains_key(&uid) {
                 info!(claim = %uid, "removing a CDI spec no prepared claim owns");
@@ -329,15 +647,183 @@ impl NodeState {
         // MIG instances no completed claim holds were left by a crash (or made by hand): destroy them, so the
         // placements the scheduler thinks free are free.
         let gpus: Vec<GpuInfo> = self.gpus.values().cloned().collect();
-        let known = crate::mig::known_devices(&checkpoint, &gpus);
+        let known = crate::mig::known_devices(checkpoint, &gpus);
         match crate::mig::reconcile_at_start(self.backend.as_ref(), &gpus, &known) {
-            Ok(report) => recovery.destroyed_mig_instances = report.gpu_instances.len(),
+            Ok(report) => recovery.destroyed_mig_instances += report.gpu_instances.len(),
             Err(e) => warn!(error = %e, "could not remove every unknown MIG instance"),
         }
-        recovery.prepared = checkpoint.claims.len();
-        self.store.save(&checkpoint)?;
-        *self.lock_checkpoint() = checkpoint;
-        Ok(recovery)
+        for sweep in &self.sweeps {
+            sweep(&gpus);
+        }
+        Ok(())
+    }
+
+    /// A completed record for an in-use claim that lost its record: the devices as planned from the claim,
+    /// with the ids of the live MIG instances its CDI spec names.
+    fn rebuild_record(&self, claim: &ResourceClaim, spec: &cdi::Spec) -> Result<ClaimRecord, String> {
+        let claim_ref = ClaimRef {
+            namespace: claim.metadata.namespace.clone().unwrap_or_default(),
+            name: claim.metadata.name.clone().unwrap_or_default(),
+            uid: claim.metadata.uid.clone().unwrap_or_default(),
+        };
+        let planned = self.plan_claim(&claim_ref, claim).map_err(|e| e.to_string())?;
+        let mut devices = Vec::with_capacity(planned.len());
+        for p in planned {
+            let mut record = p.record;
+            record.detail = recovery::adopt_detail(self.backend.as_ref(), &p.ctx.gpu, record.detail, spec)?;
+            devices.push(record);
+        }
+        Ok(ClaimRecord {
+            uid: claim_ref.uid,
+            namespace: claim_ref.namespace,
+            name: claim_ref.name,
+            phase: Phase::PrepareCompleted,
+            devices,
+            recovery_error: None,
+        })
+    }
+
+    /// Rolls back completed records whose claim nothing can be using any more.
+    async fn clean_orphans(
+        self: &Arc<Self>,
+        by_key: &BTreeMap<String, ResourceClaim>,
+        recovery: &mut Recovery,
+    ) {
+        let candidates: Vec<ClaimRecord> = self
+            .checkpoint()
+            .claims
+            .into_values()
+            .filter(|r| r.phase == Phase::PrepareCompleted)
+            .filter(|r| {
+                let claim = by_key.get(&claim_key(&r.namespace, &r.name));
+                claim_use(claim, &r.uid, &self.node_name) == ClaimUse::Orphaned
+            })
+            .collect();
+        for candidate in candidates {
+            // The list may predate a claim prepared since; only a fresh read may condemn a record.
+            match self.claims.get(&candidate.namespace, &candidate.name).await {
+                Ok(fresh)
+                    if claim_use(fresh.as_ref(), &candidate.uid, &self.node_name) == ClaimUse::Orphaned => {}
+                Ok(_) => continue,
+                Err(e) => {
+                    recovery.api_error = Some(e.to_string());
+                    continue;
+                }
+            }
+            let _guards = self
+                .lock_gpus(candidate.devices.iter().map(|d| d.detail.gpu()))
+                .await;
+            let Some(record) = self
+                .record(&candidate.uid)
+                .filter(|r| r.phase == Phase::PrepareCompleted)
+            else {
+                continue;
+            };
+            warn!(claim = %record.uid, namespace = %record.namespace, name = %record.name,
+                "rolling back a prepared claim that is gone or no longer allocated to this node and that no \
+                 pod reserves");
+            match self.roll_back_blocking(&record).await {
+                Ok(()) => recovery.orphans_cleaned.push(record.uid),
+                Err(e) => self.mark_failed(&record.uid, e.to_string()),
+            }
+        }
+    }
+
+    /// Retries the rollbacks that failed at start or in an earlier reconcile.
+    async fn retry_failed(self: &Arc<Self>, recovery: &mut Recovery) {
+        let failed: Vec<ClaimRecord> = self
+            .checkpoint()
+            .claims
+            .into_values()
+            .filter(|r| r.recovery_error.is_some())
+            .collect();
+        for candidate in failed {
+            let _guards = self
+                .lock_gpus(candidate.devices.iter().map(|d| d.detail.gpu()))
+                .await;
+            let Some(record) = self.record(&candidate.uid).filter(|r| r.recovery_error.is_some()) else {
+                continue;
+            };
+            match self.roll_back_blocking(&record).await {
+                Ok(()) => {
+                    info!(claim = %record.uid, "rolled back a claim whose earlier rollback had failed");
+                    recovery.rolled_back.push(record.uid);
+                }
+                Err(e) => self.mark_failed(&record.uid, e.to_string()),
+            }
+        }
+    }
+
+    fn mark_failed(&self, uid: &str, reason: String) {
+        error!(claim = %uid, error = %reason, "failed to roll back a claim; keeping its record and retrying later");
+        if let Err(e) = self.update_checkpoint(|cp| {
+            if let Some(r) = cp.claims.get_mut(uid) {
+                r.recovery_error = Some(reason);
+            }
+        }) {
+            warn!(claim = %uid, error = %e, "could not record a failed rollback");
+        }
+    }
+
+    /// Undoes a record's devices (leaving MIG instances another record holds to that record), removes its
+    /// CDI spec and its record. Synchronous: start-up recovery calls it directly.
+    fn roll_back_now(&self, record: &ClaimRecord, all: &Checkpoint) -> Result<(), ClaimError> {
+        let owners = recovery::instance_owners(all);
+        for d in record.devices.iter().rev() {
+            if recovery::instance_held_by_another(&owners, &record.uid, &d.device, &d.detail) {
+                warn!(claim = %record.uid, device = %d.device,
+                    "another record holds this MIG instance: dropping only this claim's record");
+                continue;
+            }
+            let (preparer, ctx) = self.recorded_context(record, d)?;
+            preparer.unprepare(&ctx, &d.detail)?;
+        }
+        self.cdi.remove(&record.uid)?;
+        Ok(())
+    }
+
+    /// [`Self::roll_back_now`] on a blocking thread, then the record goes (caller holds the GPU locks).
+    async fn roll_back_blocking(self: &Arc<Self>, record: &ClaimRecord) -> Result<(), ClaimError> {
+        let (this, r) = (self.clone(), record.clone());
+        tokio::task::spawn_blocking(move || this.roll_back_now(&r, &this.checkpoint()))
+            .await
+            .map_err(|e| ClaimError::Task {
+                device: "(rollback)".into(),
+                reason: e.to_string(),
+            })??;
+        self.update_checkpoint(|cp| {
+            cp.claims.remove(&record.uid);
+        })?;
+        Ok(())
+    }
+
+    /// Tells each preparer about a completed record's devices (share counts).
+    fn restore_record(&self, record: &ClaimRecord) {
+        for d in &record.devices {
+            match self.recorded_context(record, d) {
+                Ok((preparer, ctx)) => preparer.restore(&ctx, &d.detail),
+                Err(e) => warn!(claim = %record.uid, error = %e, "cannot restore a prepared device"),
+            }
+        }
+    }
+
+    fn spec_present(&self, uid: &str) -> Result<(), String> {
+        match self.cdi.read(uid) {
+            Ok(Some(_)) => Ok(()),
+            Ok(None) => Err("its CDI spec is gone".into()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    fn refused(&self) -> Option<Refusal> {
+        self.refused.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn check_not_refused(&self) -> Result<(), ClaimError> {
+        match self.refused() {
+            Some(r) => Err(refused_error(&r)),
+            None => Ok(()),
+        }
     }
 
     /// The node's GPUs as discovered at start.
@@ -380,6 +866,7 @@ impl NodeState {
 
     /// Prepares one claim; idempotent (a prepared claim returns its saved result).
     pub async fn prepare(self: &Arc<Self>, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
+        self.check_not_refused()?;
         if let Some(done) = self.completed(&claim.uid) {
             return Ok(done);
         }
@@ -405,6 +892,7 @@ impl NodeState {
             name: claim.name.clone(),
             phase: Phase::PrepareStarted,
             devices: planned.iter().map(|p| p.record.clone()).collect(),
+            recovery_error: None,
         };
         self.update_checkpoint(|cp| {
             cp.claims.insert(claim.uid.clone(), record.clone());
@@ -460,6 +948,7 @@ impl NodeState {
     /// Unprepares one claim; idempotent (an unknown claim is success, after removing any CDI spec left for
     /// its UID).
     pub async fn unprepare(self: &Arc<Self>, claim: &ClaimRef) -> Result<(), ClaimError> {
+        self.check_not_refused()?;
         let Some(record) = self.record(&claim.uid) else {
             self.cdi.remove(&claim.uid)?;
             return Ok(());
@@ -494,6 +983,11 @@ impl NodeState {
                 namespace: claim.namespace.clone(),
                 name: claim.name.clone(),
             })?;
+        self.plan_claim(claim, &rc)
+    }
+
+    /// Resolves each of this driver's devices of `rc` (the claim kubelet names as `claim`), touching nothing.
+    fn plan_claim(&self, claim: &ClaimRef, rc: &ResourceClaim) -> Result<Vec<Planned>, ClaimError> {
         let actual = rc.metadata.uid.clone().unwrap_or_default();
         if actual != claim.uid {
             return Err(ClaimError::UidMismatch {
@@ -503,7 +997,7 @@ impl NodeState {
                 actual,
             });
         }
-        let allocated = allocated_devices(&rc, DRIVER_NAME).ok_or_else(|| ClaimError::NotAllocated {
+        let allocated = allocated_devices(rc, DRIVER_NAME).ok_or_else(|| ClaimError::NotAllocated {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
         })?;
@@ -708,6 +1202,13 @@ struct Planned {
     preparer: Arc<dyn DevicePreparer>,
     record: DeviceRecord,
     cdi_name: String,
+}
+
+fn refused_error(r: &Refusal) -> ClaimError {
+    ClaimError::CheckpointRefused {
+        path: r.path.clone(),
+        reason: r.reason.clone(),
+    }
 }
 
 fn prepared_device(d: &DeviceRecord) -> PreparedDevice {

@@ -198,6 +198,7 @@ async fn a_crash_between_the_checkpoint_phases_is_rolled_back_at_the_next_start(
                 minor: 4,
             },
         }],
+        recovery_error: None,
     };
     let mut cp = Checkpoint {
         boot_id: BOOT_ID.into(),
@@ -224,7 +225,7 @@ async fn a_crash_between_the_checkpoint_phases_is_rolled_back_at_the_next_start(
 }
 
 #[tokio::test]
-async fn a_corrupted_checkpoint_stops_the_start_naming_the_file_and_the_fix_and_keeps_it() {
+async fn a_corrupted_checkpoint_is_kept_and_refuses_every_claim_naming_the_file_and_the_fix() {
     let node = TestNode::new();
     let path = node.state_dir().join("checkpoint.json");
     std::fs::write(
@@ -232,10 +233,17 @@ async fn a_corrupted_checkpoint_stops_the_start_naming_the_file_and_the_fix_and_
         b"{\"version\": 1, \"checksum\": \"sha256:00\", \"payload\": {\"boo",
     )
     .unwrap();
-    let err = node.state_unrecovered(BOOT_ID).recover().unwrap_err().to_string();
-    assert!(err.contains(&path.display().to_string()), "{err}");
-    assert!(err.contains("corrupted"), "{err}");
-    assert!(err.contains("move the file aside"), "{err}");
+    let c = claim("c0").allocated("gpu-0").build();
+    let r = claim_ref(&c);
+    node.claims.insert(c);
+    let state = node.state_unrecovered(BOOT_ID);
+    let refused = state.recover().unwrap().refused.expect("a corrupted checkpoint was accepted");
+    let err = Arc::new(state).prepare(&r).await.unwrap_err().to_string();
+    for text in [&refused, &err] {
+        assert!(text.contains(&path.display().to_string()), "{text}");
+        assert!(text.contains("corrupted"), "{text}");
+        assert!(text.contains("move the file aside"), "{text}");
+    }
     assert!(
         path.exists(),
         "the corrupted checkpoint must be kept for diagnosis"
@@ -243,20 +251,21 @@ async fn a_corrupted_checkpoint_stops_the_start_naming_the_file_and_the_fix_and_
 }
 
 #[tokio::test]
-async fn a_checkpoint_from_an_earlier_boot_is_discarded_with_its_cdi_specs_only() {
+async fn a_checkpoint_from_an_earlier_boot_is_discarded_with_its_cdi_specs_only_when_no_pod_uses_them() {
     let node = TestNode::new();
     let c = claim("c0").allocated("gpu-0").build();
     let r = claim_ref(&c);
     node.claims.insert(c);
-    let old_boot = node.state_unrecovered("old-boot");
-    old_boot.recover().unwrap();
-    Arc::new(old_boot).prepare(&r).await.unwrap();
+    let old_boot = Arc::new(node.state_unrecovered("old-boot"));
+    old_boot.start().await.unwrap();
+    old_boot.prepare(&r).await.unwrap();
     let foreign = node.cdi_dir().join("vendor.example.com-nic.json");
     std::fs::write(&foreign, "{}").unwrap();
 
-    let state = node.state_unrecovered(BOOT_ID);
-    let recovery = state.recover().unwrap();
+    let state = Arc::new(node.state_unrecovered(BOOT_ID));
+    let recovery = state.start().await.unwrap();
     assert!(recovery.discarded_other_boot);
+    assert!(recovery.adopted.is_empty(), "{recovery:?}");
     assert_eq!(recovery.removed_cdi_specs, vec![r.uid.clone()]);
     assert!(foreign.exists(), "another vendor's CDI spec was removed");
     assert_eq!(state.checkpoint().boot_id, BOOT_ID);
@@ -576,6 +585,7 @@ async fn a_crash_after_a_mig_device_was_created_is_undone_with_its_recorded_ids(
                     uuid: None,
                 }),
             }],
+            recovery_error: None,
         },
     );
     CheckpointStore::new(&node.state_dir()).save(&cp).unwrap();

@@ -115,3 +115,28 @@ pub async fn wait_for_socket(path: &Path) {
         path.display()
     );
 }
+
+/// The plugin's state with its real preparers (whole GPUs, MIG, shares with simulated MPS daemons run
+/// from `program`, the plugin binary), its orphaned-daemon sweep registered as the binary registers it,
+/// over this node with `boot_id`; not yet recovered. Also returns the sharer, to look at the daemons.
+pub fn real_plugin(
+    node: &TestNode,
+    boot_id: &str,
+    program: std::path::PathBuf,
+) -> (NodeState, Arc<tessera_kubelet_plugin::sharing::Sharer>) {
+    use tessera_kubelet_plugin::{
+        driver_root::DriverFiles,
+        preparers::{SharedPreparer, with_preparers},
+        sharing::{
+            Sharer,
+            mps::{Launcher, MpsManager},
+        },
+    };
+    let mps = MpsManager::new(&node.state_dir(), Launcher::Simulated { program });
+    let sharer = Arc::new(Sharer::new(node.backend.clone(), mps, false));
+    let shared = Arc::new(SharedPreparer::new(sharer.clone(), DriverFiles::default()));
+    let sweep = shared.clone();
+    let state = with_preparers(node.state_unrecovered(boot_id), &shared)
+        .with_orphan_sweep(Arc::new(move |gpus| sweep.stop_orphaned_daemons(gpus)));
+    (state, sharer)
+}

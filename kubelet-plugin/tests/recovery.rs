@@ -1,0 +1,490 @@
+//! Recovery with pods running: a checkpoint of another boot, a corrupted one, one moved aside, records
+//! the API does not know, and claims whose rollback fails. The plugin is assembled with its real preparers
+//! over a simulated node (MIG instances in the simulated hardware, real MPS daemon processes); the API
+//! server is the fake claim source, which is where the plugin reads claims.
+
+mod common;
+
+use std::{
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+};
+
+use common::{BOOT_ID, TestNode};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use tessera_kubelet_plugin::{
+    cdi::{self, ContainerEdits},
+    checkpoint::{
+        Checkpoint, CheckpointStore, ClaimRecord, DeviceDetail, DeviceRecord, Loaded, Phase, SharedDetail,
+    },
+    claims::fake::{NODE, claim},
+    error::ClaimError,
+    state::{ClaimRef, DeviceContext, DeviceKind, DevicePreparer, NodeState, Recovery, WholeGpuPreparer},
+};
+
+/// The plugin as the binary assembles it, (re)started over `node` with `boot_id`, through its start-up
+/// (local recovery, then the API).
+struct Plugin {
+    state: Arc<NodeState>,
+    mps: Arc<tessera_kubelet_plugin::sharing::Sharer>,
+    recovery: Recovery,
+}
+
+async fn start(node: &TestNode, boot_id: &str) -> Plugin {
+    let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
+    let (state, mps) = common::real_plugin(node, boot_id, program);
+    let state = Arc::new(state);
+    let recovery = state.start().await.unwrap();
+    Plugin { state, mps, recovery }
+}
+
+fn claim_ref(c: &ResourceClaim) -> ClaimRef {
+    ClaimRef {
+        namespace: c.metadata.namespace.clone().unwrap(),
+        name: c.metadata.name.clone().unwrap(),
+        uid: c.metadata.uid.clone().unwrap(),
+    }
+}
+
+fn add(node: &TestNode, c: ResourceClaim) -> ClaimRef {
+    let r = claim_ref(&c);
+    node.claims.insert(c);
+    r
+}
+
+/// The MIG instances on GPU `gpu` as `(gi, uuid)`.
+fn instances(node: &TestNode, gpu: u32) -> Vec<(u32, String)> {
+    node.backend
+        .list_gpu_instances(gpu)
+        .unwrap_or_default()
+        .into_iter()
+        .flat_map(|g| g.compute_instances.into_iter().map(move |c| (g.id, c.uuid)))
+        .collect()
+}
+
+/// Three running pods' claims on a 2-GPU node: an exclusive MIG slice, and two MPS shares of GPU 0.
+struct Running {
+    mig: ClaimRef,
+    shares: [ClaimRef; 2],
+    mig_instances: Vec<(u32, String)>,
+    daemon: u32,
+}
+
+async fn run_pods(node: &TestNode, plugin: &Plugin) -> Running {
+    let mig = add(
+        node,
+        claim("m")
+            .allocated("gpu-1-mig-3g-40gb-4")
+            .reserved_for_pod("pod-m")
+            .build(),
+    );
+    let shares = ["a", "b"].map(|n| {
+        add(
+            node,
+            claim(n)
+                .allocated_share("gpu-0-shared", n)
+                .consumed("compute", "40")
+                .reserved_for_pod(&format!("pod-{n}"))
+                .build(),
+        )
+    });
+    for c in std::iter::once(&mig).chain(&shares) {
+        plugin.state.prepare(c).await.unwrap();
+    }
+    Running {
+        mig_instances: instances(node, 1),
+        daemon: plugin
+            .mps
+            .mps()
+            .pid("gpu-0")
+            .expect("an MPS daemon for the shares"),
+        mig,
+        shares,
+    }
+}
+
+/// Asserts the running pods still have everything they were given.
+fn assert_devices_intact(node: &TestNode, plugin: &Plugin, running: &Running) {
+    assert_eq!(
+        instances(node, 1),
+        running.mig_instances,
+        "the running pod's MIG instance was destroyed"
+    );
+    assert_eq!(
+        plugin.mps.mps().pid("gpu-0"),
+        Some(running.daemon),
+        "the running shares' MPS daemon was stopped"
+    );
+    for c in std::iter::once(&running.mig).chain(&running.shares) {
+        assert!(
+            plugin.state.cdi().spec_path(&c.uid).exists(),
+            "the CDI spec of running claim {} was removed",
+            c.name
+        );
+        assert_eq!(
+            plugin.state.checkpoint().claims[&c.uid].phase,
+            Phase::PrepareCompleted,
+            "claim {} is not recorded as prepared",
+            c.name
+        );
+    }
+}
+
+/// Unprepares every running claim and checks the node is left clean (the re-adopted records were right
+/// about what to undo).
+async fn unprepare_all_and_assert_clean(node: &TestNode, plugin: &Plugin, running: &Running) {
+    for c in std::iter::once(&running.mig).chain(&running.shares) {
+        plugin.state.unprepare(c).await.unwrap();
+    }
+    assert!(instances(node, 1).is_empty(), "MIG instance leaked");
+    assert!(plugin.mps.mps().running().is_empty(), "MPS daemon leaked");
+    assert!(
+        plugin.state.cdi().claim_uids().unwrap().is_empty(),
+        "CDI spec leaked"
+    );
+    assert!(plugin.state.checkpoint().claims.is_empty(), "record leaked");
+}
+
+#[tokio::test]
+async fn a_checkpoint_of_another_boot_keeps_the_devices_of_running_pods_and_drops_the_rest() {
+    let node = TestNode::with_gpus(2);
+    let old = start(&node, "old-boot").await;
+    let running = run_pods(&node, &old).await;
+    // A claim whose pod is gone (not reserved any more) is not worth keeping.
+    let idle = add(&node, claim("idle").allocated("gpu-1-mig-1g-10gb-0").build());
+    old.state.prepare(&idle).await.unwrap();
+    drop(old);
+
+    let new = start(&node, BOOT_ID).await;
+    assert!(new.recovery.discarded_other_boot);
+    let mut adopted = new.recovery.adopted.clone();
+    adopted.sort();
+    let mut expected = vec![
+        running.mig.uid.clone(),
+        running.shares[0].uid.clone(),
+        running.shares[1].uid.clone(),
+    ];
+    expected.sort();
+    assert_eq!(adopted, expected);
+    assert_devices_intact(&node, &new, &running);
+    assert!(!new.state.checkpoint().claims.contains_key(&idle.uid));
+    assert!(!new.state.cdi().spec_path(&idle.uid).exists());
+    assert_eq!(
+        instances(&node, 1).len(),
+        1,
+        "the idle claim's instance was not removed"
+    );
+    assert_eq!(new.state.checkpoint().boot_id, BOOT_ID);
+    // kubelet, which still thinks the claims are prepared, gets the same devices back.
+    assert_eq!(
+        new.state.prepare(&running.mig).await.unwrap()[0].device_name,
+        "gpu-1-mig-3g-40gb-4"
+    );
+    unprepare_all_and_assert_clean(&node, &new, &running).await;
+}
+
+#[tokio::test]
+async fn a_checkpoint_moved_aside_is_rebuilt_from_the_api_the_cdi_specs_and_the_hardware() {
+    let node = TestNode::with_gpus(2);
+    let first = start(&node, BOOT_ID).await;
+    let running = run_pods(&node, &first).await;
+    let before = first.state.checkpoint();
+    drop(first);
+    let path = node.state_dir().join("checkpoint.json");
+    std::fs::rename(&path, node.state_dir().join("checkpoint.json.corrupt")).unwrap();
+
+    let second = start(&node, BOOT_ID).await;
+    assert_eq!(second.recovery.adopted.len(), 3, "{:?}", second.recovery);
+    assert_devices_intact(&node, &second, &running);
+    // The rebuilt MIG record names the same instance as the lost one.
+    assert_eq!(
+        second.state.checkpoint().claims[&running.mig.uid].devices[0].detail,
+        before.claims[&running.mig.uid].devices[0].detail
+    );
+    assert!(matches!(
+        CheckpointStore::new(&node.state_dir()).load(BOOT_ID).unwrap(),
+        Loaded::Current(cp) if cp.claims.len() == 3
+    ));
+    unprepare_all_and_assert_clean(&node, &second, &running).await;
+}
+
+#[tokio::test]
+async fn a_corrupted_checkpoint_refuses_prepare_and_unprepare_naming_the_file_and_changes_nothing() {
+    let node = TestNode::with_gpus(2);
+    let first = start(&node, BOOT_ID).await;
+    let running = run_pods(&node, &first).await;
+    drop(first);
+    let path = node.state_dir().join("checkpoint.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("gpu-1-mig", "gpu-0-mig");
+    std::fs::write(&path, &text).unwrap();
+
+    let second = start(&node, BOOT_ID).await;
+    let refused = second
+        .recovery
+        .refused
+        .clone()
+        .expect("the corrupted checkpoint was accepted");
+    assert!(refused.contains(&path.display().to_string()), "{refused}");
+    let fresh = add(
+        &node,
+        claim("new").allocated("gpu-0").reserved_for_pod("p").build(),
+    );
+    for err in [
+        second.state.prepare(&fresh).await.unwrap_err().to_string(),
+        second
+            .state
+            .unprepare(&running.shares[0])
+            .await
+            .unwrap_err()
+            .to_string(),
+    ] {
+        assert!(err.contains(&path.display().to_string()), "{err}");
+        assert!(err.contains("corrupted") && err.contains("mv "), "{err}");
+        assert!(err.contains("plugin's log"), "{err}");
+    }
+    assert_eq!(second.state.problems(), vec![refused.clone()]);
+    assert_eq!(
+        std::fs::read_to_string(&path).unwrap(),
+        text,
+        "the corrupted file was changed"
+    );
+    assert_eq!(instances(&node, 1), running.mig_instances);
+    assert_eq!(second.mps.mps().pid("gpu-0"), Some(running.daemon));
+    for c in std::iter::once(&running.mig).chain(&running.shares) {
+        assert!(second.state.cdi().spec_path(&c.uid).exists());
+    }
+
+    // The documented fix, without a restart: the next reconcile re-adopts the running pods' devices.
+    std::fs::rename(&path, node.state_dir().join("checkpoint.json.corrupt")).unwrap();
+    let healed = second.state.reconcile().await;
+    assert_eq!(healed.refused, None);
+    assert_eq!(healed.adopted.len(), 3, "{healed:?}");
+    assert!(second.state.problems().is_empty());
+    assert_devices_intact(&node, &second, &running);
+    unprepare_all_and_assert_clean(&node, &second, &running).await;
+}
+
+#[tokio::test]
+async fn an_unreachable_api_server_after_a_lost_checkpoint_destroys_nothing_until_it_answers() {
+    let node = TestNode::with_gpus(2);
+    let first = start(&node, BOOT_ID).await;
+    let running = run_pods(&node, &first).await;
+    drop(first);
+    std::fs::remove_file(node.state_dir().join("checkpoint.json")).unwrap();
+
+    node.claims.fail_with(Some("connection refused"));
+    let second = start(&node, BOOT_ID).await;
+    assert!(second.recovery.api_error.is_some());
+    assert_eq!(instances(&node, 1), running.mig_instances);
+    assert_eq!(second.mps.mps().pid("gpu-0"), Some(running.daemon));
+    node.claims.fail_with(None);
+    let later = second.state.reconcile().await;
+    assert_eq!(later.adopted.len(), 3, "{later:?}");
+    assert_devices_intact(&node, &second, &running);
+}
+
+/// A record as a well-formed checkpoint would hold it, for a claim the API server never saw.
+fn forged_record(uid: &str, device: DeviceRecord) -> ClaimRecord {
+    ClaimRecord {
+        uid: uid.into(),
+        namespace: "default".into(),
+        name: "ghost".into(),
+        phase: Phase::PrepareCompleted,
+        devices: vec![device],
+        recovery_error: None,
+    }
+}
+
+#[tokio::test]
+async fn a_record_of_a_claim_that_does_not_exist_is_dropped_without_taking_the_live_claims_mig_instance() {
+    let node = TestNode::with_gpus(2);
+    let first = start(&node, BOOT_ID).await;
+    let running = run_pods(&node, &first).await;
+    drop(first);
+    // A second, well-formed record owning the live claim's MIG instance.
+    let store = CheckpointStore::new(&node.state_dir());
+    let Ok(Loaded::Current(mut cp)) = store.load(BOOT_ID) else {
+        panic!()
+    };
+    let mut stolen = cp.claims[&running.mig.uid].devices[0].clone();
+    stolen.cdi_device_ids = vec![];
+    cp.claims
+        .insert("ghost-uid".into(), forged_record("ghost-uid", stolen));
+    store.save(&cp).unwrap();
+
+    let second = start(&node, BOOT_ID).await;
+    assert_eq!(second.recovery.orphans_cleaned, vec!["ghost-uid".to_string()]);
+    assert!(
+        second
+            .recovery
+            .conflicts
+            .iter()
+            .any(|c| c.contains("ghost-uid") && c.contains(&running.mig.uid)),
+        "the doubly-owned instance was not reported: {:?}",
+        second.recovery.conflicts
+    );
+    assert!(!second.state.checkpoint().claims.contains_key("ghost-uid"));
+    assert_devices_intact(&node, &second, &running);
+}
+
+#[tokio::test]
+async fn records_are_checked_against_the_api_while_serving() {
+    let node = TestNode::with_gpus(2);
+    let plugin = start(&node, BOOT_ID).await;
+    let running = run_pods(&node, &plugin).await;
+    let reserved_elsewhere = add(&node, claim("kept").allocated("gpu-1-mig-1g-10gb-0").build());
+    plugin.state.prepare(&reserved_elsewhere).await.unwrap();
+
+    // A claim deleted while kubelet never unprepared it (its pod went with a node-level failure).
+    node.claims.remove("default", "a");
+    // A claim deallocated and unreserved: nothing can use it here any more.
+    node.claims.insert(claim("m").uid(&running.mig.uid).build());
+    // The API server failing: nothing is judged.
+    node.claims.fail_with(Some("etcd timeout"));
+    let blind = plugin.state.reconcile().await;
+    assert!(blind.orphans_cleaned.is_empty() && blind.api_error.is_some());
+    node.claims.fail_with(None);
+
+    let r = plugin.state.reconcile().await;
+    let mut cleaned = r.orphans_cleaned.clone();
+    cleaned.sort();
+    let mut expected = vec![running.mig.uid.clone(), running.shares[0].uid.clone()];
+    expected.sort();
+    assert_eq!(cleaned, expected);
+    assert!(
+        instances(&node, 1)
+            .iter()
+            .all(|(_, u)| !running.mig_instances.iter().any(|(_, m)| m == u))
+    );
+    // The other share still runs on the daemon; the allocated (not yet reserved) claim is kept.
+    assert_eq!(plugin.mps.mps().pid("gpu-0"), Some(running.daemon));
+    assert!(
+        plugin
+            .state
+            .checkpoint()
+            .claims
+            .contains_key(&running.shares[1].uid)
+    );
+    assert!(
+        plugin
+            .state
+            .checkpoint()
+            .claims
+            .contains_key(&reserved_elsewhere.uid)
+    );
+    assert!(!plugin.state.cdi().spec_path(&running.shares[0].uid).exists());
+}
+
+/// Whole GPUs for the `Shared` kind, with an unprepare that fails while `broken` is set (a GPU that fell
+/// off the bus).
+#[derive(Default)]
+struct FlakyUndo {
+    broken: AtomicBool,
+}
+
+impl DevicePreparer for FlakyUndo {
+    fn plan(&self, ctx: &DeviceContext) -> Result<DeviceDetail, ClaimError> {
+        WholeGpuPreparer.plan(ctx)
+    }
+    fn prepare(
+        &self,
+        ctx: &DeviceContext,
+        planned: DeviceDetail,
+    ) -> Result<(DeviceDetail, ContainerEdits), ClaimError> {
+        WholeGpuPreparer.prepare(ctx, planned)
+    }
+    fn unprepare(&self, ctx: &DeviceContext, _: &DeviceDetail) -> Result<(), ClaimError> {
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(ClaimError::UnprepareDevice {
+                device: ctx.device.to_string(),
+                source: tessera_kubelet_plugin::gpu::GpuError::InsufficientResources("GPU is lost".into()),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_claim_whose_rollback_fails_at_start_is_kept_reported_and_retried_while_the_node_serves() {
+    let node = TestNode::new();
+    let uid = "stuck-share";
+    let mut cp = Checkpoint {
+        boot_id: BOOT_ID.into(),
+        ..Default::default()
+    };
+    cp.claims.insert(
+        uid.into(),
+        ClaimRecord {
+            phase: Phase::PrepareStarted,
+            ..forged_record(
+                uid,
+                DeviceRecord {
+                    request: "gpu".into(),
+                    pool: NODE.into(),
+                    device: "gpu-6-shared".into(),
+                    share_id: Some("s".into()),
+                    cdi_device_ids: vec![cdi::qualified_name(&cdi::device_name(uid, "gpu-6-shared"))],
+                    detail: DeviceDetail::Shared(SharedDetail {
+                        gpu: 6,
+                        uuid: None,
+                        mig: None,
+                        strategy: Some("MPS".into()),
+                        mps_pipe_dir: None,
+                        limits: Default::default(),
+                    }),
+                },
+            )
+        },
+    );
+    CheckpointStore::new(&node.state_dir()).save(&cp).unwrap();
+    let flaky = Arc::new(FlakyUndo::default());
+    flaky.broken.store(true, Ordering::SeqCst);
+    let state = Arc::new(
+        node.state_unrecovered(BOOT_ID)
+            .with_preparer(DeviceKind::Shared, flaky.clone()),
+    );
+
+    let recovery = state
+        .start()
+        .await
+        .expect("one claim's failed rollback stopped the whole node");
+    assert_eq!(recovery.failed.len(), 1, "{recovery:?}");
+    assert_eq!(recovery.failed[0].0, uid);
+    assert!(
+        recovery.failed[0].1.contains("GPU is lost"),
+        "{:?}",
+        recovery.failed
+    );
+    let kept = &state.checkpoint().claims[uid];
+    assert!(
+        kept.recovery_error
+            .as_deref()
+            .is_some_and(|e| e.contains("GPU is lost"))
+    );
+    assert!(
+        state
+            .problems()
+            .iter()
+            .any(|p| p.contains(uid) && p.contains("GPU is lost"))
+    );
+    // The rest of the node serves.
+    let other = add(
+        &node,
+        claim("ok").allocated("gpu-2").reserved_for_pod("p").build(),
+    );
+    state.prepare(&other).await.unwrap();
+
+    // Still broken: retried, still kept. Healed: rolled back.
+    assert_eq!(state.reconcile().await.failed.len(), 1);
+    flaky.broken.store(false, Ordering::SeqCst);
+    let healed = state.reconcile().await;
+    assert_eq!(healed.rolled_back, vec![uid.to_string()]);
+    assert!(healed.failed.is_empty());
+    assert!(!state.checkpoint().claims.contains_key(uid));
+    assert!(state.problems().is_empty());
+}
