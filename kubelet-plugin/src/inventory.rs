@@ -2,9 +2,17 @@
 //!
 //! The spec (discovered GPUs) is written once with server-side apply, owned by the Node so it goes with it;
 //! the status (`ready`, `lastHeartbeatTime`, `gpuCount`, `message`) every heartbeat interval and whenever
-//! registration with kubelet changes. `ready` is true only while kubelet has the plugin registered; on
-//! shutdown it is set to false. An unreachable API server is retried with capped exponential backoff, never
-//! fatal: the plugin keeps serving kubelet, and the controller notices the stale heartbeat.
+//! registration with kubelet changes. `ready` is true only while kubelet has the plugin registered.
+//!
+//! Stopping (SIGTERM) writes nothing: a plain restart or a rolling upgrade must not make the controller
+//! withdraw the node's slices, and the controller holds a pool whose plugin is briefly not ready (the
+//! new instance, until kubelet registers it). A real uninstall is noticed by the controller when the
+//! heartbeat stops changing (its `--heartbeat-timeout`), or at once when the NodeInventory is deleted.
+//!
+//! Invariant: an unreachable API server is retried, never fatal, and the retry delay never exceeds
+//! [`MAX_BACKOFF`] (5 s) nor one attempt [`ATTEMPT_TIMEOUT`], so once the API server is back a heartbeat
+//! lands within about 15 s — well inside the controller's 40 s default timeout, even if the server is
+//! only up for short windows. The plugin keeps serving kubelet throughout.
 
 use std::time::Duration;
 
@@ -27,14 +35,52 @@ use crate::registration::RegistrationState;
 pub const FIELD_MANAGER: &str = "tessera-kubelet-plugin";
 
 /// First retry delay after a failed API call.
-const INITIAL_BACKOFF: Duration = Duration::from_secs(1);
+pub const INITIAL_BACKOFF: Duration = Duration::from_secs(1);
 
-/// Longest retry delay: below the controller's default heartbeat timeout (40 s), so one successful retry
-/// after an outage lands before the node's pool is withdrawn.
-const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Longest retry delay (see the invariant in the module docs): short, so the retries do not miss a
+/// window in which the API server is back; the plugin writes only its own small object, so retrying
+/// this often costs the server little.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
-/// How long the final "not ready" write may take at shutdown before the plugin exits anyway.
-const SHUTDOWN_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest one publishing attempt may take: the client's own read timeout is minutes, which would stall
+/// the heartbeat behind a request the server never answers.
+pub const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Retry delays after failed API calls: 1, 2, 4, then 5 s for as long as the calls keep failing, each
+/// shortened by up to a quarter at random so the plugins of many nodes do not retry in lockstep.
+#[derive(Clone, Debug)]
+pub struct Backoff {
+    base: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            base: INITIAL_BACKOFF,
+        }
+    }
+}
+
+impl Backoff {
+    /// Back to the first delay, after a success.
+    pub fn reset(&mut self) {
+        self.base = INITIAL_BACKOFF;
+    }
+
+    /// The next delay; `jitter` in `[0, 1)` picks where in `[3/4 base, base]` it falls.
+    pub fn next(&mut self, jitter: f64) -> Duration {
+        let base = self.base;
+        self.base = (self.base * 2).min(MAX_BACKOFF);
+        base.mul_f64(1.0 - jitter.clamp(0.0, 1.0) / 4.0)
+    }
+}
+
+/// A number in `[0, 1)` that differs between calls and processes (std's randomly keyed hasher).
+fn jitter() -> f64 {
+    use std::hash::{BuildHasher, RandomState};
+    let r = RandomState::new().hash_one(std::time::Instant::now());
+    (r % 1_000_000) as f64 / 1_000_000.0
+}
 
 /// The inventory object for `spec`, owned by the Node with `node_uid`.
 pub fn inventory_object(spec: NodeInventorySpec, node_uid: &str) -> NodeInventory {
@@ -111,14 +157,14 @@ impl InventoryPublisher {
         }
     }
 
-    /// Publishes until `stop` turns true, then marks the inventory not ready.
+    /// Publishes until `stop` turns true. Writes nothing on the way out (see the module docs).
     pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
         let api: Api<NodeInventory> = Api::all(self.client.clone());
         let name = self.spec.node_name.clone();
         let mut spec_published = false;
-        let mut backoff = INITIAL_BACKOFF;
+        let mut backoff = Backoff::default();
         loop {
-            let result = async {
+            let attempt = tokio::time::timeout(ATTEMPT_TIMEOUT, async {
                 if !spec_published {
                     self.publish_spec(&api).await?;
                     spec_published = true;
@@ -128,17 +174,21 @@ impl InventoryPublisher {
                 self.publish_status(&api, &status).await?;
                 debug!(ready = status.ready, "heartbeat published");
                 Ok::<_, kube::Error>(())
-            }
+            })
             .await;
-            let delay = match result {
-                Ok(()) => {
-                    backoff = INITIAL_BACKOFF;
+            let failure = match attempt {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(_) => Some(format!("no answer within {ATTEMPT_TIMEOUT:?}")),
+            };
+            let delay = match failure {
+                None => {
+                    backoff.reset();
                     self.heartbeat
                 }
-                Err(e) => {
-                    warn!(inventory = %name, error = %e, retry_in = ?backoff, "failed to publish the node inventory");
-                    let delay = backoff;
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                Some(error) => {
+                    let delay = backoff.next(jitter());
+                    warn!(inventory = %name, %error, retry_in = ?delay, "failed to publish the node inventory");
                     delay
                 }
             };
@@ -149,21 +199,7 @@ impl InventoryPublisher {
                 _ = stop.wait_for(|s| *s) => break,
             }
         }
-        if spec_published {
-            let status = NodeInventoryStatus {
-                ready: false,
-                last_heartbeat_time: Some(Time(Timestamp::now())),
-                gpu_count: self.spec.gpus.len() as u32,
-                message: Some("the plugin stopped".to_string()),
-            };
-            match tokio::time::timeout(SHUTDOWN_WRITE_TIMEOUT, self.publish_status(&api, &status)).await {
-                Ok(Ok(())) => info!(inventory = %name, "marked the node inventory not ready"),
-                Ok(Err(e)) => {
-                    warn!(inventory = %name, error = %e, "failed to mark the node inventory not ready")
-                }
-                Err(_) => warn!(inventory = %name, "timed out marking the node inventory not ready"),
-            }
-        }
+        info!(inventory = %name, "stopped heartbeating; the node's slices stay published");
     }
 
     async fn publish_spec(&self, api: &Api<NodeInventory>) -> Result<(), kube::Error> {
@@ -239,6 +275,27 @@ mod tests {
         let s = inventory_status(&spec(), &RegistrationState::Failed("bad version".into()), now);
         assert!(!s.ready);
         assert!(s.message.unwrap().contains("bad version"));
+    }
+
+    /// Issue 16 item 2: the old backoff (1 → 2 → 4 → … → 30 s) left a 101 s heartbeat gap.
+    #[test]
+    fn retries_grow_to_five_seconds_and_never_beyond_whatever_the_jitter() {
+        let mut b = Backoff::default();
+        let longest: Vec<Duration> = (0..8).map(|_| b.next(0.0)).collect();
+        let secs = |s: &[u64]| s.iter().map(|s| Duration::from_secs(*s)).collect::<Vec<_>>();
+        assert_eq!(longest, secs(&[1, 2, 4, 5, 5, 5, 5, 5]));
+        let mut b = Backoff::default();
+        let shortest: Vec<Duration> = (0..4).map(|_| b.next(0.999_999)).collect();
+        assert!(shortest[0] >= Duration::from_millis(750) && shortest[3] >= Duration::from_millis(3750));
+        let mut b = Backoff::default();
+        for _ in 0..1000 {
+            let d = b.next(jitter());
+            assert!(d <= MAX_BACKOFF, "{d:?}");
+        }
+        b.reset();
+        assert_eq!(b.next(0.0), INITIAL_BACKOFF, "a success starts over");
+        // The invariant the module documents, against the controller's default timeout of 40 s.
+        assert!(MAX_BACKOFF + ATTEMPT_TIMEOUT < Duration::from_secs(40) / 2);
     }
 
     #[test]
