@@ -57,8 +57,8 @@ func (r Report) Markdown() string {
 		total = r.Results[0].TotalGPUs
 	}
 	fmt.Fprintf(&b, "# Packing benchmark: openb default trace on %d nodes / %d GPUs re-imaged as %s\n\n", len(r.Trace.Nodes), total, strings.Join(r.Cfg.Models, " / "))
-	fmt.Fprintf(&b, "%d GPU pods replayed in creation order (long-running), repeated up to %.0f %% arrived demand; %d CPU-only pods (num_gpu = 0) excluded.\n\n",
-		len(r.Trace.Pods), 100*r.Cfg.MaxDemand, r.Trace.CPUOnlyPods)
+	fmt.Fprintf(&b, "%d GPU pods replayed in %s (long-running), repeated up to %.0f %% arrived demand; %d CPU-only pods (num_gpu = 0) excluded.\n\n",
+		len(r.Trace.Pods), r.Trace.Order(), 100*r.Cfg.MaxDemand, r.Trace.CPUOnlyPods)
 	b.WriteString("| policy | arrived demand | GPU allocation ratio | vs whole | target | pods arrived | placed | failed (fractional / whole) | GPUs needed for every pod |\n")
 	b.WriteString("|---|---|---|---|---|---|---|---|---|\n")
 	whole, hasWhole := r.byName("whole")

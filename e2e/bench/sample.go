@@ -17,7 +17,7 @@ func Sample(tr *Trace, every int) (*Trace, error) {
 	if every < 1 {
 		return nil, fmt.Errorf("failed to sample the trace: -sample-every %d must be at least 1", every)
 	}
-	out := &Trace{CPUOnlyPods: tr.CPUOnlyPods}
+	out := &Trace{CPUOnlyPods: tr.CPUOnlyPods, FileOrder: tr.FileOrder}
 	seen := map[int]int{}
 	for _, n := range tr.Nodes {
 		if seen[n.GPUs]%every == 0 {
@@ -106,9 +106,9 @@ func (r SampleReport) Markdown() string {
 		fmt.Fprintf(&b, "| %s | %d | %d |\n", stratumLabel(k), sp[k], tp[k])
 	}
 	fmt.Fprintf(&b, "| **all** | **%d** | %d |\n\n", len(r.Sample.Pods), len(r.Trace.Pods))
-	fmt.Fprintf(&b, "Pods arrive one at a time in creation order (repeated up to %.0f %% arrived demand); each waits for the scheduler's verdict. "+
+	fmt.Fprintf(&b, "Pods arrive one at a time in %s (repeated up to %.0f %% arrived demand); each waits for the scheduler's verdict. "+
 		"A decision agrees when the allocator, given the allocations the scheduler made before it, decides the same: a bound pod's claim fits "+
-		"the node the scheduler chose, and with the same devices; an unschedulable pod's claim fits no node.\n\n", 100*r.Cfg.MaxDemand)
+		"the node the scheduler chose, and with the same devices; an unschedulable pod's claim fits no node.\n\n", r.Trace.Order(), 100*r.Cfg.MaxDemand)
 	b.WriteString("| policy | nodes / GPUs | pods | kube-scheduler: placed / failed | allocation ratio | allocator, best-fit loop: placed / failed | allocation ratio | decisions agreed | same devices | time |\n")
 	b.WriteString("|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, res := range r.Results {

@@ -17,7 +17,8 @@ type TracePod struct {
 	// GPUMilli is the thousandths of one GPU a sharing task asks for; 1000 for whole-GPU tasks. Only
 	// meaningful when NumGPU == 1 (multi-GPU tasks always carry 1000).
 	GPUMilli int
-	// CreationTime orders the replay (seconds from the start of the trace).
+	// CreationTime orders the replay (seconds from the start of the trace); zero for every pod of a pod list
+	// without the column.
 	CreationTime int64
 }
 
@@ -44,11 +45,23 @@ type TraceNode struct {
 
 // Trace is the part of the openb trace the benchmark replays.
 type Trace struct {
-	// Pods asking for GPUs, in creation order (ties broken by name so the order is stable).
+	// Pods asking for GPUs, in creation order (ties broken by name so the order is stable), or in file order
+	// when the pod list has no creation_time column (FileOrder).
 	Pods []TracePod
+	// FileOrder is set when the pod list carries no creation_time (some openb variants have only name,
+	// cpu_milli, memory_mib, num_gpu, gpu_milli): the replay then follows the file, and the report says so.
+	FileOrder bool
 	// CPUOnlyPods counts the excluded num_gpu == 0 rows.
 	CPUOnlyPods int
 	Nodes       []TraceNode
+}
+
+// Order names the order the pods are replayed in, for the report's header.
+func (t *Trace) Order() string {
+	if t.FileOrder {
+		return "file order (the pod list has no creation_time column)"
+	}
+	return "creation order"
 }
 
 // TotalGPUs is the number of GPUs in the trace's GPU nodes.
@@ -96,6 +109,11 @@ func readCSV(path string) (*csvTable, error) {
 	return t, nil
 }
 
+func (t *csvTable) has(col string) bool {
+	_, ok := t.header[col]
+	return ok
+}
+
 func (t *csvTable) str(row int, col string) (string, error) {
 	i, ok := t.header[col]
 	if !ok {
@@ -116,13 +134,15 @@ func (t *csvTable) int(row int, col string) (int64, error) {
 	return v, nil
 }
 
-// LoadTrace reads the two openb CSVs as published.
+// LoadTrace reads the two openb CSVs as published. A pod list without creation_time is replayed in file
+// order; every other column the replay needs must be there.
 func LoadTrace(podsPath, nodesPath string) (*Trace, error) {
 	tr := &Trace{}
 	pods, err := readCSV(podsPath)
 	if err != nil {
 		return nil, err
 	}
+	tr.FileOrder = !pods.has("creation_time")
 	for i := range pods.rows {
 		name, err := pods.str(i, "name")
 		if err != nil {
@@ -136,9 +156,11 @@ func LoadTrace(podsPath, nodesPath string) (*Trace, error) {
 		if err != nil {
 			return nil, err
 		}
-		created, err := pods.int(i, "creation_time")
-		if err != nil {
-			return nil, err
+		var created int64
+		if !tr.FileOrder {
+			if created, err = pods.int(i, "creation_time"); err != nil {
+				return nil, err
+			}
 		}
 		if numGPU == 0 {
 			tr.CPUOnlyPods++
@@ -149,12 +171,16 @@ func LoadTrace(podsPath, nodesPath string) (*Trace, error) {
 		}
 		tr.Pods = append(tr.Pods, TracePod{Name: name, NumGPU: int(numGPU), GPUMilli: int(milli), CreationTime: created})
 	}
-	sort.SliceStable(tr.Pods, func(a, b int) bool {
-		if tr.Pods[a].CreationTime != tr.Pods[b].CreationTime {
-			return tr.Pods[a].CreationTime < tr.Pods[b].CreationTime
-		}
-		return tr.Pods[a].Name < tr.Pods[b].Name
-	})
+	// Without creation times every pod ties at zero; the name tie-break would then reorder the file, so the
+	// file's own order is kept instead.
+	if !tr.FileOrder {
+		sort.SliceStable(tr.Pods, func(a, b int) bool {
+			if tr.Pods[a].CreationTime != tr.Pods[b].CreationTime {
+				return tr.Pods[a].CreationTime < tr.Pods[b].CreationTime
+			}
+			return tr.Pods[a].Name < tr.Pods[b].Name
+		})
+	}
 
 	nodes, err := readCSV(nodesPath)
 	if err != nil {

@@ -3,6 +3,7 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 )
 
@@ -25,11 +26,30 @@ openb-node-0143,8000,32768,1,V100M16
 openb-node-0155,8000,32768,1,V100M16
 `
 
+// The same eight GPU pods and the CPU-only one as an openb pod list variant with only the five resource
+// columns (no creation_time), in the file's own order, which is not sorted by name.
+const tracePodsWithoutCreationTime = `name,cpu_milli,memory_mib,num_gpu,gpu_milli
+openb-pod-1548,11908,47104,1,650
+openb-pod-1541,4000,30517,1,230
+openb-pod-0042,8000,16384,0,0
+openb-pod-1545,3152,5600,1,1000
+openb-pod-1542,4000,30517,1,230
+openb-pod-1543,4000,22888,1,220
+openb-pod-1547,16000,32768,1,1000
+openb-pod-1544,4000,30517,1,230
+openb-pod-1546,3152,5600,1,810
+`
+
 func writeTrace(t *testing.T) *Trace {
+	t.Helper()
+	return writeTraceWithPods(t, tracePods)
+}
+
+func writeTraceWithPods(t *testing.T, podList string) *Trace {
 	t.Helper()
 	dir := t.TempDir()
 	pods, nodes := filepath.Join(dir, "pods.csv"), filepath.Join(dir, "nodes.csv")
-	if err := os.WriteFile(pods, []byte(tracePods), 0o644); err != nil {
+	if err := os.WriteFile(pods, []byte(podList), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(nodes, []byte(traceNodes), 0o644); err != nil {
@@ -52,6 +72,43 @@ func TestTheTraceIsReadInCreationOrderWithoutCPUOnlyPods(t *testing.T) {
 	}
 	if !tr.Pods[0].Fractional() || tr.Pods[0].DemandMilli() != 230 || tr.Pods[4].Fractional() || tr.Pods[4].DemandMilli() != 1000 {
 		t.Errorf("demands %+v, %+v", tr.Pods[0], tr.Pods[4])
+	}
+}
+
+func TestAPodListWithoutCreationTimeIsReplayedInFileOrderAndTheHeaderSaysSo(t *testing.T) {
+	tr := writeTraceWithPods(t, tracePodsWithoutCreationTime)
+	want := []string{"openb-pod-1548", "openb-pod-1541", "openb-pod-1545", "openb-pod-1542", "openb-pod-1543", "openb-pod-1547", "openb-pod-1544", "openb-pod-1546"}
+	var got []string
+	for _, p := range tr.Pods {
+		got = append(got, p.Name)
+	}
+	if strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Fatalf("replay order %v, want the file's order %v", got, want)
+	}
+	if !tr.FileOrder || tr.CPUOnlyPods != 1 || tr.Pods[0].DemandMilli() != 650 || tr.Pods[2].DemandMilli() != 1000 {
+		t.Errorf("file order %v, %d CPU-only, demands %d and %d; want true, 1, 650 and 1000", tr.FileOrder, tr.CPUOnlyPods, tr.Pods[0].DemandMilli(), tr.Pods[2].DemandMilli())
+	}
+	header := Report{Trace: tr}.Markdown()
+	if !strings.Contains(header, "8 GPU pods replayed in file order (the pod list has no creation_time column)") {
+		t.Errorf("the report's header does not say the pods were replayed in file order:\n%s", header)
+	}
+	if creation := (Report{Trace: writeTrace(t)}).Markdown(); !strings.Contains(creation, "replayed in creation order") {
+		t.Errorf("the report of a trace with creation times does not say creation order:\n%s", creation)
+	}
+}
+
+func TestAPodListMissingAColumnTheReplayNeedsIsAnErrorNamingIt(t *testing.T) {
+	dir := t.TempDir()
+	pods, nodes := filepath.Join(dir, "pods.csv"), filepath.Join(dir, "nodes.csv")
+	if err := os.WriteFile(pods, []byte("name,cpu_milli,memory_mib,num_gpu\nopenb-pod-0001,4000,1024,1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(nodes, []byte(traceNodes), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, err := LoadTrace(pods, nodes)
+	if err == nil || !strings.Contains(err.Error(), `no column "gpu_milli"`) {
+		t.Fatalf("error %v, want one naming the missing column gpu_milli", err)
 	}
 }
 
