@@ -26,7 +26,7 @@ use crate::{
         self, SharedPreparer, Sharer,
         mps::{Launcher, MpsManager},
     },
-    state::{NodeState, StateConfig},
+    state::{NodeState, RECONCILE_INTERVAL, StateConfig},
 };
 
 /// tessera's kubelet plugin: discovers the node's NVIDIA GPUs, publishes them as a NodeInventory, and
@@ -254,11 +254,13 @@ impl Args {
             spec.gpus.clone(),
             Arc::new(KubeClaims::new(client.clone())),
         );
-        let state = sharing::with_preparers(state, &shared);
-        let recovery = state.recover()?;
-        shared.stop_orphaned_daemons(&spec.gpus);
-        info!(?recovery, "loaded the checkpoint");
+        let sweep = shared.clone();
+        let state = sharing::with_preparers(state, &shared)
+            .with_orphan_sweep(Arc::new(move |gpus| sweep.stop_orphaned_daemons(gpus)));
+        // Recovery asks the API server which claims running pods use before anything is removed.
         let state = Arc::new(state);
+        let recovery = state.start().await?;
+        info!(?recovery, "loaded the checkpoint");
 
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
@@ -280,6 +282,7 @@ impl Args {
             registration_rx,
         );
         let publisher = tokio::spawn(publisher.run(stop_rx.clone()));
+        tokio::spawn(state.clone().reconcile_periodically(RECONCILE_INTERVAL, stop_rx.clone()));
 
         let paths = SocketPaths::new(&kubelet_registry_dir, &kubelet_plugins_dir);
         let mut stopped = stop_rx;
