@@ -40,6 +40,9 @@ type args struct {
 	kubeconfig    string
 	sampleEvery   int
 	skipFull      bool
+	rate          rateArgs
+	rateReport    string
+	rateMarkdown  string
 }
 
 // env gives each flag an environment fallback.
@@ -73,7 +76,32 @@ func parseArgs() (args, error) {
 		demand = s
 		return nil
 	})
+	rateNodes := env("BENCH_RATE_NODES", "")
+	flag.StringVar(&rateNodes, "rate-nodes", rateNodes, "scheduler rate mode: cluster sizes to measure kube-scheduler's pods/s on, e.g. 100,1000 (needs -kubeconfig; env BENCH_RATE_NODES)")
+	flag.IntVar(&a.rate.podsPerNode, "rate-pods-per-node", 2, "scheduler rate mode: pods per node in every cell")
+	flag.IntVar(&a.rate.milli, "rate-milli", 100, "scheduler rate mode: the slice of one GPU a MIG or shares pod asks for, in thousandths (whole-GPU pods take one GPU)")
+	flag.IntVar(&a.rate.burst, "rate-burst", 100, "scheduler rate mode: pods created concurrently per burst")
+	flag.DurationVar(&a.rate.timeBox, "rate-time-box", 120*time.Second, "scheduler rate mode: a cell stops this long after its first pod and reports what was bound by then")
+	flag.StringVar(&a.rate.jsonOut, "rate-json", "", "scheduler rate mode: write the cells to this JSON file")
+	flag.StringVar(&a.rateReport, "rate-report", "", "comma-separated -rate-json files (one per Kubernetes version): print them as one table, versions side by side")
+	flag.StringVar(&a.rateMarkdown, "rate-markdown", "", "with -rate-report: also write the table to this file")
 	flag.Parse()
+	for _, f := range strings.Split(rateNodes, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		n, err := strconv.Atoi(f)
+		if err != nil || n < 1 {
+			return a, fmt.Errorf("failed to read -rate-nodes %q: want node counts such as 100,1000", rateNodes)
+		}
+		a.rate.nodes = append(a.rate.nodes, n)
+	}
+	if len(a.rate.nodes) > 0 && a.kubeconfig == "" {
+		return a, fmt.Errorf("-rate-nodes measures a running kube-scheduler: give its cluster with -kubeconfig")
+	}
+	if a.rate.podsPerNode < 1 || a.rate.burst < 1 || a.rate.timeBox <= 0 || a.rate.milli < 1 || a.rate.milli >= 1000 {
+		return a, fmt.Errorf("-rate-pods-per-node and -rate-burst must be at least 1, -rate-time-box positive, -rate-milli in 1..999")
+	}
 	v, err := strconv.ParseFloat(demand, 64)
 	if err != nil || v <= 0 {
 		return a, fmt.Errorf("failed to read -max-demand %q: want a positive fraction such as 1.0", demand)
@@ -106,15 +134,32 @@ func main() {
 
 func run(a args) error {
 	start := time.Now()
+	if a.rateReport != "" {
+		cells, err := ReadRateCells(strings.Split(a.rateReport, ","))
+		if err != nil {
+			return err
+		}
+		table := RateTable(cells)
+		fmt.Print(table)
+		if a.rateMarkdown != "" {
+			return os.WriteFile(a.rateMarkdown, []byte(table), 0o644)
+		}
+		return nil
+	}
 	models, ok := gpuChoices[a.gpu]
 	if !ok {
 		return fmt.Errorf("failed to read -gpu %q: want h100, a100, h200 or mix", a.gpu)
 	}
-	tr, err := LoadTrace(filepath.Join(a.openbDir, "openb_pod_list_default.csv"), filepath.Join(a.openbDir, "openb_node_list_gpu_node.csv"))
-	if err != nil {
-		return err
+	// The rate mode makes its own uniform cluster and pods; everything else replays the trace.
+	var tr *Trace
+	if len(a.rate.nodes) == 0 {
+		var err error
+		tr, err = LoadTrace(filepath.Join(a.openbDir, "openb_pod_list_default.csv"), filepath.Join(a.openbDir, "openb_node_list_gpu_node.csv"))
+		if err != nil {
+			return err
+		}
+		slog.Info("trace loaded", "gpuPods", len(tr.Pods), "cpuOnlyPodsExcluded", tr.CPUOnlyPods, "nodes", len(tr.Nodes), "gpus", tr.TotalGPUs())
 	}
-	slog.Info("trace loaded", "gpuPods", len(tr.Pods), "cpuOnlyPodsExcluded", tr.CPUOnlyPods, "nodes", len(tr.Nodes), "gpus", tr.TotalGPUs())
 
 	var policies []PolicySpec
 	for _, name := range strings.Split(a.policies, ",") {
@@ -144,6 +189,13 @@ func run(a args) error {
 
 	renderDir := filepath.Join(a.out, "render")
 	r := &Renderer{PluginBin: a.pluginBin, ControllerBin: a.controllerBin, WorkDir: renderDir}
+	if len(a.rate.nodes) > 0 {
+		if err := runRate(context.Background(), a, a.rate, r, policies, cfg); err != nil {
+			return err
+		}
+		fmt.Printf("\ndone in %.1f s\n", time.Since(start).Seconds())
+		return nil
+	}
 	if !a.skipFull {
 		if err := runFull(r, tr, policies, cfg, a.out); err != nil {
 			return err

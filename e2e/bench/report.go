@@ -175,7 +175,7 @@ func (r Report) WritePlot(path string) error {
 	for i, m := range r.Cfg.Models {
 		short[i], _, _ = strings.Cut(m, "-")
 	}
-	p.Title.Text = fmt.Sprintf("openb trace (FGD, ATC'23): %d GPUs as %s, Kubernetes 1.36 allocator", r.Results[0].TotalGPUs, strings.Join(short, "/"))
+	p.Title.Text = fmt.Sprintf("openb trace (FGD, ATC'23): %d GPUs as %s, Kubernetes 1.37 allocator", r.Results[0].TotalGPUs, strings.Join(short, "/"))
 	p.X.Label.Text = "Arrived GPU demand (% of cluster GPUs; pods never leave)"
 	p.Y.Label.Text = "GPU allocation ratio (%)"
 	// Every policy places everything below ~80 % arrived demand; the plot starts where they part.

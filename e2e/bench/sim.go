@@ -14,14 +14,19 @@ import (
 	"k8s.io/dynamic-resource-allocation/structured"
 )
 
-// Features are the allocator features the 1.36 scheduler enables by default for what tessera publishes:
-// partitionable devices (dynamic MIG counters), consumable capacity (shares), prioritized lists
-// (firstAvailable) and device taints.
+// Features are the allocator features kube-scheduler 1.37 enables by default for what tessera publishes
+// (pkg/scheduler/framework/plugins/dynamicresources, AllocatorFeatures): partitionable devices (dynamic MIG
+// counters), consumable capacity (shares), prioritized lists (firstAvailable), device taints, admin access
+// and binding conditions with device status. Consumable capacity is beyond the "stable" allocator, so this
+// set selects the "incubating" one, as the 1.37 scheduler's does; the incubating allocator carries the
+// partitionable-devices speed-up of kubernetes#138917.
 var Features = structured.Features{
-	PartitionableDevices: true,
-	ConsumableCapacity:   true,
-	PrioritizedList:      true,
-	DeviceTaints:         true,
+	AdminAccess:            true,
+	PartitionableDevices:   true,
+	ConsumableCapacity:     true,
+	PrioritizedList:        true,
+	DeviceTaints:           true,
+	DeviceBindingAndStatus: true,
 }
 
 type classLister struct{ classes []*resourceapi.DeviceClass }

@@ -1,0 +1,91 @@
+package main
+
+import (
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+)
+
+// rateCell is a fixture builder for one measured cell.
+func rateCell(server, policy string, nodes, bound int, seconds float64, timedOut bool) RateCell {
+	return RateCell{Server: server, Policy: policy, Nodes: nodes, Pods: 2 * nodes, Bound: bound, Seconds: seconds, TimedOut: timedOut, TimeBox: 120}
+}
+
+func TestTheRateTablePutsVersionsSideBySideWithTheMigToWholeRatio(t *testing.T) {
+	cells := []RateCell{
+		rateCell("v1.37.2", "whole", 100, 200, 2, false),
+		rateCell("v1.37.2", "mig", 100, 200, 4, false),
+		rateCell("v1.36.5", "whole", 100, 200, 2.5, false),
+		rateCell("v1.36.5", "mig", 100, 48, 120, true),
+	}
+	table := RateTable(cells)
+	lines := strings.Split(table, "\n")
+	if !strings.Contains(lines[0], "v1.36.5 pods/s") || strings.Index(lines[0], "v1.36.5") > strings.Index(lines[0], "v1.37.2") {
+		t.Fatalf("header %q: want v1.36.5 then v1.37.2 columns", lines[0])
+	}
+	var migRow, ratioRow string
+	for _, l := range lines {
+		if strings.HasPrefix(l, "| 100 | mig |") {
+			migRow = l
+		}
+		if strings.HasPrefix(l, "| 100 | dynamic MIG / whole |") {
+			ratioRow = l
+		}
+	}
+	// 1.36.5: 48 pods in the 120 s time box = 0.4 pods/s, said to be time-boxed; 1.37.2: 200 in 4 s.
+	if !strings.Contains(migRow, "| 0.4 | 48 / 200 in 120 (time box) |") || !strings.Contains(migRow, "| 50.0 | 200 / 200 in 4 |") {
+		t.Errorf("mig row %q", migRow)
+	}
+	// whole: 80 pods/s on 1.36.5, 100 on 1.37.2 → 0.4/80 = 0.5 %, 50/100 = 50 %.
+	if ratioRow != "| 100 | dynamic MIG / whole | 0.5 % | 50.0 % |" {
+		t.Errorf("ratio row %q", ratioRow)
+	}
+}
+
+func TestACellWithoutAWholeGPURunHasNoRatio(t *testing.T) {
+	table := RateTable([]RateCell{rateCell("v1.37.2", "mig", 1000, 10, 120, true)})
+	if !strings.Contains(table, "| 1000 | dynamic MIG / whole | – |") {
+		t.Errorf("table without a whole-GPU cell:\n%s", table)
+	}
+}
+
+func TestATimedOutCellCountsOnlyWhatWasBoundInTheTimeBox(t *testing.T) {
+	c := rateCell("v1.36.5", "mig", 1000, 30, 120, true)
+	if got := c.PodsPerSecond(); got != 0.25 {
+		t.Errorf("pods/s %v, want 30 / 120 = 0.25", got)
+	}
+	if got := (RateCell{}).PodsPerSecond(); got != 0 {
+		t.Errorf("an unmeasured cell has %v pods/s, want 0", got)
+	}
+}
+
+func TestParallelRunsEveryIndexOnceAndReturnsAFailure(t *testing.T) {
+	var seen [50]atomic.Int32
+	if err := parallel(len(seen), 4, func(i int) error { seen[i].Add(1); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	for i := range seen {
+		if seen[i].Load() != 1 {
+			t.Fatalf("index %d ran %d times", i, seen[i].Load())
+		}
+	}
+	boom := errors.New("boom")
+	if err := parallel(10, 3, func(i int) error {
+		if i == 7 {
+			return boom
+		}
+		return nil
+	}); !errors.Is(err, boom) {
+		t.Errorf("parallel returned %v, want the failure", err)
+	}
+}
+
+func TestAWholeGPUPolicyAsksForOneGPUAndTheOthersForTheirSlice(t *testing.T) {
+	if p := ratePod(PolicySpec{Name: "whole", Style: StyleWhole}, 100); p.Fractional() || p.NumGPU != 1 {
+		t.Errorf("whole-GPU pod %+v", p)
+	}
+	if p := ratePod(PolicySpec{Name: "mig", Style: StyleMIG}, 100); !p.Fractional() || p.GPUMilli != 100 {
+		t.Errorf("MIG pod %+v", p)
+	}
+}
