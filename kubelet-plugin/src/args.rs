@@ -18,12 +18,14 @@ use tracing::{info, warn};
 use crate::{
     claims::KubeClaims,
     driver::{self, SocketPaths},
+    driver_root::{DriverFiles, DriverRoot},
     error::{Error, Result},
     gpu::{GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend},
     inventory::InventoryPublisher,
+    preparers::{self, SharedPreparer},
     registration::RegistrationState,
     sharing::{
-        self, SharedPreparer, Sharer,
+        Sharer,
         mps::{Launcher, MpsManager},
     },
     state::{NodeState, RECONCILE_INTERVAL, StateConfig},
@@ -72,6 +74,11 @@ pub struct Args {
     /// Directory the container runtime reads CDI specs from.
     #[arg(long, env = "TESSERA_CDI_DIR", default_value = "/var/run/cdi")]
     cdi_dir: PathBuf,
+
+    /// Host path of NVIDIA's `nvidia-cdi-hook` (NVIDIA container toolkit); when set, every device also
+    /// gets its `update-ldcache` createContainer hook.
+    #[arg(long, env = "TESSERA_CDI_HOOK")]
+    cdi_hook: Option<PathBuf>,
 
     /// kubeconfig file; without it the in-cluster configuration is used.
     #[arg(long, env = "KUBECONFIG")]
@@ -200,6 +207,7 @@ impl Args {
             kubelet_registry_dir,
             kubelet_plugins_dir,
             cdi_dir,
+            cdi_hook,
             kubeconfig,
             heartbeat_interval,
             boot_id_file,
@@ -225,6 +233,9 @@ impl Args {
             gpus: discovered.gpus,
         };
         info!(node = %node_name, backend = gpu_backend.name(), gpus = spec.gpus.len(), "discovered GPUs");
+        for u in &discovered.unusable {
+            warn!(gpu = u.index, reason = %u.reason, "a GPU is left out of the inventory");
+        }
 
         let boot_id = std::fs::read_to_string(&boot_id_file)
             .map_err(|source| Error::ReadBootId {
@@ -240,9 +251,24 @@ impl Args {
             MpsManager::new(&state_dir, backend.mps_launcher()?),
             backend.backend == BackendKind::Nvml,
         );
-        let shared = Arc::new(SharedPreparer {
-            sharer: Arc::new(sharer),
-        });
+        let files = DriverFiles::discover(
+            &DriverRoot::new(gpu_backend.driver_root()),
+            spec.driver_version.as_deref(),
+        )
+        .with_ldcache_hook(cdi_hook.clone());
+        info!(
+            driver_root = %gpu_backend.driver_root().display(),
+            libraries = files.libraries.len(),
+            binaries = files.binaries.len(),
+            ldcache_hook = ?files.ldcache_hook,
+            "found the driver files every container gets"
+        );
+        if files.libraries.is_empty() {
+            warn!(driver_root = %gpu_backend.driver_root().display(),
+                "no driver libraries found under the driver root: containers will see GPUs but not load CUDA; \
+                 set --driver-root to the directory that holds the driver (e.g. /run/nvidia/driver)");
+        }
+        let shared = Arc::new(SharedPreparer::new(Arc::new(sharer), files));
         let state = NodeState::new(
             StateConfig {
                 node_name: node_name.clone(),
@@ -255,7 +281,7 @@ impl Args {
             Arc::new(KubeClaims::new(client.clone())),
         );
         let sweep = shared.clone();
-        let state = sharing::with_preparers(state, &shared)
+        let state = preparers::with_preparers(state, &shared)
             .with_orphan_sweep(Arc::new(move |gpus| sweep.stop_orphaned_daemons(gpus)));
         // Recovery asks the API server which claims running pods use before anything is removed.
         let state = Arc::new(state);
@@ -282,7 +308,11 @@ impl Args {
             registration_rx,
         );
         let publisher = tokio::spawn(publisher.run(stop_rx.clone()));
-        tokio::spawn(state.clone().reconcile_periodically(RECONCILE_INTERVAL, stop_rx.clone()));
+        tokio::spawn(
+            state
+                .clone()
+                .reconcile_periodically(RECONCILE_INTERVAL, stop_rx.clone()),
+        );
 
         let paths = SocketPaths::new(&kubelet_registry_dir, &kubelet_plugins_dir);
         let mut stopped = stop_rx;
@@ -314,6 +344,9 @@ impl DiscoverArgs {
                 backend: b.name(),
                 source,
             })?;
+            for u in &found.unusable {
+                eprintln!("warning: {}", u.reason);
+            }
             let spec = NodeInventorySpec {
                 node_name,
                 backend: b.name().to_string(),
@@ -338,9 +371,15 @@ impl BackendArgs {
             BackendKind::Simulated => Launcher::Simulated {
                 program: std::env::current_exe().map_err(|source| Error::MpsControlSim { source })?,
             },
-            BackendKind::Nvml => Launcher::Nvidia {
-                control: self.driver_root.join("usr/bin/nvidia-cuda-mps-control"),
-            },
+            BackendKind::Nvml => {
+                let root = DriverRoot::new(&self.driver_root);
+                Launcher::Nvidia {
+                    control: root
+                        .find_binary("nvidia-cuda-mps-control")
+                        .unwrap_or_else(|| self.driver_root.join("usr/bin/nvidia-cuda-mps-control")),
+                    driver_root: self.driver_root.clone(),
+                }
+            }
         })
     }
 

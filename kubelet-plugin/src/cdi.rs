@@ -62,12 +62,22 @@ pub struct ContainerEdits {
     pub device_nodes: Vec<DeviceNode>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mounts: Vec<Mount>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hooks: Vec<Hook>,
 }
 
 impl ContainerEdits {
     /// True when the edits change nothing.
     pub fn is_empty(&self) -> bool {
-        self.env.is_empty() && self.device_nodes.is_empty() && self.mounts.is_empty()
+        self.env.is_empty() && self.device_nodes.is_empty() && self.mounts.is_empty() && self.hooks.is_empty()
+    }
+
+    /// Appends `other`'s edits to these.
+    pub fn extend(&mut self, other: ContainerEdits) {
+        self.env.extend(other.env);
+        self.device_nodes.extend(other.device_nodes);
+        self.mounts.extend(other.mounts);
+        self.hooks.extend(other.hooks);
     }
 }
 
@@ -108,6 +118,20 @@ pub struct Mount {
     pub container_path: String,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub options: Vec<String>,
+}
+
+/// An OCI hook the runtime runs while creating the container (on the host, outside the container).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Hook {
+    /// `createContainer`, `createRuntime`, `startContainer`, `poststart`, `poststop` or `prestart`.
+    pub hook_name: String,
+    /// Absolute path of the executable on the host.
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
 }
 
 /// CDI device name of one allocated device of a claim: `<claim UID>-<device name>`.

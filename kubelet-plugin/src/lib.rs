@@ -11,6 +11,9 @@
 //!  [`inventory`] ──▶ NodeInventory (spec: discovered GPUs; status: ready + heartbeat)
 //! ```
 //!
+//! Device kinds are prepared by [`preparers`], which composes [`mig`] and [`sharing`] (neither imports the
+//! other) and adds the driver's files ([`driver_root`]) to each device's nodes ([`edits`]).
+//!
 //! Start with [`state::NodeState`]: the prepare/unprepare state machine; everything else adapts it to
 //! kubelet, the API server, the runtime (CDI) and the disk.
 
@@ -19,10 +22,14 @@ pub mod cdi;
 pub mod checkpoint;
 pub mod claims;
 pub mod driver;
+pub mod driver_root;
+pub mod edits;
 pub mod error;
 pub mod gpu;
 pub mod inventory;
 pub mod mig;
+pub mod mig_records;
+pub mod preparers;
 pub mod registration;
 pub mod sharing;
 pub mod state;

@@ -17,21 +17,15 @@
 //! instance is recognized by `(GPU, GI id, profile id, placement)` and, for compute instances, the MIG UUID
 //! (new on every creation). An instance is ours only when the checkpoint names it; one merely sitting at
 //! "our" placement is someone else's and is never reused or destroyed outside [`reconcile_at_start`].
-
-use std::sync::Arc;
+//!
+//! This module knows MIG and the GPU backend only: the checkpoint's view of MIG devices is in
+//! [`crate::mig_records`], and "MIG, then share on it" is composed in [`crate::preparers`].
 
 use serde::{Deserialize, Serialize};
-use tessera_api::{DeviceName, GpuInfo, MigPlacement, MigProfileInfo};
+use tessera_api::{GpuInfo, MigPlacement, MigProfileInfo};
 use tracing::{info, warn};
 
-use crate::{
-    cdi::{ContainerEdits, DeviceNode},
-    checkpoint::{Checkpoint, DeviceDetail, MigDetail, Phase},
-    error::ClaimError,
-    gpu::{GpuBackend, GpuError},
-    sharing::{SharedPreparer, device_config},
-    state::{CONTROL_DEVICES, DeviceContext, DevicePreparer},
-};
+use crate::gpu::{GpuBackend, GpuError};
 
 /// A prepared MIG device: what the checkpoint records and the CDI spec is built from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -508,173 +502,4 @@ pub fn ensure_whole_gpu(backend: &dyn GpuBackend, gpu: &GpuInfo) -> Result<()> {
         return Err(MigError::MigModeOn { gpu: gpu.index });
     }
     Ok(())
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// The prepare state machine's view: MIG devices as a `DevicePreparer`, checkpoint details and CDI edits.
-
-/// The checkpoint detail of a prepared (or planned, when `dev` is `None`) MIG device.
-pub fn detail_of(dev: &MigDevice) -> MigDetail {
-    MigDetail {
-        gpu: dev.gpu,
-        profile: dev.profile.clone(),
-        placement: dev.placement,
-        gpu_instance: Some(dev.gpu_instance),
-        compute_instance: Some(dev.compute_instance),
-        uuid: Some(dev.uuid.clone()),
-    }
-}
-
-/// The MIG device a checkpoint detail records, when it records a finished one. Capability minors are not
-/// kept in the checkpoint (they follow from the ids) and read back as 0.
-pub fn device_of(gpu: &GpuInfo, detail: &MigDetail) -> Option<MigDevice> {
-    let (prof, _) = resolve(gpu, &detail.profile, detail.placement.start).ok()?;
-    Some(MigDevice {
-        gpu: detail.gpu,
-        profile: detail.profile.clone(),
-        profile_id: prof.profile_id,
-        placement: detail.placement,
-        gpu_instance: detail.gpu_instance?,
-        compute_instance: detail.compute_instance?,
-        uuid: detail.uuid.clone()?,
-        gi_cap_minor: 0,
-        ci_cap_minor: 0,
-    })
-}
-
-/// The MIG devices the completed claims of `checkpoint` hold (exclusive and shared), for
-/// [`reconcile_at_start`].
-pub fn known_devices(checkpoint: &Checkpoint, gpus: &[GpuInfo]) -> Vec<MigDevice> {
-    checkpoint
-        .claims
-        .values()
-        .filter(|r| r.phase == Phase::PrepareCompleted)
-        .flat_map(|r| &r.devices)
-        .filter_map(|d| match &d.detail {
-            DeviceDetail::Mig(m) => Some(m),
-            DeviceDetail::Shared(s) => s.mig.as_ref(),
-            DeviceDetail::Gpu { .. } => None,
-        })
-        .filter_map(|m| device_of(gpus.iter().find(|g| g.index == m.gpu)?, m))
-        .collect()
-}
-
-/// CDI edits of a GPU or MIG device: the GPU's `/dev/nvidia<minor>`, the control devices and, for MIG, the
-/// GPU- and compute-instance capability nodes; `NVIDIA_VISIBLE_DEVICES` names the device's UUID.
-pub fn device_edits(
-    backend: &dyn GpuBackend,
-    gpu: &GpuInfo,
-    mig: Option<&MigDevice>,
-) -> Result<ContainerEdits, GpuError> {
-    let mut device_nodes = Vec::with_capacity(6);
-    let gpu_node = format!("/dev/nvidia{}", gpu.minor);
-    for path in std::iter::once(gpu_node.as_str()).chain(CONTROL_DEVICES) {
-        let c = backend.char_device(path)?;
-        device_nodes.push(DeviceNode::char_device(path, c.major, c.minor));
-    }
-    let uuid = match mig {
-        None => gpu.uuid.clone(),
-        Some(dev) => {
-            let (gi_minor, ci_minor) =
-                backend.mig_capability_minors(dev.gpu, dev.gpu_instance, dev.compute_instance)?;
-            for minor in [gi_minor, ci_minor] {
-                let path = format!("/dev/nvidia-caps/nvidia-cap{minor}");
-                // The caps major is dynamic (`nvidia-caps` in /proc/devices); the minor is the capability's.
-                let c = backend.char_device(&path)?;
-                device_nodes.push(DeviceNode::char_device(&path, c.major, minor));
-            }
-            dev.uuid.clone()
-        }
-    };
-    Ok(ContainerEdits {
-        env: vec![format!("NVIDIA_VISIBLE_DEVICES={uuid}")],
-        device_nodes,
-        mounts: vec![],
-    })
-}
-
-/// Prepares exclusive MIG devices (`gpu-<i>-mig-<profile>-<start>`). A claim whose `MigConfig` asks for
-/// sharing between its own containers goes to the shared preparer instead.
-pub struct MigPreparer {
-    pub shared: Arc<SharedPreparer>,
-}
-
-impl DevicePreparer for MigPreparer {
-    fn plan(&self, ctx: &DeviceContext) -> Result<DeviceDetail, ClaimError> {
-        let DeviceName::Mig { profile, start, .. } = &ctx.device else {
-            return Err(ClaimError::NotSupported {
-                device: ctx.device.to_string(),
-                kind: "non-MIG",
-            });
-        };
-        if device_config(ctx)?.as_ref().and_then(|c| c.sharing()).is_some() {
-            return self.shared.plan(ctx);
-        }
-        let (_, placement) = resolve(&ctx.gpu, profile, *start).map_err(|source| ClaimError::Mig {
-            device: ctx.device.to_string(),
-            source: Box::new(source),
-        })?;
-        Ok(DeviceDetail::Mig(MigDetail::planned(
-            ctx.gpu.index,
-            profile.clone(),
-            placement,
-        )))
-    }
-
-    fn prepare(
-        &self,
-        ctx: &DeviceContext,
-        planned: DeviceDetail,
-    ) -> Result<(DeviceDetail, ContainerEdits), ClaimError> {
-        let detail = match planned {
-            DeviceDetail::Mig(d) => d,
-            shared @ DeviceDetail::Shared(_) => return self.shared.prepare(ctx, shared),
-            DeviceDetail::Gpu { .. } => {
-                return Err(ClaimError::NotSupported {
-                    device: ctx.device.to_string(),
-                    kind: "whole-GPU",
-                });
-            }
-        };
-        let device = ctx.device.to_string();
-        let backend = ctx.backend.as_ref();
-        let recorded = device_of(&ctx.gpu, &detail);
-        let dev = prepare_mig(
-            backend,
-            &ctx.gpu,
-            &detail.profile,
-            detail.placement.start,
-            recorded.as_ref(),
-        )
-        .map_err(|source| ClaimError::Mig {
-            device: device.clone(),
-            source: Box::new(source),
-        })?;
-        match device_edits(backend, &ctx.gpu, Some(&dev)) {
-            Ok(edits) => Ok((DeviceDetail::Mig(detail_of(&dev)), edits)),
-            Err(source) => {
-                let _ = unprepare_mig(backend, &ctx.gpu, &dev);
-                Err(ClaimError::PrepareDevice { device, source })
-            }
-        }
-    }
-
-    fn unprepare(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError> {
-        let d = match detail {
-            DeviceDetail::Mig(d) => d,
-            shared @ DeviceDetail::Shared(_) => return self.shared.unprepare(ctx, shared),
-            DeviceDetail::Gpu { .. } => return Ok(()),
-        };
-        // Without a GI id the crash came before the instance was recorded; the start-up reconcile removes
-        // whatever it left.
-        let Some(gi) = d.gpu_instance else { return Ok(()) };
-        let ci = d.compute_instance.zip(d.uuid.as_deref());
-        let backend = ctx.backend.as_ref();
-        destroy_recorded(backend, d.gpu, gi, ci, d.placement)
-            .and_then(|()| maybe_disable_mig_mode(backend, &ctx.gpu))
-            .map_err(|source| ClaimError::Mig {
-                device: ctx.device.to_string(),
-                source: Box::new(source),
-            })
-    }
 }

@@ -35,7 +35,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard, watch};
 use tracing::{error, info, warn};
 
 use crate::{
-    cdi::{self, CdiDir, ContainerEdits, DeviceNode},
+    cdi::{self, CdiDir, ContainerEdits},
     checkpoint::{Checkpoint, CheckpointStore, ClaimRecord, DeviceDetail, DeviceRecord, Loaded, Phase},
     claims::{AllocatedDevice, ClaimSource, allocated_devices},
     error::{ClaimError, Error, Result},
@@ -143,11 +143,11 @@ pub trait DevicePreparer: Send + Sync + 'static {
 }
 
 /// Whole GPUs: the hardware is not touched; the CDI device exposes `/dev/nvidia<minor>` and the control
-/// devices, and `NVIDIA_VISIBLE_DEVICES` names the GPU's UUID.
+/// devices ([`crate::edits::device_edits`]). The driver's files are added by the preparers of
+/// [`crate::preparers`], which know the driver root.
 pub struct WholeGpuPreparer;
 
-/// Control devices every CUDA container needs besides its GPU nodes.
-pub const CONTROL_DEVICES: [&str; 3] = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
+pub use crate::edits::CONTROL_DEVICES;
 
 impl DevicePreparer for WholeGpuPreparer {
     fn plan(&self, ctx: &DeviceContext) -> Result<DeviceDetail, ClaimError> {
@@ -163,29 +163,15 @@ impl DevicePreparer for WholeGpuPreparer {
         ctx: &DeviceContext,
         planned: DeviceDetail,
     ) -> Result<(DeviceDetail, ContainerEdits), ClaimError> {
-        let DeviceDetail::Gpu { minor, uuid, .. } = &planned else {
+        let DeviceDetail::Gpu { uuid, .. } = &planned else {
             return Err(ClaimError::NotSupported {
                 device: ctx.device.to_string(),
                 kind: "non-GPU",
             });
         };
-        let gpu_node = format!("/dev/nvidia{minor}");
-        let mut device_nodes = Vec::with_capacity(4);
-        for path in std::iter::once(gpu_node.as_str()).chain(CONTROL_DEVICES) {
-            let c = ctx
-                .backend
-                .char_device(path)
-                .map_err(|source| ClaimError::PrepareDevice {
-                    device: ctx.device.to_string(),
-                    source,
-                })?;
-            device_nodes.push(DeviceNode::char_device(path, c.major, c.minor));
-        }
-        let edits = ContainerEdits {
-            env: vec![format!("NVIDIA_VISIBLE_DEVICES={uuid}")],
-            device_nodes,
-            mounts: vec![],
-        };
+        let device = ctx.device.to_string();
+        let edits = crate::edits::device_edits(ctx.backend.as_ref(), &ctx.gpu, None, &device, uuid)
+            .map_err(|source| ClaimError::PrepareDevice { device, source })?;
         Ok((planned, edits))
     }
 
@@ -647,7 +633,7 @@ impl NodeState {
         // MIG instances no completed claim holds were left by a crash (or made by hand): destroy them, so the
         // placements the scheduler thinks free are free.
         let gpus: Vec<GpuInfo> = self.gpus.values().cloned().collect();
-        let known = crate::mig::known_devices(checkpoint, &gpus);
+        let known = crate::mig_records::known_devices(checkpoint, &gpus);
         match crate::mig::reconcile_at_start(self.backend.as_ref(), &gpus, &known) {
             Ok(report) => recovery.destroyed_mig_instances += report.gpu_instances.len(),
             Err(e) => warn!(error = %e, "could not remove every unknown MIG instance"),

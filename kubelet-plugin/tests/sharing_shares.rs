@@ -71,6 +71,7 @@ fn request<'a>(
         holder: holder.to_string(),
         device,
         gpu,
+        uuid: &gpu.uuid,
         strategy,
         mps,
         interval: TimeSliceInterval::Default,
@@ -232,8 +233,8 @@ fn a_restarted_plugin_counts_the_shares_from_its_checkpoint_before_stopping_the_
     drop(before);
 
     let after = sharer(&n);
-    after.restore(&dev, "uid-a/gpu-0-shared", SharingStrategy::Mps, None);
-    after.restore(&dev, "uid-b/gpu-0-shared", SharingStrategy::Mps, None);
+    after.restore(&dev, "uid-a/gpu-0-shared", SharingStrategy::Mps);
+    after.restore(&dev, "uid-b/gpu-0-shared", SharingStrategy::Mps);
     after
         .unprepare(gpu, &dev, "uid-a/gpu-0-shared", SharingStrategy::Mps)
         .unwrap();
@@ -245,34 +246,44 @@ fn a_restarted_plugin_counts_the_shares_from_its_checkpoint_before_stopping_the_
 }
 
 #[test]
-fn mps_shares_of_a_mig_placement_create_the_instance_first_and_destroy_it_last() {
+fn mps_shares_of_a_mig_device_run_on_its_uuid_and_leave_the_gpu_compute_mode_alone() {
     let n = node("H100-SXM5-80GB");
     let s = sharer(&n);
     let gpu = &n.gpus[0];
+    // The caller (the preparers) makes the MIG device; sharing only shares it.
+    let mig = tessera_kubelet_plugin::mig::prepare_mig(n.backend.as_ref(), gpu, "3g.40gb", 4, None).unwrap();
     let dev = DeviceName::SharedMig {
         gpu: 0,
         profile: "3g.40gb".into(),
         start: 4,
     };
     let c = consumed("50", "10Gi");
-    let a = s
-        .prepare(&request("uid-a/x", &dev, gpu, SharingStrategy::Mps, &c, None))
-        .unwrap();
-    let b = s
-        .prepare(&request("uid-b/x", &dev, gpu, SharingStrategy::Mps, &c, None))
-        .unwrap();
-    let mig = a.mig.clone().unwrap();
-    assert_eq!(b.mig.as_ref(), Some(&mig));
-    assert_eq!(a.uuid, mig.uuid);
-    assert_eq!(n.backend.list_gpu_instances(0).unwrap().len(), 1);
+    let on_mig = |holder: &str| {
+        let mut r = request(holder, &dev, gpu, SharingStrategy::Mps, &c, None);
+        r.uuid = &mig.uuid;
+        s.prepare(&r).unwrap()
+    };
+    let (a, b) = (on_mig("uid-a/x"), on_mig("uid-b/x"));
+    assert_eq!(
+        (a.uuid.as_str(), b.uuid.as_str()),
+        (mig.uuid.as_str(), mig.uuid.as_str())
+    );
+    assert_eq!(s.mps().running(), vec!["gpu-0-mig-3g-40gb-4".to_string()]);
     // The GPU stays in default compute mode: other MIG instances of it are not MPS clients.
     assert_eq!(n.backend.compute_mode(0).unwrap(), ComputeMode::Default);
-    s.unprepare(gpu, &dev, "uid-a/x", SharingStrategy::Mps).unwrap();
-    assert_eq!(n.backend.list_gpu_instances(0).unwrap().len(), 1);
-    s.unprepare(gpu, &dev, "uid-b/x", SharingStrategy::Mps).unwrap();
-    assert!(n.backend.list_gpu_instances(0).unwrap_or_default().is_empty());
-    assert!(!n.backend.mig_mode(0).unwrap().current);
+    assert!(!s.unprepare(gpu, &dev, "uid-a/x", SharingStrategy::Mps).unwrap());
+    assert_eq!(s.mps().running().len(), 1);
+    assert!(
+        s.unprepare(gpu, &dev, "uid-b/x", SharingStrategy::Mps).unwrap(),
+        "the last share must say so, for the caller to destroy the MIG device"
+    );
     assert!(s.mps().running().is_empty());
+    assert_eq!(
+        n.backend.list_gpu_instances(0).unwrap().len(),
+        1,
+        "sharing never destroys MIG devices"
+    );
+    tessera_kubelet_plugin::mig::unprepare_mig(n.backend.as_ref(), gpu, &mig).unwrap();
 }
 
 #[test]

@@ -12,11 +12,15 @@ use tessera_api::GROUP_VERSION;
 use tessera_kubelet_plugin::{
     checkpoint::DeviceDetail,
     claims::fake::claim,
-    gpu::{ComputeMode, simulated::mig_minors_by_formula},
+    driver_root::{DriverFiles, DriverRoot},
+    gpu::{
+        ComputeMode,
+        simulated::{SIMULATED_DRIVER_VERSION, mig_minors_by_formula},
+    },
+    preparers::{SharedPreparer, with_preparers},
     sharing::{
-        SharedPreparer, Sharer,
+        Sharer,
         mps::{Launcher, MpsManager},
-        with_preparers,
     },
     state::{ClaimRef, NodeState, Recovery},
 };
@@ -31,9 +35,14 @@ struct Plugin {
 fn plugin(node: &TestNode) -> Plugin {
     let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
     let mps = MpsManager::new(&node.state_dir(), Launcher::Simulated { program });
-    let shared = Arc::new(SharedPreparer {
-        sharer: Arc::new(Sharer::new(node.backend.clone(), mps, false)),
-    });
+    let files = DriverFiles::discover(
+        &DriverRoot::new(node.backend.driver_root()),
+        Some(SIMULATED_DRIVER_VERSION),
+    );
+    let shared = Arc::new(SharedPreparer::new(
+        Arc::new(Sharer::new(node.backend.clone(), mps, false)),
+        files,
+    ));
     let state = with_preparers(node.state_unrecovered(BOOT_ID), &shared);
     let recovery = state.recover().unwrap();
     shared.stop_orphaned_daemons(&node.backend.discover().unwrap().gpus);
@@ -83,7 +92,10 @@ async fn a_mig_claim_gets_its_parent_gpu_and_capability_nodes_and_leaves_nothing
     let spec = p.state.cdi().read(&r.uid).unwrap().unwrap();
     let edits = &spec.devices[0].container_edits;
     assert!(
-        edits.env.contains(&format!("NVIDIA_VISIBLE_DEVICES={uuid}")),
+        edits.env.contains(&"NVIDIA_VISIBLE_DEVICES=void".to_string())
+            && edits
+                .env
+                .contains(&format!("TESSERA_UUID_GPU_1_MIG_3G_40GB_4={uuid}")),
         "{:?}",
         edits.env
     );

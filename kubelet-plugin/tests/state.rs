@@ -86,7 +86,8 @@ async fn a_prepared_whole_gpu_gets_a_cdi_spec_with_its_device_nodes_and_env() {
     assert_eq!(
         edits.env,
         vec![
-            format!("NVIDIA_VISIBLE_DEVICES={uuid}"),
+            "NVIDIA_VISIBLE_DEVICES=void".to_string(),
+            format!("TESSERA_UUID_GPU_5={uuid}"),
             "TESSERA_DEVICE=gpu-5".to_string(),
             "TESSERA_CLAIM=ml/train".to_string(),
         ]

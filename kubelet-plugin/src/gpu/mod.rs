@@ -23,6 +23,73 @@ pub struct NodeGpus {
     /// Highest CUDA version the driver supports, e.g. `13.0`.
     pub cuda_driver_version: Option<String>,
     pub gpus: Vec<GpuInfo>,
+    /// GPUs that answered discovery with an error (lost, or a query the GPU does not support); they are
+    /// left out of `gpus` so the others are served.
+    pub unusable: Vec<UnusableGpu>,
+}
+
+/// A GPU left out of the inventory, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnusableGpu {
+    pub index: u32,
+    pub reason: String,
+}
+
+/// Discovers GPUs `0..count` one by one: a GPU whose discovery fails (`GPU_IS_LOST`, `NOT_SUPPORTED` for its
+/// memory, …) is reported in the second list with the error, and the rest are served. One broken GPU must
+/// not take the node's other GPUs down with it.
+pub fn discover_each(
+    count: u32,
+    mut info: impl FnMut(u32) -> Result<GpuInfo>,
+) -> (Vec<GpuInfo>, Vec<UnusableGpu>) {
+    let mut gpus = Vec::new();
+    let mut unusable = Vec::new();
+    for index in 0..count {
+        match info(index) {
+            Ok(gpu) => gpus.push(gpu),
+            Err(e) => unusable.push(UnusableGpu {
+                index,
+                reason: format!(
+                    "GPU {index} is not offered: {e}; check it with `nvidia-smi -i {index} -q` (a lost GPU needs \
+                     a reset or a reboot); the plugin serves the node's other GPUs"
+                ),
+            }),
+        }
+    }
+    (gpus, unusable)
+}
+
+/// `NVML_ERROR_IN_USE`: the activation status `nvmlDeviceSetMigMode` reports for a busy GPU.
+pub const NVML_ERROR_IN_USE: u32 = 19;
+
+/// The outcome of `nvmlDeviceSetMigMode(enabled)` that returned success with `activation_status`, given the
+/// mode read back afterwards. The call succeeds even when nothing changed: on a busy Hopper the status is
+/// `IN_USE` and the mode is only pending, which is not a reset problem but processes to stop.
+pub fn mig_mode_change_outcome(
+    gpu: u32,
+    enabled: bool,
+    activation_status: u32,
+    after: MigMode,
+) -> Result<()> {
+    let wanted = if enabled { "on" } else { "off" };
+    if after.current == enabled {
+        return Ok(());
+    }
+    if activation_status == NVML_ERROR_IN_USE {
+        return Err(GpuError::InUse(format!(
+            "GPU {gpu} is in use, so MIG mode was not turned {wanted}; stop the processes using the GPU \
+             (`nvidia-smi -i {gpu}` lists them) and the claim is prepared on kubelet's next try"
+        )));
+    }
+    if after.pending == enabled {
+        return Err(GpuError::ResetRequired(format!(
+            "MIG mode of GPU {gpu} is pending {wanted} until the GPU is reset"
+        )));
+    }
+    Err(GpuError::Nvml {
+        call: "nvmlDeviceSetMigMode",
+        code: activation_status,
+    })
 }
 
 /// MIG mode of a GPU; `pending` differs from `current` on Ampere until the GPU is reset.
@@ -126,6 +193,11 @@ pub trait GpuBackend: Send + Sync + 'static {
     /// `nvml` or `simulated`; recorded in the node inventory.
     fn name(&self) -> &'static str;
 
+    /// Root of the driver's user-space files (`/`, `/run/nvidia/driver`, GKE's
+    /// `/home/kubernetes/bin/nvidia`; the simulated driver root for the simulated backend), whose libraries
+    /// and binaries every container gets (see [`crate::driver_root`]).
+    fn driver_root(&self) -> &std::path::Path;
+
     /// Discovers every GPU with its identity, capacities and MIG profiles (with placements). Works whether or
     /// not MIG mode is on.
     fn discover(&self) -> Result<NodeGpus>;
@@ -177,6 +249,57 @@ pub trait GpuBackend: Send + Sync + 'static {
 
     /// PIDs of processes running on the GPU, or on one MIG instance of it.
     fn processes(&self, gpu: u32, mig: Option<(u32, u32)>) -> Result<Vec<u32>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_busy_gpu_whose_mig_mode_stays_pending_is_in_use_not_reset_required() {
+        let pending = MigMode {
+            current: false,
+            pending: true,
+        };
+        let e = mig_mode_change_outcome(3, true, NVML_ERROR_IN_USE, pending).unwrap_err();
+        assert!(matches!(e, GpuError::InUse(_)), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("stop the processes") && !msg.contains("reset"),
+            "{msg}"
+        );
+        assert!(matches!(
+            mig_mode_change_outcome(3, true, 0, pending),
+            Err(GpuError::ResetRequired(_))
+        ));
+        let on = MigMode {
+            current: true,
+            pending: true,
+        };
+        assert!(mig_mode_change_outcome(3, true, NVML_ERROR_IN_USE, on).is_ok());
+    }
+
+    #[test]
+    fn one_gpu_failing_discovery_is_reported_and_the_others_are_served() {
+        let (gpus, unusable) = discover_each(3, |i| {
+            if i == 1 {
+                Err(GpuError::GpuLost("nvmlDeviceGetUUID returned 15".into()))
+            } else {
+                Ok(GpuInfo {
+                    index: i,
+                    ..Default::default()
+                })
+            }
+        });
+        assert_eq!(gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [0, 2]);
+        assert_eq!(unusable.len(), 1);
+        assert_eq!(unusable[0].index, 1);
+        assert!(
+            unusable[0].reason.contains("GPU is lost"),
+            "{}",
+            unusable[0].reason
+        );
+    }
 }
 
 /// A character device's numbers.

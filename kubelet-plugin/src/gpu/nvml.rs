@@ -25,27 +25,22 @@ use nvml_wrapper_sys::bindings::{NVML_GPU_INSTANCE_PROFILE_COUNT, nvmlReturn_t};
 use tessera_api::{GpuInfo, MigPlacement, MigProfileInfo, inventory::MigInfo};
 use tracing::{debug, warn};
 
+use crate::driver_root::DriverRoot;
+
 use super::{
     CharDevice, ComputeInstance, ComputeMode, GpuBackend, GpuError, GpuInstance, MigMode, NodeGpus, Result,
-    TimeSlice, models,
+    TimeSlice, discover_each, mig_mode_change_outcome, models,
     nvml_raw::{self, NVML_ERROR_FUNCTION_NOT_FOUND, RawError},
     simulated::mig_minors_by_formula,
 };
 
 const LIBRARY_NAME: &str = "libnvidia-ml.so.1";
 
-/// Where the NVML library is looked for under a driver root, in order; the bare name last lets the
-/// dynamic loader search its usual paths.
+/// Where the NVML library is looked for under a driver root, in order (every layout of
+/// [`crate::driver_root::LIBRARY_DIRS`], GKE's `lib64` included, then the root itself); the bare name last
+/// lets the dynamic loader search its usual paths.
 pub fn library_candidates(driver_root: &Path) -> Vec<PathBuf> {
-    let mut out: Vec<PathBuf> = [
-        "usr/lib/x86_64-linux-gnu",
-        "usr/lib64",
-        "usr/lib/aarch64-linux-gnu",
-        "usr/lib",
-    ]
-    .iter()
-    .map(|dir| driver_root.join(dir).join(LIBRARY_NAME))
-    .collect();
+    let mut out = DriverRoot::new(driver_root).library_candidates(LIBRARY_NAME);
     out.push(PathBuf::from(LIBRARY_NAME));
     out
 }
@@ -444,25 +439,19 @@ impl NvmlBackend {
     }
 
     fn nvidia_smi(&self) -> Result<PathBuf> {
-        let candidates: Vec<PathBuf> = ["usr/bin", "usr/sbin", "bin"]
-            .iter()
-            .map(|d| self.driver_root.join(d).join("nvidia-smi"))
-            .collect();
-        candidates
-            .iter()
-            .find(|p| p.exists())
-            .cloned()
-            .ok_or_else(|| GpuError::Tool {
-                program: "nvidia-smi".to_string(),
-                reason: format!(
-                    "not found under the driver root (tried {})",
-                    candidates
-                        .iter()
-                        .map(|p| p.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            })
+        let root = DriverRoot::new(&self.driver_root);
+        let candidates = root.binary_candidates("nvidia-smi");
+        root.find_binary("nvidia-smi").ok_or_else(|| GpuError::Tool {
+            program: "nvidia-smi".to_string(),
+            reason: format!(
+                "not found under the driver root (tried {})",
+                candidates
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        })
     }
 }
 
@@ -479,17 +468,25 @@ impl GpuBackend for NvmlBackend {
         "nvml"
     }
 
+    fn driver_root(&self) -> &Path {
+        &self.driver_root
+    }
+
     /// Needs hardware.
     fn discover(&self) -> Result<NodeGpus> {
         let count = self
             .nvml
             .device_count()
             .map_err(|e| wrapper_error("nvmlDeviceGetCount_v2", e, "count GPUs"))?;
-        let gpus = (0..count).map(|i| self.gpu_info(i)).collect::<Result<Vec<_>>>()?;
+        let (gpus, unusable) = discover_each(count, |i| self.gpu_info(i));
+        for u in &unusable {
+            warn!(gpu = u.index, reason = %u.reason, "leaving a GPU out of the inventory");
+        }
         Ok(NodeGpus {
             driver_version: self.nvml.sys_driver_version().ok(),
             cuda_driver_version: self.nvml.sys_cuda_driver_version().ok().map(format_cuda_version),
             gpus,
+            unusable,
         })
     }
 
@@ -517,15 +514,7 @@ impl GpuBackend for NvmlBackend {
             .set_mig_mode(enabled)
             .map_err(|e| wrapper_error("nvmlDeviceSetMigMode", e, &ctx))?;
         let mode = self.mig_mode(gpu)?;
-        if mode.current == enabled {
-            return Ok(());
-        }
-        if mode.pending == enabled {
-            return Err(GpuError::ResetRequired(format!(
-                "{ctx}: pending until the GPU is reset"
-            )));
-        }
-        Err(error_for_code("nvmlDeviceSetMigMode", status, ctx))
+        mig_mode_change_outcome(gpu, enabled, status, mode)
     }
 
     /// Needs hardware.

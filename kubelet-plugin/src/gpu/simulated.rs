@@ -59,6 +59,18 @@ pub struct GpuGroup {
     /// MIG mode of these GPUs when the state file is first created (like an A100 whose InfoROM has MIG on).
     #[serde(default)]
     pub mig_enabled: bool,
+    /// A fault these GPUs answer discovery with, to exercise a node with a broken GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fault: Option<SimulatedFault>,
+}
+
+/// How a simulated GPU fails discovery, as real ones do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+pub enum SimulatedFault {
+    /// `NVML_ERROR_GPU_IS_LOST` (fell off the bus).
+    Lost,
+    /// `NVML_ERROR_NOT_SUPPORTED` for `nvmlDeviceGetMemoryInfo`.
+    MemoryNotSupported,
 }
 
 fn one() -> u32 {
@@ -72,6 +84,18 @@ impl NodeSpec {
             model: model.to_string(),
             count,
             mig_enabled: false,
+            fault: None,
+        });
+        self
+    }
+
+    /// Adds `count` GPUs of `model` that fail discovery with `fault`.
+    pub fn with_faulty_gpus(mut self, model: &str, count: u32, fault: SimulatedFault) -> Self {
+        self.gpus.push(GpuGroup {
+            model: model.to_string(),
+            count,
+            mig_enabled: false,
+            fault: Some(fault),
         });
         self
     }
@@ -82,6 +106,7 @@ impl NodeSpec {
             model: model.to_string(),
             count,
             mig_enabled: true,
+            fault: None,
         });
         self
     }
@@ -133,6 +158,7 @@ struct SimGpu {
     pcie_root: String,
     numa_node: i64,
     initial_mig: bool,
+    fault: Option<SimulatedFault>,
 }
 
 // PCI buses of a DGX H100's eight GPUs and the root ports above them; more GPUs repeat them in a new domain.
@@ -183,6 +209,7 @@ fn build_gpus(node_name: &str, spec: &NodeSpec) -> Result<Vec<SimGpu>> {
                 // Half the GPUs on each socket, as on 2-socket HGX boards.
                 numa_node: i64::from(index >= total.div_ceil(2)),
                 initial_mig: group.mig_enabled,
+                fault: group.fault,
             });
         }
     }
@@ -303,6 +330,12 @@ pub struct SimulatedBackend {
     state_dir: PathBuf,
     /// flock serializes processes; this serializes threads of this process, which share the lock file.
     lock_file: Mutex<File>,
+    /// The simulated driver root (`<state dir>/driver-root`).
+    driver_root: PathBuf,
+    /// What this process set as each GPU's time-slice: like NVML, the backend cannot read the hardware's
+    /// value back, so a new backend (a restarted plugin) knows nothing ([`GpuBackend::time_slice`] says
+    /// `Default`) while the GPU keeps what it was set to ([`SimulatedBackend::hardware_time_slice`]).
+    known_time_slices: Mutex<std::collections::HashMap<u32, TimeSlice>>,
 }
 
 /// Holds the node-wide lock for one operation; releases it on drop, even on panic.
@@ -350,9 +383,15 @@ impl SimulatedBackend {
             state_path: state_dir.join(STATE_FILE),
             state_dir: state_dir.to_path_buf(),
             lock_file: Mutex::new(lock_file),
+            driver_root: state_dir.join(DRIVER_ROOT_DIR),
+            known_time_slices: Mutex::new(Default::default()),
         };
         // Validates (or creates) the state now, so a corrupt file fails the start, not the first claim.
         backend.write(|_| Ok(()))?;
+        write_driver_root(&backend.driver_root, &backend.gpus).map_err(|e| GpuError::SimulatedState {
+            path: backend.driver_root.display().to_string(),
+            reason: format!("cannot write the simulated driver root: {e}"),
+        })?;
         Ok(backend)
     }
 
@@ -415,6 +454,19 @@ impl SimulatedBackend {
             } else {
                 Err(GpuError::NotFound(format!("process {pid} on GPU {gpu}")))
             }
+        })
+    }
+
+    /// Test hook: the time-slice the GPU really has (what `nvidia-smi compute-policy -l` would print).
+    pub fn hardware_time_slice(&self, gpu: u32) -> Result<TimeSlice> {
+        self.read(|state| Ok(gpu_state(state, gpu)?.time_slice))
+    }
+
+    /// Test hook: someone outside the plugin (an admin, an earlier plugin that crashed) sets the time-slice.
+    pub fn set_hardware_time_slice(&self, gpu: u32, slice: TimeSlice) -> Result<()> {
+        self.write(|state| {
+            gpu_state_mut(state, gpu)?.time_slice = slice;
+            Ok(())
         })
     }
 
@@ -561,16 +613,31 @@ impl GpuBackend for SimulatedBackend {
         "simulated"
     }
 
+    fn driver_root(&self) -> &Path {
+        &self.driver_root
+    }
+
     fn discover(&self) -> Result<NodeGpus> {
         self.read(|state| {
-            let gpus = self
-                .gpus
-                .iter()
-                .zip(&state.gpus)
-                .enumerate()
-                .map(|(index, (gpu, hw))| GpuInfo {
-                    index: index as u32,
-                    minor: index as u32,
+            let (gpus, unusable) = super::discover_each(self.gpus.len() as u32, |i| {
+                let index = i as usize;
+                let (gpu, hw) = (&self.gpus[index], &state.gpus[index]);
+                match gpu.fault {
+                    Some(SimulatedFault::Lost) => {
+                        return Err(GpuError::GpuLost(format!(
+                            "GPU {i} fell off the bus (nvmlDeviceGetHandleByIndex_v2 returned 15)"
+                        )));
+                    }
+                    Some(SimulatedFault::MemoryNotSupported) => {
+                        return Err(GpuError::NotSupported(format!(
+                            "read the memory of GPU {i} (nvmlDeviceGetMemoryInfo returned 3)"
+                        )));
+                    }
+                    None => {}
+                }
+                Ok(GpuInfo {
+                    index: i,
+                    minor: i,
                     uuid: gpu.uuid.clone(),
                     product_name: gpu.model.product_name.to_string(),
                     brand: gpu.model.brand.to_string(),
@@ -584,11 +651,12 @@ impl GpuBackend for SimulatedBackend {
                     mig: Some(gpu.model.mig_info(hw.mig_current)),
                     healthy: true,
                 })
-                .collect();
+            });
             Ok(NodeGpus {
                 driver_version: Some(SIMULATED_DRIVER_VERSION.to_string()),
                 cuda_driver_version: Some(SIMULATED_CUDA_DRIVER_VERSION.to_string()),
                 gpus,
+                unusable,
             })
         })
     }
@@ -618,22 +686,22 @@ impl GpuBackend for SimulatedBackend {
                     g.gpu_instances.len()
                 )));
             }
-            let pids = g.all_processes();
-            if !pids.is_empty() {
-                return Err(GpuError::InUse(format!(
-                    "cannot change MIG mode of GPU {gpu}: processes {pids:?} are running"
-                )));
-            }
+            // Like the driver: the call succeeds and records the wish; a busy GPU answers IN_USE in the
+            // activation status and stays as it is, Ampere waits for a reset, Hopper and newer switch now.
             g.mig_pending = enabled;
-            if toggles_now {
-                g.mig_current = enabled;
-                Ok(())
+            let status = if !g.all_processes().is_empty() {
+                super::NVML_ERROR_IN_USE
             } else {
-                Err(GpuError::ResetRequired(format!(
-                    "MIG mode of GPU {gpu} is pending {} until the GPU is reset",
-                    if enabled { "enable" } else { "disable" }
-                )))
-            }
+                if toggles_now {
+                    g.mig_current = enabled;
+                }
+                0
+            };
+            let after = MigMode {
+                current: g.mig_current,
+                pending: g.mig_pending,
+            };
+            super::mig_mode_change_outcome(gpu, enabled, status, after)
         })
     }
 
@@ -811,14 +879,21 @@ impl GpuBackend for SimulatedBackend {
     }
 
     fn time_slice(&self, gpu: u32) -> Result<TimeSlice> {
-        self.read(|state| Ok(gpu_state(state, gpu)?.time_slice))
+        self.sim_gpu(gpu)?;
+        let known = self.known_time_slices.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(known.get(&gpu).copied().unwrap_or(TimeSlice::Default))
     }
 
     fn set_time_slice(&self, gpu: u32, slice: TimeSlice) -> Result<()> {
         self.write(|state| {
             gpu_state_mut(state, gpu)?.time_slice = slice;
             Ok(())
-        })
+        })?;
+        self.known_time_slices
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(gpu, slice);
+        Ok(())
     }
 
     fn mig_capability_minors(
@@ -870,6 +945,57 @@ pub fn mig_minors_by_formula(gpu_minor: u32, gpu_instance: u32, compute_instance
     }
     let gi_minor = 3 + 135 * gpu_minor + 9 * gpu_instance;
     Ok((gi_minor, gi_minor + 1 + compute_instance))
+}
+
+/// Directory of the simulated driver root under the state directory.
+pub const DRIVER_ROOT_DIR: &str = "driver-root";
+
+/// Libraries of the simulated driver root, with their soname suffix.
+const SIMULATED_LIBRARIES: [(&str, &str); 5] = [
+    ("libcuda", "1"),
+    ("libnvidia-ml", "1"),
+    ("libnvidia-ptxjitcompiler", "1"),
+    ("libnvidia-nvvm", "4"),
+    ("libnvidia-cfg", "1"),
+];
+
+/// Writes a driver root with NVIDIA's layout for the simulated GPUs: stub libraries
+/// `usr/lib/x86_64-linux-gnu/<lib>.so.<driver version>` with their soname links, and `usr/bin/nvidia-smi`,
+/// a script that prints the GPU list (`nvidia-smi -L` style) fixed when it is written; it reads no input and
+/// ignores its arguments. A container that got tessera's CDI edits can run it to prove the mounts.
+fn write_driver_root(root: &Path, gpus: &[SimGpu]) -> std::io::Result<()> {
+    let lib = root.join("usr/lib/x86_64-linux-gnu");
+    let bin = root.join("usr/bin");
+    fs::create_dir_all(&lib)?;
+    fs::create_dir_all(&bin)?;
+    for (name, soname) in SIMULATED_LIBRARIES {
+        let file = format!("{name}.so.{SIMULATED_DRIVER_VERSION}");
+        fs::write(
+            lib.join(&file),
+            format!("simulated {name} {SIMULATED_DRIVER_VERSION} (not a real library)\n"),
+        )?;
+        let link = lib.join(format!("{name}.so.{soname}"));
+        match fs::remove_file(&link) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        std::os::unix::fs::symlink(&file, &link)?;
+    }
+    let mut listing = String::new();
+    for (i, g) in gpus.iter().enumerate() {
+        // Product names and UUIDs come from the built-in model table and a hash: no quote can appear.
+        listing.push_str(&format!("GPU {i}: {} (UUID: {})\n", g.model.product_name, g.uuid));
+    }
+    let script = format!(
+        "#!/bin/sh\n# Simulated nvidia-smi written by tessera: prints the simulated GPUs, whatever it is asked.\n\
+         cat <<'TESSERA_GPUS'\n{listing}TESSERA_GPUS\n"
+    );
+    let smi = bin.join("nvidia-smi");
+    let tmp = bin.join(".nvidia-smi.tmp");
+    fs::write(&tmp, script)?;
+    fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    fs::rename(&tmp, &smi)
 }
 
 /// Device numbers of a typical NVIDIA host (`nvidia-caps` and `nvidia-uvm` majors are dynamic on real ones).
@@ -1196,7 +1322,9 @@ mod tests {
         let gis = reopened.list_gpu_instances(1).unwrap();
         assert_eq!(gis.len(), 1);
         assert_eq!(gis[0].compute_instances, vec![ci]);
-        assert_eq!(reopened.time_slice(0).unwrap(), TimeSlice::Long);
+        assert_eq!(reopened.hardware_time_slice(0).unwrap(), TimeSlice::Long);
+        // Like NVML, a new backend cannot read the time-slice back: it knows only what it set itself.
+        assert_eq!(reopened.time_slice(0).unwrap(), TimeSlice::Default);
         assert_eq!(reopened.compute_mode(0).unwrap(), ComputeMode::ExclusiveProcess);
         assert!(
             reopened.mig_mode(0).unwrap().current,
@@ -1444,7 +1572,7 @@ mod tests {
         b.remove_process(0, 99).unwrap();
         b.reset_gpu(0).unwrap();
         assert!(b.list_gpu_instances(0).unwrap().is_empty());
-        assert_eq!(b.time_slice(0).unwrap(), TimeSlice::Default);
+        assert_eq!(b.hardware_time_slice(0).unwrap(), TimeSlice::Default);
         assert!(
             b.mig_mode(0).unwrap().current,
             "Hopper keeps MIG on across a reset while the driver is loaded"

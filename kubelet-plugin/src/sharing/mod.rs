@@ -17,6 +17,9 @@
 //! | Time-slicing: memory, compute | — | nothing | use all memory and compute of the GPU |
 //! | Strategy per device | plugin: one strategy per device, checked at prepare | plugin | — |
 //!
+//! This module shares a device that exists: a whole GPU, or a MIG device the caller made. It knows neither
+//! MIG nor the prepare state machine; [`crate::preparers`] composes "MIG, then share on it".
+//!
 //! All shares of one device use one strategy: an MPS daemon puts a whole GPU in exclusive-process mode,
 //! which locks out a time-sliced client, so a second strategy on the same device is refused.
 
@@ -31,22 +34,13 @@ use std::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use tessera_api::{
     DeviceName, GpuInfo, attributes,
-    config::{
-        self, DeviceConfig, MpsConfig, QuantityError, SharingStrategy, TimeSliceInterval, parse_quantity,
-    },
+    config::{MpsConfig, QuantityError, SharingStrategy, TimeSliceInterval, parse_quantity},
 };
 use tracing::{info, warn};
 
-use crate::{
-    cdi::{ContainerEdits, Mount},
-    checkpoint::{DeviceDetail, MigDetail, SharedDetail},
-    error::ClaimError,
-    gpu::{ComputeMode, GpuBackend, GpuError},
-    mig::{self, MigDevice, MigError},
-    state::{DeviceContext, DeviceKind, DevicePreparer, NodeState, WholeGpuPreparer},
-};
+use crate::gpu::{ComputeMode, GpuBackend, GpuError};
 use mps::{DaemonDefaults, MpsError, MpsManager};
-use timeslice::TimeSliceError;
+use timeslice::{TimeSliceError, TimeSliceRecord};
 
 /// Why a share could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -81,9 +75,6 @@ pub enum SharingError {
     /// The time-slice could not be set.
     #[error(transparent)]
     TimeSlice(#[from] TimeSliceError),
-    /// The MIG device behind a shared MIG placement could not be made or removed.
-    #[error(transparent)]
-    Mig(#[from] MigError),
 }
 
 /// Holders of each shared device, by device key ([`share_key`]).
@@ -97,8 +88,6 @@ pub struct ShareUsers {
 struct DeviceShares {
     strategy: SharingStrategy,
     holders: BTreeSet<String>,
-    /// The MIG device behind a shared MIG placement, made by its first share.
-    mig: Option<MigDevice>,
 }
 
 impl ShareUsers {
@@ -109,7 +98,6 @@ impl ShareUsers {
         let shares = devices.entry(device.to_string()).or_insert_with(|| DeviceShares {
             strategy,
             holders: BTreeSet::new(),
-            mig: None,
         });
         if shares.strategy != strategy && !shares.holders.is_empty() {
             return Err(SharingError::StrategyConflict {
@@ -145,24 +133,6 @@ impl ShareUsers {
         let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
         devices.get(device).map_or(0, |d| d.holders.len())
     }
-
-    fn mig(&self, device: &str) -> Option<MigDevice> {
-        let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
-        devices.get(device).and_then(|d| d.mig.clone())
-    }
-
-    fn set_mig(&self, device: &str, mig: Option<MigDevice>) {
-        let mut devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(d) = devices.get_mut(device) {
-            d.mig = mig;
-        }
-    }
-
-    /// MIG devices behind shared MIG placements that still have holders.
-    pub fn mig_devices(&self) -> Vec<MigDevice> {
-        let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
-        devices.values().filter_map(|d| d.mig.clone()).collect()
-    }
 }
 
 /// The key of a shared device: every share of a whole GPU (`gpu-<i>-shared` and the slots
@@ -194,6 +164,8 @@ pub struct ShareRequest<'a> {
     pub device: &'a DeviceName,
     /// The physical GPU.
     pub gpu: &'a GpuInfo,
+    /// UUID the share runs on: the GPU's, or that of the MIG device the caller made for a MIG placement.
+    pub uuid: &'a str,
     pub strategy: SharingStrategy,
     pub mps: Option<&'a MpsConfig>,
     /// Requested interval (time-slicing of whole GPUs).
@@ -207,8 +179,6 @@ pub struct ShareRequest<'a> {
 pub struct PreparedShare {
     /// `GPU-…` or `MIG-…` UUID the containers use.
     pub uuid: String,
-    /// The MIG device behind a shared MIG placement.
-    pub mig: Option<MigDevice>,
     pub env: Vec<String>,
     /// `(host path, container path)` bind mounts.
     pub mounts: Vec<(String, String)>,
@@ -217,23 +187,30 @@ pub struct PreparedShare {
     pub limits: BTreeMap<String, String>,
 }
 
+fn on_mig(device: &DeviceName) -> bool {
+    matches!(device, DeviceName::SharedMig { .. } | DeviceName::Mig { .. })
+}
+
 /// Prepares and unprepares shares: keeps the holder count per device and starts/stops what the first and
-/// last share need (MPS daemon and exclusive compute mode, time-slice, the MIG device of a shared MIG
-/// placement). Callers hold the GPU's lock.
+/// last share need (MPS daemon and exclusive compute mode, time-slice). Callers hold the GPU's lock.
 pub struct Sharer {
     backend: Arc<dyn GpuBackend>,
     mps: MpsManager,
     users: ShareUsers,
+    time_slices: TimeSliceRecord,
     /// On real GPUs MPS clients must share the host's /dev/shm with the daemon.
     real_hardware: bool,
 }
 
 impl Sharer {
+    /// The time-slice record lives next to the MPS daemons' directories, in the plugin's state directory.
     pub fn new(backend: Arc<dyn GpuBackend>, mps: MpsManager, real_hardware: bool) -> Self {
+        let time_slices = TimeSliceRecord::new(mps.state_dir());
         Self {
             backend,
             mps,
             users: ShareUsers::default(),
+            time_slices,
             real_hardware,
         }
     }
@@ -246,17 +223,16 @@ impl Sharer {
         &self.mps
     }
 
+    /// What the plugin set as each GPU's time-slice (persisted: NVML cannot read it back).
+    pub fn time_slices(&self) -> &TimeSliceRecord {
+        &self.time_slices
+    }
+
     /// Re-registers a share prepared before a restart (from a completed checkpoint record).
-    pub fn restore(
-        &self,
-        device: &DeviceName,
-        holder: &str,
-        strategy: SharingStrategy,
-        mig: Option<MigDevice>,
-    ) {
+    pub fn restore(&self, device: &DeviceName, holder: &str, strategy: SharingStrategy) {
         let key = share_key(device);
-        if self.users.add(&key, holder, strategy).is_ok() && mig.is_some() {
-            self.users.set_mig(&key, mig);
+        if let Err(e) = self.users.add(&key, holder, strategy) {
+            warn!(key, holder, error = %e, "cannot restore a prepared share");
         }
     }
 
@@ -265,13 +241,11 @@ impl Sharer {
         let key = share_key(req.device);
         let first = self.users.add(&key, &req.holder, req.strategy)?;
         let result = self.prepare_registered(req, &key, first);
-        if result.is_err() {
-            let mig = self.users.mig(&key);
-            if self.users.remove(&key, &req.holder)
-                && let Err(e) = self.teardown(req.gpu, &key, req.strategy, req.device, mig)
-            {
-                warn!(key, error = %e, "could not undo the shared device's setup");
-            }
+        if result.is_err()
+            && self.users.remove(&key, &req.holder)
+            && let Err(e) = self.teardown(req.gpu, &key, req.strategy, req.device)
+        {
+            warn!(key, error = %e, "could not undo the shared device's setup");
         }
         result
     }
@@ -283,34 +257,16 @@ impl Sharer {
         first: bool,
     ) -> Result<PreparedShare, SharingError> {
         let gpu = req.gpu.index;
-        let mig = match req.device {
-            DeviceName::SharedMig { profile, start, .. } | DeviceName::Mig { profile, start, .. } => {
-                let recorded = self.users.mig(key);
-                let dev =
-                    mig::prepare_mig(self.backend.as_ref(), req.gpu, profile, *start, recorded.as_ref())?;
-                self.users.set_mig(key, Some(dev.clone()));
-                Some(dev)
-            }
-            _ => {
-                if first {
-                    mig::ensure_whole_gpu(self.backend.as_ref(), req.gpu)?;
-                }
-                None
-            }
-        };
-        let uuid = mig
-            .as_ref()
-            .map_or_else(|| req.gpu.uuid.clone(), |m| m.uuid.clone());
+        let mig = on_mig(req.device);
         let mut out = PreparedShare {
-            uuid: uuid.clone(),
-            mig: mig.clone(),
+            uuid: req.uuid.to_string(),
             ..Default::default()
         };
         match req.strategy {
             SharingStrategy::Mps => {
                 let limits = share_limits(req.consumed, req.mps, &req.device.to_string())?;
                 if !self.mps.is_running(key) {
-                    if mig.is_none() {
+                    if !mig {
                         // Only the MPS server may own the GPU, so clients cannot bypass it.
                         self.backend
                             .set_compute_mode(gpu, ComputeMode::ExclusiveProcess)
@@ -322,7 +278,7 @@ impl Sharer {
                             .mps
                             .and_then(|m| m.pinned_limit_bytes(&req.device.to_string())),
                     };
-                    self.mps.start(key, &uuid, defaults)?;
+                    self.mps.start(key, req.uuid, defaults)?;
                 }
                 let dirs = self.mps.dirs(key);
                 let (env, mounts) = mps::client_edits(&dirs, limits, self.real_hardware);
@@ -338,8 +294,14 @@ impl Sharer {
                 }
             }
             SharingStrategy::TimeSlicing => {
-                if mig.is_none() {
-                    let slice = timeslice::acquire(self.backend.as_ref(), gpu, req.interval, first)?;
+                if !mig {
+                    let slice = timeslice::acquire(
+                        self.backend.as_ref(),
+                        &self.time_slices,
+                        req.gpu,
+                        req.interval,
+                        first,
+                    )?;
                     out.limits.insert("timeSlice".into(), format!("{slice:?}"));
                 }
             }
@@ -347,55 +309,67 @@ impl Sharer {
         Ok(out)
     }
 
-    /// Unprepares one share; after the last share of the device, undoes the device-wide setup.
+    /// Unprepares one share; after the last share of the device, undoes the device-wide setup and returns
+    /// true (the caller then removes what it made for the share, e.g. the MIG device).
     pub fn unprepare(
         &self,
         gpu: &GpuInfo,
         device: &DeviceName,
         holder: &str,
         strategy: SharingStrategy,
-    ) -> Result<(), SharingError> {
+    ) -> Result<bool, SharingError> {
         let key = share_key(device);
-        let mig = self.users.mig(&key);
         if self.users.remove(&key, holder) {
-            return self.teardown(gpu, &key, strategy, device, mig);
+            self.teardown(gpu, &key, strategy, device)?;
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
     }
 
-    pub(crate) fn teardown(
+    fn teardown(
         &self,
         gpu: &GpuInfo,
         key: &str,
         strategy: SharingStrategy,
         device: &DeviceName,
-        mig: Option<MigDevice>,
     ) -> Result<(), SharingError> {
         let index = gpu.index;
-        let is_mig = matches!(device, DeviceName::SharedMig { .. } | DeviceName::Mig { .. });
+        let mig = on_mig(device);
         match strategy {
             SharingStrategy::Mps => {
                 self.mps.stop(key)?;
-                if !is_mig {
+                if !mig {
                     self.backend
                         .set_compute_mode(index, ComputeMode::Default)
                         .map_err(|source| SharingError::ComputeMode { gpu: index, source })?;
                 }
             }
-            SharingStrategy::TimeSlicing if !is_mig => {
-                timeslice::release(self.backend.as_ref(), index, true)?
+            SharingStrategy::TimeSlicing if !mig => {
+                timeslice::release(self.backend.as_ref(), &self.time_slices, gpu)?
             }
             SharingStrategy::TimeSlicing => {}
         }
-        if let DeviceName::SharedMig { profile, start, .. } | DeviceName::Mig { profile, start, .. } = device
-        {
-            // The MIG device lives as long as its shares: the last one destroys it. Without a record (a crash
-            // before it was known) the start-up reconcile removes it instead.
-            if let Some(dev) = mig.filter(|d| &d.profile == profile && d.placement.start == *start) {
-                mig::unprepare_mig(self.backend.as_ref(), gpu, &dev)?;
+        Ok(())
+    }
+
+    /// Stops MPS daemons no prepared share uses any more (left by a crash between the last unprepare's
+    /// checkpoint write and the daemon's stop). Call after the shares were restored.
+    pub fn stop_orphaned_daemons(&self, gpus: &[GpuInfo]) {
+        for key in self.mps.running() {
+            if self.users.count(&key) > 0 {
+                continue;
+            }
+            let Ok(device) = key.parse::<DeviceName>() else {
+                continue;
+            };
+            let Some(gpu) = gpus.iter().find(|g| g.index == device.gpu()) else {
+                continue;
+            };
+            info!(key, "stopping an MPS daemon no prepared claim uses");
+            if let Err(e) = self.teardown(gpu, &key, SharingStrategy::Mps, &device) {
+                warn!(key, error = %e, "could not stop an orphaned MPS daemon");
             }
         }
-        Ok(())
     }
 }
 
@@ -444,238 +418,6 @@ pub fn share_limits(
 
 /// Strategy of a shared device whose claim has no sharing config; the policy's default too.
 pub const DEFAULT_STRATEGY: SharingStrategy = SharingStrategy::Mps;
-
-/// The opaque configuration that applies to the context's device, validated; `None` when the allocation
-/// has none for it (and during crash recovery, where only the checkpoint is known).
-pub fn device_config(ctx: &DeviceContext) -> Result<Option<DeviceConfig>, ClaimError> {
-    config::effective_config(
-        &ctx.allocation.config_entries,
-        &ctx.allocation.request,
-        &ctx.device,
-    )
-    .map_err(|source| ClaimError::InvalidConfig {
-        request: ctx.allocation.request.clone(),
-        device: ctx.device.to_string(),
-        source: Box::new(source),
-    })
-}
-
-fn strategy_of(detail: &SharedDetail) -> SharingStrategy {
-    match detail.strategy.as_deref() {
-        Some("TimeSlicing") => SharingStrategy::TimeSlicing,
-        _ => SharingStrategy::Mps,
-    }
-}
-
-fn holder(ctx: &DeviceContext) -> String {
-    format!("{}/{}", ctx.claim.uid, ctx.device)
-}
-
-/// Registers a preparer for every device kind: whole GPUs and MIG devices (each of which becomes a
-/// one-holder share when its config asks for sharing) and shared devices. The binary and the restart
-/// tests assemble the plugin through this one function, so they cannot drift apart.
-pub fn with_preparers(state: NodeState, shared: &Arc<SharedPreparer>) -> NodeState {
-    state
-        .with_preparer(
-            DeviceKind::Gpu,
-            Arc::new(GpuPreparer {
-                shared: shared.clone(),
-            }),
-        )
-        .with_preparer(
-            DeviceKind::Mig,
-            Arc::new(mig::MigPreparer {
-                shared: shared.clone(),
-            }),
-        )
-        .with_preparer(DeviceKind::Shared, shared.clone())
-}
-
-/// Prepares shares of GPUs and MIG placements (`gpu-<i>-shared`, `gpu-<i>-share-<n>`,
-/// `gpu-<i>-mig-<p>-<s>-shared`), and exclusive devices whose config asks for sharing among the claim's
-/// own containers.
-pub struct SharedPreparer {
-    pub sharer: Arc<Sharer>,
-}
-
-impl SharedPreparer {
-    /// Stops MPS daemons no prepared share uses any more (left by a crash between the last unprepare's
-    /// checkpoint write and the daemon's stop). Call after [`crate::state::NodeState::recover`].
-    pub fn stop_orphaned_daemons(&self, gpus: &[GpuInfo]) {
-        for key in self.sharer.mps().running() {
-            if self.sharer.users().count(&key) > 0 {
-                continue;
-            }
-            let Ok(device) = key.parse::<DeviceName>() else {
-                continue;
-            };
-            let Some(gpu) = gpus.iter().find(|g| g.index == device.gpu()) else {
-                continue;
-            };
-            info!(key, "stopping an MPS daemon no prepared claim uses");
-            if let Err(e) = self
-                .sharer
-                .teardown(gpu, &key, SharingStrategy::Mps, &device, None)
-            {
-                warn!(key, error = %e, "could not stop an orphaned MPS daemon");
-            }
-        }
-    }
-}
-
-impl DevicePreparer for SharedPreparer {
-    fn plan(&self, ctx: &DeviceContext) -> Result<DeviceDetail, ClaimError> {
-        let config = device_config(ctx)?;
-        let sharing = config.as_ref().and_then(|c| c.sharing());
-        let strategy = sharing.map_or(DEFAULT_STRATEGY, |s| s.strategy);
-        let err = |source: SharingError| ClaimError::Sharing {
-            device: ctx.device.to_string(),
-            source: Box::new(source),
-        };
-        let mig = match &ctx.device {
-            DeviceName::SharedMig { profile, start, .. } | DeviceName::Mig { profile, start, .. } => {
-                let (_, placement) = mig::resolve(&ctx.gpu, profile, *start).map_err(|e| err(e.into()))?;
-                Some(MigDetail::planned(ctx.gpu.index, profile.clone(), placement))
-            }
-            _ => None,
-        };
-        if strategy == SharingStrategy::Mps {
-            // Fail on a malformed capacity now, before anything is touched.
-            share_limits(
-                &ctx.allocation.consumed_capacity,
-                sharing.and_then(|s| s.mps.as_ref()),
-                &ctx.device.to_string(),
-            )
-            .map_err(err)?;
-        }
-        Ok(DeviceDetail::Shared(SharedDetail {
-            gpu: ctx.gpu.index,
-            uuid: None,
-            mig,
-            strategy: Some(strategy.as_str().to_string()),
-            mps_pipe_dir: None,
-            limits: BTreeMap::new(),
-        }))
-    }
-
-    fn prepare(
-        &self,
-        ctx: &DeviceContext,
-        planned: DeviceDetail,
-    ) -> Result<(DeviceDetail, ContainerEdits), ClaimError> {
-        let DeviceDetail::Shared(planned) = planned else {
-            return Err(ClaimError::NotSupported {
-                device: ctx.device.to_string(),
-                kind: "unshared",
-            });
-        };
-        let config = device_config(ctx)?;
-        let sharing = config.as_ref().and_then(|c| c.sharing());
-        let req = ShareRequest {
-            holder: holder(ctx),
-            device: &ctx.device,
-            gpu: &ctx.gpu,
-            strategy: strategy_of(&planned),
-            mps: sharing.and_then(|s| s.mps.as_ref()),
-            interval: sharing
-                .and_then(|s| s.time_slicing)
-                .map(|t| t.interval)
-                .unwrap_or_default(),
-            consumed: &ctx.allocation.consumed_capacity,
-        };
-        let device = ctx.device.to_string();
-        let share = self.sharer.prepare(&req).map_err(|source| ClaimError::Sharing {
-            device: device.clone(),
-            source: Box::new(source),
-        })?;
-        let mut edits = match mig::device_edits(ctx.backend.as_ref(), &ctx.gpu, share.mig.as_ref()) {
-            Ok(edits) => edits,
-            Err(source) => {
-                let _ = self
-                    .sharer
-                    .unprepare(&ctx.gpu, &ctx.device, &req.holder, req.strategy);
-                return Err(ClaimError::PrepareDevice { device, source });
-            }
-        };
-        edits.env.extend(share.env.iter().cloned());
-        edits
-            .mounts
-            .extend(share.mounts.iter().map(|(host, container)| Mount {
-                host_path: host.clone(),
-                container_path: container.clone(),
-                options: ["rw", "nosuid", "nodev", "bind"].map(String::from).to_vec(),
-            }));
-        let detail = SharedDetail {
-            gpu: ctx.gpu.index,
-            uuid: Some(share.uuid),
-            mig: share.mig.as_ref().map(mig::detail_of),
-            strategy: planned.strategy,
-            mps_pipe_dir: share.mps_pipe_dir,
-            limits: share.limits,
-        };
-        Ok((DeviceDetail::Shared(detail), edits))
-    }
-
-    fn unprepare(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError> {
-        let DeviceDetail::Shared(d) = detail else {
-            return Ok(());
-        };
-        self.sharer
-            .unprepare(&ctx.gpu, &ctx.device, &holder(ctx), strategy_of(d))
-            .map_err(|source| ClaimError::Sharing {
-                device: ctx.device.to_string(),
-                source: Box::new(source),
-            })
-    }
-
-    fn restore(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
-        let DeviceDetail::Shared(d) = detail else { return };
-        let mig = d.mig.as_ref().and_then(|m| mig::device_of(&ctx.gpu, m));
-        self.sharer
-            .restore(&ctx.device, &holder(ctx), strategy_of(d), mig);
-    }
-}
-
-/// Whole GPUs: [`WholeGpuPreparer`], after turning an idle Hopper out of MIG mode; a claim whose
-/// `GpuConfig` asks for sharing among its own containers goes to the shared preparer.
-pub struct GpuPreparer {
-    pub shared: Arc<SharedPreparer>,
-}
-
-impl DevicePreparer for GpuPreparer {
-    fn plan(&self, ctx: &DeviceContext) -> Result<DeviceDetail, ClaimError> {
-        if device_config(ctx)?.as_ref().and_then(|c| c.sharing()).is_some() {
-            return self.shared.plan(ctx);
-        }
-        WholeGpuPreparer.plan(ctx)
-    }
-
-    fn prepare(
-        &self,
-        ctx: &DeviceContext,
-        planned: DeviceDetail,
-    ) -> Result<(DeviceDetail, ContainerEdits), ClaimError> {
-        if matches!(planned, DeviceDetail::Shared(_)) {
-            return self.shared.prepare(ctx, planned);
-        }
-        mig::ensure_whole_gpu(ctx.backend.as_ref(), &ctx.gpu).map_err(|source| ClaimError::Mig {
-            device: ctx.device.to_string(),
-            source: Box::new(source),
-        })?;
-        WholeGpuPreparer.prepare(ctx, planned)
-    }
-
-    fn unprepare(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError> {
-        match detail {
-            DeviceDetail::Shared(_) => self.shared.unprepare(ctx, detail),
-            _ => WholeGpuPreparer.unprepare(ctx, detail),
-        }
-    }
-
-    fn restore(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
-        self.shared.restore(ctx, detail);
-    }
-}
 
 #[cfg(test)]
 mod tests {

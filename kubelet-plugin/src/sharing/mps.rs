@@ -43,6 +43,7 @@ use std::{
 use tracing::{info, warn};
 
 use super::ShareLimits;
+use crate::driver_root::DriverRoot;
 
 /// Pid file the daemon writes in its pipe directory.
 pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
@@ -85,6 +86,17 @@ pub enum MpsError {
         command: String,
         reason: String,
     },
+    /// A control command (or the launcher) did not finish in time; it was killed.
+    #[error(
+        "{program} did not finish {command:?} for the MPS daemon of {key} within {timeout:?} and was killed; \
+         the daemon may be hung: see its control.log"
+    )]
+    Timeout {
+        key: String,
+        program: PathBuf,
+        command: String,
+        timeout: Duration,
+    },
     /// The daemon kept running after `quit`.
     #[error("MPS control daemon for {key} (pid {pid}) still runs {timeout:?} after quit")]
     StillRunning {
@@ -99,8 +111,11 @@ pub type Result<T, E = MpsError> = std::result::Result<T, E>;
 /// How daemons are started and spoken to.
 #[derive(Clone, Debug)]
 pub enum Launcher {
-    /// NVIDIA's `nvidia-cuda-mps-control` at this path (under the driver root).
-    Nvidia { control: PathBuf },
+    /// NVIDIA's `nvidia-cuda-mps-control` at this path (under the driver root). The daemon and every
+    /// command run with the driver root's `PATH` and `LD_LIBRARY_PATH`, so the control daemon finds
+    /// `nvidia-cuda-mps-server` and the driver's libraries where the driver root is not `/` (GPU Operator,
+    /// GKE).
+    Nvidia { control: PathBuf, driver_root: PathBuf },
     /// `<program> mps-control-sim`; `program` is normally the plugin binary itself.
     Simulated { program: PathBuf },
 }
@@ -126,6 +141,7 @@ pub struct DaemonDefaults {
 pub struct MpsManager {
     root: PathBuf,
     launcher: Launcher,
+    command_timeout: Duration,
 }
 
 impl MpsManager {
@@ -133,7 +149,19 @@ impl MpsManager {
         Self {
             root: state_dir.join("mps"),
             launcher,
+            command_timeout: COMMAND_TIMEOUT,
         }
+    }
+
+    /// How long one control command may take before it is killed (default 5 s).
+    pub fn with_command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// The plugin's state directory (the parent of the daemons' directories).
+    pub fn state_dir(&self) -> &Path {
+        self.root.parent().unwrap_or(&self.root)
     }
 
     /// The directories of the daemon for device `key`.
@@ -185,19 +213,21 @@ impl MpsManager {
         };
         match &self.launcher {
             Launcher::Simulated { .. } => sim_send(&dirs.pipe, command).map_err(|e| err(e.to_string())),
-            Launcher::Nvidia { control } => {
-                let mut child = Command::new(control)
+            Launcher::Nvidia { control, driver_root } => {
+                let mut cmd = Command::new(control);
+                driver_env(&mut cmd, driver_root)
                     .env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
-                    .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log)
-                    .stdin(Stdio::piped())
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .map_err(|e| err(e.to_string()))?;
-                if let Some(mut stdin) = child.stdin.take() {
-                    writeln!(stdin, "{command}").map_err(|e| err(e.to_string()))?;
-                }
-                let out = child.wait_with_output().map_err(|e| err(e.to_string()))?;
+                    .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
+                let out =
+                    run_with_timeout(cmd, Some(command), self.command_timeout).map_err(|e| match e {
+                        ToolError::Io(reason) => err(reason),
+                        ToolError::TimedOut => MpsError::Timeout {
+                            key: key.to_string(),
+                            program: control.clone(),
+                            command: command.to_string(),
+                            timeout: self.command_timeout,
+                        },
+                    })?;
                 if !out.status.success() {
                     return Err(err(format!(
                         "{}: {}",
@@ -228,34 +258,38 @@ impl MpsManager {
             program: program.to_path_buf(),
             reason,
         };
-        let (program, status) = match &self.launcher {
-            Launcher::Nvidia { control } => (
-                control,
-                Command::new(control)
+        let (program, mut cmd) = match &self.launcher {
+            Launcher::Nvidia { control, driver_root } => {
+                let mut cmd = Command::new(control);
+                driver_env(&mut cmd, driver_root)
                     .arg("-d")
                     .env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
-                    .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log)
-                    .env("CUDA_VISIBLE_DEVICES", device_uuid)
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status(),
-            ),
-            Launcher::Simulated { program } => (
-                program,
-                Command::new(program)
-                    .args([SIM_SUBCOMMAND, "--detach", "--pipe-dir"])
+                    .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
+                (control, cmd)
+            }
+            Launcher::Simulated { program } => {
+                let mut cmd = Command::new(program);
+                cmd.args([SIM_SUBCOMMAND, "--detach", "--pipe-dir"])
                     .arg(&dirs.pipe)
                     .arg("--log-dir")
-                    .arg(&dirs.log)
-                    .env("CUDA_VISIBLE_DEVICES", device_uuid)
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status(),
-            ),
+                    .arg(&dirs.log);
+                (program, cmd)
+            }
         };
-        let status = status.map_err(|e| start_err(program, e.to_string()))?;
+        cmd.env("CUDA_VISIBLE_DEVICES", device_uuid);
+        // `-d` forks the daemon and returns; a launcher that does not is killed after the timeout.
+        let status = match run_with_timeout(cmd, None, DAEMON_TIMEOUT) {
+            Ok(out) => out.status,
+            Err(ToolError::Io(reason)) => return Err(start_err(program, reason)),
+            Err(ToolError::TimedOut) => {
+                return Err(MpsError::Timeout {
+                    key: key.to_string(),
+                    program: program.to_path_buf(),
+                    command: "start".into(),
+                    timeout: DAEMON_TIMEOUT,
+                });
+            }
+        };
         if !status.success() {
             return Err(start_err(program, format!("launcher exited with {status}")));
         }
@@ -312,6 +346,54 @@ impl MpsManager {
             warn!(key, error = %e, "could not remove the MPS daemon directory");
         }
         Ok(())
+    }
+}
+
+/// The driver root's `PATH` and `LD_LIBRARY_PATH` for NVIDIA's MPS tools.
+fn driver_env<'c>(cmd: &'c mut Command, driver_root: &Path) -> &'c mut Command {
+    let root = DriverRoot::new(driver_root);
+    cmd.env("PATH", root.path_env());
+    let libs = root.ld_library_path();
+    if !libs.is_empty() {
+        cmd.env("LD_LIBRARY_PATH", libs);
+    }
+    cmd
+}
+
+enum ToolError {
+    Io(String),
+    TimedOut,
+}
+
+/// Runs `cmd` (arguments passed directly, never through a shell) with `input` on its stdin, waiting at most
+/// `timeout`; a tool still running then is killed. Output is read after the exit: MPS tools print a line.
+fn run_with_timeout(
+    mut cmd: Command,
+    input: Option<&str>,
+    timeout: Duration,
+) -> std::result::Result<std::process::Output, ToolError> {
+    let io = |e: std::io::Error| ToolError::Io(e.to_string());
+    let piped = |yes: bool| if yes { Stdio::piped() } else { Stdio::null() };
+    let mut child = cmd
+        .stdin(piped(input.is_some()))
+        .stdout(piped(input.is_some()))
+        .stderr(piped(input.is_some()))
+        .spawn()
+        .map_err(io)?;
+    if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
+        writeln!(stdin, "{text}").map_err(io)?;
+    }
+    let deadline = Instant::now() + timeout;
+    loop {
+        if child.try_wait().map_err(io)?.is_some() {
+            return child.wait_with_output().map_err(io);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(ToolError::TimedOut);
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

@@ -1,0 +1,455 @@
+//! The NVIDIA driver's user-space files under a driver root, and the CDI edits that hand them to a container.
+//!
+//! A container with `/dev/nvidia0` but without `libcuda.so.1` cannot run CUDA, and the container runtime
+//! adds nothing by itself (NVIDIA's runtime ignores `NVIDIA_VISIBLE_DEVICES` for unprivileged pods in its
+//! default configuration). So every tessera device carries, like the specs `nvidia-ctk cdi generate` writes:
+//!
+//! * read-only bind mounts of the driver's libraries (the versioned file and its soname link, both as
+//!   regular files: the runtime resolves the host's symlink) and binaries (`nvidia-smi`, …);
+//! * the library directory on the loader's search path without running `ldconfig` in the container: the
+//!   libraries are mounted at the host's library path with the driver root stripped, which on the common
+//!   layouts (`/usr/lib/x86_64-linux-gnu`, `/usr/lib64`, …) is a directory glibc searches by default, or
+//!   under `/usr/local/nvidia/lib64` (GKE, flat layouts), which NVIDIA's CUDA images put in
+//!   `LD_LIBRARY_PATH`. Where the node has NVIDIA's CDI hook, [`DriverFiles::with_ldcache_hook`] adds its
+//!   `update-ldcache` `createContainer` hook too, for images whose loader looks elsewhere.
+//!
+//! This module only finds files (it is used by the NVML backend too); [`crate::edits::driver_edits`] turns
+//! them into CDI edits.
+//!
+//! Driver-root layouts searched ([`LIBRARY_DIRS`], [`BINARY_DIRS`]): distribution packages (`/` or
+//! `/run/nvidia/driver` of the GPU Operator) with `usr/lib/x86_64-linux-gnu`, `usr/lib64`,
+//! `usr/lib/aarch64-linux-gnu`, `lib64`, `lib/x86_64-linux-gnu`, `lib/aarch64-linux-gnu`, `usr/lib`, `lib`;
+//! GKE's `/home/kubernetes/bin/nvidia` with `lib64` and `bin`; a flat directory holding the libraries itself.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+/// Library directories under a driver root, most specific first; the root itself is tried last.
+pub const LIBRARY_DIRS: [&str; 8] = [
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib64",
+    "usr/lib/aarch64-linux-gnu",
+    "lib64",
+    "lib/x86_64-linux-gnu",
+    "lib/aarch64-linux-gnu",
+    "usr/lib",
+    "lib",
+];
+
+/// Binary directories under a driver root; the root itself is tried last.
+pub const BINARY_DIRS: [&str; 5] = ["usr/bin", "bin", "usr/sbin", "sbin", "opt/bin"];
+
+/// GKE installs the driver here (COS and Ubuntu node images) with `lib64/` and `bin/`.
+pub const GKE_DRIVER_ROOT: &str = "/home/kubernetes/bin/nvidia";
+
+/// Where libraries of non-standard layouts go in the container (NVIDIA's CUDA images have it in
+/// `LD_LIBRARY_PATH`, and GKE's device plugin uses the same place).
+pub const FALLBACK_LIBRARY_DIR: &str = "/usr/local/nvidia/lib64";
+/// Where binaries of non-standard layouts go in the container.
+pub const FALLBACK_BINARY_DIR: &str = "/usr/local/nvidia/bin";
+
+/// The driver libraries a compute, video or management workload may load (the utility, compute and video
+/// sets of NVIDIA's container toolkit; graphics libraries are not handed out). Each is looked for as
+/// `<name>.so.<driver version>` and as its soname link `<name>.so.1`.
+pub const LIBRARIES: [&str; 18] = [
+    "libcuda",
+    "libcudadebugger",
+    "libnvidia-ml",
+    "libnvidia-cfg",
+    "libnvidia-nscq",
+    "libnvidia-ptxjitcompiler",
+    "libnvidia-nvvm",
+    "libnvidia-gpucomp",
+    "libnvidia-allocator",
+    "libnvidia-opencl",
+    "libnvidia-pkcs11",
+    "libnvidia-pkcs11-openssl3",
+    "libnvidia-fatbinaryloader",
+    "libnvidia-compiler",
+    "libnvidia-encode",
+    "libnvidia-opticalflow",
+    "libnvcuvid",
+    "libvdpau_nvidia",
+];
+
+/// Driver binaries handed to containers.
+pub const BINARIES: [&str; 5] = [
+    "nvidia-smi",
+    "nvidia-debugdump",
+    "nvidia-persistenced",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+];
+
+/// Mount options of every driver file: read-only, no setuid, no device nodes, private propagation (as
+/// nvcdi writes them).
+pub const MOUNT_OPTIONS: [&str; 5] = ["ro", "nosuid", "nodev", "rbind", "rprivate"];
+
+/// A driver installation rooted at a directory of the host (as the plugin sees it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriverRoot {
+    root: PathBuf,
+}
+
+impl DriverRoot {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.root
+    }
+
+    /// The root's library directories that exist, in search order (GKE's `lib64` is in the list).
+    pub fn library_dirs(&self) -> Vec<PathBuf> {
+        existing_dirs(&self.root, &LIBRARY_DIRS)
+    }
+
+    /// The root's binary directories that exist, in search order.
+    pub fn binary_dirs(&self) -> Vec<PathBuf> {
+        existing_dirs(&self.root, &BINARY_DIRS)
+    }
+
+    /// Every path a library file name is looked for at, in order (for error messages and NVML loading).
+    pub fn library_candidates(&self, file: &str) -> Vec<PathBuf> {
+        candidates(&self.root, &LIBRARY_DIRS, file)
+    }
+
+    /// Every path a binary is looked for at, in order.
+    pub fn binary_candidates(&self, name: &str) -> Vec<PathBuf> {
+        candidates(&self.root, &BINARY_DIRS, name)
+    }
+
+    /// The first existing library file named `file` (e.g. `libnvidia-ml.so.1`).
+    pub fn find_library(&self, file: &str) -> Option<PathBuf> {
+        self.library_candidates(file).into_iter().find(|p| p.exists())
+    }
+
+    /// The first existing binary named `name`.
+    pub fn find_binary(&self, name: &str) -> Option<PathBuf> {
+        self.binary_candidates(name).into_iter().find(|p| p.is_file())
+    }
+
+    /// `PATH` for a process that runs the driver's binaries (the MPS daemon): the root's binary
+    /// directories, then the usual system ones.
+    pub fn path_env(&self) -> String {
+        let mut dirs: Vec<String> = self
+            .binary_dirs()
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect();
+        for d in [
+            "/usr/local/sbin",
+            "/usr/local/bin",
+            "/usr/sbin",
+            "/usr/bin",
+            "/sbin",
+            "/bin",
+        ] {
+            if !dirs.iter().any(|x| x == d) {
+                dirs.push(d.to_string());
+            }
+        }
+        dirs.join(":")
+    }
+
+    /// `LD_LIBRARY_PATH` for a process that loads the driver's libraries from this root.
+    pub fn ld_library_path(&self) -> String {
+        self.library_dirs()
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(":")
+    }
+
+    /// Where a host file of this root appears in the container: the same path without the driver root when
+    /// its directory is a standard one, else the `/usr/local/nvidia` fallback.
+    fn container_path(&self, host: &Path, library: bool) -> Option<String> {
+        let rel = host.strip_prefix(&self.root).ok()?;
+        let dir = rel
+            .parent()
+            .map(|p| p.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let name = rel.file_name()?.to_string_lossy().to_string();
+        let standard: &[&str] = if library { &LIBRARY_DIRS } else { &BINARY_DIRS };
+        let is_gke = self.root == Path::new(GKE_DRIVER_ROOT);
+        if !is_gke && standard.contains(&dir.as_str()) {
+            return Some(format!("/{dir}/{name}"));
+        }
+        let fallback = if library {
+            FALLBACK_LIBRARY_DIR
+        } else {
+            FALLBACK_BINARY_DIR
+        };
+        Some(format!("{fallback}/{name}"))
+    }
+}
+
+fn existing_dirs(root: &Path, dirs: &[&str]) -> Vec<PathBuf> {
+    dirs.iter()
+        .map(|d| root.join(d))
+        .chain(std::iter::once(root.to_path_buf()))
+        .filter(|d| d.is_dir())
+        .collect()
+}
+
+fn candidates(root: &Path, dirs: &[&str], file: &str) -> Vec<PathBuf> {
+    dirs.iter()
+        .map(|d| root.join(d).join(file))
+        .chain(std::iter::once(root.join(file)))
+        .collect()
+}
+
+/// One driver file and where the container sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriverFile {
+    pub host_path: PathBuf,
+    pub container_path: String,
+}
+
+/// The driver files found under a root, turned into CDI edits common to every device.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DriverFiles {
+    pub libraries: Vec<DriverFile>,
+    pub binaries: Vec<DriverFile>,
+    /// `nvidia-cdi-hook` on the host, when the node has NVIDIA's container toolkit.
+    pub ldcache_hook: Option<PathBuf>,
+}
+
+impl DriverFiles {
+    /// Finds the libraries of `driver_version` (e.g. `580.159.03`) and the binaries under `root`. A library
+    /// is taken from the first directory that holds it; missing ones are skipped (not every driver ships
+    /// every library).
+    pub fn discover(root: &DriverRoot, driver_version: Option<&str>) -> Self {
+        let mut libraries = Vec::new();
+        for lib in LIBRARIES {
+            let mut names = vec![format!("{lib}.so.1")];
+            if let Some(v) = driver_version {
+                names.insert(0, format!("{lib}.so.{v}"));
+            }
+            // Both names from the same directory, so the soname link and its target match.
+            let Some(dir) = root
+                .library_dirs()
+                .into_iter()
+                .find(|d| names.iter().any(|n| d.join(n).exists()))
+            else {
+                continue;
+            };
+            for n in &names {
+                let host = dir.join(n);
+                if host.exists()
+                    && let Some(container_path) = root.container_path(&host, true)
+                {
+                    libraries.push(DriverFile {
+                        host_path: host,
+                        container_path,
+                    });
+                }
+            }
+        }
+        let binaries = BINARIES
+            .iter()
+            .filter_map(|b| root.find_binary(b))
+            .filter_map(|host| {
+                let container_path = root.container_path(&host, false)?;
+                Some(DriverFile {
+                    host_path: host,
+                    container_path,
+                })
+            })
+            .collect();
+        Self {
+            libraries,
+            binaries,
+            ldcache_hook: None,
+        }
+    }
+
+    /// Adds NVIDIA's `nvidia-cdi-hook update-ldcache` as a `createContainer` hook (the path is the host's:
+    /// the runtime runs hooks outside the container).
+    pub fn with_ldcache_hook(mut self, hook: Option<PathBuf>) -> Self {
+        self.ldcache_hook = hook;
+        self
+    }
+
+    /// Directories of the container that receive libraries.
+    pub fn container_library_dirs(&self) -> Vec<String> {
+        let mut dirs: Vec<String> = Vec::new();
+        for f in &self.libraries {
+            if let Some((dir, _)) = f.container_path.rsplit_once('/')
+                && !dirs.iter().any(|d| d == dir)
+            {
+                dirs.push(dir.to_string());
+            }
+        }
+        dirs
+    }
+}
+
+/// `true` when `path` is an existing file (used to find an optional host tool).
+pub fn existing_file(path: &Path) -> Option<PathBuf> {
+    fs::metadata(path)
+        .ok()
+        .filter(|m| m.is_file())
+        .map(|_| path.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::symlink;
+
+    use super::*;
+
+    const VERSION: &str = "580.159.03";
+
+    /// A driver root in a temp dir with `libcuda` and `libnvidia-ml` in `lib_dir` and `nvidia-smi` in
+    /// `bin_dir`.
+    struct Layout {
+        dir: tempfile::TempDir,
+    }
+
+    impl Layout {
+        fn new() -> Self {
+            Self {
+                dir: tempfile::tempdir().unwrap(),
+            }
+        }
+
+        fn libs(self, lib_dir: &str) -> Self {
+            let d = self.dir.path().join(lib_dir);
+            fs::create_dir_all(&d).unwrap();
+            for lib in ["libcuda", "libnvidia-ml"] {
+                fs::write(d.join(format!("{lib}.so.{VERSION}")), b"stub").unwrap();
+                symlink(format!("{lib}.so.{VERSION}"), d.join(format!("{lib}.so.1"))).unwrap();
+            }
+            self
+        }
+
+        fn bin(self, bin_dir: &str) -> Self {
+            let d = self.dir.path().join(bin_dir);
+            fs::create_dir_all(&d).unwrap();
+            fs::write(d.join("nvidia-smi"), b"#!/bin/sh\n").unwrap();
+            self
+        }
+
+        fn root(&self) -> DriverRoot {
+            DriverRoot::new(self.dir.path())
+        }
+    }
+
+    fn container_paths(files: &[DriverFile]) -> Vec<&str> {
+        files.iter().map(|f| f.container_path.as_str()).collect()
+    }
+
+    #[test]
+    fn each_library_layout_nvidia_ships_is_found_and_mounted_at_the_same_path() {
+        for dir in [
+            "usr/lib/x86_64-linux-gnu",
+            "usr/lib64",
+            "usr/lib/aarch64-linux-gnu",
+            "lib64",
+            "lib/x86_64-linux-gnu",
+            "lib/aarch64-linux-gnu",
+        ] {
+            let layout = Layout::new().libs(dir).bin("usr/bin");
+            let files = DriverFiles::discover(&layout.root(), Some(VERSION));
+            assert_eq!(
+                container_paths(&files.libraries),
+                vec![
+                    format!("/{dir}/libcuda.so.{VERSION}"),
+                    format!("/{dir}/libcuda.so.1"),
+                    format!("/{dir}/libnvidia-ml.so.{VERSION}"),
+                    format!("/{dir}/libnvidia-ml.so.1"),
+                ],
+                "layout {dir}"
+            );
+            assert_eq!(
+                files.libraries[1].host_path,
+                layout.dir.path().join(dir).join("libcuda.so.1")
+            );
+            assert_eq!(
+                layout.root().find_library("libnvidia-ml.so.1").unwrap(),
+                layout.dir.path().join(dir).join("libnvidia-ml.so.1"),
+                "layout {dir}"
+            );
+        }
+    }
+
+    #[test]
+    fn each_binary_layout_is_found() {
+        for dir in ["usr/bin", "bin", "usr/sbin", "sbin", "opt/bin"] {
+            let layout = Layout::new().libs("usr/lib64").bin(dir);
+            let files = DriverFiles::discover(&layout.root(), Some(VERSION));
+            assert_eq!(
+                container_paths(&files.binaries),
+                vec![format!("/{dir}/nvidia-smi")],
+                "layout {dir}"
+            );
+            assert!(
+                layout
+                    .root()
+                    .path_env()
+                    .starts_with(&layout.dir.path().join(dir).display().to_string()),
+                "{}",
+                layout.root().path_env()
+            );
+        }
+    }
+
+    #[test]
+    fn a_flat_driver_root_is_found_and_mounted_under_usr_local_nvidia() {
+        let layout = Layout::new().libs(".").bin(".");
+        let files = DriverFiles::discover(&layout.root(), Some(VERSION));
+        assert_eq!(
+            container_paths(&files.libraries)[..2],
+            [
+                format!("{FALLBACK_LIBRARY_DIR}/libcuda.so.{VERSION}"),
+                format!("{FALLBACK_LIBRARY_DIR}/libcuda.so.1"),
+            ]
+        );
+        assert_eq!(
+            container_paths(&files.binaries),
+            vec![format!("{FALLBACK_BINARY_DIR}/nvidia-smi")]
+        );
+    }
+
+    #[test]
+    fn the_gke_layout_maps_to_usr_local_nvidia() {
+        let root = DriverRoot::new(GKE_DRIVER_ROOT);
+        assert_eq!(
+            root.container_path(Path::new("/home/kubernetes/bin/nvidia/lib64/libcuda.so.1"), true),
+            Some(format!("{FALLBACK_LIBRARY_DIR}/libcuda.so.1"))
+        );
+        assert_eq!(
+            root.container_path(Path::new("/home/kubernetes/bin/nvidia/bin/nvidia-smi"), false),
+            Some(format!("{FALLBACK_BINARY_DIR}/nvidia-smi"))
+        );
+        assert!(
+            root.library_candidates("libnvidia-ml.so.1")
+                .contains(&PathBuf::from(
+                    "/home/kubernetes/bin/nvidia/lib64/libnvidia-ml.so.1"
+                ))
+        );
+    }
+
+    #[test]
+    fn the_gpu_operator_root_is_stripped_from_container_paths() {
+        let root = DriverRoot::new("/run/nvidia/driver");
+        assert_eq!(
+            root.container_path(
+                Path::new("/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+                true
+            ),
+            Some("/usr/lib/x86_64-linux-gnu/libcuda.so.1".to_string())
+        );
+    }
+
+    #[test]
+    fn a_root_without_a_driver_gives_no_files() {
+        let layout = Layout::new();
+        let files = DriverFiles::discover(&layout.root(), Some(VERSION));
+        assert!(files.libraries.is_empty() && files.binaries.is_empty());
+    }
+}

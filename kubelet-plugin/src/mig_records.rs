@@ -1,0 +1,56 @@
+//! The checkpoint's view of MIG devices: what a prepared (or planned) MIG device looks like in a
+//! [`MigDetail`], and which MIG devices the completed claims hold. Kept apart from [`crate::mig`] so the
+//! MIG operations depend on the GPU backend only.
+
+use tessera_api::GpuInfo;
+
+use crate::{
+    checkpoint::{Checkpoint, DeviceDetail, MigDetail, Phase},
+    mig::{MigDevice, resolve},
+};
+
+/// The checkpoint detail of a prepared MIG device.
+pub fn detail_of(dev: &MigDevice) -> MigDetail {
+    MigDetail {
+        gpu: dev.gpu,
+        profile: dev.profile.clone(),
+        placement: dev.placement,
+        gpu_instance: Some(dev.gpu_instance),
+        compute_instance: Some(dev.compute_instance),
+        uuid: Some(dev.uuid.clone()),
+    }
+}
+
+/// The MIG device a checkpoint detail records, when it records a finished one. Capability minors are not
+/// kept in the checkpoint (they follow from the ids) and read back as 0.
+pub fn device_of(gpu: &GpuInfo, detail: &MigDetail) -> Option<MigDevice> {
+    let (prof, _) = resolve(gpu, &detail.profile, detail.placement.start).ok()?;
+    Some(MigDevice {
+        gpu: detail.gpu,
+        profile: detail.profile.clone(),
+        profile_id: prof.profile_id,
+        placement: detail.placement,
+        gpu_instance: detail.gpu_instance?,
+        compute_instance: detail.compute_instance?,
+        uuid: detail.uuid.clone()?,
+        gi_cap_minor: 0,
+        ci_cap_minor: 0,
+    })
+}
+
+/// The MIG devices the completed claims of `checkpoint` hold (exclusive and shared), for
+/// [`crate::mig::reconcile_at_start`].
+pub fn known_devices(checkpoint: &Checkpoint, gpus: &[GpuInfo]) -> Vec<MigDevice> {
+    checkpoint
+        .claims
+        .values()
+        .filter(|r| r.phase == Phase::PrepareCompleted)
+        .flat_map(|r| &r.devices)
+        .filter_map(|d| match &d.detail {
+            DeviceDetail::Mig(m) => Some(m),
+            DeviceDetail::Shared(s) => s.mig.as_ref(),
+            DeviceDetail::Gpu { .. } => None,
+        })
+        .filter_map(|m| device_of(gpus.iter().find(|g| g.index == m.gpu)?, m))
+        .collect()
+}
