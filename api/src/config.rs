@@ -26,7 +26,7 @@
 //! | Message | When |
 //! |---|---|
 //! | `parameters: must be an object, got <type>` | `parameters` is not a JSON object |
-//! | `<path>: unknown field "<field>"; allowed fields: <a>, <b>, …` | a misspelled or unsupported field |
+//! | `<path>: unknown field "<field>"; allowed fields: <a>, <b>, …` | a misspelled or unsupported field (`<path>` is `parameters` at the top level) |
 //! | `<path>: required field is missing` | `apiVersion`, `kind` or `sharing.strategy` absent |
 //! | `<path>: must be <type>, got <type>` | wrong JSON type, e.g. a string where a number belongs |
 //! | `apiVersion: must be "gpu.tessera.dev/v1alpha1", got "<v>"` | other API version |
@@ -36,6 +36,7 @@
 //! | `sharing.mps.defaultActiveThreadPercentage: must be between 1 and 100, got <n>` | out of range |
 //! | `<quantity path>: invalid quantity "<q>": <reason>` | unparsable quantity |
 //! | `<quantity path>: must be at least 1Mi, got "<q>"` | zero or sub-MiB memory limit (MPS counts in MiB) |
+//! | `<quantity path>: must be at most 1Ti (more memory than any GPU has), got "<q>"` | absurd memory limit |
 //! | `sharing.mps.perDevicePinnedMemoryLimit: key "<k>" is not a tessera device name (gpu-<i>, …)` | bad key |
 //! | `sharing.mps: only allowed with strategy MPS, got <s>` | MPS settings with another strategy |
 //! | `sharing.timeSlicing: only allowed with strategy TimeSlicing, got <s>` | interval with another strategy |
@@ -43,6 +44,15 @@
 //! | `cannot apply <kind> to <device kind> <device>; use <kind>` | kind does not fit the allocated device |
 //! | `config source "<s>" is not FromClass or FromClaim` | malformed allocation |
 //!
+//! At prepare, where the node's GPUs are known, [`DeviceConfig::check_on_node`] adds:
+//!
+//! | Message | When |
+//! |---|---|
+//! | `sharing.mps.perDevicePinnedMemoryLimit: key "<k>" names no device on this node: <why>` | e.g. `gpu-9-shared` on an 8-GPU node |
+//! | `<quantity path>: "<q>" is more than the <n> MiB of memory of <device>` | a limit above the device's memory |
+//!
+//! Values a user wrote are echoed cut to [`MAX_ECHO_CHARS`] characters (`…` marks the cut), so a huge
+//! value never becomes a huge event.
 //! Precedence ([`effective_config`]): configs from the DeviceClass rank below configs from the claim; within
 //! each, an entry naming the request ranks above an untargeted one; among equals the later entry wins.
 //! Untargeted entries of the other kind are skipped (a claim may mix GPU and MIG requests); a targeted entry of
@@ -55,7 +65,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use crate::policy::SharingStrategy;
-use crate::{DRIVER_NAME, DeviceName, GROUP_VERSION};
+use crate::{DRIVER_NAME, DeviceName, GROUP_VERSION, GpuInfo};
 
 /// `kind` of the configuration for whole GPUs and GPU shares.
 pub const KIND_GPU_CONFIG: &str = "GpuConfig";
@@ -69,6 +79,21 @@ pub const SOURCE_FROM_CLAIM: &str = "FromClaim";
 
 /// Smallest pinned-memory limit: MPS takes limits in whole MiB.
 pub const MIN_PINNED_MEMORY_BYTES: u64 = 1 << 20;
+
+/// Largest pinned-memory limit accepted without knowing the device: 1 TiB, more than any GPU has (the
+/// largest have 288 GB). The device's own memory is checked at prepare ([`DeviceConfig::check_on_node`]).
+pub const MAX_PINNED_MEMORY_BYTES: u64 = 1 << 40;
+
+/// Longest user-written value echoed in a message, in characters.
+pub const MAX_ECHO_CHARS: usize = 64;
+
+/// `value` as messages echo it: at most [`MAX_ECHO_CHARS`] characters, `…` where it was cut.
+pub fn echo(value: &str) -> String {
+    match value.char_indices().nth(MAX_ECHO_CHARS) {
+        None => value.to_string(),
+        Some((cut, _)) => format!("{}…", &value[..cut]),
+    }
+}
 
 /// Why a configuration was rejected. Each message starts with the field path it is about.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -119,6 +144,20 @@ pub enum ConfigError {
     /// A memory limit below [`MIN_PINNED_MEMORY_BYTES`].
     #[error("{path}: must be at least 1Mi, got {value:?}")]
     MemoryLimitTooSmall { path: String, value: String },
+    /// A memory limit above [`MAX_PINNED_MEMORY_BYTES`].
+    #[error("{path}: must be at most 1Ti (more memory than any GPU has), got {value:?}")]
+    MemoryLimitTooLarge { path: String, value: String },
+    /// A memory limit above the memory of the device it applies to.
+    #[error("{path}: {value:?} is more than the {memory_mib} MiB of memory of {device}")]
+    MemoryLimitAboveDevice {
+        path: String,
+        value: String,
+        device: String,
+        memory_mib: u64,
+    },
+    /// A `perDevicePinnedMemoryLimit` key naming a device this node does not have.
+    #[error("{path}: key {key:?} names no device on this node: {why}")]
+    DeviceNotOnNode { path: String, key: String, why: String },
     /// A `perDevicePinnedMemoryLimit` key that is not a device name.
     #[error(
         "{path}: key {key:?} is not a tessera device name (gpu-<i>, gpu-<i>-shared, gpu-<i>-mig-<profile>-<start>, …)"
@@ -265,8 +304,12 @@ fn object<'v>(v: &'v Value, path: &str, allowed: &'static [&'static str]) -> Res
     })?;
     if let Some(field) = obj.keys().find(|k| !allowed.contains(&k.as_str())) {
         return Err(ConfigError::UnknownField {
-            path: path.to_string(),
-            field: field.clone(),
+            path: if path.is_empty() {
+                "parameters".into()
+            } else {
+                path.into()
+            },
+            field: echo(field),
             allowed,
         });
     }
@@ -293,7 +336,7 @@ fn enum_value(v: &Value, path: &str, allowed: &'static [&'static str]) -> Result
         .position(|a| *a == s)
         .ok_or_else(|| ConfigError::NotOneOf {
             path: path.to_string(),
-            got: s.to_string(),
+            got: echo(s),
             allowed,
         })
 }
@@ -322,7 +365,7 @@ pub fn decode_strict(raw: &Value) -> Result<DeviceConfig> {
     if api_version != GROUP_VERSION {
         return Err(ConfigError::NotOneOf {
             path: "apiVersion".into(),
-            got: api_version.into(),
+            got: echo(api_version),
             allowed: &[GROUP_VERSION],
         });
     }
@@ -402,7 +445,7 @@ fn decode_mps(v: &Value) -> Result<MpsConfig> {
             got: type_name(map),
         })?;
         for (k, q) in map {
-            per_device_pinned_memory_limit.insert(k.clone(), quantity_string(q, &format!("{path}[{k:?}]"))?);
+            per_device_pinned_memory_limit.insert(k.clone(), quantity_string(q, &keyed(&path, k))?);
         }
     }
     Ok(MpsConfig {
@@ -517,28 +560,124 @@ impl DeviceConfig {
             if k.parse::<DeviceName>().is_err() {
                 return Err(ConfigError::BadDeviceKey {
                     path: path.into(),
-                    key: k.clone(),
+                    key: echo(k),
                 });
             }
-            memory_limit(q, &format!("{path}[{k:?}]"))?;
+            memory_limit(q, &keyed(path, k))?;
         }
         Ok(())
     }
 }
 
+/// The path of a map entry, `<path>["<key>"]`, with the key cut as [`echo`] does.
+fn keyed(path: &str, key: &str) -> String {
+    format!("{path}[{:?}]", echo(key))
+}
+
 fn memory_limit(q: &str, path: &str) -> Result<u64> {
     let bytes = parse_quantity(q).map_err(|source| ConfigError::InvalidQuantity {
         path: path.to_string(),
-        value: q.to_string(),
+        value: echo(q),
         source,
     })?;
     if bytes < MIN_PINNED_MEMORY_BYTES {
         return Err(ConfigError::MemoryLimitTooSmall {
             path: path.to_string(),
-            value: q.to_string(),
+            value: echo(q),
+        });
+    }
+    if bytes > MAX_PINNED_MEMORY_BYTES {
+        return Err(ConfigError::MemoryLimitTooLarge {
+            path: path.to_string(),
+            value: echo(q),
         });
     }
     Ok(bytes)
+}
+
+/// Memory of `device` on this node in bytes, or why the node has no such device.
+fn device_memory(gpus: &[GpuInfo], device: &DeviceName) -> Result<u64, String> {
+    let index = device.gpu();
+    let gpu = gpus.iter().find(|g| g.index == index).ok_or_else(|| {
+        let have: Vec<String> = gpus.iter().map(|g| format!("gpu-{}", g.index)).collect();
+        format!(
+            "there is no GPU {index} (the node has {})",
+            if have.is_empty() {
+                "no GPUs".to_string()
+            } else {
+                have.join(", ")
+            }
+        )
+    })?;
+    match device {
+        DeviceName::Mig { profile, start, .. } | DeviceName::SharedMig { profile, start, .. } => {
+            let info = gpu
+                .mig
+                .as_ref()
+                .and_then(|m| m.profile(profile))
+                .ok_or_else(|| format!("gpu-{index} has no MIG profile {profile}"))?;
+            if !info.placements.iter().any(|p| p.start == *start) {
+                return Err(format!(
+                    "gpu-{index} has no {profile} placement starting at memory slice {start}"
+                ));
+            }
+            Ok(info.memory_mib << 20)
+        }
+        _ => Ok(gpu.memory_bytes),
+    }
+}
+
+impl DeviceConfig {
+    /// Checks a validated config against the node it is prepared on (`gpus`, as discovered) for
+    /// `device`, the device being prepared: every `perDevicePinnedMemoryLimit` key names a device of this
+    /// node, and no memory limit is more than the memory of the device it applies to.
+    pub fn check_on_node(&self, gpus: &[GpuInfo], device: &DeviceName) -> Result<()> {
+        let Some(mps) = self.sharing().and_then(|s| s.mps.as_ref()) else {
+            return Ok(());
+        };
+        const PATH: &str = "sharing.mps.perDevicePinnedMemoryLimit";
+        let above = |path: String, q: &str, device: &DeviceName, memory: u64| {
+            let bytes = parse_quantity(q).unwrap_or(u64::MAX);
+            (bytes > memory).then(|| ConfigError::MemoryLimitAboveDevice {
+                path,
+                value: echo(q),
+                device: device.to_string(),
+                memory_mib: memory >> 20,
+            })
+        };
+        for (k, q) in &mps.per_device_pinned_memory_limit {
+            let Ok(named) = k.parse::<DeviceName>() else {
+                return Err(ConfigError::BadDeviceKey {
+                    path: PATH.into(),
+                    key: echo(k),
+                });
+            };
+            let memory = device_memory(gpus, &named).map_err(|why| ConfigError::DeviceNotOnNode {
+                path: PATH.into(),
+                key: echo(k),
+                why,
+            })?;
+            if let Some(e) = above(keyed(PATH, k), q, &named, memory) {
+                return Err(e);
+            }
+        }
+        if let (Some(q), Ok(memory)) = (
+            &mps.default_pinned_device_memory_limit,
+            device_memory(gpus, device),
+        ) && !mps
+            .per_device_pinned_memory_limit
+            .contains_key(&device.to_string())
+            && let Some(e) = above(
+                "sharing.mps.defaultPinnedDeviceMemoryLimit".into(),
+                q,
+                device,
+                memory,
+            )
+        {
+            return Err(e);
+        }
+        Ok(())
+    }
 }
 
 impl MpsConfig {
@@ -621,7 +760,7 @@ pub fn effective_config(
         let source_rank = match entry.source.as_str() {
             SOURCE_FROM_CLASS => 0,
             SOURCE_FROM_CLAIM => 1,
-            other => return Err(ConfigError::UnknownSource(other.to_string())),
+            other => return Err(ConfigError::UnknownSource(echo(other))),
         };
         let requests = entry.requests.as_deref().unwrap_or_default();
         let targeted = !requests.is_empty();
@@ -640,6 +779,23 @@ pub fn effective_config(
         }
     }
     Ok(best.map(|(_, c)| c))
+}
+
+/// serde_json's nesting limit: a ResourceClaim whose opaque parameters nest deeper cannot be read at all.
+pub const JSON_NESTING_LIMIT: usize = 128;
+
+/// The message to report when reading a ResourceClaim failed with `error` because its opaque
+/// configuration nests too deep (serde_json's `recursion limit exceeded`), naming the configuration;
+/// `None` for any other error. The API server stores such claims (it allows far deeper JSON), so the
+/// plugin is the first to trip over them, before [`decode`] ever sees the parameters.
+pub fn too_deep_config_message(error: &str) -> Option<String> {
+    error.contains("recursion limit exceeded").then(|| {
+        format!(
+            "its opaque configuration (status.allocation.devices.config[].opaque.parameters, from the claim \
+             or its DeviceClass) nests deeper than {JSON_NESTING_LIMIT} levels and cannot be read; a {KIND_GPU_CONFIG} \
+             or {KIND_MIG_CONFIG} nests at most 4"
+        )
+    })
 }
 
 /// Why a quantity string does not parse.
@@ -687,7 +843,7 @@ pub fn parse_quantity(s: &str) -> Result<u64, QuantityError> {
         "T" => 1_000_000_000_000,
         "P" => 1_000_000_000_000_000,
         "E" => 1_000_000_000_000_000_000,
-        other => return Err(QuantityError::UnknownSuffix(other.to_string())),
+        other => return Err(QuantityError::UnknownSuffix(echo(other))),
     };
     if frac.len() > 18 || int.len() > 20 {
         return Err(QuantityError::Overflow);
@@ -732,7 +888,12 @@ mod tests {
             (json!("GpuConfig"), "parameters: must be an object, got a string"),
             (
                 json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig", "sharng": {}}),
-                "unknown field \"sharng\"; allowed fields: apiVersion, kind, sharing",
+                "parameters: unknown field \"sharng\"; allowed fields: apiVersion, kind, sharing",
+            ),
+            (
+                gpu(json!({"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "1Ei"}})),
+                "sharing.mps.defaultPinnedDeviceMemoryLimit: must be at most 1Ti (more memory than any GPU \
+                 has), got \"1Ei\"",
             ),
             (
                 gpu(json!({"strategy": "MPS", "mps": {"activeThreads": 5}})),
@@ -842,6 +1003,179 @@ mod tests {
             let err = decode(&raw).expect_err(&raw.to_string()).to_string();
             assert!(err.contains(want), "config {raw}\n  got:  {err}\n  want: {want}");
         }
+    }
+
+    /// Issue 16 item 6: an unknown top-level field had an empty path (`: unknown field "sharng"`).
+    #[test]
+    fn an_unknown_top_level_field_is_reported_under_parameters() {
+        let err =
+            decode(&json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig", "sharng": {}})).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "parameters: unknown field \"sharng\"; allowed fields: apiVersion, kind, sharing"
+        );
+    }
+
+    /// Issue 16 item 6: `1Ei` was accepted and MPS was told `1099511627776M` on an 81,559 MiB GPU.
+    #[test]
+    fn a_pinned_memory_limit_above_any_gpus_memory_is_rejected_before_the_node_is_known() {
+        let limit = |q: &str| gpu(json!({"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": q}}));
+        assert!(decode(&limit("1Ti")).is_ok(), "the bound itself is allowed");
+        for q in ["1Ei", "1025Gi", "2T"] {
+            let err = decode(&limit(q)).unwrap_err();
+            assert!(
+                matches!(err, ConfigError::MemoryLimitTooLarge { .. }),
+                "{q}: {err}"
+            );
+        }
+        let per_device =
+            gpu(json!({"strategy": "MPS", "mps": {"perDevicePinnedMemoryLimit": {"gpu-0-shared": "1Pi"}}}));
+        assert_eq!(
+            decode(&per_device).unwrap_err().to_string(),
+            "sharing.mps.perDevicePinnedMemoryLimit[\"gpu-0-shared\"]: must be at most 1Ti (more memory than \
+             any GPU has), got \"1Pi\""
+        );
+    }
+
+    /// Two 80 GiB GPUs; GPU 0 offers 3g.40gb at memory slices 0 and 4.
+    fn node_gpus() -> Vec<GpuInfo> {
+        let mig = crate::inventory::MigInfo {
+            enabled: true,
+            profiles: vec![crate::MigProfileInfo {
+                name: "3g.40gb".into(),
+                memory_mib: 40_320,
+                placements: vec![
+                    crate::MigPlacement { start: 0, size: 4 },
+                    crate::MigPlacement { start: 4, size: 4 },
+                ],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        (0..2)
+            .map(|index| GpuInfo {
+                index,
+                memory_bytes: 80 << 30,
+                mig: (index == 0).then(|| mig.clone()),
+                healthy: true,
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    fn on_node(mps: Value, device: &str) -> Result<()> {
+        decode(&gpu(json!({"strategy": "MPS", "mps": mps})))
+            .expect("statically valid")
+            .check_on_node(&node_gpus(), &device.parse().unwrap())
+    }
+
+    /// Issue 16 item 6: a `perDevicePinnedMemoryLimit` key for a device not on the node was accepted.
+    #[test]
+    fn at_prepare_a_key_naming_a_device_not_on_the_node_is_an_error_naming_the_key() {
+        let key = |k: &str| json!({"perDevicePinnedMemoryLimit": {k: "10Gi"}});
+        for (k, why) in [
+            ("gpu-9-shared", "there is no GPU 9 (the node has gpu-0, gpu-1)"),
+            ("gpu-0-mig-7g-80gb-0-shared", "gpu-0 has no MIG profile 7g.80gb"),
+            (
+                "gpu-0-mig-3g-40gb-2-shared",
+                "gpu-0 has no 3g.40gb placement starting at memory slice 2",
+            ),
+            ("gpu-1-mig-3g-40gb-0", "gpu-1 has no MIG profile 3g.40gb"),
+        ] {
+            let err = on_node(key(k), "gpu-0-shared").unwrap_err().to_string();
+            assert_eq!(
+                err,
+                format!(
+                    "sharing.mps.perDevicePinnedMemoryLimit: key {k:?} names no device on this node: {why}"
+                )
+            );
+        }
+        assert_eq!(on_node(key("gpu-1-shared"), "gpu-0-shared"), Ok(()));
+        assert_eq!(on_node(key("gpu-0-mig-3g-40gb-4-shared"), "gpu-0-shared"), Ok(()));
+    }
+
+    #[test]
+    fn at_prepare_a_limit_above_the_devices_memory_is_an_error() {
+        assert_eq!(
+            on_node(
+                json!({"perDevicePinnedMemoryLimit": {"gpu-1-shared": "81Gi"}}),
+                "gpu-0-shared"
+            )
+            .unwrap_err()
+            .to_string(),
+            "sharing.mps.perDevicePinnedMemoryLimit[\"gpu-1-shared\"]: \"81Gi\" is more than the 81920 MiB of \
+             memory of gpu-1-shared"
+        );
+        let default = json!({"defaultPinnedDeviceMemoryLimit": "50Gi"});
+        assert_eq!(on_node(default.clone(), "gpu-0-shared"), Ok(()));
+        assert_eq!(
+            on_node(default.clone(), "gpu-0-mig-3g-40gb-4-shared")
+                .unwrap_err()
+                .to_string(),
+            "sharing.mps.defaultPinnedDeviceMemoryLimit: \"50Gi\" is more than the 40320 MiB of memory of \
+             gpu-0-mig-3g-40gb-4-shared"
+        );
+        // A per-device entry for the prepared device overrides the default, so the default is not checked.
+        let both = json!({"defaultPinnedDeviceMemoryLimit": "50Gi",
+                          "perDevicePinnedMemoryLimit": {"gpu-0-mig-3g-40gb-4-shared": "20Gi"}});
+        assert_eq!(on_node(both, "gpu-0-mig-3g-40gb-4-shared"), Ok(()));
+        let time_slicing = decode(&gpu(json!({"strategy": "TimeSlicing"}))).unwrap();
+        assert_eq!(
+            time_slicing.check_on_node(&[], &DeviceName::Gpu { gpu: 5 }),
+            Ok(()),
+            "nothing to check without MPS limits"
+        );
+    }
+
+    /// Issue 16 item 6: a 9,000-character kind became a 9 KB event.
+    #[test]
+    fn values_a_user_wrote_are_echoed_cut_to_64_characters() {
+        let long = "K".repeat(9_000);
+        let messages = [
+            decode(&json!({"apiVersion": GROUP_VERSION, "kind": long})),
+            decode(&json!({"apiVersion": long, "kind": "GpuConfig"})),
+            decode(&json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig", long.clone(): 1})),
+            decode(&gpu(json!({"strategy": long}))),
+            decode(&gpu(
+                json!({"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": format!("1{long}")}}),
+            )),
+            decode(&gpu(
+                json!({"strategy": "MPS", "mps": {"perDevicePinnedMemoryLimit": {long.clone(): "1Gi"}}}),
+            )),
+            decode(&gpu(
+                json!({"strategy": "MPS", "mps": {"perDevicePinnedMemoryLimit": {long.clone(): true}}}),
+            )),
+        ]
+        .map(|r| r.unwrap_err().to_string());
+        for m in messages {
+            assert!(m.chars().count() < 300, "{} characters: {m:.200}", m.len());
+            assert!(m.contains(&format!("{}…", "K".repeat(63))), "{m}");
+        }
+        assert_eq!(echo("short"), "short");
+        assert_eq!(
+            echo(&"é".repeat(65)),
+            format!("{}…", "é".repeat(64)),
+            "cut at a character"
+        );
+    }
+
+    /// Issue 16 item 6: a deeply nested config made reading the claim fail with a bare `recursion limit
+    /// exceeded`.
+    #[test]
+    fn a_claim_too_deeply_nested_to_read_gets_a_message_naming_its_opaque_configuration() {
+        let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
+        let claim = format!(
+            r#"{{"apiVersion":"resource.k8s.io/v1","kind":"ResourceClaim","metadata":{{"name":"c"}},
+                "spec":{{"devices":{{"config":[{{"opaque":{{"driver":"gpu.tessera.dev","parameters":{{"x":{deep}}}}}}}]}}}}}}"#
+        );
+        let err = serde_json::from_str::<k8s_openapi::api::resource::v1::ResourceClaim>(&claim).unwrap_err();
+        let message = too_deep_config_message(&err.to_string()).expect("recognized");
+        assert!(
+            message.contains("opaque configuration") && message.contains("128 levels"),
+            "{message}"
+        );
+        let other = serde_json::from_str::<k8s_openapi::api::resource::v1::ResourceClaim>("{").unwrap_err();
+        assert_eq!(too_deep_config_message(&other.to_string()), None);
     }
 
     #[test]
