@@ -75,6 +75,27 @@ fn raw_error(e: RawError, context: impl Display) -> GpuError {
     error_for_code(e.call, e.code, context)
 }
 
+/// `NVML_DEVICE_ARCH_HOPPER`.
+const ARCH_HOPPER: u32 = 9;
+/// `NVML_DEVICE_ARCH_UNKNOWN`.
+const ARCH_UNKNOWN: u32 = u32::MAX;
+
+/// Hopper and every later architecture switch MIG mode without a GPU reset (NVIDIA's
+/// `supportsMIGModeToggle` is `architecture >= HOPPER`); judged on the raw number so an architecture newer
+/// than nvml-wrapper knows counts too.
+pub fn mig_toggle_without_reset(raw_arch: u32) -> bool {
+    raw_arch >= ARCH_HOPPER && raw_arch != ARCH_UNKNOWN
+}
+
+/// The architecture attribute: nvml-wrapper's name where it knows the number, else `Architecture<N>`
+/// (never a bare "Unknown" for a GPU the driver does know).
+pub fn architecture_name(raw_arch: Option<u32>, known: DeviceArchitecture) -> String {
+    match (raw_arch, &known) {
+        (Some(n), DeviceArchitecture::Unknown) if n != ARCH_UNKNOWN => format!("Architecture{n}"),
+        _ => known.to_string(),
+    }
+}
+
 /// `nvmlSystemGetCudaDriverVersion` gives `1000 * major + 10 * minor`; e.g. 13000 is `13.0`.
 pub fn format_cuda_version(version: i32) -> String {
     format!("{}.{}", version / 1000, (version % 1000) / 10)
@@ -291,7 +312,7 @@ impl NvmlBackend {
         gpu: u32,
         device: &Device<'_>,
         pci_device_id: u16,
-        arch: DeviceArchitecture,
+        raw_arch: Option<u32>,
     ) -> Option<MigInfo> {
         let mode = match device.mig_mode() {
             Ok(mode) => mode,
@@ -348,10 +369,7 @@ impl NvmlBackend {
         }
         Some(MigInfo {
             enabled: mode.current == 1,
-            mode_toggle_without_reset: matches!(
-                arch,
-                DeviceArchitecture::Hopper | DeviceArchitecture::Blackwell
-            ),
+            mode_toggle_without_reset: raw_arch.is_some_and(mig_toggle_without_reset),
             memory_slices: profiles
                 .iter()
                 .flat_map(|p| &p.placements)
@@ -399,6 +417,7 @@ impl NvmlBackend {
             .brand()
             .map(|b| format!("{b:?}"))
             .unwrap_or_else(|_| "Unknown".to_string());
+        let raw_arch = nvml_raw::architecture(&self.nvml, &device).ok();
         let arch = device.architecture().unwrap_or(DeviceArchitecture::Unknown);
         let cc = device
             .cuda_compute_capability()
@@ -426,14 +445,14 @@ impl NvmlBackend {
             uuid,
             product_name,
             brand,
-            architecture: arch.to_string(),
+            architecture: architecture_name(raw_arch, arch),
             cuda_compute_capability: format!("{}.{}", cc.major, cc.minor),
             memory_bytes: memory.total,
             multiprocessors: self.multiprocessors(&device, (cc.major, cc.minor), pci_device_id),
             pci_bus_id,
             pcie_root,
             numa_node,
-            mig: self.mig_info(index, &device, pci_device_id, arch),
+            mig: self.mig_info(index, &device, pci_device_id, raw_arch),
             healthy: true,
         })
     }
@@ -749,6 +768,22 @@ mod tests {
             PathBuf::from("/run/nvidia/driver/usr/lib64/libnvidia-ml.so.1")
         );
         assert_eq!(c.last().unwrap(), &PathBuf::from("libnvidia-ml.so.1"));
+    }
+
+    #[test]
+    fn architectures_newer_than_nvml_wrapper_knows_toggle_mig_without_reset() {
+        assert!(!mig_toggle_without_reset(7), "Ampere needs a reset");
+        assert!(mig_toggle_without_reset(9) && mig_toggle_without_reset(10));
+        assert!(
+            mig_toggle_without_reset(11),
+            "a future architecture is Hopper or newer"
+        );
+        assert!(!mig_toggle_without_reset(ARCH_UNKNOWN));
+        assert_eq!(
+            architecture_name(Some(11), DeviceArchitecture::Unknown),
+            "Architecture11"
+        );
+        assert_eq!(architecture_name(Some(9), DeviceArchitecture::Hopper), "Hopper");
     }
 
     #[test]

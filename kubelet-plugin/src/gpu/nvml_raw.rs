@@ -269,9 +269,26 @@ unsafe fn compute_instance_info(nvml: &Nvml, ci: nvmlComputeInstance_t) -> RawRe
     }
 }
 
-/// Compute-instance profile indices from the largest slice count down: 7, 8, 6, 4, 3, 2, 1 slices.
-/// `1_SLICE_REV1` (7) is skipped, as NVIDIA's driver does.
+/// `nvmlDeviceGetArchitecture` as the raw number, so an architecture newer than nvml-wrapper's enum still
+/// reads as itself (Hopper 9, Blackwell 10, later ones higher) instead of "unknown".
+pub(super) fn architecture(nvml: &Nvml, device: &Device<'_>) -> RawResult<u32> {
+    let get = sym!(nvml, nvmlDeviceGetArchitecture);
+    let mut arch: c_uint = 0;
+    // SAFETY: the handle is borrowed from a live `Device`; `arch` is a plain out-parameter.
+    check("nvmlDeviceGetArchitecture", unsafe {
+        get(device.handle(), &mut arch)
+    })?;
+    Ok(arch)
+}
+
+/// Compute-instance profile indices tried when creating the CI that spans a GI, from the largest slice
+/// count down: 7, 8, 6, 4, 3, 2, 1 slices. `1_SLICE_REV1` (7) is skipped, as NVIDIA's driver does.
 const CI_PROFILE_INDICES_LARGEST_FIRST: [u32; 7] = [4, 5, 6, 3, 2, 1, 0];
+
+/// Compute-instance profile indices listed when reading a GI's CIs: every index of `nvml.h`
+/// (`1_SLICE_REV1` = 7 and `7_SLICE_NVL` = 8 included), so CIs made by other tools with those profiles are
+/// seen, and can be destroyed, instead of blocking their GI's destroy as invisible "in use".
+pub(super) const CI_PROFILE_INDICES_LISTED: [u32; 9] = [4, 5, 6, 3, 2, 1, 0, 7, 8];
 
 /// `nvmlGpuInstanceCreateComputeInstance` with the CI profile spanning the whole GI: the largest CI
 /// profile the GI accepts is the one with C == G.
@@ -374,7 +391,7 @@ pub(super) fn gpu_instances(
                 let mut info: nvmlGpuInstanceInfo_t = mem::zeroed();
                 check("nvmlGpuInstanceGetInfo", gi_info(gi, &mut info))?;
                 let mut cis_out = Vec::new();
-                for ci_index in CI_PROFILE_INDICES_LARGEST_FIRST {
+                for ci_index in CI_PROFILE_INDICES_LISTED {
                     let mut prof: nvmlComputeInstanceProfileInfo_t = mem::zeroed();
                     if ci_profile_info(
                         gi,
@@ -416,6 +433,17 @@ pub(super) fn gpu_instances(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listing_compute_instances_covers_every_ci_profile_index_including_rev1() {
+        let mut listed = CI_PROFILE_INDICES_LISTED.to_vec();
+        listed.sort_unstable();
+        assert_eq!(listed, (0..=8).collect::<Vec<_>>());
+        assert!(
+            !CI_PROFILE_INDICES_LARGEST_FIRST.contains(&7),
+            "creation keeps skipping 1_SLICE_REV1"
+        );
+    }
 
     #[test]
     fn struct_versions_encode_size_and_version_like_the_nvml_macro() {

@@ -1,0 +1,303 @@
+//! What a container gets from the plugin as the binary assembles it (issue 12): the driver's files, one
+//! consistent `NVIDIA_VISIBLE_DEVICES`, and the node-level faults a real GPU node shows (a lost GPU, a busy
+//! Hopper, a time-slice left by an earlier plugin, a hung MPS tool), on the simulated backend.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::Command,
+    sync::Arc,
+    time::Duration,
+};
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde_json::json;
+use tempfile::TempDir;
+use tessera_api::GROUP_VERSION;
+use tessera_kubelet_plugin::{
+    cdi::Spec,
+    claims::fake::{FakeClaims, NODE, claim},
+    driver_root::{DriverFiles, DriverRoot},
+    gpu::{
+        GpuBackend, TimeSlice,
+        simulated::{NodeSpec, SIMULATED_DRIVER_VERSION, SimulatedBackend, SimulatedFault},
+    },
+    preparers::{SharedPreparer, with_preparers},
+    sharing::{
+        Sharer,
+        mps::{Launcher, MpsError, MpsManager},
+    },
+    state::{ClaimRef, NodeState, StateConfig},
+};
+
+const BOOT_ID: &str = "11111111-2222-3333-4444-555555555555";
+
+/// A simulated node: its directories, fake API server claims, and the spec its GPUs come from.
+struct Node {
+    dir: TempDir,
+    spec: NodeSpec,
+    claims: FakeClaims,
+}
+
+impl Node {
+    fn new(spec: NodeSpec) -> Self {
+        Self {
+            dir: tempfile::tempdir().unwrap(),
+            spec,
+            claims: FakeClaims::new(),
+        }
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    /// The node's GPUs as a freshly started plugin opens them (a new backend: nothing cached).
+    fn backend(&self) -> Arc<SimulatedBackend> {
+        Arc::new(SimulatedBackend::from_spec(NODE, &self.spec, &self.state_dir()).unwrap())
+    }
+
+    fn add(&self, c: ResourceClaim) -> ClaimRef {
+        let r = ClaimRef {
+            namespace: c.metadata.namespace.clone().unwrap(),
+            name: c.metadata.name.clone().unwrap(),
+            uid: c.metadata.uid.clone().unwrap(),
+        };
+        self.claims.insert(c);
+        r
+    }
+}
+
+/// The plugin as `args.rs` assembles it, (re)started over `backend`.
+fn plugin(node: &Node, backend: &Arc<SimulatedBackend>) -> Arc<NodeState> {
+    let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
+    let mps = MpsManager::new(&node.state_dir(), Launcher::Simulated { program });
+    let discovered = backend.discover().unwrap();
+    let files = DriverFiles::discover(
+        &DriverRoot::new(backend.driver_root()),
+        discovered.driver_version.as_deref(),
+    );
+    let shared = Arc::new(SharedPreparer::new(
+        Arc::new(Sharer::new(backend.clone(), mps, false)),
+        files,
+    ));
+    let state = NodeState::new(
+        StateConfig {
+            node_name: NODE.into(),
+            boot_id: BOOT_ID.into(),
+            state_dir: node.state_dir(),
+            cdi_dir: node.dir.path().join("cdi"),
+        },
+        backend.clone(),
+        discovered.gpus,
+        Arc::new(node.claims.clone()),
+    );
+    let state = with_preparers(state, &shared);
+    state.recover().unwrap();
+    Arc::new(state)
+}
+
+fn spec_of(state: &NodeState, r: &ClaimRef) -> Spec {
+    state.cdi().read(&r.uid).unwrap().unwrap()
+}
+
+/// The env a container gets from all of a claim's CDI devices: the CDI library applies each device's
+/// edits in turn and a later value of a key replaces an earlier one.
+fn merged_env(spec: &Spec) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    for d in &spec.devices {
+        for e in &d.container_edits.env {
+            let (k, v) = e.split_once('=').unwrap();
+            env.insert(k.to_string(), v.to_string());
+        }
+    }
+    env
+}
+
+#[tokio::test]
+async fn a_two_gpu_claim_keeps_both_uuids_and_one_nvidia_visible_devices_after_the_cdi_merge() {
+    let node = Node::new(NodeSpec::default().with_gpus("H100-SXM5-80GB", 4));
+    let backend = node.backend();
+    let state = plugin(&node, &backend);
+    let r = node.add(claim("two").allocated("gpu-2").allocated("gpu-3").build());
+    state.prepare(&r).await.unwrap();
+
+    let gpus = backend.discover().unwrap().gpus;
+    let env = merged_env(&spec_of(&state, &r));
+    assert_eq!(
+        env.get("NVIDIA_VISIBLE_DEVICES").map(String::as_str),
+        Some("void"),
+        "{env:?}"
+    );
+    assert_eq!(env.get("TESSERA_UUID_GPU_2"), Some(&gpus[2].uuid), "{env:?}");
+    assert_eq!(env.get("TESSERA_UUID_GPU_3"), Some(&gpus[3].uuid), "{env:?}");
+}
+
+#[tokio::test]
+async fn every_device_mounts_the_driver_libraries_and_an_nvidia_smi_that_lists_the_gpus() {
+    let node = Node::new(NodeSpec::default().with_gpus("H100-SXM5-80GB", 2));
+    let backend = node.backend();
+    let state = plugin(&node, &backend);
+    let whole = node.add(claim("whole").allocated("gpu-0").build());
+    let mig = node.add(claim("mig").allocated("gpu-1-mig-1g-10gb-0").build());
+    let share = node.add(
+        claim("share")
+            .allocated_share("gpu-1-mig-3g-40gb-4-shared", "s1")
+            .build(),
+    );
+    for r in [&whole, &mig, &share] {
+        state.prepare(r).await.unwrap();
+    }
+
+    let root = backend.driver_root().to_path_buf();
+    for r in [&whole, &mig, &share] {
+        let spec = spec_of(&state, r);
+        let mounts = &spec.devices[0].container_edits.mounts;
+        let by_target: BTreeMap<&str, &str> = mounts
+            .iter()
+            .map(|m| (m.container_path.as_str(), m.host_path.as_str()))
+            .collect();
+        for lib in ["libcuda", "libnvidia-ml", "libnvidia-ptxjitcompiler"] {
+            for file in [
+                format!("{lib}.so.1"),
+                format!("{lib}.so.{SIMULATED_DRIVER_VERSION}"),
+            ] {
+                let target = format!("/usr/lib/x86_64-linux-gnu/{file}");
+                let host = by_target
+                    .get(target.as_str())
+                    .unwrap_or_else(|| panic!("{target} not mounted for {}: {mounts:?}", r.name));
+                assert!(Path::new(host).starts_with(&root), "{host}");
+                // What the container opens: the runtime bind-mounts the file the host path resolves to.
+                let content = std::fs::read_to_string(host).unwrap();
+                assert!(content.contains(&format!("simulated {lib}")), "{content}");
+            }
+        }
+        let smi = by_target
+            .get("/usr/bin/nvidia-smi")
+            .unwrap_or_else(|| panic!("nvidia-smi not mounted: {mounts:?}"));
+        let m = mounts
+            .iter()
+            .find(|m| m.container_path == "/usr/bin/nvidia-smi")
+            .unwrap();
+        assert!(m.options.contains(&"ro".to_string()), "{:?}", m.options);
+        let out = Command::new(smi).arg("-L").output().unwrap();
+        let listing = String::from_utf8(out.stdout).unwrap();
+        for gpu in backend.discover().unwrap().gpus {
+            assert!(listing.contains(&gpu.uuid), "{listing}");
+        }
+    }
+    // Stops the share's MPS daemon, which would otherwise outlive the test.
+    for r in [&whole, &mig, &share] {
+        state.unprepare(r).await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_restarted_plugin_resets_the_time_slice_its_predecessor_set() {
+    let node = Node::new(NodeSpec::default().with_gpus("H100-SXM5-80GB", 1));
+    let ts = json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}});
+    let r = node.add(claim("ts").allocated("gpu-0-share-0").config(ts).build());
+    let first_backend = node.backend();
+    let first = plugin(&node, &first_backend);
+    first.prepare(&r).await.unwrap();
+    assert_eq!(first_backend.hardware_time_slice(0).unwrap(), TimeSlice::Long);
+    drop(first);
+
+    // A restart: new process, new backend that cannot read the time-slice back.
+    let second_backend = node.backend();
+    let second = plugin(&node, &second_backend);
+    second.unprepare(&r).await.unwrap();
+    assert_eq!(
+        second_backend.hardware_time_slice(0).unwrap(),
+        TimeSlice::Default,
+        "the last share's release must reset the GPU"
+    );
+}
+
+#[tokio::test]
+async fn a_first_share_asking_for_default_resets_a_gpu_left_on_long() {
+    let node = Node::new(NodeSpec::default().with_gpus("H100-SXM5-80GB", 1));
+    let backend = node.backend();
+    // An earlier plugin crashed after setting Long (or an admin did it).
+    backend.set_hardware_time_slice(0, TimeSlice::Long).unwrap();
+    let state = plugin(&node, &backend);
+    let ts = json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Default"}}});
+    let r = node.add(claim("ts").allocated("gpu-0-share-0").config(ts).build());
+    state.prepare(&r).await.unwrap();
+    assert_eq!(backend.hardware_time_slice(0).unwrap(), TimeSlice::Default);
+}
+
+#[tokio::test]
+async fn a_busy_hopper_refuses_a_mig_claim_saying_it_is_in_use_not_that_it_needs_a_reset() {
+    let node = Node::new(NodeSpec::default().with_gpus("H100-SXM5-80GB", 1));
+    let backend = node.backend();
+    let state = plugin(&node, &backend);
+    backend.add_process(0, None, 4242).unwrap();
+    let r = node.add(claim("m").allocated("gpu-0-mig-3g-40gb-0").build());
+    let err = state.prepare(&r).await.unwrap_err().to_string();
+    assert!(
+        err.contains("is in use") && err.contains("stop the processes"),
+        "{err}"
+    );
+    assert!(!err.contains("reset"), "{err}");
+    assert!(!backend.mig_mode(0).unwrap().current);
+
+    backend.remove_process(0, 4242).unwrap();
+    state.prepare(&r).await.unwrap();
+    assert_eq!(backend.list_gpu_instances(0).unwrap().len(), 1);
+    state.unprepare(&r).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lost_gpu_and_one_without_memory_info_are_left_out_and_the_others_are_served() {
+    let node = Node::new(
+        NodeSpec::default()
+            .with_gpus("H100-SXM5-80GB", 1)
+            .with_faulty_gpus("H100-SXM5-80GB", 1, SimulatedFault::Lost)
+            .with_faulty_gpus("H100-SXM5-80GB", 1, SimulatedFault::MemoryNotSupported)
+            .with_gpus("H100-SXM5-80GB", 1),
+    );
+    let backend = node.backend();
+    let found = backend.discover().unwrap();
+    assert_eq!(found.gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [0, 3]);
+    let reasons: Vec<&str> = found.unusable.iter().map(|u| u.reason.as_str()).collect();
+    assert!(
+        reasons[0].contains("GPU 1") && reasons[0].contains("lost"),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons[1].contains("GPU 2") && reasons[1].contains("memory"),
+        "{reasons:?}"
+    );
+
+    let state = plugin(&node, &backend);
+    let ok = node.add(claim("ok").allocated("gpu-3").build());
+    state.prepare(&ok).await.unwrap();
+    let lost = node.add(claim("lost").allocated("gpu-1").build());
+    let err = state.prepare(&lost).await.unwrap_err().to_string();
+    assert!(err.contains("gpu-1") && err.contains("not on this node"), "{err}");
+}
+
+#[test]
+fn an_mps_control_command_that_hangs_is_killed_after_its_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    // NVIDIA's tool as a hung daemon leaves it: it never answers. `exec` so the kill reaches the sleeper.
+    let tool = dir.path().join("nvidia-cuda-mps-control");
+    std::fs::write(&tool, "#!/bin/sh\nexec sleep 30\n").unwrap();
+    std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mps = MpsManager::new(
+        dir.path(),
+        Launcher::Nvidia {
+            control: tool.clone(),
+            driver_root: dir.path().to_path_buf(),
+        },
+    )
+    .with_command_timeout(Duration::from_millis(300));
+    let err = mps
+        .send("gpu-0", "get_default_active_thread_percentage")
+        .unwrap_err();
+    assert!(matches!(err, MpsError::Timeout { .. }), "{err}");
+    assert!(err.to_string().contains("was killed"), "{err}");
+}
