@@ -202,16 +202,17 @@ struct Stores {
     node_view: ViewCell,
 }
 
-/// The [`View`] of one watched kind, written by its mirror task.
+/// The [`View`] of one watched kind, written by its [`mirror`] task.
 #[derive(Clone, Debug)]
-struct ViewCell(Arc<Mutex<View>>);
+pub struct ViewCell(Arc<Mutex<View>>);
 
 impl ViewCell {
-    fn new(now: Instant) -> Self {
+    /// A view not listed yet (lost since `now`).
+    pub fn new(now: Instant) -> Self {
         Self(Arc::new(Mutex::new(View::Lost { since: now })))
     }
 
-    fn get(&self) -> View {
+    pub fn get(&self) -> View {
         *self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -305,7 +306,7 @@ fn jittered(d: Duration) -> Duration {
 /// Keeps `writer`'s store in step with the objects `api` lists and watches, and `view` with how current
 /// it is; wakes `wake` on every change. A failed watch is started over with a fresh list instead of
 /// resumed, so "synced" always means "listed since the failure".
-async fn mirror<K>(
+pub async fn mirror<K>(
     kind: &'static str,
     mut writer: reflector::store::Writer<K>,
     api: Api<K>,

@@ -214,3 +214,79 @@ async fn a_reconcile_through_kube_creates_slices_and_patches_the_policy_status()
         "{seen:?}"
     );
 }
+
+/// Issue 16 item 1: after a watch failure the view counts as lost until a fresh list, not until the
+/// watch is resumed from the old resourceVersion (which replays a cache that may be far behind).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_watch_loses_the_view_until_a_fresh_list_completes() {
+    use std::time::{Duration, Instant};
+
+    use tessera_controller::{
+        fixtures::{GpuModel, node},
+        liveness::View,
+        runtime::{ViewCell, mirror},
+    };
+    let lists = Arc::new(Mutex::new(0u32));
+    let counted = Arc::clone(&lists);
+    let (client, seen) = scripted(move |_, uri, _| {
+        if uri.contains("watch=true") {
+            // The API server is restarting; the pause lets the test see the synced view in between.
+            std::thread::sleep(Duration::from_millis(150));
+            return (503, status(503, "ServiceUnavailable"));
+        }
+        let mut n = counted.lock().unwrap();
+        *n += 1;
+        let inv = node(&format!("node-{n}")).gpus(GpuModel::H200, 1).build();
+        (
+            200,
+            serde_json::json!({
+                "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "NodeInventoryList",
+                "metadata": {"resourceVersion": format!("{n}0")}, "items": [inv],
+            }),
+        )
+    });
+    let (store, writer) = kube::runtime::reflector::store::<tessera_api::NodeInventory>();
+    let started = Instant::now();
+    let view = ViewCell::new(started);
+    let task = tokio::spawn(mirror(
+        "NodeInventory",
+        writer,
+        kube::Api::all(client),
+        kube::runtime::watcher::Config::default(),
+        view.clone(),
+        Arc::new(tokio::sync::Notify::new()),
+    ));
+    let mut views = vec![];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while *lists.lock().unwrap() < 3 && Instant::now() < deadline {
+        let v = view.get();
+        if views.last() != Some(&v) {
+            views.push(v);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    task.abort();
+    let synced: Vec<u64> = views
+        .iter()
+        .filter_map(|v| match v {
+            View::Synced { list } => Some(*list),
+            View::Lost { .. } => None,
+        })
+        .collect();
+    assert!(synced.starts_with(&[1, 2]), "views: {views:?}");
+    let lost_between = views.windows(3).any(|w| {
+        w[0] == View::Synced { list: 1 }
+            && matches!(w[1], View::Lost { .. })
+            && w[2] == View::Synced { list: 2 }
+    });
+    assert!(lost_between, "lost between the lists: {views:?}");
+    // The store holds what the latest list returned: the old object was replaced, not merged.
+    let names: Vec<String> = store.state().iter().map(|i| i.spec.node_name.clone()).collect();
+    assert!(names.len() == 1 && names[0] != "node-1", "{names:?}");
+    let seen = seen.lock().unwrap();
+    let watches = seen.iter().filter(|r| r.contains("watch=true")).count();
+    assert!(
+        watches >= 2,
+        "each list was followed by a watch attempt: {seen:?}"
+    );
+}
