@@ -294,6 +294,10 @@ impl Recovery {
     }
 }
 
+/// How long recovery waits for one API call: start-up must not hang on an unreachable API server (the
+/// plugin serves kubelet without it, and what needs the API is retried).
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How often [`NodeState::reconcile_periodically`] checks records against the API by default.
 pub const RECONCILE_INTERVAL: Duration = Duration::from_secs(60);
 
@@ -498,9 +502,16 @@ impl NodeState {
                 }
             }
         }
-        let listed = match self.claims.list().await {
-            Ok(list) => list,
-            Err(e) => {
+        let listed = match tokio::time::timeout(API_TIMEOUT, self.claims.list()).await {
+            Ok(Ok(list)) => list,
+            Ok(Err(e)) => {
+                warn!(error = %e, "cannot list ResourceClaims; checking the checkpoint against the API later");
+                recovery.api_error = Some(e.to_string());
+                recovery.prepared = self.checkpoint().claims.len();
+                return recovery;
+            }
+            Err(_) => {
+                let e = format!("listing ResourceClaims took longer than {API_TIMEOUT:?}");
                 warn!(error = %e, "cannot list ResourceClaims; checking the checkpoint against the API later");
                 recovery.api_error = Some(e.to_string());
                 recovery.prepared = self.checkpoint().claims.len();
@@ -687,7 +698,11 @@ impl NodeState {
             .collect();
         for candidate in candidates {
             // The list may predate a claim prepared since; only a fresh read may condemn a record.
-            match self.claims.get(&candidate.namespace, &candidate.name).await {
+            let get = self.claims.get(&candidate.namespace, &candidate.name);
+            let fresh = tokio::time::timeout(API_TIMEOUT, get).await.unwrap_or_else(|_| {
+                Err(format!("reading the claim took longer than {API_TIMEOUT:?}").into())
+            });
+            match fresh {
                 Ok(fresh)
                     if claim_use(fresh.as_ref(), &candidate.uid, &self.node_name) == ClaimUse::Orphaned => {}
                 Ok(_) => continue,

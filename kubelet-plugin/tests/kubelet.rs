@@ -475,3 +475,46 @@ async fn get_info_is_answered_when_the_authority_is_the_percent_encoded_socket_p
     drop(conn);
     running.shut_down().await;
 }
+
+#[tokio::test]
+async fn with_a_corrupted_checkpoint_the_plugin_registers_and_each_claim_error_names_the_file_and_the_fix() {
+    let node = TestNode::new();
+    let c = claim("train").namespace("ml").allocated("gpu-3").build();
+    let uid = c.metadata.uid.clone().unwrap();
+    node.claims.insert(c);
+    let checkpoint = node.state_dir().join("checkpoint.json");
+    std::fs::create_dir_all(node.state_dir()).unwrap();
+    std::fs::write(&checkpoint, b"{\"version\": 1, \"checks").unwrap();
+    let state = Arc::new(node.state_unrecovered(common::BOOT_ID));
+    state.start().await.unwrap();
+    let mut running = start(&node, state).await;
+
+    // kubelet would otherwise say "driver gpu.tessera.dev is not registered" and nothing more.
+    let endpoint = register(&mut running).await;
+    let mut dra = v1::dra_plugin_client::DraPluginClient::new(dial(endpoint.as_ref()).await);
+    let claims = vec![v1::Claim {
+        namespace: "ml".into(),
+        uid: uid.clone(),
+        name: "train".into(),
+    }];
+    let prepared = dra
+        .node_prepare_resources(v1::NodePrepareResourcesRequest {
+            claims: claims.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let unprepared = dra
+        .node_unprepare_resources(v1::NodeUnprepareResourcesRequest { claims })
+        .await
+        .unwrap()
+        .into_inner();
+    for error in [&prepared.claims[&uid].error, &unprepared.claims[&uid].error] {
+        assert!(error.contains(&checkpoint.display().to_string()), "{error}");
+        assert!(error.contains("corrupted") && error.contains("mv "), "{error}");
+        assert!(error.contains("plugin's log"), "{error}");
+    }
+    assert!(prepared.claims[&uid].devices.is_empty());
+    assert!(node.cdi_dir().read_dir().map_or(true, |mut d| d.next().is_none()));
+    running.shut_down().await;
+}

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# `make test-faults`: a fresh cluster (`make up` without the examples), the fault suite
+# (e2e/k8s/e2etest/faults_test.go, the TestFaults* scenarios of bin/e2e.test), then `make down`.
+# FAULT_ROUNDS sizes it (kill rounds of the plugin scenario; the other scenarios repeat more from 100 on).
+# The table goes to FAULTS_OUT (default e2e/bench/results/faults.md for FAULT_ROUNDS >= 100, else
+# $RUN_DIR/faults.md). KEEP_CLUSTER=1 leaves the cluster running; FAULTS_RUN selects scenarios.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+rounds="${FAULT_ROUNDS:-5}"
+if [[ -z "${FAULTS_OUT:-}" ]]; then
+  if (( rounds >= 100 )); then FAULTS_OUT="$E2E_DIR/bench/results/faults.md"; else FAULTS_OUT="$RUN_DIR/faults.md"; fi
+fi
+start=$(date +%s)
+
+cleanup() {
+  if [[ "${KEEP_CLUSTER:-0}" != 1 ]]; then
+    "$E2E_DIR/scripts/down.sh" > /dev/null || echo "warning: make down failed" >&2
+  else
+    echo "cluster left running (KEEP_CLUSTER=1); make down to stop it"
+  fi
+}
+trap cleanup EXIT
+
+"$E2E_DIR/scripts/down.sh" > /dev/null 2>&1 || true
+SKIP_EXAMPLES=1 "$E2E_DIR/scripts/up.sh"
+up_done=$(date +%s)
+
+step "fault suite, FAULT_ROUNDS=$rounds (log: $LOG_DIR/faults.log, table: $FAULTS_OUT)"
+set +e
+(cd "$REPO_ROOT" && RUN_DIR="$RUN_DIR" E2E_REPO_ROOT="$REPO_ROOT" NODES="$NODES" GPUS="$GPUS" MODEL="$MODEL" NODE_PREFIX="$NODE_PREFIX" \
+  FAULT_ROUNDS="$rounds" FAULTS_OUT="$FAULTS_OUT" \
+  "$BIN_DIR/e2e.test" -test.v -test.timeout 120m -test.run "${FAULTS_RUN:-^TestFaults}") 2>&1 | tee "$LOG_DIR/faults.log"
+rc=${PIPESTATUS[0]}
+set -e
+end=$(date +%s)
+
+echo
+echo "==== fault suite ===="
+[[ -f "$FAULTS_OUT" ]] && cat "$FAULTS_OUT"
+grep -E '^(--- (PASS|FAIL|SKIP))' "$LOG_DIR/faults.log" || true
+echo "make up: $((up_done - start))s   faults: $((end - up_done))s   total: $((end - start))s"
+if [[ $rc == 0 ]]; then echo "FAULTS PASS"; else echo "FAULTS FAIL (exit $rc; logs in $LOG_DIR)"; fi
+exit $rc
