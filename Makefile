@@ -57,3 +57,24 @@ test-sample: ## The scheduler check in `make test`: 1 in 100 of the trace (commi
 	e2e/scripts/bench-scheduler.sh -skip-full -sample-every 1 -openb-dir $(CURDIR)/e2e/bench/testdata/openb-1in100 \
 		-controller $(CURDIR)/target/debug/tessera-controller -plugin $(CURDIR)/target/debug/tessera-kubelet-plugin \
 		-out $(CURDIR)/bench-results/test-sample
+
+# Performance budget (issue 15): prepare latency and the plugin's footprint (kubelet's own DRA manager
+# driving the plugin's socket), and the controller with 1,000 nodes on a real API server. Tables in
+# e2e/bench/results/{prepare,footprint,controller}.md. Not pass/fail: they exit non-zero only when the
+# benchmark itself breaks, never on a timing. `make bench-smoke` runs both small (what `make test` runs).
+.PHONY: bench-prepare bench-controller bench-smoke
+BENCH_PREPARE_ARGS ?= -claims 1000 -concurrency 1,8 -footprint-prepares 100
+BENCH_CONTROLLER_ARGS ?= -nodes 1000 -shapes h100,h200,mix -steady 5m
+bench-prepare: ## Prepare/unprepare latency via kubelet's DRA manager (1,000 claims per kind) and the plugin's RSS
+	cargo build -p tessera-kubelet-plugin -p tessera-controller
+	e2e/scripts/bench-prepare.sh $(BENCH_PREPARE_ARGS) -out $(CURDIR)/e2e/bench/results/prepare.md \
+		-footprint-out $(CURDIR)/e2e/bench/results/footprint.md
+bench-controller: ## The controller with 1,000 nodes (8 H100 / 8 H200 / mix) on a real API server: convergence, writes, RSS
+	cargo build -p tessera-kubelet-plugin -p tessera-controller
+	e2e/scripts/bench-controller.sh $(BENCH_CONTROLLER_ARGS) -out $(CURDIR)/e2e/bench/results/controller.md
+bench-smoke: ## Both benchmarks at a small size (20 claims, 10 nodes) so they cannot rot; tables in bench-results/smoke/
+	cargo build -p tessera-kubelet-plugin -p tessera-controller
+	e2e/scripts/bench-prepare.sh -claims 20 -concurrency 1,8 -footprint-prepares 20 \
+		-out $(CURDIR)/bench-results/smoke/prepare.md -footprint-out $(CURDIR)/bench-results/smoke/footprint.md
+	e2e/scripts/bench-controller.sh -nodes 10 -shapes h100,mix -steady 10s -settle 5s -heartbeat-interval 2s \
+		-timeout 90s -out $(CURDIR)/bench-results/smoke/controller.md
