@@ -326,7 +326,7 @@ impl NodeBuilder {
         );
         inv.status = Some(NodeInventoryStatus {
             ready: self.ready,
-            last_heartbeat_time: self.heartbeat.map(|t| Time(crate::reconcile::to_k8s_time(t))),
+            last_heartbeat_time: self.heartbeat.map(|t| Time(crate::time::to_k8s_time(t))),
             gpu_count: inv.spec.gpus.len() as u32,
             message: None,
         });

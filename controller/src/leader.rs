@@ -12,7 +12,7 @@
 
 use std::sync::Mutex;
 
-use crate::reconcile::to_k8s_time;
+use crate::time::to_k8s_time;
 use chrono::{DateTime, Utc};
 use k8s_openapi::{
     api::coordination::v1::{Lease, LeaseSpec},

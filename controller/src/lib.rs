@@ -3,14 +3,14 @@
 //!
 //! ```text
 //!  [ NodeInventory ] ──▶ policy (CEL rules → one Model per GPU) ──▶ devices (per model) ──▶ pool (slices)
-//!  [ Node ]                                                                                    │
-//!  [ ResourceSlice ] ──────────────────────────────▶ reconcile::diff ◀─────────────────────────┘
+//!  [ Node ]  └──▶ liveness (heartbeat renewals seen; publish / hold / withdraw per node) ──────┤
+//!  [ ResourceSlice ] ──────────────────────────────▶ pool_diff::diff ◀─────────────────────────┘
 //!                                                          │ only while holding the Lease
 //!                                                          ▼
-//!                                                  create / update / delete
+//!                                          publisher: create / update / delete
 //! ```
 //!
-//! Start with [`reconciler::Reconciler`]: everything up to the API calls is plain Rust, tested without a
+//! Start with [`publisher::Reconciler`]: everything up to the API calls is plain Rust, tested without a
 //! cluster; [`runtime`] is the thin kube-rs layer that feeds it snapshots from watches.
 
 pub mod cel;
@@ -23,8 +23,9 @@ pub mod leader;
 pub mod liveness;
 pub mod policy;
 pub mod pool;
-pub mod reconcile;
-pub mod reconciler;
+pub mod pool_diff;
+pub mod publisher;
 pub mod render;
 pub mod runtime;
+pub mod time;
 pub mod validate;

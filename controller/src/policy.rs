@@ -286,7 +286,7 @@ pub fn valid_condition(
     };
     let last_transition_time = match previous {
         Some(prev) if prev.status == status => prev.last_transition_time.clone(),
-        _ => Time(crate::reconcile::to_k8s_time(now)),
+        _ => Time(crate::time::to_k8s_time(now)),
     };
     Condition {
         type_: api::CONDITION_VALID.into(),

@@ -14,7 +14,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use chrono::{DateTime, Utc};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use tessera_api::{DRIVER_NAME, NodeInventory};
 
@@ -191,14 +190,4 @@ pub fn desired_pools(inputs: &Inputs<'_>) -> DesiredPools {
         }
     }
     pools
-}
-
-/// Converts a Kubernetes timestamp (jiff) to chrono.
-pub fn from_k8s_time(t: k8s_openapi::jiff::Timestamp) -> DateTime<Utc> {
-    DateTime::from_timestamp(t.as_second(), t.subsec_nanosecond().max(0) as u32).unwrap_or_default()
-}
-
-/// Converts a chrono time to a Kubernetes timestamp (jiff).
-pub fn to_k8s_time(t: DateTime<Utc>) -> k8s_openapi::jiff::Timestamp {
-    k8s_openapi::jiff::Timestamp::new(t.timestamp(), t.timestamp_subsec_nanos() as i32).unwrap_or_default()
 }

@@ -29,7 +29,7 @@ use crate::{
     liveness::{Liveness, View},
     policy::{Assignments, CompiledPolicy, PolicyProblem, valid_condition},
     pool::NodeRef,
-    reconcile::{DesiredPools, Generations, Inputs, Plan, desired_pools, diff, held_pools},
+    pool_diff::{DesiredPools, Generations, Inputs, Plan, desired_pools, diff, held_pools},
 };
 
 /// Error of an API call, as the runtime reports it.

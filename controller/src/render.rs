@@ -12,7 +12,7 @@ use crate::{
     features::ApiFeatures,
     policy::{CompiledPolicy, PolicyProblem},
     pool::{NodeRef, node_slices},
-    reconcile::{Generations, diff},
+    pool_diff::{Generations, diff},
 };
 
 /// Why rendering failed.

@@ -43,8 +43,8 @@ use crate::{
     leader::{LeaderElector, LeaseError, LeaseStore},
     liveness::{Liveness, View},
     pool::{CONTENT_HASH_ANNOTATION, NodeRef},
-    reconcile::Plan,
-    reconciler::{ApiError, ClusterApi, Reconciler, Replica, Snapshot},
+    pool_diff::Plan,
+    publisher::{ApiError, ClusterApi, Reconciler, Replica, Snapshot},
 };
 
 const FIELD_MANAGER: &str = "tessera-controller";

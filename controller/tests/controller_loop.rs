@@ -27,8 +27,8 @@ use tessera_controller::{
     leader::{InMemoryLease, LeaderElector},
     liveness::{Liveness, View},
     pool::NodeRef,
-    reconcile::to_k8s_time,
-    reconciler::{ApiError, ClusterApi, InMemoryApi, Reconciler, Replica, Snapshot},
+    publisher::{ApiError, ClusterApi, InMemoryApi, Reconciler, Replica, Snapshot},
+    time::to_k8s_time,
     validate::validate_pool,
 };
 

@@ -151,7 +151,7 @@ async fn a_reconcile_through_kube_creates_slices_and_patches_the_policy_status()
     use tessera_controller::{
         fixtures::{GpuModel, fixed_time, node},
         pool::NodeRef,
-        reconciler::{Reconciler, Snapshot},
+        publisher::{Reconciler, Snapshot},
         runtime::KubeApi,
     };
     let (client, seen) = scripted(|method, _, body| match method {
