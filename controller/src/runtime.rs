@@ -241,7 +241,7 @@ fn combined_view(inventories: View, nodes: View) -> View {
 
 impl Stores {
     fn snapshot(&self) -> Snapshot {
-        // Read the views before the stores: a view that turns lost right after still covers this copy.
+        // Views first: a view read as synced was synced before the copies below were taken.
         let inventory_view = combined_view(self.inventory_view.get(), self.node_view.get());
         let nodes: BTreeMap<String, NodeRef> = self
             .nodes
@@ -537,6 +537,50 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 tracing::info!("shutting down");
                 return Ok(());
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_view_liveness_sees_is_lost_while_either_the_inventories_or_the_nodes_are() {
+        let t0 = Instant::now();
+        let (early, late) = (t0, t0 + Duration::from_secs(3));
+        let synced = |list| View::Synced { list };
+        let lost = |since| View::Lost { since };
+        assert_eq!(
+            combined_view(synced(2), synced(5)),
+            synced(2),
+            "numbered by the inventories' lists"
+        );
+        assert_eq!(combined_view(lost(late), synced(1)), lost(late));
+        assert_eq!(combined_view(synced(1), lost(late)), lost(late));
+        assert_eq!(
+            combined_view(lost(late), lost(early)),
+            lost(early),
+            "the earliest loss"
+        );
+    }
+
+    #[test]
+    fn a_lost_view_keeps_the_time_of_its_first_failure() {
+        let t0 = Instant::now();
+        let cell = ViewCell::new(t0);
+        cell.set(View::Synced { list: 1 });
+        cell.lose(t0 + Duration::from_secs(1));
+        cell.lose(t0 + Duration::from_secs(2));
+        assert_eq!(
+            cell.get(),
+            View::Lost {
+                since: t0 + Duration::from_secs(1)
+            }
+        );
+        for _ in 0..100 {
+            let d = jittered(RELIST_MAX_BACKOFF);
+            assert!(d >= RELIST_MAX_BACKOFF / 2 && d <= RELIST_MAX_BACKOFF, "{d:?}");
         }
     }
 }
