@@ -306,7 +306,11 @@ impl Args {
             spec,
             Duration::from_secs(heartbeat_interval),
             registration_rx,
-        );
+        )
+        .with_problem_source({
+            let state = state.clone();
+            Arc::new(move || state.problems())
+        });
         let publisher = tokio::spawn(publisher.run(stop_rx.clone()));
         tokio::spawn(
             state

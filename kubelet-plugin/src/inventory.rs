@@ -124,6 +124,22 @@ pub fn inventory_status(
     }
 }
 
+/// Adds what the plugin's recovery found wrong (a corrupted checkpoint, claims that failed to recover, a
+/// MIG instance recorded twice) to the status message, so `kubectl get nodeinventory -o yaml` shows it next
+/// to the registration state. Readiness is not changed: the rest of the node serves.
+pub fn with_problems(mut status: NodeInventoryStatus, problems: &[String]) -> NodeInventoryStatus {
+    if problems.is_empty() {
+        return status;
+    }
+    let mut parts: Vec<String> = status.message.take().into_iter().collect();
+    parts.extend(problems.iter().cloned());
+    status.message = Some(parts.join("; "));
+    status
+}
+
+/// What the plugin reports as wrong besides registration (see [`with_problems`]).
+pub type Problems = std::sync::Arc<dyn Fn() -> Vec<String> + Send + Sync>;
+
 /// Server-side apply body of a status.
 fn status_patch(name: &str, status: &NodeInventoryStatus) -> serde_json::Value {
     serde_json::json!({
@@ -140,6 +156,7 @@ pub struct InventoryPublisher {
     spec: NodeInventorySpec,
     heartbeat: Duration,
     registration: watch::Receiver<RegistrationState>,
+    problems: Option<Problems>,
 }
 
 impl InventoryPublisher {
@@ -154,7 +171,14 @@ impl InventoryPublisher {
             spec,
             heartbeat,
             registration,
+            problems: None,
         }
+    }
+
+    /// Reports `problems()` in every status message (see [`with_problems`]).
+    pub fn with_problem_source(mut self, problems: Problems) -> Self {
+        self.problems = Some(problems);
+        self
     }
 
     /// Publishes until `stop` turns true. Writes nothing on the way out (see the module docs).
@@ -171,6 +195,8 @@ impl InventoryPublisher {
                 }
                 let registration = self.registration.borrow_and_update().clone();
                 let status = inventory_status(&self.spec, &registration, Timestamp::now());
+                let problems = self.problems.as_ref().map(|p| p()).unwrap_or_default();
+                let status = with_problems(status, &problems);
                 self.publish_status(&api, &status).await?;
                 debug!(ready = status.ready, "heartbeat published");
                 Ok::<_, kube::Error>(())
@@ -244,6 +270,25 @@ mod tests {
             gpus: vec![Default::default(), Default::default()],
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn recovery_problems_are_added_to_the_message_without_changing_readiness() {
+        let now = Timestamp::now();
+        let ok = inventory_status(&spec(), &RegistrationState::Registered, now);
+        assert_eq!(with_problems(ok.clone(), &[]), ok);
+        let s = with_problems(ok, &["claim u failed to recover (retried): GPU is lost".into()]);
+        assert!(s.ready);
+        assert_eq!(
+            s.message.as_deref(),
+            Some("claim u failed to recover (retried): GPU is lost")
+        );
+        let pending = inventory_status(&spec(), &RegistrationState::Pending, now);
+        let s = with_problems(pending, &["checkpoint corrupted".into()]);
+        assert_eq!(
+            s.message.as_deref(),
+            Some("waiting for kubelet to register the plugin; checkpoint corrupted")
+        );
     }
 
     #[test]

@@ -211,10 +211,13 @@ pub struct NodeState {
     /// Recovery that needs the API server before anything may be cleaned (see [`Pending`]).
     pending: SyncMutex<Pending>,
     /// Node-level leftovers other modules own (MPS daemons no share uses), swept after recovery.
-    sweeps: Vec<Arc<dyn Fn(&[GpuInfo]) + Send + Sync>>,
+    sweeps: Vec<OrphanSweep>,
     /// What the last reconcile found wrong, for the inventory's message.
     problems: SyncMutex<Vec<String>>,
 }
+
+/// A sweep of node-level leftovers over the node's GPUs (see [`NodeState::with_orphan_sweep`]).
+pub type OrphanSweep = Arc<dyn Fn(&[GpuInfo]) + Send + Sync>;
 
 /// Why the plugin refuses to change the node.
 #[derive(Clone, Debug)]
@@ -342,7 +345,7 @@ impl NodeState {
     /// Registers a sweep of node-level leftovers (e.g. MPS daemons no share uses). Sweeps run, with every
     /// GPU locked, once the prepared claims are known for sure: after [`NodeState::recover`] on a trusted
     /// checkpoint, or after the API server told which claims are in use.
-    pub fn with_orphan_sweep(mut self, sweep: Arc<dyn Fn(&[GpuInfo]) + Send + Sync>) -> Self {
+    pub fn with_orphan_sweep(mut self, sweep: OrphanSweep) -> Self {
         self.sweeps.push(sweep);
         self
     }
@@ -1083,7 +1086,9 @@ impl NodeState {
                 .map_err(ClaimError::from)
             });
         if let Err(undo) = undone {
+            // Marked, so the periodic reconcile retries it even if kubelet never asks for this claim again.
             warn!(claim = %record.uid, error = %undo, "failed to roll back a failed prepare; will retry");
+            self.mark_failed(&record.uid, undo.to_string());
         }
         error
     }
