@@ -75,6 +75,11 @@ pub struct Args {
     #[arg(long, env = "TESSERA_CDI_DIR", default_value = "/var/run/cdi")]
     cdi_dir: PathBuf,
 
+    /// Unix socket of the node's MPS supervisor (`mps-supervisor`); without it the plugin starts MPS
+    /// daemons itself, and they die with the plugin's container.
+    #[arg(long, env = "TESSERA_MPS_SUPERVISOR_SOCKET")]
+    mps_supervisor_socket: Option<PathBuf>,
+
     /// Host path of NVIDIA's `nvidia-cdi-hook` (NVIDIA container toolkit); when set, every device also
     /// gets its `update-ldcache` createContainer hook.
     #[arg(long, env = "TESSERA_CDI_HOOK")]
@@ -108,6 +113,52 @@ enum Command {
     /// Run a simulated MPS control daemon (what the simulated backend starts per shared device).
     #[command(name = "mps-control-sim", hide = true)]
     MpsControlSim(MpsControlSimArgs),
+    /// Run the node's MPS supervisor: owns the MPS control daemons so they outlive plugin restarts (its
+    /// own container; see the README).
+    MpsSupervisor(MpsSupervisorArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct MpsSupervisorArgs {
+    /// Unix socket the plugin talks to (`--mps-supervisor-socket` of the plugin).
+    #[arg(
+        long,
+        env = "TESSERA_MPS_SUPERVISOR_SOCKET",
+        default_value = "/var/lib/tessera/mps-supervisor.sock"
+    )]
+    socket: PathBuf,
+
+    /// State directory; must be the plugin's (the daemons' pipe directories live there).
+    #[arg(long, env = "TESSERA_STATE_DIR", default_value = "/var/lib/tessera")]
+    state_dir: PathBuf,
+
+    /// `nvml` runs NVIDIA's daemon from the driver root; `simulated` the plugin binary's simulated one.
+    #[arg(long, env = "TESSERA_BACKEND", value_enum, default_value_t = BackendKind::Nvml)]
+    backend: BackendKind,
+
+    /// Root of the NVIDIA driver installation.
+    #[arg(long, env = "TESSERA_DRIVER_ROOT", default_value = "/")]
+    driver_root: PathBuf,
+
+    /// Give each daemon a tmpfs of its own as `/dev/shm` (needs CAP_SYS_ADMIN; real GPUs).
+    #[arg(long, env = "TESSERA_MPS_PRIVATE_SHM")]
+    private_shm: bool,
+}
+
+impl MpsSupervisorArgs {
+    fn run(self) -> Result<()> {
+        let backend = BackendArgs {
+            backend: self.backend,
+            simulated_node_file: None,
+            driver_root: self.driver_root,
+        };
+        let manager =
+            MpsManager::new(&self.state_dir, backend.mps_launcher(None)?).owning_children(self.private_shm);
+        crate::sharing::supervisor::serve(&self.socket, manager).map_err(|source| Error::MpsSupervisor {
+            socket: self.socket.clone(),
+            source,
+        })
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -208,6 +259,7 @@ impl Args {
             kubelet_plugins_dir,
             cdi_dir,
             cdi_hook,
+            mps_supervisor_socket,
             kubeconfig,
             heartbeat_interval,
             boot_id_file,
@@ -216,6 +268,7 @@ impl Args {
         match command {
             Some(Command::Discover(args)) => return args.run(),
             Some(Command::MpsControlSim(args)) => return args.run(),
+            Some(Command::MpsSupervisor(args)) => return args.run(),
             None => {}
         }
         let node_name = node_name.ok_or(Error::MissingNodeName)?;
@@ -248,8 +301,10 @@ impl Args {
 
         let sharer = Sharer::new(
             gpu_backend.clone(),
-            MpsManager::new(&state_dir, backend.mps_launcher()?),
-            backend.backend == BackendKind::Nvml,
+            MpsManager::new(&state_dir, backend.mps_launcher(mps_supervisor_socket.clone())?),
+            // Clients share the host's /dev/shm with daemons the plugin starts itself on real GPUs; a
+            // supervisor gives each daemon its own.
+            backend.backend == BackendKind::Nvml && mps_supervisor_socket.is_none(),
         );
         let files = DriverFiles::discover(
             &DriverRoot::new(gpu_backend.driver_root()),
@@ -370,7 +425,10 @@ impl DiscoverArgs {
 impl BackendArgs {
     /// How MPS control daemons are started: NVIDIA's tool from the driver root, or this binary's simulated
     /// daemon.
-    fn mps_launcher(&self) -> Result<Launcher> {
+    fn mps_launcher(&self, supervisor: Option<PathBuf>) -> Result<Launcher> {
+        if let Some(socket) = supervisor {
+            return Ok(Launcher::Supervisor { socket });
+        }
         Ok(match self.backend {
             BackendKind::Simulated => Launcher::Simulated {
                 program: std::env::current_exe().map_err(|source| Error::MpsControlSim { source })?,

@@ -34,6 +34,13 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// The MPS supervisor failed to bind or serve its socket.
+    #[error("failed to run the MPS supervisor on {socket}: {source}")]
+    MpsSupervisor {
+        socket: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     /// `--node-name` not given.
     #[error("the node name is required: set --node-name or NODE_NAME (the downward API's spec.nodeName)")]
     MissingNodeName,

@@ -24,6 +24,8 @@
 //! which locks out a time-sliced client, so a second strategy on the same device is refused.
 
 pub mod mps;
+mod private_shm;
+pub mod supervisor;
 pub mod timeslice;
 
 use std::{

@@ -29,6 +29,7 @@
 //!   up to the daemon defaults. A fault in one client reaches every client of the daemon.
 
 use std::{
+    collections::HashMap,
     fs,
     io::{BufRead, BufReader, Read, Write},
     os::unix::{
@@ -37,12 +38,13 @@ use std::{
     },
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
 use tracing::{info, warn};
 
-use super::ShareLimits;
+use super::{ShareLimits, private_shm, supervisor};
 use crate::driver_root::DriverRoot;
 
 /// Pid file the daemon writes in its pipe directory.
@@ -118,6 +120,9 @@ pub enum Launcher {
     Nvidia { control: PathBuf, driver_root: PathBuf },
     /// `<program> mps-control-sim`; `program` is normally the plugin binary itself.
     Simulated { program: PathBuf },
+    /// The node's MPS supervisor ([`super::supervisor`]) at this unix socket starts, answers and stops the
+    /// daemons; they are its children, so they outlive the plugin. It must use the same state directory.
+    Supervisor { socket: PathBuf },
 }
 
 /// A daemon's directories.
@@ -130,7 +135,8 @@ pub struct DaemonDirs {
 }
 
 /// Settings applied to a daemon right after start (servers spawned later inherit them).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DaemonDefaults {
     pub active_thread_percentage: Option<u32>,
     pub pinned_memory_bytes: Option<u64>,
@@ -142,6 +148,11 @@ pub struct MpsManager {
     root: PathBuf,
     launcher: Launcher,
     command_timeout: Duration,
+    /// Supervisor mode: daemons run in the foreground as this process's children (reaped by a thread),
+    /// by key with their pids.
+    owned: Option<Arc<Mutex<HashMap<String, u32>>>>,
+    /// Supervisor mode on real GPUs: each daemon gets a tmpfs at `<dir>/shm` as its own `/dev/shm`.
+    private_shm: bool,
 }
 
 impl MpsManager {
@@ -150,6 +161,23 @@ impl MpsManager {
             root: state_dir.join("mps"),
             launcher,
             command_timeout: COMMAND_TIMEOUT,
+            owned: None,
+            private_shm: false,
+        }
+    }
+
+    /// The manager inside the supervisor: daemons are its children; with `private_shm`, each runs in its
+    /// own mount namespace with a tmpfs of its directory as `/dev/shm` (needs `CAP_SYS_ADMIN`).
+    pub fn owning_children(mut self, private_shm: bool) -> Self {
+        self.owned = Some(Arc::default());
+        self.private_shm = private_shm;
+        self
+    }
+
+    fn supervisor(&self) -> Option<&Path> {
+        match &self.launcher {
+            Launcher::Supervisor { socket } => Some(socket),
+            _ => None,
         }
     }
 
@@ -177,6 +205,17 @@ impl MpsManager {
 
     /// Pid from the daemon's pid file, if the file exists and the process is alive.
     pub fn pid(&self, key: &str) -> Option<u32> {
+        if let Some(socket) = self.supervisor() {
+            return supervisor::request(socket, &supervisor::Request::Pid { key: key.into() })
+                .ok()?
+                .pid;
+        }
+        if let Some(owned) = &self.owned
+            && let Some(&pid) = owned.lock().unwrap_or_else(|e| e.into_inner()).get(key)
+            && process_alive(pid)
+        {
+            return Some(pid);
+        }
         let pid: u32 = fs::read_to_string(self.dirs(key).pipe.join(PID_FILE))
             .ok()?
             .trim()
@@ -192,6 +231,15 @@ impl MpsManager {
 
     /// Keys of the daemons found running (after a plugin restart: those started by an earlier plugin).
     pub fn running(&self) -> Vec<String> {
+        if let Some(socket) = self.supervisor() {
+            return match supervisor::request(socket, &supervisor::Request::Running) {
+                Ok(answer) => answer.keys,
+                Err(e) => {
+                    warn!(error = %e, "cannot ask the MPS supervisor which daemons run");
+                    Vec::new()
+                }
+            };
+        }
         let Ok(entries) = fs::read_dir(&self.root) else {
             return Vec::new();
         };
@@ -212,6 +260,15 @@ impl MpsManager {
             reason,
         };
         match &self.launcher {
+            Launcher::Supervisor { socket } => {
+                let request = supervisor::Request::Send {
+                    key: key.into(),
+                    command: command.into(),
+                };
+                supervisor::request(socket, &request)
+                    .map(|a| a.answer.unwrap_or_default())
+                    .map_err(|e| err(e.to_string()))
+            }
             Launcher::Simulated { .. } => sim_send(&dirs.pipe, command).map_err(|e| err(e.to_string())),
             Launcher::Nvidia { control, driver_root } => {
                 let mut cmd = Command::new(control);
@@ -244,6 +301,19 @@ impl MpsManager {
     /// `defaults`. Returns its directories.
     pub fn start(&self, key: &str, device_uuid: &str, defaults: DaemonDefaults) -> Result<DaemonDirs> {
         let dirs = self.dirs(key);
+        if let Some(socket) = self.supervisor() {
+            let request = supervisor::Request::Start {
+                key: key.into(),
+                uuid: device_uuid.into(),
+                defaults,
+            };
+            supervisor::request(socket, &request).map_err(|e| MpsError::Start {
+                key: key.to_string(),
+                program: socket.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+            return Ok(dirs);
+        }
         for dir in [&dirs.pipe, &dirs.log, &dirs.shm] {
             fs::create_dir_all(dir).map_err(|source| MpsError::CreateDir {
                 path: dir.clone(),
@@ -258,25 +328,52 @@ impl MpsManager {
             program: program.to_path_buf(),
             reason,
         };
+        let foreground = self.owned.is_some();
         let (program, mut cmd) = match &self.launcher {
             Launcher::Nvidia { control, driver_root } => {
                 let mut cmd = Command::new(control);
                 driver_env(&mut cmd, driver_root)
-                    .arg("-d")
+                    .arg(if foreground { "-f" } else { "-d" })
                     .env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
                     .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
                 (control, cmd)
             }
             Launcher::Simulated { program } => {
                 let mut cmd = Command::new(program);
-                cmd.args([SIM_SUBCOMMAND, "--detach", "--pipe-dir"])
+                cmd.arg(SIM_SUBCOMMAND);
+                if !foreground {
+                    cmd.arg("--detach");
+                }
+                cmd.arg("--pipe-dir")
                     .arg(&dirs.pipe)
                     .arg("--log-dir")
                     .arg(&dirs.log);
                 (program, cmd)
             }
+            Launcher::Supervisor { .. } => unreachable!("forwarded above"),
         };
         cmd.env("CUDA_VISIBLE_DEVICES", device_uuid);
+        if let Some(owned) = &self.owned {
+            if self.private_shm {
+                private_shm::prepare(&mut cmd, &dirs.shm).map_err(|e| start_err(program, e))?;
+            }
+            let mut child = cmd
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| start_err(program, e.to_string()))?;
+            let pid = child.id();
+            owned
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key.to_string(), pid);
+            // The supervisor reaps its daemons, so a stopped one does not linger as a zombie.
+            std::thread::spawn(move || {
+                let _ = child.wait();
+            });
+            return self.await_ready(key, &dirs, defaults, Some(pid));
+        }
         // `-d` forks the daemon and returns; a launcher that does not is killed after the timeout.
         let status = match run_with_timeout(cmd, None, DAEMON_TIMEOUT) {
             Ok(out) => out.status,
@@ -293,8 +390,26 @@ impl MpsManager {
         if !status.success() {
             return Err(start_err(program, format!("launcher exited with {status}")));
         }
+        self.await_ready(key, &dirs, defaults, None)
+    }
+
+    /// Waits until a just started daemon answers, then applies `defaults`.
+    fn await_ready(
+        &self,
+        key: &str,
+        dirs: &DaemonDirs,
+        defaults: DaemonDefaults,
+        child: Option<u32>,
+    ) -> Result<DaemonDirs> {
         let deadline = Instant::now() + DAEMON_TIMEOUT;
         while !self.is_running(key) {
+            if child.is_some_and(|pid| !process_alive(pid)) {
+                return Err(MpsError::NotReady {
+                    key: key.to_string(),
+                    timeout: Duration::ZERO,
+                    log: dirs.log.join("control.log"),
+                });
+            }
             if Instant::now() > deadline {
                 return Err(MpsError::NotReady {
                     key: key.to_string(),
@@ -312,12 +427,21 @@ impl MpsManager {
             self.send(key, &format!("set_default_device_pinned_mem_limit 0 {}M", mib(b)))?;
         }
         info!(key, pid = ?self.pid(key), "started MPS control daemon");
-        Ok(dirs)
+        Ok(dirs.clone())
     }
 
     /// Stops the daemon for `key` (`quit`), waits for it to exit and removes its directories. Succeeds when
     /// no daemon runs.
     pub fn stop(&self, key: &str) -> Result<()> {
+        if let Some(socket) = self.supervisor() {
+            return supervisor::request(socket, &supervisor::Request::Stop { key: key.into() })
+                .map(|_| ())
+                .map_err(|e| MpsError::Command {
+                    key: key.to_string(),
+                    command: "quit".into(),
+                    reason: e.to_string(),
+                });
+        }
         let dirs = self.dirs(key);
         let pid = self.pid(key);
         if pid.is_some() || self.is_running(key) {
@@ -339,6 +463,12 @@ impl MpsManager {
                 }
             }
             info!(key, ?pid, "stopped MPS control daemon");
+        }
+        if let Some(owned) = &self.owned {
+            owned.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
+        }
+        if self.private_shm {
+            private_shm::release(&dirs.shm);
         }
         if let Err(e) = fs::remove_dir_all(&dirs.root)
             && e.kind() != std::io::ErrorKind::NotFound
