@@ -139,10 +139,6 @@ struct MpsSupervisorArgs {
     /// Root of the NVIDIA driver installation.
     #[arg(long, env = "TESSERA_DRIVER_ROOT", default_value = "/")]
     driver_root: PathBuf,
-
-    /// Give each daemon a tmpfs of its own as `/dev/shm` (needs CAP_SYS_ADMIN; real GPUs).
-    #[arg(long, env = "TESSERA_MPS_PRIVATE_SHM")]
-    private_shm: bool,
 }
 
 impl MpsSupervisorArgs {
@@ -152,8 +148,11 @@ impl MpsSupervisorArgs {
             simulated_node_file: None,
             driver_root: self.driver_root,
         };
+        // On real GPUs each daemon gets a tmpfs of its own as /dev/shm (needs CAP_SYS_ADMIN), which the
+        // plugin hands to the daemon's clients; simulated daemons use no shared memory.
+        let private_shm = self.backend == BackendKind::Nvml;
         let manager =
-            MpsManager::new(&self.state_dir, backend.mps_launcher(None)?).owning_children(self.private_shm);
+            MpsManager::new(&self.state_dir, backend.mps_launcher(None)?).owning_children(private_shm);
         crate::sharing::supervisor::serve(&self.socket, manager).map_err(|source| Error::MpsSupervisor {
             socket: self.socket.clone(),
             source,
@@ -200,6 +199,16 @@ struct DiscoverArgs {
     /// them, MIG mode as configured there).
     #[arg(long, env = "TESSERA_STATE_DIR")]
     state_dir: Option<PathBuf>,
+
+    /// Print, instead of the inventory, the CDI spec a claim of all the node's whole GPUs would get
+    /// (device nodes, driver libraries and binaries found under the driver root). Reads only: nothing is
+    /// written and no GPU setting changes.
+    #[arg(long)]
+    cdi: bool,
+
+    /// With `--cdi`: the host path of `nvidia-cdi-hook`, as the plugin's `--cdi-hook`.
+    #[arg(long, env = "TESSERA_CDI_HOOK")]
+    cdi_hook: Option<PathBuf>,
 }
 
 /// Which GPUs the plugin drives.
@@ -394,6 +403,8 @@ impl DiscoverArgs {
             backend,
             node_name,
             state_dir,
+            cdi,
+            cdi_hook,
         } = self;
         // A throwaway state directory: discovery must not need (or change) the plugin's state.
         let scratch = std::env::temp_dir().join(format!("tessera-discover-{}", std::process::id()));
@@ -405,6 +416,15 @@ impl DiscoverArgs {
             })?;
             for u in &found.unusable {
                 eprintln!("warning: {}", u.reason);
+            }
+            if cdi {
+                let spec = dry_run_cdi_spec(b.as_ref(), &found, cdi_hook)?;
+                let json = serde_json::to_string_pretty(&spec).map_err(|e| Error::DryRunCdi {
+                    device: "(spec)".into(),
+                    source: crate::gpu::GpuError::InvalidArgument(e.to_string()),
+                })?;
+                println!("{json}");
+                return Ok(());
             }
             let spec = NodeInventorySpec {
                 node_name,
@@ -420,6 +440,41 @@ impl DiscoverArgs {
         let _ = std::fs::remove_dir_all(&scratch);
         result
     }
+}
+
+/// The CDI spec a claim of every discovered whole GPU would get, built as the preparers build it.
+fn dry_run_cdi_spec(
+    backend: &dyn GpuBackend,
+    found: &crate::gpu::NodeGpus,
+    cdi_hook: Option<PathBuf>,
+) -> Result<crate::cdi::Spec> {
+    let files = DriverFiles::discover(
+        &DriverRoot::new(backend.driver_root()),
+        found.driver_version.as_deref(),
+    )
+    .with_ldcache_hook(cdi_hook);
+    let mut devices = Vec::with_capacity(found.gpus.len());
+    for gpu in &found.gpus {
+        let device = format!("gpu-{}", gpu.index);
+        let mut edits =
+            crate::edits::device_edits(backend, gpu, None, &device, &gpu.uuid).map_err(|source| {
+                Error::DryRunCdi {
+                    device: device.clone(),
+                    source,
+                }
+            })?;
+        edits.extend(crate::edits::driver_edits(&files));
+        devices.push(crate::cdi::Device {
+            name: crate::cdi::device_name("dry-run", &device),
+            container_edits: edits,
+        });
+    }
+    Ok(crate::cdi::Spec {
+        cdi_version: crate::cdi::CDI_VERSION.to_string(),
+        kind: crate::cdi::CDI_KIND.to_string(),
+        devices,
+        container_edits: Default::default(),
+    })
 }
 
 impl BackendArgs {

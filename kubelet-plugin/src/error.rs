@@ -139,6 +139,13 @@ pub enum Error {
     /// Installing the SIGTERM/SIGINT handlers failed.
     #[error("failed to install the signal handlers: {0}")]
     Signals(#[source] io::Error),
+    /// Building the dry-run CDI spec (`discover --cdi`) failed for a device.
+    #[error("failed to build the CDI edits of {device}: {source}")]
+    DryRunCdi {
+        device: String,
+        #[source]
+        source: GpuError,
+    },
     /// Printing the inventory (`discover`) failed.
     #[error("failed to print the inventory as YAML: {0}")]
     PrintInventory(#[source] serde_norway::Error),

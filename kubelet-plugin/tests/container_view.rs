@@ -301,3 +301,50 @@ fn an_mps_control_command_that_hangs_is_killed_after_its_timeout() {
     assert!(matches!(err, MpsError::Timeout { .. }), "{err}");
     assert!(err.to_string().contains("was killed"), "{err}");
 }
+
+#[test]
+fn discover_cdi_prints_the_spec_a_claim_would_get_and_names_the_gpus_it_leaves_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let node_file = dir.path().join("node.yaml");
+    std::fs::write(
+        &node_file,
+        "gpus:\n- {model: H100-SXM5-80GB, count: 2}\n- {model: H100-SXM5-80GB, fault: Lost}\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"))
+        .args([
+            "discover",
+            "--backend",
+            "simulated",
+            "--cdi",
+            "--simulated-node-file",
+        ])
+        .arg(&node_file)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let spec: Spec = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = spec.devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names, ["dry-run-gpu-0", "dry-run-gpu-1"]);
+    for d in &spec.devices {
+        assert!(
+            d.container_edits
+                .mounts
+                .iter()
+                .any(|m| m.container_path == "/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+            "{d:?}"
+        );
+        assert!(
+            d.container_edits
+                .env
+                .contains(&"NVIDIA_VISIBLE_DEVICES=void".to_string())
+        );
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("GPU 2 is not offered") && stderr.contains("lost"),
+        "{stderr}"
+    );
+}
