@@ -65,13 +65,15 @@ test-sample: ## The scheduler check in `make test`: 1 in 100 of the trace (commi
 .PHONY: bench-prepare bench-controller bench-smoke
 BENCH_PREPARE_ARGS ?= -claims 1000 -concurrency 1,8 -footprint-prepares 100
 BENCH_CONTROLLER_ARGS ?= -nodes 1000 -shapes h100,h200,mix -steady 5m
+# The full runs measure the release binaries (what ships); bench-smoke uses the debug ones `make test` built.
+BENCH_RELEASE = PLUGIN_BIN=$(CURDIR)/target/release/tessera-kubelet-plugin CONTROLLER_BIN=$(CURDIR)/target/release/tessera-controller
 bench-prepare: ## Prepare/unprepare latency via kubelet's DRA manager (1,000 claims per kind) and the plugin's RSS
-	cargo build -p tessera-kubelet-plugin -p tessera-controller
-	e2e/scripts/bench-prepare.sh $(BENCH_PREPARE_ARGS) -out $(CURDIR)/e2e/bench/results/prepare.md \
+	cargo build --release -p tessera-kubelet-plugin -p tessera-controller
+	$(BENCH_RELEASE) e2e/scripts/bench-prepare.sh $(BENCH_PREPARE_ARGS) -out $(CURDIR)/e2e/bench/results/prepare.md \
 		-footprint-out $(CURDIR)/e2e/bench/results/footprint.md
 bench-controller: ## The controller with 1,000 nodes (8 H100 / 8 H200 / mix) on a real API server: convergence, writes, RSS
-	cargo build -p tessera-kubelet-plugin -p tessera-controller
-	e2e/scripts/bench-controller.sh $(BENCH_CONTROLLER_ARGS) -out $(CURDIR)/e2e/bench/results/controller.md
+	cargo build --release -p tessera-kubelet-plugin -p tessera-controller
+	$(BENCH_RELEASE) e2e/scripts/bench-controller.sh $(BENCH_CONTROLLER_ARGS) -out $(CURDIR)/e2e/bench/results/controller.md
 bench-smoke: ## Both benchmarks at a small size (20 claims, 10 nodes) so they cannot rot; tables in bench-results/smoke/
 	cargo build -p tessera-kubelet-plugin -p tessera-controller
 	e2e/scripts/bench-prepare.sh -claims 20 -concurrency 1,8 -footprint-prepares 20 \

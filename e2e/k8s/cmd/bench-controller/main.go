@@ -293,6 +293,10 @@ func (b *bench) runShape(ctx context.Context, shape string) (result, error) {
 		return r, err
 	}
 	r.policyConverge = time.Since(t)
+	// The old generation's slices are deleted after the new one is complete; count those writes too.
+	if err := sleep(ctx, b.o.settle); err != nil {
+		return r, err
+	}
 	d = b.since(ctx, mark)
 	r.policyWrites, r.policyRequests = d.changes, d.requests
 	fmt.Fprintf(os.Stderr, "    policy change converged in %s: %d slice changes, %d write requests\n", r.policyConverge.Round(time.Millisecond), d.changes, d.requests)
@@ -498,6 +502,12 @@ func (b *bench) cleanup(ctx context.Context) error {
 		metav1.ListOptions{FieldSelector: "spec.driver=" + driverName})
 	if err != nil {
 		return fmt.Errorf("failed to delete the driver's ResourceSlices: %w", err)
+	}
+	// The controller keeps its Lease when it stops; the next shape's controller would wait out the
+	// lease duration before writing anything, which is failover time, not start-up time.
+	err = b.client.CoordinationV1().Leases("tessera-system").Delete(ctx, "tessera-controller", metav1.DeleteOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("failed to delete the controller's Lease: %w", err)
 	}
 	deadline := time.Now().Add(b.o.timeout)
 	for len(b.pools()) > 0 {
@@ -826,24 +836,24 @@ func markdown(o options, rs []result) string {
 	fmt.Fprintf(&b, "# Controller at scale: %d GPU nodes on a real kube-apiserver\n\n", o.nodes)
 	fmt.Fprintf(&b, "`e2e/scripts/bench-controller.sh -nodes %d -shapes %s -steady %s` on %d CPUs, %s. "+
 		"Every node is a Node plus the NodeInventory the simulated plugin discovers for its shape, its heartbeat renewed every %s by the bench; "+
-		"no GpuPolicy at first (the built-in default: dynamic MIG wherever the GPU can do it). The controller is the debug build `make` produces.\n\n",
-		o.nodes, o.shapes, o.steady, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"), o.heartbeatInterval)
+		"no GpuPolicy at first (the built-in default: dynamic MIG wherever the GPU can do it). Controller binary `%s`.\n\n",
+		o.nodes, o.shapes, o.steady, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"), o.heartbeatInterval, o.controller)
 	b.WriteString("| shape (per node) | slices / devices | controller start → every pool published | steady-state writes | one node's inventory changes | policy change → converged | controller peak RSS | kube-apiserver peak RSS |\n")
 	b.WriteString("|---|---|---|---|---|---|---|---|\n")
 	for _, r := range rs {
-		fmt.Fprintf(&b, "| %s | %d / %d | %.1f s (≤ 60 s %s) | %d slice changes, %d write requests in %s (target 0: %s) | %d slice changes, %d write requests, pools: %s (target: that pool only: %s) | %.1f s (≤ 60 s %s), %d slice changes | %s (≤ 150 MiB %s) | %s |\n",
+		fmt.Fprintf(&b, "| %s | %d / %d | %.1f s (≤ 60 s %s) | %d slice changes, %d write requests in %s (target 0: %s) | %d slice changes, %d write requests, pools: %s (target: that pool only: %s) | %.1f s (≤ 60 s %s), %d slice changes, %d write requests | %s (≤ 150 MiB %s) | %s |\n",
 			r.models, r.slices, r.devices,
 			r.converge.Seconds(), verdict(r.converge <= time.Minute),
 			r.steadyWrites, r.steadyRequests, o.steady, verdict(r.steadyWrites == 0 && r.steadyRequests == 0),
 			r.changeWrites, r.changeRequests, strings.Join(r.changePools, ", "), verdict(len(r.changePools) == 1),
-			r.policyConverge.Seconds(), verdict(r.policyConverge <= time.Minute), r.policyWrites,
+			r.policyConverge.Seconds(), verdict(r.policyConverge <= time.Minute), r.policyWrites, r.policyRequests,
 			mib(r.controllerPeak), verdict(r.controllerPeak > 0 && r.controllerPeak <= 150<<20), mib(r.apiserverPeak))
 	}
 	b.WriteString("\nHow each number is taken: a ResourceSlice informer in the bench counts every add, update and delete of the driver's slices per pool; " +
 		"\"write requests\" is the API server's own `apiserver_request_total` for resourceslices (POST, PUT, PATCH, DELETE, DELETECOLLECTION; conflicts and dry runs included). " +
 		"A pool counts as published when it has as many slices of its newest generation as `resourceSliceCount` says. " +
 		"The controller holds a pool until it has seen one heartbeat change, so \"every pool published\" includes up to one heartbeat interval. " +
-		"The inventory change removes the last GPU of one node; the policy change creates GpuPolicy `default` with one `whole` rule (every pool then has one device per GPU). " +
+		"The inventory change removes the last GPU of one node; its writes are counted for -settle after that pool is republished. The policy change creates GpuPolicy `default` with one `whole` rule (every pool then has one device per GPU); converged when every pool is complete at one device per GPU, its writes counted until -settle after that. " +
 		"RSS is VmRSS sampled every 100 ms over the whole run of a shape.\n")
 	return b.String()
 }

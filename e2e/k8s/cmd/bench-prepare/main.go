@@ -7,7 +7,7 @@
 // The claims are allocated by the bench itself (status.allocation written directly, as the scheduler
 // would), so the numbers are the node's share of a pod start only. Two times per claim: the DRA
 // manager's PrepareResources (what the pod waits for: kubelet's claim GET and checkpoint included) and
-// the gRPC call to the plugin as kubelet's own interceptor times it (kubelet_dra_grpc_operations_duration_seconds):
+// the gRPC call to the plugin as kubelet's own interceptor times it (dra_grpc_operations_duration_seconds):
 // that is tessera's time.
 //
 // It is a benchmark, not a test: it exits non-zero only when the benchmark itself breaks (a prepare
@@ -322,8 +322,10 @@ func (b *bench) allocate(ctx context.Context, k kind, name, device string, memor
 	if err != nil {
 		return claimPod{}, fmt.Errorf("failed to create ResourceClaim %s: %w", name, err)
 	}
+	// The pod exists in the API server, bound to the node, because kube-controller-manager's ResourceClaim
+	// controller drops reservations for pods that do not exist; no kubelet runs it beyond this bench.
 	pod := &v1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace, UID: uuid.NewUUID()},
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace},
 		Spec: v1.PodSpec{
 			NodeName:       b.node,
 			ResourceClaims: []v1.PodResourceClaim{{Name: "gpu", ResourceClaimName: ptr.To(name)}},
@@ -331,6 +333,10 @@ func (b *bench) allocate(ctx context.Context, k kind, name, device string, memor
 				Claims: []v1.ResourceClaim{{Name: "gpu"}},
 			}}},
 		},
+	}
+	pod, err = b.client.CoreV1().Pods(namespace).Create(ctx, pod, metav1.CreateOptions{})
+	if err != nil {
+		return claimPod{}, fmt.Errorf("failed to create Pod %s: %w", name, err)
 	}
 	result := resourcev1.DeviceRequestAllocationResult{Request: "gpu", Driver: driverName, Pool: b.node, Device: device}
 	if k.share {
@@ -475,12 +481,20 @@ func (b *bench) phase(ctx context.Context, k kind, c int) (row, error) {
 	if err := b.plugin.alive(); err != nil {
 		return r, err
 	}
-	// Drop the phase's claims so the API server holds no more than one phase's worth.
+	return r, b.deleteAll(ctx)
+}
+
+// deleteAll drops the claims and pods of a phase, so the API server holds no more than one phase's worth.
+func (b *bench) deleteAll(ctx context.Context) error {
+	err := b.client.CoreV1().Pods(namespace).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("failed to delete the bench's pods: %w", err)
+	}
 	err = b.client.ResourceV1().ResourceClaims(namespace).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{})
 	if err != nil {
-		return r, fmt.Errorf("failed to delete the phase's claims: %w", err)
+		return fmt.Errorf("failed to delete the bench's claims: %w", err)
 	}
-	return r, nil
+	return nil
 }
 
 // footprintUnderLoad prepares N share claims at once (spread over the 8 GPUs) while sampling the
@@ -530,10 +544,13 @@ func (b *bench) footprintUnderLoad(ctx context.Context, fp *footprint) error {
 		return err
 	}
 	fp.loadAfter, _ = rssBytes(b.plugin.pid())
-	return parallel(ctx, 8, n, func(i int) error {
+	if err := parallel(ctx, 8, n, func(i int) error {
 		_, err := b.unprepare(ctx, claims[i])
 		return err
-	})
+	}); err != nil {
+		return err
+	}
+	return b.deleteAll(ctx)
 }
 
 // grpcPrepareSeconds reads kubelet's own histogram of NodePrepareResources calls to this driver: the
@@ -546,7 +563,7 @@ func grpcPrepareSeconds() (float64, uint64) {
 	var sum float64
 	var count uint64
 	for _, f := range families {
-		if f.GetName() != "kubelet_dra_grpc_operations_duration_seconds" {
+		if f.GetName() != "dra_grpc_operations_duration_seconds" {
 			continue
 		}
 		for _, m := range f.GetMetric() {
