@@ -11,7 +11,7 @@
 //! | MPS: device access | plugin: GPU in `EXCLUSIVE_PROCESS` while the daemon runs (whole GPUs) | driver: only the MPS server opens the GPU | nothing more: every CUDA process goes through the server |
 //! | MPS: compute share (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) | CDI env from `compute` capacity or `defaultActiveThreadPercentage` | MPS server, per client context | unset it and get the daemon default (config default, else 100%) |
 //! | MPS: pinned memory (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<N>M`) | CDI env from `memory` capacity or the config's limits | MPS server, per client context | unset it and get the daemon default (config default, else none) |
-//! | MPS: IPC (`/dev/shm`) | plugin mounts the host's `/dev/shm` on real GPUs (the daemon runs in it); a per-daemon dir on the simulated backend | — | see other host shared-memory segments (real GPUs) |
+//! | MPS: IPC (`/dev/shm`) | with the supervisor: a tmpfs per daemon, the daemon's own `/dev/shm`, mounted only into its clients; without it on real GPUs the host's `/dev/shm`; a per-daemon dir on the simulated backend | kernel (mount namespaces) | with the supervisor: see only its own daemon's segments; without it: other host segments |
 //! | MPS: fault isolation | — | none: a fatal fault in one client reaches all clients of the daemon | crash the other shares' work |
 //! | Time-slicing: interval | first share's config (`timeSlicing.interval`), reset after the last | driver scheduler | nothing (no per-share limit exists) |
 //! | Time-slicing: memory, compute | — | nothing | use all memory and compute of the GPU |

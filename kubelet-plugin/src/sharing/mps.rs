@@ -6,7 +6,11 @@
 //! its own session leader, not a child the plugin waits on, so it outlives a plugin restart; the plugin finds
 //! it again through its pid file and control socket.
 //!
-//! Two launchers:
+//! Where they run: without a supervisor the plugin starts them detached (they outlive the plugin process,
+//! not its container); with [`Launcher::Supervisor`] the node's MPS supervisor ([`super::supervisor`])
+//! starts them as its own children and every call here is forwarded to it.
+//!
+//! Two local launchers:
 //! * [`Launcher::Nvidia`]: `nvidia-cuda-mps-control -d` with `CUDA_MPS_PIPE_DIRECTORY`,
 //!   `CUDA_MPS_LOG_DIRECTORY` and `CUDA_VISIBLE_DEVICES=<uuid>`; commands go to the tool's stdin (never
 //!   through a shell).
