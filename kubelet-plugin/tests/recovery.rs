@@ -41,6 +41,29 @@ async fn start(node: &TestNode, boot_id: &str) -> Plugin {
     Plugin { state, mps, recovery }
 }
 
+/// Stops, when the test ends, every simulated MPS daemon still running in the node's state directory
+/// (tests that restart the plugin leave them running on purpose; the processes must not outlive the test).
+/// Declare it after the node, so it runs before the temp dir goes.
+struct StopDaemons(tessera_kubelet_plugin::sharing::mps::MpsManager);
+
+impl StopDaemons {
+    fn new(node: &TestNode) -> Self {
+        let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
+        Self(tessera_kubelet_plugin::sharing::mps::MpsManager::new(
+            &node.state_dir(),
+            tessera_kubelet_plugin::sharing::mps::Launcher::Simulated { program },
+        ))
+    }
+}
+
+impl Drop for StopDaemons {
+    fn drop(&mut self) {
+        for key in self.0.running() {
+            let _ = self.0.stop(&key);
+        }
+    }
+}
+
 fn claim_ref(c: &ResourceClaim) -> ClaimRef {
     ClaimRef {
         namespace: c.metadata.namespace.clone().unwrap(),
@@ -151,6 +174,7 @@ async fn unprepare_all_and_assert_clean(node: &TestNode, plugin: &Plugin, runnin
 #[tokio::test]
 async fn a_checkpoint_of_another_boot_keeps_the_devices_of_running_pods_and_drops_the_rest() {
     let node = TestNode::with_gpus(2);
+    let _stop = StopDaemons::new(&node);
     let old = start(&node, "old-boot").await;
     let running = run_pods(&node, &old).await;
     // A claim whose pod is gone (not reserved any more) is not worth keeping.
@@ -189,6 +213,7 @@ async fn a_checkpoint_of_another_boot_keeps_the_devices_of_running_pods_and_drop
 #[tokio::test]
 async fn a_checkpoint_moved_aside_is_rebuilt_from_the_api_the_cdi_specs_and_the_hardware() {
     let node = TestNode::with_gpus(2);
+    let _stop = StopDaemons::new(&node);
     let first = start(&node, BOOT_ID).await;
     let running = run_pods(&node, &first).await;
     let before = first.state.checkpoint();
@@ -214,6 +239,7 @@ async fn a_checkpoint_moved_aside_is_rebuilt_from_the_api_the_cdi_specs_and_the_
 #[tokio::test]
 async fn a_corrupted_checkpoint_refuses_prepare_and_unprepare_naming_the_file_and_changes_nothing() {
     let node = TestNode::with_gpus(2);
+    let _stop = StopDaemons::new(&node);
     let first = start(&node, BOOT_ID).await;
     let running = run_pods(&node, &first).await;
     drop(first);
@@ -272,6 +298,7 @@ async fn a_corrupted_checkpoint_refuses_prepare_and_unprepare_naming_the_file_an
 #[tokio::test]
 async fn an_unreachable_api_server_after_a_lost_checkpoint_destroys_nothing_until_it_answers() {
     let node = TestNode::with_gpus(2);
+    let _stop = StopDaemons::new(&node);
     let first = start(&node, BOOT_ID).await;
     let running = run_pods(&node, &first).await;
     drop(first);
@@ -303,6 +330,7 @@ fn forged_record(uid: &str, device: DeviceRecord) -> ClaimRecord {
 #[tokio::test]
 async fn a_record_of_a_claim_that_does_not_exist_is_dropped_without_taking_the_live_claims_mig_instance() {
     let node = TestNode::with_gpus(2);
+    let _stop = StopDaemons::new(&node);
     let first = start(&node, BOOT_ID).await;
     let running = run_pods(&node, &first).await;
     drop(first);
@@ -335,6 +363,7 @@ async fn a_record_of_a_claim_that_does_not_exist_is_dropped_without_taking_the_l
 #[tokio::test]
 async fn records_are_checked_against_the_api_while_serving() {
     let node = TestNode::with_gpus(2);
+    let _stop = StopDaemons::new(&node);
     let plugin = start(&node, BOOT_ID).await;
     let running = run_pods(&node, &plugin).await;
     let reserved_elsewhere = add(&node, claim("kept").allocated("gpu-1-mig-1g-10gb-0").build());
