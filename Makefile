@@ -36,6 +36,14 @@ down: ## Stop everything `make up` started and remove its state (logs stay in .r
 e2e: ## End-to-end scenarios on a fresh local cluster (builds control plane, harness and Rust binaries)
 	e2e/scripts/e2e.sh
 
+# Fault suite (issue 16): plugin kill -9 in prepare/unprepare, foreign-boot and corrupted checkpoints with
+# pods running, API server restarts during a pod burst, controller kills during policy changes and node
+# joins/leaves; prints leak/overlap/lost-device/slice-gap counts. `make test` runs it small:
+# `make test-faults FAULT_ROUNDS=5` (~5 min); the full run (100 rounds) writes e2e/bench/results/faults.md.
+FAULT_ROUNDS ?= 100
+test-faults: ## Fault suite on a fresh local cluster, counts per scenario (FAULT_ROUNDS=100; 5 in make test)
+	FAULT_ROUNDS=$(FAULT_ROUNDS) e2e/scripts/faults.sh
+
 # Packing benchmark (e2e/bench/README.md). BENCH_GPU=h100|a100|h200|mix; results in bench-results/.
 BENCH_OPENB_DIR ?= $(abspath $(CURDIR)/../shared/data/openb)
 bench-packing: ## Replay the openb GPU trace through the structured allocator per tessera policy (bench-results/)
