@@ -5,7 +5,13 @@
 # The table goes to FAULTS_OUT (default e2e/bench/results/faults.md for FAULT_ROUNDS >= 100, else
 # $RUN_DIR/faults.md). KEEP_CLUSTER=1 leaves the cluster running; FAULTS_RUN selects scenarios.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+# A cluster of its own (run dir and ports), like the scheduler benchmark's, so a `make up` cluster or a
+# running `make e2e` is never torn down by this script's `make down`.
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export RUN_DIR="${FAULTS_RUN_DIR:-$(cd "$here/../.." && pwd)/.run-faults}"
+export ETCD_PORT="${FAULTS_ETCD_PORT:-24190}" ETCD_PEER_PORT="${FAULTS_ETCD_PEER_PORT:-24200}" API_PORT="${FAULTS_API_PORT:-16843}"
+export SCHEDULER_PORT="${FAULTS_SCHEDULER_PORT:-16859}" CONTROLLER_MANAGER_PORT="${FAULTS_CONTROLLER_MANAGER_PORT:-16857}"
+source "$here/common.sh"
 rounds="${FAULT_ROUNDS:-5}"
 if [[ -z "${FAULTS_OUT:-}" ]]; then
   if (( rounds >= 100 )); then FAULTS_OUT="$E2E_DIR/bench/results/faults.md"; else FAULTS_OUT="$RUN_DIR/faults.md"; fi
