@@ -309,3 +309,67 @@ async fn a_restarted_plugin_removes_leaked_mig_instances_and_keeps_prepared_clai
     second.state.unprepare(&m).await.unwrap();
     assert!(node.backend.list_gpu_instances(1).unwrap_or_default().is_empty());
 }
+
+#[tokio::test]
+async fn shares_of_a_mig_placement_create_the_instance_with_the_first_and_destroy_it_with_the_last() {
+    let node = TestNode::with_gpus(1);
+    let p = plugin(&node);
+    let shares: Vec<ClaimRef> = ["a", "b"]
+        .map(|n| {
+            add(
+                &node,
+                claim(n)
+                    .allocated_share("gpu-0-mig-3g-40gb-4-shared", n)
+                    .consumed("compute", "50")
+                    .build(),
+            )
+        })
+        .into();
+    for s in &shares {
+        p.state.prepare(s).await.unwrap();
+    }
+    let gis = node.backend.list_gpu_instances(0).unwrap();
+    assert_eq!(gis.len(), 1, "one MIG device serves both shares");
+    let mig_uuid = &gis[0].compute_instances[0].uuid;
+    for s in &shares {
+        let env = env_of(&p, s);
+        assert!(
+            env.contains(&format!("TESSERA_UUID_GPU_0_MIG_3G_40GB_4_SHARED={mig_uuid}")),
+            "{env:?}"
+        );
+    }
+    // Other MIG instances of the GPU are not MPS clients: the GPU stays in default compute mode.
+    assert_eq!(node.backend.compute_mode(0).unwrap(), ComputeMode::Default);
+    p.state.unprepare(&shares[0]).await.unwrap();
+    assert_eq!(node.backend.list_gpu_instances(0).unwrap().len(), 1);
+    p.state.unprepare(&shares[1]).await.unwrap();
+    assert!(node.backend.list_gpu_instances(0).unwrap_or_default().is_empty());
+    assert!(!node.backend.mig_mode(0).unwrap().current);
+    assert!(p.shared.sharer.mps().running().is_empty());
+}
+
+#[tokio::test]
+async fn a_restarted_plugin_destroys_a_shared_mig_device_after_its_last_share() {
+    let node = TestNode::with_gpus(1);
+    let first = plugin(&node);
+    let shares: Vec<ClaimRef> = ["a", "b"]
+        .map(|n| {
+            add(
+                &node,
+                claim(n).allocated_share("gpu-0-mig-1g-10gb-2-shared", n).build(),
+            )
+        })
+        .into();
+    for s in &shares {
+        first.state.prepare(s).await.unwrap();
+    }
+    drop(first);
+
+    let second = plugin(&node);
+    assert_eq!(second.recovery.destroyed_mig_instances, 0);
+    second.state.unprepare(&shares[0]).await.unwrap();
+    assert_eq!(node.backend.list_gpu_instances(0).unwrap().len(), 1);
+    second.state.unprepare(&shares[1]).await.unwrap();
+    assert!(node.backend.list_gpu_instances(0).unwrap_or_default().is_empty());
+    assert!(second.shared.sharer.mps().running().is_empty());
+}
