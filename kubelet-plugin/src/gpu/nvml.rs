@@ -1,4 +1,4 @@
-//! The NVML backend: real GPUs through nvml-wrapper, plus the raw MIG calls of [`super::nvml_raw`].
+//! The NVML backend: real GPUs through nvml-wrapper, plus the raw MIG calls of `nvml_raw`.
 //!
 //! `NvmlBackend::new(driver_root)` loads `libnvidia-ml.so.1` from the driver root (the host's `/` or a
 //! containerised driver such as `/run/nvidia/driver`), so the plugin works without the library in its own
