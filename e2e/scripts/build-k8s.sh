@@ -6,22 +6,26 @@
 # time, which go's build cache makes cheap.
 set -euo pipefail
 
-E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# K8S_VERSION=1.36 builds from e2e/k8s/go.136.mod into e2e/bin/1.36 (common.sh).
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 MOD_DIR="$E2E_DIR/k8s"
 SELF="$E2E_DIR/scripts/$(basename "${BASH_SOURCE[0]}")"
-BIN_DIR="${E2E_BIN_DIR:-$E2E_DIR/bin}"
-export GOTOOLCHAIN=local GOFLAGS="-mod=mod -buildvcs=false" CGO_ENABLED=0
+export GOTOOLCHAIN=local GOFLAGS="-mod=mod -buildvcs=false -modfile=$K8S_MODFILE" CGO_ENABLED=0
 
 if ! command -v go >/dev/null 2>&1; then
-  echo "error: go not found in PATH; install Go >= 1.26.0 (the Kubernetes 1.36 modules need it)" >&2
+  echo "error: go not found in PATH; install Go >= 1.26.0 (the Kubernetes 1.36 and 1.37 modules need it)" >&2
   exit 2
 fi
 
 KUBE_VERSION="$(cd "$MOD_DIR" && go list -m -f '{{.Version}}' k8s.io/kubernetes)" || {
-  echo "error: cannot resolve k8s.io/kubernetes in $MOD_DIR/go.mod (go list -m failed)" >&2
+  echo "error: cannot resolve k8s.io/kubernetes in $MOD_DIR/$K8S_MODFILE (go list -m failed)" >&2
   exit 2
 }
 MINOR="$(echo "$KUBE_VERSION" | cut -d. -f2)"
+[[ "$KUBE_VERSION" == "v$K8S_VERSION."* ]] || {
+  echo "error: $MOD_DIR/$K8S_MODFILE requires k8s.io/kubernetes $KUBE_VERSION, not a $K8S_VERSION release (K8S_VERSION=$K8S_VERSION)" >&2
+  exit 2
+}
 CMDS=(k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-controller-manager)
 ETCD_PKG=go.etcd.io/etcd/server/v3
 ETCD_VERSION="$(cd "$MOD_DIR" && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)"

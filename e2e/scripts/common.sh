@@ -6,7 +6,16 @@
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 REPO_ROOT="$(cd "$E2E_DIR/.." && pwd)"
 RUN_DIR="${RUN_DIR:-$REPO_ROOT/.run}"
-BIN_DIR="${E2E_BIN_DIR:-$E2E_DIR/bin}"
+# K8S_VERSION picks the Kubernetes minor the control plane, the kubelet stand-in and the tests are built
+# from: 1.37 (default, e2e/k8s/go.mod) or 1.36 (e2e/k8s/go.136.mod, the previous release kept runnable).
+# Each version has its own bin dir, so both builds coexist and switching back relinks nothing.
+K8S_VERSION="${K8S_VERSION:-1.37}"
+case "$K8S_VERSION" in
+  1.37) K8S_MODFILE=go.mod; _default_bin="$E2E_DIR/bin" ;;
+  1.36) K8S_MODFILE=go.136.mod; _default_bin="$E2E_DIR/bin/1.36" ;;
+  *) echo "error: K8S_VERSION=$K8S_VERSION is not supported: use 1.37 (the default) or 1.36" >&2; exit 2 ;;
+esac
+BIN_DIR="${E2E_BIN_DIR:-$_default_bin}"
 LOG_DIR="$RUN_DIR/logs"
 PID_DIR="$RUN_DIR/pids"
 PROC_DIR="$RUN_DIR/procs"
@@ -21,8 +30,8 @@ ETCD_PEER_PORT="${ETCD_PEER_PORT:-23800}"
 API_PORT="${API_PORT:-16443}"
 SCHEDULER_PORT="${SCHEDULER_PORT:-16459}"
 CONTROLLER_MANAGER_PORT="${CONTROLLER_MANAGER_PORT:-16457}"
-# Kubernetes 1.36 has DRA, partitionable devices, consumable capacity and device taints on by default;
-# extra gates (e.g. DRADeviceTaintRules=true) go to every component.
+# Kubernetes 1.36 and 1.37 have DRA, partitionable devices, consumable capacity, device taints and
+# DRA-backed extended resources on by default; extra gates go to every component.
 FEATURE_GATES="${FEATURE_GATES:-}"
 RUNTIME_CONFIG="${RUNTIME_CONFIG:-}"
 

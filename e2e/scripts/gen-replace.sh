@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gen-replace.sh v1.36.5: prints the replace block for e2e/k8s/go.mod. k8s.io/kubernetes requires its
+# gen-replace.sh v1.37.2: prints the replace block for e2e/k8s/go.mod (v1.36.5: for go.136.mod). k8s.io/kubernetes requires its
 # staging modules at v0.0.0 and resolves them with ./staging replaces, which Go ignores in dependencies;
 # every `k8s.io/X => ./staging/src/k8s.io/X` line of that release's go.mod (fetched through the module
 # proxy) becomes `k8s.io/X => k8s.io/X v0.<minor>.<patch>`.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make up`: a real local Kubernetes 1.36 control plane (etcd, kube-apiserver, kube-scheduler,
+# `make up`: a real local Kubernetes 1.37 (K8S_VERSION=1.36: 1.36) control plane (etcd, kube-apiserver, kube-scheduler,
 # kube-controller-manager) as plain processes, N fake GPU nodes (kubelet stand-in + tessera's kubelet
 # plugin on the simulated backend), tessera's controller, CRDs, DeviceClasses and the examples.
 # Variables: NODES GPUS MODEL (node shape), SKIP_EXAMPLES=1, SKIP_DRIVER=1 (control plane and nodes
@@ -20,9 +20,9 @@ rm -rf "$RUN_DIR"
 mkdir -p "$LOG_DIR" "$PID_DIR" "$PROC_DIR"
 
 step "preflight: tools and ports"
-command -v go >/dev/null || die "go not found in PATH; install Go >= 1.26 (Kubernetes 1.36 needs it)"
+command -v go >/dev/null || die "go not found in PATH; install Go >= 1.26 (Kubernetes 1.36 and 1.37 need it)"
 gov="$(go env GOVERSION)"; gominor="$(echo "${gov#go}" | cut -d. -f2)"
-[[ "${gov#go}" == 1.* && "$gominor" -ge 26 ]] || die "Go $gov is too old; Kubernetes 1.36 needs Go >= 1.26"
+[[ "${gov#go}" == 1.* && "$gominor" -ge 26 ]] || die "Go $gov is too old; Kubernetes 1.36 and 1.37 need Go >= 1.26"
 for p in "$ETCD_PORT" "$ETCD_PEER_PORT" "$API_PORT" "$SCHEDULER_PORT" "$CONTROLLER_MANAGER_PORT"; do
   port_in_use "$p" && die "port $p on 127.0.0.1 is in use; free it or set ETCD_PORT/ETCD_PEER_PORT/API_PORT/SCHEDULER_PORT/CONTROLLER_MANAGER_PORT"
 done
@@ -106,7 +106,8 @@ fi
 manifests=()
 policy="${POLICY:-$E2E_DIR/manifests/gpupolicy.yaml}"
 [[ "$policy" == none ]] && policy=""
-for p in "${crds[@]}" "$REPO_ROOT/deployments/classes" $policy; do
+# Only the top-level classes: deployments/classes/mig-profiles/ is opt-in (deployments/classes/README.md).
+for p in "${crds[@]}" "$REPO_ROOT"/deployments/classes/*.yaml $policy; do
   if [[ -f "$p" ]] || compgen -G "$p/*.yaml" >/dev/null; then manifests+=("$p"); fi
 done
 if [[ ${#manifests[@]} -gt 0 ]]; then

@@ -482,13 +482,36 @@ func checkPrepared(t *testing.T, a allocation) map[string]string {
 		t.Errorf("%s: no CDI spec for claim %s in %s's CDI dir", a.pod.Name, a.claim.UID, a.pod.Spec.NodeName)
 	}
 	env := a.edits.EnvMap()
-	if env["NVIDIA_VISIBLE_DEVICES"] == "" {
-		t.Errorf("%s: NVIDIA_VISIBLE_DEVICES not set (env %v)", a.pod.Name, a.edits.Env)
+	// void on every device: the CDI spec carries everything, NVIDIA's runtime must add nothing, and the env
+	// merge of a multi-device claim stays consistent (kubelet-plugin/src/edits.rs).
+	if env["NVIDIA_VISIBLE_DEVICES"] != "void" {
+		t.Errorf("%s: NVIDIA_VISIBLE_DEVICES=%q, want void (env %v)", a.pod.Name, env["NVIDIA_VISIBLE_DEVICES"], a.edits.Env)
+	}
+	if env[uuidEnvKey(a.result.Device)] == "" {
+		t.Errorf("%s: %s not set (env %v)", a.pod.Name, uuidEnvKey(a.result.Device), a.edits.Env)
 	}
 	if env["TESSERA_DEVICE"] != a.result.Device {
 		t.Errorf("%s: TESSERA_DEVICE=%q, want %q", a.pod.Name, env["TESSERA_DEVICE"], a.result.Device)
 	}
 	return env
+}
+
+// uuidEnvKey is the env key the plugin names a device's UUID under: TESSERA_UUID_ + the device name in
+// upper case with every other character as _ (gpu-1-mig-3g-40gb-4 → TESSERA_UUID_GPU_1_MIG_3G_40GB_4).
+func uuidEnvKey(device string) string {
+	var b strings.Builder
+	b.WriteString("TESSERA_UUID_")
+	for _, c := range device {
+		switch {
+		case c >= 'a' && c <= 'z':
+			b.WriteRune(c - 'a' + 'A')
+		case (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'):
+			b.WriteRune(c)
+		default:
+			b.WriteByte('_')
+		}
+	}
+	return b.String()
 }
 
 func contains(list []string, s string) bool {

@@ -162,8 +162,9 @@ func TestWholeMigAndShareClaimsAreAllocatedAndPrepared(t *testing.T) {
 		}
 		env := checkPrepared(t, a)
 		dev := sliceDevice(t, p.Spec.NodeName, a.result.Device)
-		if uuid := attr(dev, "uuid").StringValue; uuid == nil || env["NVIDIA_VISIBLE_DEVICES"] != *uuid {
-			t.Errorf("NVIDIA_VISIBLE_DEVICES=%q, want the slice's uuid attribute %v", env["NVIDIA_VISIBLE_DEVICES"], uuid)
+		key := uuidEnvKey(a.result.Device)
+		if uuid := attr(dev, "uuid").StringValue; uuid == nil || env[key] != *uuid {
+			t.Errorf("%s=%q, want the slice's uuid attribute %v", key, env[key], uuid)
 		}
 		minor := attr(dev, "minor").IntValue
 		if minor == nil {
@@ -184,8 +185,9 @@ func TestWholeMigAndShareClaimsAreAllocatedAndPrepared(t *testing.T) {
 			t.Fatalf("allocated %q, want a 3g MIG placement gpu-<i>-mig-3g-...-<start>", a.result.Device)
 		}
 		env := checkPrepared(t, a)
-		if !strings.HasPrefix(env["NVIDIA_VISIBLE_DEVICES"], "MIG-") {
-			t.Errorf("NVIDIA_VISIBLE_DEVICES=%q, want a MIG-… uuid", env["NVIDIA_VISIBLE_DEVICES"])
+		key := uuidEnvKey(a.result.Device)
+		if !strings.HasPrefix(env[key], "MIG-") {
+			t.Errorf("%s=%q, want a MIG-… uuid", key, env[key])
 		}
 		paths := a.edits.DevicePaths()
 		if !hasPrefix(paths, "/dev/nvidia-caps/") {
@@ -206,8 +208,8 @@ func TestWholeMigAndShareClaimsAreAllocatedAndPrepared(t *testing.T) {
 		if gi.ProfileID != 9 || gi.Placement.Size != 4 {
 			t.Errorf("GPU instance %+v, want the 3g profile (ID 9) over 4 memory slices", gi)
 		}
-		if len(gi.ComputeInstances) != 1 || gi.ComputeInstances[0].UUID != env["NVIDIA_VISIBLE_DEVICES"] {
-			t.Errorf("compute instances %+v, want one whose uuid is %s", gi.ComputeInstances, env["NVIDIA_VISIBLE_DEVICES"])
+		if len(gi.ComputeInstances) != 1 || gi.ComputeInstances[0].UUID != env[key] {
+			t.Errorf("compute instances %+v, want one whose uuid is %s", gi.ComputeInstances, env[key])
 		}
 	})
 

@@ -35,6 +35,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
@@ -431,11 +432,9 @@ func (b *bench) heartbeats(ctx context.Context, names []string) {
 			return
 		case <-tick.C:
 		}
-		inv, err := b.dyn.Resource(inventoryGVR).Get(ctx, names[i], metav1.GetOptions{})
-		if err == nil {
-			gpus, _, _ := unstructured.NestedSlice(inv.Object, "spec", "gpus")
-			err = b.heartbeat(ctx, inv, len(gpus))
-		}
+		// One merge patch of the status per beat, as cheap as a heartbeat can be for the API server.
+		patch := fmt.Appendf(nil, `{"status":{"ready":true,"lastHeartbeatTime":%q}}`, time.Now().UTC().Format(time.RFC3339Nano))
+		_, err := b.dyn.Resource(inventoryGVR).Patch(ctx, names[i], types.MergePatchType, patch, metav1.PatchOptions{}, "status")
 		if err != nil && ctx.Err() == nil {
 			failures++
 		}
@@ -608,7 +607,9 @@ func (b *bench) waitFor(ctx context.Context, ctrl *controller, what string, done
 		if time.Now().After(deadline) {
 			return fmt.Errorf("not converged after -timeout %s: %s (controller log: %s)", b.o.timeout, what, ctrl.log)
 		}
-		if err := sleep(ctx, 100*time.Millisecond); err != nil {
+		// Each check walks every slice in the informer (9,000 at full size); 4 a second keep the bench's
+		// own CPU use small beside the controller's on 2 cores.
+		if err := sleep(ctx, 250*time.Millisecond); err != nil {
 			return err
 		}
 	}

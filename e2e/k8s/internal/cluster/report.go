@@ -72,9 +72,11 @@ func Edits(pod *v1.Pod) (map[string]ContainerEdits, error) {
 	return edits, nil
 }
 
-// PodClaims returns the ResourceClaims a pod uses (generated from templates or named directly).
+// PodClaims returns the ResourceClaims a pod uses: generated from templates, named directly, and the one
+// kube-scheduler created for the pod's extended resources backed by a DeviceClass (KEP-5004), which only
+// pod.status.extendedResourceClaimStatus names, as the kubelet's DRA manager reads it.
 func PodClaims(ctx context.Context, client kubernetes.Interface, pod *v1.Pod) ([]*resourcev1.ResourceClaim, error) {
-	var claims []*resourcev1.ResourceClaim
+	var names []string
 	for _, pc := range pod.Spec.ResourceClaims {
 		name := ""
 		if pc.ResourceClaimName != nil {
@@ -85,9 +87,15 @@ func PodClaims(ctx context.Context, client kubernetes.Interface, pod *v1.Pod) ([
 				name = *st.ResourceClaimName
 			}
 		}
-		if name == "" {
-			continue
+		if name != "" {
+			names = append(names, name)
 		}
+	}
+	if st := pod.Status.ExtendedResourceClaimStatus; st != nil && st.ResourceClaimName != "" {
+		names = append(names, st.ResourceClaimName)
+	}
+	var claims []*resourcev1.ResourceClaim
+	for _, name := range names {
 		claim, err := client.ResourceV1().ResourceClaims(pod.Namespace).Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return nil, fmt.Errorf("failed to get ResourceClaim %s/%s: %w", pod.Namespace, name, err)

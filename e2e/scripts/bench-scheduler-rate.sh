@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# `make bench-scheduler-rate`: kube-scheduler's pods/s on tessera's slices, Kubernetes 1.36 and 1.37 side by
+# side. For each version (RATE_VERSIONS, default "1.36 1.37") it builds that version's control plane
+# (K8S_VERSION, e2e/bin/1.36 or e2e/bin), starts it with no nodes on the bench's own ports and run dir
+# (bench-scheduler.sh), and runs e2e/bench in rate mode: for every cluster size in RATE_NODES (default
+# "100,1000") and every policy in RATE_POLICIES (default "whole,mig,shares"), fake nodes × 8 H100 with the
+# slices `tessera-controller render` publishes, pods in bursts, pods/s from the first create to the last
+# bind, each cell time-boxed (RATE_TIME_BOX, default 120s). Then one table of all versions is printed and
+# written to RATE_OUT (default e2e/bench/results/scheduler-rate.md). Extra bench flags: RATE_ARGS.
+#
+# kube-scheduler runs with --kube-api-qps 1000 --kube-api-burst 2000 (its defaults, 50/100, cap any
+# scheduler at ~20 DRA pods/s: each pod costs a claim status write and a bind), plus SCHEDULER_ARGS.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+versions="${RATE_VERSIONS:-1.36 1.37}"
+out_dir="${RATE_RESULTS_DIR:-$repo/bench-results/scheduler-rate}"
+out_md="${RATE_OUT:-$repo/e2e/bench/results/scheduler-rate.md}"
+mkdir -p "$out_dir"
+export SCHEDULER_ARGS="--kube-api-qps=1000 --kube-api-burst=2000 ${SCHEDULER_ARGS:-}"
+files=()
+for v in $versions; do
+  echo "==== Kubernetes $v ===="
+  K8S_VERSION="$v" "$here/bench-scheduler.sh" \
+    -controller "$repo/target/debug/tessera-controller" -plugin "$repo/target/debug/tessera-kubelet-plugin" \
+    -policies "${RATE_POLICIES:-whole,mig,shares}" -out "$out_dir/$v" \
+    -rate-nodes "${RATE_NODES:-100,1000}" -rate-time-box "${RATE_TIME_BOX:-120s}" \
+    -rate-json "$out_dir/rate-$v.json" ${RATE_ARGS:-}
+  files+=("$out_dir/rate-$v.json")
+done
+cd "$repo/e2e/bench"
+GOTOOLCHAIN=local go run . -rate-report "$(IFS=,; echo "${files[*]}")" -rate-markdown "$out_dir/table.md"
+echo
+echo "table: $out_dir/table.md (copy it into $out_md with the run's notes)"
