@@ -9,7 +9,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
-export RUN_DIR="${BENCH_RUN_DIR:-$repo/.run-bench-controller}"
+export RUN_DIR="${BENCH_RUN_DIR:-$repo/bench-results/run-controller}"
 export ETCD_PORT="${BENCH_ETCD_PORT:-23990}" ETCD_PEER_PORT="${BENCH_ETCD_PEER_PORT:-24000}"
 export API_PORT="${BENCH_API_PORT:-16643}" SCHEDULER_PORT="${BENCH_SCHEDULER_PORT:-16659}"
 export CONTROLLER_MANAGER_PORT="${BENCH_CONTROLLER_MANAGER_PORT:-16657}"

@@ -8,7 +8,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
-export RUN_DIR="${BENCH_RUN_DIR:-$repo/.run-bench-prepare}"
+export RUN_DIR="${BENCH_RUN_DIR:-$repo/bench-results/run-prepare}"
 export ETCD_PORT="${BENCH_ETCD_PORT:-24090}" ETCD_PEER_PORT="${BENCH_ETCD_PEER_PORT:-24100}"
 export API_PORT="${BENCH_API_PORT:-16743}" SCHEDULER_PORT="${BENCH_SCHEDULER_PORT:-16759}"
 export CONTROLLER_MANAGER_PORT="${BENCH_CONTROLLER_MANAGER_PORT:-16757}"
