@@ -52,7 +52,7 @@ pub const FALLBACK_BINARY_DIR: &str = "/usr/local/nvidia/bin";
 
 /// The driver libraries a compute, video or management workload may load (the utility, compute and video
 /// sets of NVIDIA's container toolkit; graphics libraries are not handed out). Each is looked for as
-/// `<name>.so.<driver version>` and as its soname link `<name>.so.1`.
+/// `<name>.so.<driver version>` with the soname links that point at it.
 pub const LIBRARIES: [&str; 18] = [
     "libcuda",
     "libcudadebugger",
@@ -187,6 +187,45 @@ impl DriverRoot {
     }
 }
 
+/// The files of one library: `<lib>.so.<driver version>` and every soname link next to it that resolves to
+/// it (`.so.1` for most, `.so.4` for `libnvidia-nvvm`; read from the directory, not assumed), from the
+/// first library directory that holds the versioned file. Without a known version, or when no directory
+/// has it, the `<lib>.so.1` link alone.
+fn library_files(root: &DriverRoot, lib: &str, driver_version: Option<&str>) -> Vec<PathBuf> {
+    let dirs = root.library_dirs();
+    if let Some(v) = driver_version {
+        let versioned = format!("{lib}.so.{v}");
+        if let Some(dir) = dirs.iter().find(|d| d.join(&versioned).is_file()) {
+            let target = fs::canonicalize(dir.join(&versioned)).ok();
+            let prefix = format!("{lib}.so.");
+            let mut links: Vec<PathBuf> = fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .filter_map(|e| e.ok())
+                .filter(|e| {
+                    let name = e.file_name();
+                    let name = name.to_string_lossy();
+                    name.starts_with(&prefix)
+                        && *name != versioned
+                        && e.file_type().is_ok_and(|t| t.is_symlink())
+                        && fs::canonicalize(e.path()).ok() == target
+                })
+                .map(|e| e.path())
+                .collect();
+            links.sort();
+            let mut files = vec![dir.join(&versioned)];
+            files.extend(links);
+            return files;
+        }
+    }
+    let soname = format!("{lib}.so.1");
+    dirs.iter()
+        .map(|d| d.join(&soname))
+        .find(|p| p.exists())
+        .into_iter()
+        .collect()
+}
+
 fn existing_dirs(root: &Path, dirs: &[&str]) -> Vec<PathBuf> {
     dirs.iter()
         .map(|d| root.join(d))
@@ -225,23 +264,8 @@ impl DriverFiles {
     pub fn discover(root: &DriverRoot, driver_version: Option<&str>) -> Self {
         let mut libraries = Vec::new();
         for lib in LIBRARIES {
-            let mut names = vec![format!("{lib}.so.1")];
-            if let Some(v) = driver_version {
-                names.insert(0, format!("{lib}.so.{v}"));
-            }
-            // Both names from the same directory, so the soname link and its target match.
-            let Some(dir) = root
-                .library_dirs()
-                .into_iter()
-                .find(|d| names.iter().any(|n| d.join(n).exists()))
-            else {
-                continue;
-            };
-            for n in &names {
-                let host = dir.join(n);
-                if host.exists()
-                    && let Some(container_path) = root.container_path(&host, true)
-                {
+            for host in library_files(root, lib, driver_version) {
+                if let Some(container_path) = root.container_path(&host, true) {
                     libraries.push(DriverFile {
                         host_path: host,
                         container_path,
@@ -443,6 +467,29 @@ mod tests {
                 true
             ),
             Some("/usr/lib/x86_64-linux-gnu/libcuda.so.1".to_string())
+        );
+    }
+
+    #[test]
+    fn soname_links_are_read_from_the_directory_not_assumed() {
+        let layout = Layout::new().libs("usr/lib64");
+        let d = layout.dir.path().join("usr/lib64");
+        fs::write(d.join(format!("libnvidia-nvvm.so.{VERSION}")), b"stub").unwrap();
+        symlink(
+            format!("libnvidia-nvvm.so.{VERSION}"),
+            d.join("libnvidia-nvvm.so.4"),
+        )
+        .unwrap();
+        // A stale link of an older driver is not mounted.
+        symlink("libcuda.so.535.1", d.join("libcuda.so.535")).unwrap();
+        let files = DriverFiles::discover(&layout.root(), Some(VERSION));
+        let paths = container_paths(&files.libraries);
+        assert!(paths.contains(&"/usr/lib64/libnvidia-nvvm.so.4"), "{paths:?}");
+        assert!(!paths.iter().any(|p| p.ends_with("libcuda.so.535")), "{paths:?}");
+        let unversioned = DriverFiles::discover(&layout.root(), None);
+        assert_eq!(
+            container_paths(&unversioned.libraries),
+            ["/usr/lib64/libcuda.so.1", "/usr/lib64/libnvidia-ml.so.1"]
         );
     }
 
