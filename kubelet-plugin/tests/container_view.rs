@@ -348,3 +348,38 @@ fn discover_cdi_prints_the_spec_a_claim_would_get_and_names_the_gpus_it_leaves_o
         "{stderr}"
     );
 }
+
+#[test]
+fn nvidias_mps_tool_runs_with_the_driver_roots_path_and_libraries() {
+    // A GPU Operator style driver root: the tools and libraries are not on the plugin's own paths.
+    let root = tempfile::tempdir().unwrap();
+    let bin = root.path().join("usr/bin");
+    let lib = root.path().join("usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::create_dir_all(&lib).unwrap();
+    let tool = bin.join("nvidia-cuda-mps-control");
+    // Prints what the control daemon would use to find nvidia-cuda-mps-server and libcuda.
+    std::fs::write(
+        &tool,
+        "#!/bin/sh\necho \"PATH=$PATH\"\necho \"LD_LIBRARY_PATH=$LD_LIBRARY_PATH\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let mps = MpsManager::new(
+        state.path(),
+        Launcher::Nvidia {
+            control: tool,
+            driver_root: root.path().to_path_buf(),
+        },
+    );
+    let out = mps.send("gpu-0", "get_default_active_thread_percentage").unwrap();
+    assert!(
+        out.contains(&format!("PATH={}", bin.display())),
+        "the driver root's binaries must come first: {out}"
+    );
+    assert!(
+        out.contains(&format!("LD_LIBRARY_PATH={}", lib.display())),
+        "{out}"
+    );
+}
