@@ -47,16 +47,17 @@ use timeslice::{TimeSliceError, TimeSliceRecord};
 /// Why a share could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum SharingError {
-    /// The device already serves shares of the other strategy.
+    /// The device already serves shares of the other strategy. The message counts the other claims
+    /// instead of naming them: they may belong to other namespaces, and their UIDs are not this user's.
     #[error(
-        "device {device} is already shared with {current} by claims {holders:?}; this claim asks for {requested} \
-         (all shares of a device must use one strategy)"
+        "device {device} is already shared with {current} by {holders} other claim(s); this claim asks for \
+         {requested} (all shares of a device must use one strategy)"
     )]
     StrategyConflict {
         device: String,
         current: &'static str,
         requested: &'static str,
-        holders: Vec<String>,
+        holders: usize,
     },
     /// A consumed capacity that is not a quantity.
     #[error("failed to read consumed capacity {name}={value:?}: {source}")]
@@ -106,7 +107,7 @@ impl ShareUsers {
                 device: device.to_string(),
                 current: shares.strategy.as_str(),
                 requested: strategy.as_str(),
-                holders: shares.holders.iter().cloned().collect(),
+                holders: shares.holders.len(),
             });
         }
         shares.strategy = strategy;
@@ -455,6 +456,31 @@ mod tests {
                 .add("GPU-1", "c/gpu-0-shared", SharingStrategy::TimeSlicing)
                 .unwrap()
         );
+    }
+
+    #[test]
+    fn a_strategy_conflict_counts_the_other_claims_without_naming_them() {
+        let users = ShareUsers::default();
+        users
+            .add(
+                "GPU-1",
+                "uid-of-another-namespace/gpu-0-shared",
+                SharingStrategy::Mps,
+            )
+            .unwrap();
+        users
+            .add(
+                "GPU-1",
+                "uid-of-a-second-claim/gpu-0-shared",
+                SharingStrategy::Mps,
+            )
+            .unwrap();
+        let message = users
+            .add("GPU-1", "mine/gpu-0-shared", SharingStrategy::TimeSlicing)
+            .unwrap_err()
+            .to_string();
+        assert!(!message.contains("uid-of"), "{message}");
+        assert!(message.contains("by 2 other claim(s)"), "{message}");
     }
 
     #[test]
