@@ -3,7 +3,7 @@
 # (e2e/k8s/e2etest/faults_test.go, the TestFaults* scenarios of bin/e2e.test), then `make down`.
 # FAULT_ROUNDS sizes it (kill rounds of the plugin scenario; the other scenarios repeat more from 100 on).
 # The table goes to FAULTS_OUT (default e2e/bench/results/faults.md for FAULT_ROUNDS >= 100, else
-# $RUN_DIR/faults.md). KEEP_CLUSTER=1 leaves the cluster running; FAULTS_RUN selects scenarios.
+# $RUN_DIR/logs/faults.md, which make down keeps). KEEP_CLUSTER=1 leaves the cluster running; FAULTS_RUN selects scenarios.
 set -euo pipefail
 # A cluster of its own (run dir and ports), like the scheduler benchmark's, so a `make up` cluster or a
 # running `make e2e` is never torn down by this script's `make down`.
@@ -13,8 +13,9 @@ export ETCD_PORT="${FAULTS_ETCD_PORT:-24190}" ETCD_PEER_PORT="${FAULTS_ETCD_PEER
 export SCHEDULER_PORT="${FAULTS_SCHEDULER_PORT:-16859}" CONTROLLER_MANAGER_PORT="${FAULTS_CONTROLLER_MANAGER_PORT:-16857}"
 source "$here/common.sh"
 rounds="${FAULT_ROUNDS:-5}"
+mkdir -p "$LOG_DIR"
 if [[ -z "${FAULTS_OUT:-}" ]]; then
-  if (( rounds >= 100 )); then FAULTS_OUT="$E2E_DIR/bench/results/faults.md"; else FAULTS_OUT="$RUN_DIR/faults.md"; fi
+  if (( rounds >= 100 )); then FAULTS_OUT="$E2E_DIR/bench/results/faults.md"; else FAULTS_OUT="$LOG_DIR/faults.md"; fi
 fi
 start=$(date +%s)
 
