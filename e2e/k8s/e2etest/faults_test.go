@@ -674,6 +674,11 @@ func TestFaultsCheckpointCorruptedOrOfAnotherBootWithPodsRunning(t *testing.T) {
 		proc(t, "start", plugin)
 		time.Sleep(3 * time.Second)
 		if !procAlive(plugin) {
+			// What the counts show so far (e.g. devices lost to the foreign boot id) still goes in the table.
+			c.why("the plugin exited on a corrupted checkpoint")
+			gaps.stop(&c, node)
+			c.Seconds = int(time.Since(began).Seconds())
+			record(t, c)
 			t.Fatalf("the plugin exited on a corrupted checkpoint; see %s", filepath.Join(e.runDir, "logs", plugin+".log"))
 		}
 		checkPods(t, &c, ns)
