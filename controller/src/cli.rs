@@ -24,6 +24,9 @@ pub enum Command {
     Render(RenderArgs),
     /// Print the CRDs of NodeInventory and GpuPolicy as YAML.
     Crds,
+    /// Serve the validating admission webhook for ResourceClaims and ResourceClaimTemplates (HTTPS,
+    /// `POST /validate`); reads DeviceClasses and ResourceSlices, writes nothing.
+    Webhook(WebhookArgs),
 }
 
 #[derive(Debug, Clone, ClapArgs)]
@@ -67,6 +70,22 @@ pub struct RenderArgs {
     pub features: ApiFeatures,
 }
 
+#[derive(Debug, Clone, ClapArgs)]
+pub struct WebhookArgs {
+    /// Address to serve HTTPS on.
+    #[arg(long, env = "TESSERA_WEBHOOK_LISTEN", default_value = "0.0.0.0:8443")]
+    pub listen: std::net::SocketAddr,
+    /// PEM serving certificate (chain); re-read when it changes.
+    #[arg(long, env = "TESSERA_WEBHOOK_TLS_CERT")]
+    pub tls_cert_file: PathBuf,
+    /// PEM private key of the serving certificate; re-read when it changes.
+    #[arg(long, env = "TESSERA_WEBHOOK_TLS_KEY")]
+    pub tls_key_file: PathBuf,
+    /// Kubeconfig file; in-cluster configuration when absent.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
 impl Args {
     pub async fn run(self) -> anyhow::Result<()> {
         let Self { command, run } = self;
@@ -87,6 +106,7 @@ impl Args {
                 print!("{}", crate::crds::crds_yaml());
                 Ok(())
             }
+            Some(Command::Webhook(args)) => Ok(crate::webhook::server::run(args).await?),
         }
     }
 }

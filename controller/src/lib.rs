@@ -29,3 +29,4 @@ pub mod render;
 pub mod runtime;
 pub mod time;
 pub mod validate;
+pub mod webhook;

@@ -1,0 +1,339 @@
+//! Validating admission webhook for ResourceClaims and ResourceClaimTemplates: a claim whose tessera
+//! configuration prepare would refuse is refused when it is created, not after it was allocated and its
+//! pod waits on `FailedPrepareDynamicResources`.
+//!
+//! ```text
+//!  AdmissionReview ──▶ review() ──▶ check_spec(): every opaque config of gpu.tessera.dev
+//!   (server.rs, HTTPS)                  ├─ tessera_api::config::decode (prepare's own decoder and rules)
+//!                                       └─ targeted at a request whose DeviceClass offers only the other
+//!                                          kind of device (classes.rs)? effective_config on such a device,
+//!                                          exactly as prepare would call it
+//! ```
+//!
+//! Everything here is plain Rust; [`server`] is the thin HTTPS layer and [`classes`] reads DeviceClasses
+//! and ResourceSlices (get/list/watch only).
+
+pub mod classes;
+pub mod server;
+pub mod tls;
+
+use k8s_openapi::api::resource::v1::{
+    DeviceAllocationConfiguration, DeviceRequest, OpaqueDeviceConfiguration, ResourceClaim,
+    ResourceClaimSpec, ResourceClaimTemplate,
+};
+use kube::core::{
+    DynamicObject,
+    admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation},
+};
+use tessera_api::{
+    DRIVER_NAME, DeviceName,
+    config::{self, DeviceConfig, SOURCE_FROM_CLAIM},
+};
+
+/// Why the webhook cannot serve.
+#[derive(Debug, thiserror::Error)]
+pub enum WebhookError {
+    #[error("failed to read the serving certificate {path}: {source}")]
+    ReadCertificate {
+        path: std::path::PathBuf,
+        #[source]
+        source: rustls_pki_types::pem::Error,
+    },
+    #[error("the serving certificate file {path} holds no certificate")]
+    NoCertificate { path: std::path::PathBuf },
+    #[error("failed to read the serving key {path}: {source}")]
+    ReadKey {
+        path: std::path::PathBuf,
+        #[source]
+        source: rustls_pki_types::pem::Error,
+    },
+    #[error("the serving key {path} cannot sign: {source}")]
+    UnusableKey {
+        path: std::path::PathBuf,
+        #[source]
+        source: rustls::Error,
+    },
+    #[error("the serving key {key} is not the key of the certificate {cert}: {source}")]
+    KeyDoesNotMatch {
+        cert: std::path::PathBuf,
+        key: std::path::PathBuf,
+        #[source]
+        source: rustls::Error,
+    },
+    #[error("failed to configure TLS: {0}")]
+    Tls(#[source] rustls::Error),
+    #[error("failed to connect to the API server (to read DeviceClasses and ResourceSlices): {message}")]
+    Client { message: String },
+    #[error("failed to listen on {addr}: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("failed to accept a connection: {0}")]
+    Accept(#[source] std::io::Error),
+}
+
+/// What a DeviceClass can hand out, as far as the published devices show: one example of each kind of
+/// device its selectors match. Both `None`: nothing published matches yet, so nothing is known.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Offers {
+    /// A MIG device or MIG share the class selects (a `MigConfig` fits it).
+    pub mig: Option<DeviceName>,
+    /// A whole GPU or GPU share the class selects (a `GpuConfig` fits it).
+    pub gpu: Option<DeviceName>,
+}
+
+impl Offers {
+    /// A device of the class `config` cannot apply to, when every device of the class is such; `None`
+    /// when some device fits or nothing is known.
+    fn only_misfit(&self, config: &DeviceConfig) -> Option<&DeviceName> {
+        let (fitting, other) = match config {
+            DeviceConfig::MigConfig(_) => (&self.mig, &self.gpu),
+            DeviceConfig::GpuConfig(_) => (&self.gpu, &self.mig),
+        };
+        match (fitting, other) {
+            (None, Some(device)) => Some(device),
+            _ => None,
+        }
+    }
+}
+
+/// Where the webhook learns what each DeviceClass offers.
+pub trait ClassCatalog: Send + Sync {
+    /// What `class` offers; `None` when the class is unknown.
+    fn offers(&self, class: &str) -> Option<Offers>;
+}
+
+/// A catalog that knows no class: the webhook then checks configs on their own only.
+#[derive(Clone, Debug, Default)]
+pub struct NoClasses;
+
+impl ClassCatalog for NoClasses {
+    fn offers(&self, _class: &str) -> Option<Offers> {
+        None
+    }
+}
+
+/// A fixed catalog (tests, benchmarks, offline use).
+#[derive(Clone, Debug, Default)]
+pub struct FixedClasses(pub std::collections::BTreeMap<String, Offers>);
+
+impl ClassCatalog for FixedClasses {
+    fn offers(&self, class: &str) -> Option<Offers> {
+        self.0.get(class).cloned()
+    }
+}
+
+/// The outcome for one object: every problem found (nothing is dropped), and warnings that do not refuse.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Verdict {
+    pub problems: Vec<String>,
+    pub warnings: Vec<String>,
+}
+
+impl Verdict {
+    pub fn allowed(&self) -> bool {
+        self.problems.is_empty()
+    }
+
+    /// The denial message: each problem, in order.
+    pub fn message(&self) -> String {
+        self.problems.join("; ")
+    }
+}
+
+/// Checks a claim spec; `path` is where the spec sits in the object (`spec` for a claim, `spec.spec` for
+/// a template), so every message names the field as the user wrote it.
+pub fn check_spec(spec: &ResourceClaimSpec, path: &str, classes: &dyn ClassCatalog) -> Verdict {
+    let mut verdict = Verdict::default();
+    let Some(devices) = &spec.devices else {
+        return verdict;
+    };
+    let requests = devices.requests.as_deref().unwrap_or_default();
+    for (i, entry) in devices.config.iter().flatten().enumerate() {
+        let Some(opaque) = entry.opaque.as_ref().filter(|o| o.driver == DRIVER_NAME) else {
+            continue;
+        };
+        let at = format!("{path}.devices.config[{i}]");
+        let config = match config::decode(&opaque.parameters.0) {
+            Ok(config) => config,
+            Err(e) => {
+                verdict.problems.push(format!("{at}.opaque.parameters: {e}"));
+                continue;
+            }
+        };
+        for named in entry.requests.iter().flatten() {
+            check_target(&mut verdict, &at, named, requests, opaque, &config, classes);
+        }
+    }
+    verdict
+}
+
+/// The DeviceClasses a config entry naming `named` (`<request>` or `<request>/<subrequest>`) may end up
+/// applied with: one per alternative the scheduler may pick.
+fn classes_named<'r>(named: &str, requests: &'r [DeviceRequest]) -> Vec<(String, &'r str)> {
+    let (parent, sub) = match named.split_once('/') {
+        Some((p, s)) => (p, Some(s)),
+        None => (named, None),
+    };
+    let Some(request) = requests.iter().find(|r| r.name == parent) else {
+        // The API server refuses config entries naming no request; nothing to add.
+        return Vec::new();
+    };
+    if let Some(exactly) = &request.exactly {
+        return vec![(request.name.clone(), exactly.device_class_name.as_str())];
+    }
+    request
+        .first_available
+        .iter()
+        .flatten()
+        .filter(|s| sub.is_none_or(|sub| s.name == sub))
+        .map(|s| {
+            (
+                format!("{}/{}", request.name, s.name),
+                s.device_class_name.as_str(),
+            )
+        })
+        .collect()
+}
+
+fn check_target(
+    verdict: &mut Verdict,
+    at: &str,
+    named: &str,
+    requests: &[DeviceRequest],
+    opaque: &OpaqueDeviceConfiguration,
+    config: &DeviceConfig,
+    classes: &dyn ClassCatalog,
+) {
+    let alternatives = classes_named(named, requests);
+    let mut misfits = Vec::new();
+    let mut fits_somewhere = false;
+    for (request, class) in &alternatives {
+        match classes.offers(class).as_ref().and_then(|o| o.only_misfit(config)) {
+            Some(device) => misfits.push((request.clone(), *class, device.clone())),
+            None => fits_somewhere = true,
+        }
+    }
+    for (request, class, device) in misfits {
+        // Prepare's own check on a device the class offers, so the message is the one the pod would get.
+        let entry = DeviceAllocationConfiguration {
+            source: SOURCE_FROM_CLAIM.into(),
+            requests: Some(vec![named.to_string()]),
+            opaque: Some(opaque.clone()),
+        };
+        let Err(e) = config::effective_config(&[entry], &request, &device) else {
+            continue;
+        };
+        let text = format!(
+            "{at}: request {request:?} gets devices of DeviceClass {class:?}, which offers only devices such as \
+             {device}: {e}"
+        );
+        if fits_somewhere {
+            verdict.warnings.push(format!(
+                "{text} (other alternatives of {named:?} fit, so the claim is allowed)"
+            ));
+        } else {
+            verdict.problems.push(text);
+        }
+    }
+}
+
+/// Decides one admission request.
+pub fn review(request: &AdmissionRequest<DynamicObject>, classes: &dyn ClassCatalog) -> AdmissionResponse {
+    let response = AdmissionResponse::from(request);
+    if !matches!(request.operation, Operation::Create | Operation::Update) {
+        return response;
+    }
+    let Some(object) = request.object.clone() else {
+        return response;
+    };
+    let kind = request.kind.kind.as_str();
+    let verdict = match kind {
+        "ResourceClaim" => match object.try_parse::<ResourceClaim>() {
+            Ok(claim) => match &claim.spec {
+                Some(spec) => check_spec(spec, "spec", classes),
+                None => Verdict::default(),
+            },
+            Err(e) => return response.deny(format!("cannot read the ResourceClaim: {e}")),
+        },
+        "ResourceClaimTemplate" => match object.try_parse::<ResourceClaimTemplate>() {
+            Ok(template) => match template.spec.as_ref().and_then(|s| s.spec.as_ref()) {
+                Some(spec) => check_spec(spec, "spec.spec", classes),
+                None => Verdict::default(),
+            },
+            Err(e) => return response.deny(format!("cannot read the ResourceClaimTemplate: {e}")),
+        },
+        // Registered for claims and templates only; anything else is not ours to judge.
+        _ => return response,
+    };
+    respond(response, verdict)
+}
+
+fn respond(mut response: AdmissionResponse, verdict: Verdict) -> AdmissionResponse {
+    if !verdict.warnings.is_empty() {
+        response.warnings = Some(verdict.warnings.clone());
+    }
+    if verdict.allowed() {
+        response
+    } else {
+        let mut response = response.deny(verdict.message());
+        response.result.code = 422;
+        response.result.reason = "Invalid".into();
+        response
+    }
+}
+
+/// Answers one AdmissionReview body. A body that is no AdmissionReview gets an `invalid` response; one
+/// whose object nests too deep for the JSON reader is refused with the message prepare would give.
+pub fn review_body(body: &[u8], classes: &dyn ClassCatalog) -> AdmissionReview<DynamicObject> {
+    match serde_json::from_slice::<AdmissionReview<DynamicObject>>(body) {
+        Ok(review_obj) => match TryInto::<AdmissionRequest<DynamicObject>>::try_into(review_obj) {
+            Ok(request) => review(&request, classes).into_review(),
+            Err(_) => AdmissionResponse::invalid("the AdmissionReview has no request").into_review(),
+        },
+        Err(e) => match config::too_deep_config_message(&e.to_string()) {
+            Some(message) => match uid_of(body) {
+                Some(uid) => too_deep(uid, message).into_review(),
+                None => AdmissionResponse::invalid(message).into_review(),
+            },
+            None => AdmissionResponse::invalid(format!("not an AdmissionReview: {e}")).into_review(),
+        },
+    }
+}
+
+/// The request's uid from a body too deep to read whole: skipping a value needs no recursion.
+fn uid_of(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Outer {
+        request: Inner,
+    }
+    #[derive(serde::Deserialize)]
+    struct Inner {
+        uid: String,
+    }
+    serde_json::from_slice::<Outer>(body).ok().map(|o| o.request.uid)
+}
+
+fn too_deep(uid: String, message: String) -> AdmissionResponse {
+    // Built through a minimal request so the response carries the uid and the v1 type meta.
+    let request: AdmissionRequest<DynamicObject> = serde_json::from_value(serde_json::json!({
+        "uid": uid,
+        "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
+        "resource": {"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"},
+        "operation": "CREATE",
+        "userInfo": {},
+    }))
+    .expect("a literal request parses");
+    let mut response = AdmissionResponse::from(&request).deny(message);
+    response.types = kube::core::TypeMeta {
+        api_version: kube::core::admission::META_API_VERSION_V1.into(),
+        kind: kube::core::admission::META_KIND.into(),
+    };
+    response.result.code = 422;
+    response
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,185 @@
+//! The HTTPS layer: `POST /validate` takes an AdmissionReview and answers with [`super::review_body`];
+//! `GET /healthz` is for probes. Nothing else is served.
+
+use std::{
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::{Method, Request, Response, StatusCode, body::Bytes, service::service_fn};
+use hyper_util::{
+    rt::{TokioExecutor, TokioIo},
+    server::conn::auto,
+};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use kube::{
+    Api, Client, Config,
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{reflector, watcher},
+};
+use tessera_api::DRIVER_NAME;
+use tokio::{net::TcpListener, sync::Notify};
+use tokio_rustls::TlsAcceptor;
+
+use super::{ClassCatalog, WebhookError, classes::ClusterClasses, review_body, tls};
+use crate::{cli::WebhookArgs, runtime::ViewCell};
+
+/// Largest AdmissionReview read: the API server's own request limit is 3 MiB and a review carries the
+/// object (and, on update, the old one).
+pub const MAX_BODY_BYTES: usize = 8 << 20;
+/// A client that does not finish its TLS handshake within this is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves the webhook on `listener` until the task is dropped.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    classes: Arc<dyn ClassCatalog>,
+) -> Result<(), WebhookError> {
+    let acceptor = TlsAcceptor::from(tls);
+    loop {
+        let (tcp, peer) = listener.accept().await.map_err(WebhookError::Accept)?;
+        let acceptor = acceptor.clone();
+        let classes = classes.clone();
+        tokio::spawn(async move {
+            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => return tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                Err(_) => return tracing::debug!(%peer, "TLS handshake timed out"),
+            };
+            let service = service_fn(move |req| handle(req, classes.clone()));
+            if let Err(e) = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+}
+
+fn reply(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(body.into()));
+    *response.status_mut() = status;
+    if let Ok(v) = content_type.parse() {
+        response.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    response
+}
+
+async fn handle(
+    req: Request<hyper::body::Incoming>,
+    classes: Arc<dyn ClassCatalog>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    const TEXT: &str = "text/plain; charset=utf-8";
+    match (req.method(), req.uri().path()) {
+        (&Method::POST, "/validate") => {
+            let body = match Limited::new(req.into_body(), MAX_BODY_BYTES).collect().await {
+                Ok(body) => body.to_bytes(),
+                Err(e) => {
+                    return Ok(reply(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        TEXT,
+                        format!("cannot read the AdmissionReview (at most {MAX_BODY_BYTES} bytes): {e}\n"),
+                    ));
+                }
+            };
+            let started = Instant::now();
+            let review = review_body(&body, classes.as_ref());
+            if let Some(r) = &review.response {
+                tracing::debug!(uid = %r.uid, allowed = r.allowed, took = ?started.elapsed(), "reviewed");
+                if !r.allowed {
+                    tracing::info!(uid = %r.uid, message = %r.result.message, "refused");
+                }
+            }
+            match serde_json::to_vec(&review) {
+                Ok(json) => Ok(reply(StatusCode::OK, "application/json", json)),
+                Err(e) => Ok(reply(StatusCode::INTERNAL_SERVER_ERROR, TEXT, format!("{e}\n"))),
+            }
+        }
+        (&Method::GET, "/healthz") => Ok(reply(StatusCode::OK, TEXT, "ok\n")),
+        (_, "/validate" | "/healthz") => Ok(reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            TEXT,
+            "method not allowed\n",
+        )),
+        _ => Ok(reply(
+            StatusCode::NOT_FOUND,
+            TEXT,
+            "not found: POST /validate or GET /healthz\n",
+        )),
+    }
+}
+
+async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, WebhookError> {
+    let failed = |message: String| WebhookError::Client { message };
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path)
+                .map_err(|e| failed(format!("failed to read kubeconfig {}: {e}", path.display())))?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .map_err(|e| failed(e.to_string()))?
+        }
+        None => Config::infer().await.map_err(|e| failed(e.to_string()))?,
+    };
+    Client::try_from(config).map_err(|e| failed(e.to_string()))
+}
+
+/// Watches DeviceClasses and this driver's ResourceSlices (read only) into a [`ClusterClasses`].
+async fn watch_classes(kubeconfig: Option<&std::path::Path>) -> Result<Arc<ClusterClasses>, WebhookError> {
+    let client = client(kubeconfig).await?;
+    let wake = Arc::new(Notify::new());
+    let generation = Arc::new(AtomicU64::new(0));
+    let (classes, classes_writer) = reflector::store::<DeviceClass>();
+    let (slices, slices_writer) = reflector::store::<ResourceSlice>();
+    let now = Instant::now();
+    tokio::spawn(crate::runtime::mirror(
+        "DeviceClass",
+        classes_writer,
+        Api::all(client.clone()),
+        watcher::Config::default(),
+        ViewCell::new(now),
+        wake.clone(),
+    ));
+    tokio::spawn(crate::runtime::mirror(
+        "ResourceSlice",
+        slices_writer,
+        Api::all(client),
+        watcher::Config::default().fields(&format!("spec.driver={DRIVER_NAME}")),
+        ViewCell::new(now),
+        wake.clone(),
+    ));
+    let bump = generation.clone();
+    tokio::spawn(async move {
+        loop {
+            wake.notified().await;
+            bump.fetch_add(1, Ordering::AcqRel);
+        }
+    });
+    Ok(Arc::new(ClusterClasses::new(classes, slices, generation)))
+}
+
+/// `tessera-controller webhook`.
+pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
+    let tls = tls::server_config(&args.tls_cert_file, &args.tls_key_file)?;
+    let classes: Arc<dyn ClassCatalog> = watch_classes(args.kubeconfig.as_deref()).await?;
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .map_err(|source| WebhookError::Bind {
+            addr: args.listen,
+            source,
+        })?;
+    let addr: SocketAddr = listener.local_addr().map_err(WebhookError::Accept)?;
+    tracing::info!(%addr, cert = %args.tls_cert_file.display(), "webhook serving POST /validate");
+    tokio::select! {
+        served = serve(listener, tls, classes) => served,
+        _ = tokio::signal::ctrl_c() => Ok(()),
+    }
+}
