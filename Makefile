@@ -88,3 +88,20 @@ bench-smoke: ## Both benchmarks at a small size (20 claims, 10 nodes) so they ca
 		-out $(CURDIR)/bench-results/smoke/prepare.md -footprint-out $(CURDIR)/bench-results/smoke/footprint.md
 	e2e/scripts/bench-controller.sh -nodes 10 -shapes h100,mix -steady 10s -settle 5s -heartbeat-interval 2s \
 		-timeout 90s -out $(CURDIR)/bench-results/smoke/controller.md
+
+# Image and Helm chart (issue 11). `make image` writes target/image/tessera.tar, an OCI image archive
+# (no Docker, no registry) of the release binaries and exactly the libraries they load; the same layout as
+# deployments/container/Dockerfile. `make image-test` also checks its digests and config and runs both
+# binaries from the unpacked rootfs in a chroot. `make chart-lint`: helm lint (Helm built from Go modules,
+# e2e/tools/helm) for both backends; the chart's server-side dry run is the e2e scenario TestTheChart*.
+.PHONY: image image-test chart-lint
+image: ## OCI image archive of both release binaries, daemonless (target/image/tessera.tar)
+	e2e/scripts/build-image.sh
+image-test: ## make image, then check the archive (digests, config) and run the binaries from its rootfs
+	e2e/scripts/build-image.sh --test
+chart-lint: ## helm lint --strict of deployments/helm/tessera for the nvml and simulated backends
+	e2e/scripts/build-helm.sh
+	@for l in crds files/classes files/policies; do test -L deployments/helm/tessera/$$l || \
+		{ echo "deployments/helm/tessera/$$l must be a link into deployments/ (one source)"; exit 1; }; done
+	e2e/bin/helm lint --strict deployments/helm/tessera --set backend=nvml
+	e2e/bin/helm lint --strict deployments/helm/tessera --set backend=simulated --set gpuPolicy.preset=mixed

@@ -1,0 +1,38 @@
+{{/* Labels every object of the release carries. */}}
+{{- define "tessera.labels" -}}
+app.kubernetes.io/name: tessera
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end }}
+
+{{/* Selector labels of one component (immutable once installed: name and component only). */}}
+{{- define "tessera.selector" -}}
+app.kubernetes.io/name: tessera
+app.kubernetes.io/component: {{ . }}
+{{- end }}
+
+{{- define "tessera.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* The ServiceAccount user names the admission policy matches. */}}
+{{- define "tessera.pluginUser" -}}
+system:serviceaccount:{{ .Release.Namespace }}:tessera-kubelet-plugin
+{{- end }}
+
+{{/*
+Checks what the schema cannot say, failing with the value to change.
+*/}}
+{{- define "tessera.validate" -}}
+{{- if and (eq .Values.backend "nvml") (eq (clean .Values.driverRoot) "/") }}
+{{- fail "driverRoot: \"/\" (a driver installed on the host) is not supported by the chart yet: the plugin mounts the driver root at its host path, which for / would hide the container's own files. Use the GPU Operator's /run/nvidia/driver, GKE's /home/kubernetes/bin/nvidia, or run the plugin on the host (kubelet-plugin/README.md)" }}
+{{- end }}
+{{- if and .Values.gpuPolicy.create (not .Values.gpuPolicy.rules) (not (.Files.Get (printf "files/policies/%s.yaml" .Values.gpuPolicy.preset))) }}
+{{- fail (printf "gpuPolicy.preset: %q is not one of deployments/policies/ (all-whole, mixed, shared-mps, static-mig); or set gpuPolicy.rules" .Values.gpuPolicy.preset) }}
+{{- end }}
+{{- if ge (int .Values.kubeletPlugin.heartbeatInterval) (int .Values.controller.heartbeatTimeout) }}
+{{- fail (printf "kubeletPlugin.heartbeatInterval (%v s) must be below controller.heartbeatTimeout (%v s), or every node's pool is withdrawn between heartbeats" .Values.kubeletPlugin.heartbeatInterval .Values.controller.heartbeatTimeout) }}
+{{- end }}
+{{- end }}
