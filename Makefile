@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-.PHONY: help build test test-unit test-bench test-sample lint up down e2e bench-packing bench-scheduler
+.PHONY: help build test test-unit test-bench test-sample lint up down e2e bench-packing bench-scheduler test-faults bench-scheduler-rate
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-16s %s\n", $$1, $$2}'
@@ -27,7 +27,7 @@ lint: ## rustfmt and clippy, as CI would want them
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-up: ## Local Kubernetes 1.36 cluster without Docker + tessera (NODES=2 GPUS=8 MODEL=H100-SXM5-80GB); see e2e/README.md
+up: ## Local Kubernetes 1.37 cluster without Docker + tessera (NODES=2 GPUS=8 MODEL=H100-SXM5-80GB; K8S_VERSION=1.36 for 1.36.5); see e2e/README.md
 	e2e/scripts/up.sh
 
 down: ## Stop everything `make up` started and remove its state (logs stay in .run/logs)
@@ -65,6 +65,12 @@ test-sample: ## The scheduler check in `make test`: 1 in 100 of the trace (commi
 	e2e/scripts/bench-scheduler.sh -skip-full -sample-every 1 -openb-dir $(CURDIR)/e2e/bench/testdata/openb-1in100 \
 		-controller $(CURDIR)/target/debug/tessera-controller -plugin $(CURDIR)/target/debug/tessera-kubelet-plugin \
 		-out $(CURDIR)/bench-results/test-sample
+
+# kube-scheduler's pods/s per policy on 100 and 1,000 fake nodes, 1.36.5 and 1.37.2 side by side
+# (e2e/scripts/bench-scheduler-rate.sh: RATE_VERSIONS, RATE_NODES, RATE_POLICIES, RATE_TIME_BOX).
+bench-scheduler-rate: ## Scheduler throughput, 1.36 vs 1.37, whole / dynamic MIG / shares on 100 and 1,000 nodes (~30 min)
+	cargo build -p tessera-controller -p tessera-kubelet-plugin
+	e2e/scripts/bench-scheduler-rate.sh
 
 # Performance budget (issue 15): prepare latency and the plugin's footprint (kubelet's own DRA manager
 # driving the plugin's socket), and the controller with 1,000 nodes on a real API server. Tables in

@@ -14,11 +14,14 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/ptr"
@@ -58,7 +61,9 @@ func (c RateCell) PodsPerSecond() float64 {
 // before the clock starts; pods are then created in bursts of Burst (all of a burst concurrently, the next
 // burst as soon as the previous one's creates returned), so the scheduler always has a queue.
 type RateBench struct {
-	Client      kubernetes.Interface
+	Client kubernetes.Interface
+	// Metadata counts slices without transferring them (9 slices of 26 devices per dynamic-MIG node).
+	Metadata    metadata.Interface
 	Server      string
 	PodsPerNode int
 	Burst       int
@@ -95,23 +100,23 @@ func parallel(n, workers int, f func(i int) error) error {
 	return first
 }
 
-// Run measures one cell: c's nodes and slices are registered, pod's claim is created PodsPerNode times per
-// node, then the pods, and the cell is removed again.
-func (b *RateBench) Run(ctx context.Context, policy PolicySpec, c *Cluster, pod TracePod) (RateCell, error) {
-	cell := fmt.Sprintf("%s-%d", policy.Name, len(c.Nodes))
-	res := RateCell{Server: b.Server, Policy: policy.Name, Nodes: len(c.Nodes), Pods: len(c.Nodes) * b.PodsPerNode, TimeBox: b.TimeBox.Seconds()}
-	if len(c.Nodes) > 0 {
-		res.Slices = len(c.Nodes[0].Slices)
-		for _, s := range c.Nodes[0].Slices {
-			res.Devices += len(s.Spec.Devices)
-		}
+// Run measures one cell: nodes fake nodes, each publishing c's one node's slices (copied onto each node
+// while it is registered: the benchmark never holds every node's slices at once), pod's claim created
+// PodsPerNode times per node, then the pods; the cell is removed again.
+func (b *RateBench) Run(ctx context.Context, policy PolicySpec, c *Cluster, nodes int, pod TracePod) (RateCell, error) {
+	cell := fmt.Sprintf("%s-%d", policy.Name, nodes)
+	res := RateCell{Server: b.Server, Policy: policy.Name, Nodes: nodes, Pods: nodes * b.PodsPerNode, TimeBox: b.TimeBox.Seconds()}
+	tmpl := c.Nodes[0].Slices
+	res.Slices = len(tmpl)
+	for _, s := range tmpl {
+		res.Devices += len(s.Spec.Devices)
 	}
 	ns := "rate-" + cell
 	if _, err := b.Client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 		return res, fmt.Errorf("failed to create namespace %s (the rate benchmark expects a fresh cluster): %w", ns, err)
 	}
 	setupStart := time.Now()
-	if err := b.register(ctx, c, cell); err != nil {
+	if err := b.register(ctx, tmpl, policy.Name, nodes, cell); err != nil {
 		return res, err
 	}
 	defer func() {
@@ -173,7 +178,9 @@ func (b *RateBench) Run(ctx context.Context, policy PolicySpec, c *Cluster, pod 
 				return res, err
 			}
 		case <-w.all(res.Pods):
-			done = true
+			// Closed at every bind: done only once all pods are bound.
+			bound, _, _ := w.snapshot()
+			done = bound >= res.Pods
 		case <-deadline.C:
 			res.TimedOut = true
 			done = true
@@ -216,15 +223,14 @@ func (b *RateBench) createPod(ctx context.Context, ns, cell, claim string) error
 }
 
 // register creates the cell's nodes and their slices and waits until the API server lists every slice.
-func (b *RateBench) register(ctx context.Context, c *Cluster, cell string) error {
-	nodes := &SchedulerSample{Client: b.Client}
-	err := parallel(len(c.Nodes), b.Workers, func(i int) error {
-		n := c.Nodes[i]
-		if err := nodes.createNode(ctx, n.Node, cell); err != nil {
+func (b *RateBench) register(ctx context.Context, tmpl []*resourceapi.ResourceSlice, policy string, nodes int, cell string) error {
+	reg := &SchedulerSample{Client: b.Client}
+	err := parallel(nodes, b.Workers, func(i int) error {
+		n := ForNode(tmpl, fmt.Sprintf("%s-%d-%04d", policy, nodes, i))
+		if err := reg.createNode(ctx, n.Node, cell); err != nil {
 			return err
 		}
-		for _, sl := range n.Slices {
-			obj := sl.DeepCopy()
+		for _, obj := range n.Slices {
 			// Rendered for an inventory that does not exist here: its owner would be garbage-collected.
 			obj.OwnerReferences, obj.ResourceVersion, obj.UID, obj.ManagedFields = nil, "", "", nil
 			if obj.Labels == nil {
@@ -240,12 +246,9 @@ func (b *RateBench) register(ctx context.Context, c *Cluster, cell string) error
 	if err != nil {
 		return err
 	}
-	want := 0
-	for _, n := range c.Nodes {
-		want += len(n.Slices)
-	}
+	want := nodes * len(tmpl)
 	err = wait.PollUntilContextTimeout(ctx, time.Second, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
-		list, err := b.Client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{LabelSelector: RateLabel + "=" + cell, ResourceVersion: "0"})
+		list, err := b.Metadata.Resource(sliceGVR).List(ctx, metav1.ListOptions{LabelSelector: RateLabel + "=" + cell})
 		return err == nil && len(list.Items) >= want, nil
 	})
 	if err != nil {
@@ -255,6 +258,8 @@ func (b *RateBench) register(ctx context.Context, c *Cluster, cell string) error
 	time.Sleep(3 * time.Second)
 	return nil
 }
+
+var sliceGVR = schema.GroupVersionResource{Group: "resource.k8s.io", Version: "v1", Resource: "resourceslices"}
 
 // remove deletes the cell's pods, claims, slices and nodes, and waits until its slices are gone: left in
 // place they would slow every later cell.
@@ -277,7 +282,7 @@ func (b *RateBench) remove(ctx context.Context, ns, cell string) error {
 		return fmt.Errorf("failed to delete namespace %s: %w", ns, err)
 	}
 	return wait.PollUntilContextTimeout(ctx, time.Second, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
-		list, err := b.Client.ResourceV1().ResourceSlices().List(ctx, sel)
+		list, err := b.Metadata.Resource(sliceGVR).List(ctx, sel)
 		return err == nil && len(list.Items) == 0, nil
 	})
 }
@@ -371,6 +376,9 @@ type rateArgs struct {
 	burst       int
 	timeBox     time.Duration
 	jsonOut     string
+	// migMaxNodes skips dynamic-MIG cells above this size (0: none skipped): 9 slices of 208 devices per
+	// node make 1,000 such nodes more than a small machine's API server holds.
+	migMaxNodes int
 }
 
 // runRate measures every (nodes, policy) cell against the cluster's kube-scheduler, writes the cells as JSON
@@ -390,19 +398,25 @@ func runRate(ctx context.Context, a args, ra rateArgs, r *Renderer, policies []P
 	if err != nil {
 		return fmt.Errorf("failed to reach the API server at %s (is the bench cluster up?): %w", restCfg.Host, err)
 	}
-	b := &RateBench{Client: client, Server: version.GitVersion, PodsPerNode: ra.podsPerNode, Burst: ra.burst, TimeBox: ra.timeBox, Workers: 16}
+	meta, err := metadata.NewForConfig(restCfg)
+	if err != nil {
+		return fmt.Errorf("failed to build a metadata client for %s: %w", restCfg.Host, err)
+	}
+	b := &RateBench{Client: client, Metadata: meta, Server: version.GitVersion, PodsPerNode: ra.podsPerNode, Burst: ra.burst, TimeBox: ra.timeBox, Workers: 16}
 	var cells []RateCell
 	for _, n := range ra.nodes {
 		for _, p := range policies {
-			tr := &Trace{Pods: []TracePod{ratePod(p, ra.milli)}}
-			for i := range n {
-				tr.Nodes = append(tr.Nodes, TraceNode{Name: fmt.Sprintf("%s-%d-%04d", p.Name, n, i), GPUs: 8})
+			if p.Style == StyleMIG && ra.migMaxNodes > 0 && n > ra.migMaxNodes {
+				slog.Info("rate cell skipped: more dynamic-MIG nodes than -rate-mig-max-nodes", "policy", p.Name, "nodes", n, "max", ra.migMaxNodes)
+				continue
 			}
+			// One node of the shape: its slices are the template every fake node of the cell publishes.
+			tr := &Trace{Pods: []TracePod{ratePod(p, ra.milli)}, Nodes: []TraceNode{{Name: "template", GPUs: 8}}}
 			c, err := BuildCluster(r, p, tr, cfg)
 			if err != nil {
-				return fmt.Errorf("failed to build %d nodes under policy %s: %w", n, p.Name, err)
+				return fmt.Errorf("failed to render a node under policy %s: %w", p.Name, err)
 			}
-			cell, err := b.Run(ctx, p, c, ratePod(p, ra.milli))
+			cell, err := b.Run(ctx, p, c, n, ratePod(p, ra.milli))
 			if err != nil {
 				return fmt.Errorf("rate cell %s × %d nodes: %w", p.Name, n, err)
 			}

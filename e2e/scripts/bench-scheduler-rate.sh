@@ -3,9 +3,11 @@
 # side. For each version (RATE_VERSIONS, default "1.36 1.37") it builds that version's control plane
 # (K8S_VERSION, e2e/bin/1.36 or e2e/bin), starts it with no nodes on the bench's own ports and run dir
 # (bench-scheduler.sh), and runs e2e/bench in rate mode: for every cluster size in RATE_NODES (default
-# "100,1000") and every policy in RATE_POLICIES (default "whole,mig,shares"), fake nodes × 8 H100 with the
-# slices `tessera-controller render` publishes, pods in bursts, pods/s from the first create to the last
-# bind, each cell time-boxed (RATE_TIME_BOX, default 120s). Then one table of all versions is printed and
+# "100,300,1000") and every policy in RATE_POLICIES (default "whole,mig,shares"), fake nodes × 8 H100 with
+# the slices `tessera-controller render` publishes, pods in bursts, pods/s from the first create to the last
+# bind, each cell time-boxed (RATE_TIME_BOX, default 60s). Dynamic MIG stops at RATE_MIG_MAX_NODES (default
+# 300): 1,000 such nodes are 9,000 slices of 208 devices, which took the API server past 8.9 GB half-way on
+# a 24 GB machine (e2e/bench/results/scheduler-rate.md). Then one table of all versions is printed and
 # written to RATE_OUT (default e2e/bench/results/scheduler-rate.md). Extra bench flags: RATE_ARGS.
 #
 # kube-scheduler runs with --kube-api-qps 1000 --kube-api-burst 2000 (its defaults, 50/100, cap any
@@ -17,14 +19,17 @@ versions="${RATE_VERSIONS:-1.36 1.37}"
 out_dir="${RATE_RESULTS_DIR:-$repo/bench-results/scheduler-rate}"
 out_md="${RATE_OUT:-$repo/e2e/bench/results/scheduler-rate.md}"
 mkdir -p "$out_dir"
-export SCHEDULER_ARGS="--kube-api-qps=1000 --kube-api-burst=2000 ${SCHEDULER_ARGS:-}"
+# pprof stays reachable for profiling a cell: curl -k https://127.0.0.1:16559/debug/pprof/profile?seconds=30
+export SCHEDULER_ARGS="--kube-api-qps=1000 --kube-api-burst=2000 --authorization-always-allow-paths=/healthz,/readyz,/livez,/debug/pprof/profile ${SCHEDULER_ARGS:-}"
+export SKIP_CONTROLLER_MANAGER=1
 files=()
 for v in $versions; do
   echo "==== Kubernetes $v ===="
   K8S_VERSION="$v" "$here/bench-scheduler.sh" \
     -controller "$repo/target/debug/tessera-controller" -plugin "$repo/target/debug/tessera-kubelet-plugin" \
     -policies "${RATE_POLICIES:-whole,mig,shares}" -out "$out_dir/$v" \
-    -rate-nodes "${RATE_NODES:-100,1000}" -rate-time-box "${RATE_TIME_BOX:-120s}" \
+    -rate-nodes "${RATE_NODES:-100,300,1000}" -rate-mig-max-nodes "${RATE_MIG_MAX_NODES:-300}" \
+    -rate-time-box "${RATE_TIME_BOX:-60s}" \
     -rate-json "$out_dir/rate-$v.json" ${RATE_ARGS:-}
   files+=("$out_dir/rate-$v.json")
 done
