@@ -187,8 +187,13 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
 fi
 
 step "cluster is up"
+# kubectl is built with the control plane (build-k8s.sh), of the same release.
 cat <<MSG
-    export KUBECONFIG=$ADMIN_KUBECONFIG
+    export KUBECONFIG=$ADMIN_KUBECONFIG PATH=$BIN_DIR:\$PATH
+    kubectl get nodes
+    kubectl get resourceslices
+    kubectl get pods -A -o wide
+    kubectl describe pod -n <namespace> <pod>
     logs: $LOG_DIR    report again: $BIN_DIR/clusterctl report
     stop: make down
 MSG
