@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds etcd, kube-apiserver, kube-scheduler and kube-controller-manager from the Go module proxy
+# Builds etcd, kube-apiserver, kube-scheduler, kube-controller-manager and kubectl from the Go module proxy
 # (no containers, no release downloads), then the harness: mini-kubelet (kubelet stand-in), clusterctl
 # and the compiled e2e test binary. The upstream binaries are relinked only when the module versions
 # they are built from change (a cold build takes 20+ minutes on 2 cores); the harness is rebuilt every
@@ -26,16 +26,16 @@ MINOR="$(echo "$KUBE_VERSION" | cut -d. -f2)"
   echo "error: $MOD_DIR/$K8S_MODFILE requires k8s.io/kubernetes $KUBE_VERSION, not a $K8S_VERSION release (K8S_VERSION=$K8S_VERSION)" >&2
   exit 2
 }
-CMDS=(k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-controller-manager)
+CMDS=(k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl)
 ETCD_PKG=go.etcd.io/etcd/server/v3
 ETCD_VERSION="$(cd "$MOD_DIR" && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)"
 
 mkdir -p "$BIN_DIR"
 STAMP="$BIN_DIR/.k8s-stamp"
-# The exact module versions the four binaries are compiled from, plus Go and this script.
+# The exact module versions the five binaries are compiled from, plus Go and this script.
 want="$( { cd "$MOD_DIR" && go list -deps -f '{{with .Module}}{{.Path}}@{{.Version}}{{end}}' "${CMDS[@]}" "$ETCD_PKG" | sort -u; go env GOVERSION; cat "$SELF"; } | sha256sum | cut -d' ' -f1)"
 have_all=1
-for b in etcd kube-apiserver kube-scheduler kube-controller-manager; do
+for b in etcd kube-apiserver kube-scheduler kube-controller-manager kubectl; do
   [[ -x "$BIN_DIR/$b" ]] || have_all=0
 done
 
