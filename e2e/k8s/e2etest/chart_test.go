@@ -1,0 +1,262 @@
+package e2etest
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+
+	"tessera.dev/e2e/internal/cluster"
+)
+
+// The chart's release namespace in these scenarios: the one `make up` creates for tessera.
+const chartNamespace = "tessera-system"
+
+// helmBinary builds (or finds up to date) the pinned Helm and returns its path.
+func helmBinary(t *testing.T) string {
+	t.Helper()
+	build := exec.Command(filepath.Join(e.repoRoot, "e2e", "scripts", "build-helm.sh"))
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("e2e/scripts/build-helm.sh: %v\n%s", err, out)
+	}
+	return filepath.Join(e.repoRoot, "e2e", "bin", "helm")
+}
+
+func chartDir() string { return filepath.Join(e.repoRoot, "deployments", "helm", "tessera") }
+
+// helmTemplate renders the chart as `helm install` would for the cluster's own Kubernetes version.
+func helmTemplate(t *testing.T, helm string, set ...string) ([]byte, error) {
+	t.Helper()
+	version, err := e.client.Discovery().ServerVersion()
+	if err != nil {
+		t.Fatalf("server version: %v", err)
+	}
+	args := []string{"template", "tessera", chartDir(), "--namespace", chartNamespace, "--include-crds",
+		"--kube-version", version.GitVersion}
+	for _, s := range set {
+		args = append(args, "--set", s)
+	}
+	var stderr bytes.Buffer
+	cmd := exec.Command(helm, args...)
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("helm %s: %w: %s", strings.Join(args, " "), err, stderr.String())
+	}
+	return out, nil
+}
+
+func renderChart(t *testing.T, helm string, set ...string) []*unstructured.Unstructured {
+	t.Helper()
+	out, err := helmTemplate(t, helm, set...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := cluster.Decode(out)
+	if err != nil {
+		t.Fatalf("helm template output does not parse: %v\n%s", err, out)
+	}
+	return objs
+}
+
+func kindsOf(objs []*unstructured.Unstructured) map[string]int {
+	kinds := map[string]int{}
+	for _, o := range objs {
+		kinds[o.GetKind()]++
+	}
+	return kinds
+}
+
+func findObject(t *testing.T, objs []*unstructured.Unstructured, kind, name string) *unstructured.Unstructured {
+	t.Helper()
+	for _, o := range objs {
+		if o.GetKind() == kind && o.GetName() == name {
+			return o
+		}
+	}
+	t.Fatalf("the chart renders no %s %s (has %v)", kind, name, kindsOf(objs))
+	return nil
+}
+
+func daemonSet(t *testing.T, objs []*unstructured.Unstructured, name string) appsv1.DaemonSet {
+	t.Helper()
+	var ds appsv1.DaemonSet
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(findObject(t, objs, "DaemonSet", name).Object, &ds); err != nil {
+		t.Fatalf("DaemonSet %s: %v", name, err)
+	}
+	return ds
+}
+
+func containerEnv(ds appsv1.DaemonSet) map[string]string {
+	env := map[string]string{}
+	for _, v := range ds.Spec.Template.Spec.Containers[0].Env {
+		env[v.Name] = v.Value
+	}
+	return env
+}
+
+func hostPaths(ds appsv1.DaemonSet) []string {
+	var paths []string
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		if v.HostPath != nil {
+			paths = append(paths, v.HostPath.Path)
+		}
+	}
+	sort.Strings(paths)
+	return paths
+}
+
+// Every object the chart renders, for both backends, is accepted by the real API server (schema, CEL,
+// admission) in a server-side dry run; nothing is persisted.
+func TestTheChartRendersObjectsTheAPIServerAcceptsForBothBackends(t *testing.T) {
+	helm := helmBinary(t)
+	applier, err := cluster.NewApplier(e.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	applier.DryRun = true
+
+	backends := map[string][]string{
+		"nvml":      {"backend=nvml"},
+		"simulated": {"backend=simulated", "simulated.gpus[0].model=H200-SXM-141GB", "simulated.gpus[0].count=4", "deviceClasses.migProfiles=true", "gpuPolicy.preset=mixed"},
+	}
+	for backend, set := range backends {
+		t.Run(backend, func(t *testing.T) {
+			objs := renderChart(t, helm, set...)
+			kinds := kindsOf(objs)
+			want := map[string]int{
+				"CustomResourceDefinition": 2, "ServiceAccount": 2, "ClusterRole": 2, "ClusterRoleBinding": 2,
+				"Role": 1, "RoleBinding": 1, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
+				"Deployment": 1, "PodDisruptionBudget": 1, "DaemonSet": 2, "GpuPolicy": 1,
+			}
+			for kind, n := range want {
+				if kinds[kind] != n {
+					t.Errorf("%d %s objects, want %d (all: %v)", kinds[kind], kind, n, kinds)
+				}
+			}
+			if backend == "simulated" {
+				if kinds["DeviceClass"] != 3+6 || kinds["ConfigMap"] != 1 {
+					t.Errorf("simulated with MIG profile classes: %d DeviceClasses (want 9), %d ConfigMaps (want 1)", kinds["DeviceClass"], kinds["ConfigMap"])
+				}
+			} else if kinds["DeviceClass"] != 3 || kinds["ConfigMap"] != 0 {
+				t.Errorf("nvml: %d DeviceClasses (want 3), %d ConfigMaps (want 0)", kinds["DeviceClass"], kinds["ConfigMap"])
+			}
+
+			start := time.Now()
+			for _, o := range objs {
+				if err := applier.ApplyOne(ctxFor(t, 30*time.Second), o, chartNamespace); err != nil {
+					t.Errorf("the API server rejects the chart's %s/%s: %v", o.GetKind(), o.GetName(), err)
+				}
+			}
+			t.Logf("%s: %d objects accepted in a server-side dry run (%s)", backend, len(objs), time.Since(start).Round(time.Millisecond))
+		})
+	}
+}
+
+// What a user installing on GPU nodes gets: the plugin on GPU nodes only, at kubelet's host paths, rolled
+// with a surge; the MPS supervisor never restarted by an upgrade; the controller non-root and spread.
+func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
+	helm := helmBinary(t)
+	objs := renderChart(t, helm, "backend=nvml", "driverRoot=/run/nvidia/driver")
+
+	plugin := daemonSet(t, objs, "tessera-kubelet-plugin")
+	ru := plugin.Spec.UpdateStrategy.RollingUpdate
+	if plugin.Spec.UpdateStrategy.Type != appsv1.RollingUpdateDaemonSetStrategyType || ru == nil ||
+		ru.MaxSurge.String() != "1" || ru.MaxUnavailable.String() != "0" {
+		t.Errorf("plugin update strategy %+v, want RollingUpdate maxSurge 1 maxUnavailable 0", plugin.Spec.UpdateStrategy)
+	}
+	wantPaths := []string{"/dev", "/run/nvidia/driver", "/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/lib/tessera", "/var/run/cdi"}
+	if got := hostPaths(plugin); strings.Join(got, ",") != strings.Join(wantPaths, ",") {
+		t.Errorf("plugin host paths %v, want %v", got, wantPaths)
+	}
+	if plugin.Spec.Template.Spec.NodeSelector["nvidia.com/gpu.present"] != "true" {
+		t.Errorf("plugin node selector %v, want nvidia.com/gpu.present=true", plugin.Spec.Template.Spec.NodeSelector)
+	}
+	env := containerEnv(plugin)
+	for k, v := range map[string]string{
+		"TESSERA_BACKEND": "nvml", "TESSERA_DRIVER_ROOT": "/run/nvidia/driver",
+		"TESSERA_KUBELET_PLUGINS_DIR": "/var/lib/kubelet/plugins", "TESSERA_KUBELET_REGISTRY_DIR": "/var/lib/kubelet/plugins_registry",
+		"TESSERA_CDI_DIR": "/var/run/cdi", "TESSERA_STATE_DIR": "/var/lib/tessera",
+		"TESSERA_MPS_SUPERVISOR_SOCKET": "/var/lib/tessera/mps-supervisor.sock",
+	} {
+		if env[k] != v {
+			t.Errorf("plugin env %s=%q, want %q", k, env[k], v)
+		}
+	}
+
+	supervisor := daemonSet(t, objs, "tessera-mps-supervisor")
+	if supervisor.Spec.UpdateStrategy.Type != appsv1.OnDeleteDaemonSetStrategyType {
+		t.Errorf("MPS supervisor update strategy %s, want OnDelete", supervisor.Spec.UpdateStrategy.Type)
+	}
+	if got := containerEnv(supervisor)["TESSERA_MPS_SUPERVISOR_SOCKET"]; got != env["TESSERA_MPS_SUPERVISOR_SOCKET"] {
+		t.Errorf("supervisor socket %q, plugin's %q", got, env["TESSERA_MPS_SUPERVISOR_SOCKET"])
+	}
+
+	var controller appsv1.Deployment
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(findObject(t, objs, "Deployment", "tessera-controller").Object, &controller); err != nil {
+		t.Fatal(err)
+	}
+	sc := controller.Spec.Template.Spec.Containers[0].SecurityContext
+	if *controller.Spec.Replicas != 2 || sc == nil || sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem ||
+		controller.Spec.Template.Spec.SecurityContext.RunAsNonRoot == nil || !*controller.Spec.Template.Spec.SecurityContext.RunAsNonRoot {
+		t.Errorf("controller: %d replicas, container security %+v, pod security %+v; want 2, read-only root, non-root",
+			*controller.Spec.Replicas, sc, controller.Spec.Template.Spec.SecurityContext)
+	}
+}
+
+// Values the chart cannot honour fail at `helm template`/`helm install` time, naming the value.
+func TestTheChartRejectsBadValuesNamingThem(t *testing.T) {
+	helm := helmBinary(t)
+	for _, c := range []struct {
+		set  []string
+		want []string
+	}{
+		{[]string{"backend=cuda"}, []string{"backend", "nvml", "simulated"}},
+		{[]string{"backend=simulated", "simulated.gpus[0].model=H100"}, []string{"model"}},
+		{[]string{"gpuPolicy.preset=fancy"}, []string{"preset"}},
+		{[]string{"driverRoot=/"}, []string{"driverRoot", "/run/nvidia/driver"}},
+		{[]string{"kubeletPlugin.heartbeatInterval=60"}, []string{"heartbeatInterval", "heartbeatTimeout"}},
+		{[]string{"stateDir=var/lib/tessera"}, []string{"stateDir"}},
+	} {
+		_, err := helmTemplate(t, helm, c.set...)
+		if err == nil {
+			t.Errorf("--set %v renders; want an error naming %v", c.set, c.want)
+			continue
+		}
+		for _, w := range c.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("--set %v: error does not mention %q: %v", c.set, w, err)
+			}
+		}
+	}
+}
+
+// The chart reads deployments/crds, deployments/classes and deployments/policies through links, so the
+// plain manifests the other tests and `make up` use are the chart's own; a copy would drift.
+func TestTheChartsManifestsAreTheDeploymentsDirectories(t *testing.T) {
+	for link, target := range map[string]string{
+		"crds": "deployments/crds", "files/classes": "deployments/classes", "files/policies": "deployments/policies",
+	} {
+		resolved, err := filepath.EvalSymlinks(filepath.Join(chartDir(), link))
+		if err != nil {
+			t.Errorf("chart %s: %v", link, err)
+			continue
+		}
+		want, _ := filepath.EvalSymlinks(filepath.Join(e.repoRoot, target))
+		if resolved != want {
+			t.Errorf("chart %s resolves to %s, want %s", link, resolved, want)
+		}
+		if fi, err := os.Lstat(filepath.Join(chartDir(), link)); err != nil || fi.Mode()&os.ModeSymlink == 0 {
+			t.Errorf("chart %s is not a link to %s (a copy drifts)", link, target)
+		}
+	}
+}
