@@ -107,6 +107,9 @@ type bench struct {
 	changes sync.Map // pool -> *atomic.Int64: slice adds, updates and deletes seen
 }
 
+// loadAtStart is the machine's load average when the bench started, for the table's header.
+var loadAtStart = loadAverage()
+
 func run(ctx context.Context, o options) error {
 	cfg, err := clientcmd.BuildConfigFromFlags("", o.kubeconfig)
 	if err != nil {
@@ -837,8 +840,8 @@ func markdown(o options, rs []result) string {
 	fmt.Fprintf(&b, "# Controller at scale: %d GPU nodes on a real kube-apiserver\n\n", o.nodes)
 	fmt.Fprintf(&b, "`e2e/scripts/bench-controller.sh -nodes %d -shapes %s -steady %s` on %d CPUs, %s. "+
 		"Every node is a Node plus the NodeInventory the simulated plugin discovers for its shape, its heartbeat renewed every %s by the bench; "+
-		"no GpuPolicy at first (the built-in default: dynamic MIG wherever the GPU can do it). Controller binary `%s`.\n\n",
-		o.nodes, o.shapes, o.steady, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"), o.heartbeatInterval, o.controller)
+		"no GpuPolicy at first (the built-in default: dynamic MIG wherever the GPU can do it). Controller binary `%s`. Load average (1 / 5 / 15 min) at the start %s, at the end %s.\n\n",
+		o.nodes, o.shapes, o.steady, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"), o.heartbeatInterval, o.controller, loadAtStart, loadAverage())
 	b.WriteString("| shape (per node) | slices / devices | controller start → every pool published | steady-state writes | one node's inventory changes | policy change → converged | controller peak RSS | kube-apiserver peak RSS |\n")
 	b.WriteString("|---|---|---|---|---|---|---|---|\n")
 	for _, r := range rs {
@@ -857,4 +860,18 @@ func markdown(o options, rs []result) string {
 		"The inventory change removes the last GPU of one node; its writes are counted for -settle after that pool is republished. The policy change creates GpuPolicy `default` with one `whole` rule (every pool then has one device per GPU); converged when every pool is complete at one device per GPU, its writes counted until -settle after that. " +
 		"RSS is VmRSS sampled every 100 ms over the whole run of a shape.\n")
 	return b.String()
+}
+
+// loadAverage is /proc/loadavg's 1-, 5- and 15-minute averages: on a shared 2-core machine the numbers
+// above mean little without it.
+func loadAverage() string {
+	raw, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(raw))
+	if len(f) < 3 {
+		return "unknown"
+	}
+	return strings.Join(f[:3], " / ")
 }

@@ -138,6 +138,9 @@ type bench struct {
 	active map[types.UID]*v1.Pod
 }
 
+// loadAtStart is the machine's load average when the bench started, for the table's header.
+var loadAtStart = loadAverage()
+
 func run(ctx context.Context, o options) error {
 	kubeletmetrics.Register()
 	cfg, err := clientcmd.BuildConfigFromFlags("", o.kubeconfig)
@@ -804,8 +807,8 @@ func prepareMarkdown(o options, rows []row) string {
 	fmt.Fprintf(&b, "`e2e/scripts/bench-prepare.sh -claims %d -concurrency %s` on %d CPUs, %s, plugin binary `%s`. "+
 		"Each claim is created and allocated in a real kube-apiserver, then its pod goes through `PrepareResources` and `UnprepareResources` "+
 		"of kubelet's own DRA manager (k8s.io/kubernetes/pkg/kubelet/cm/dra), which calls the plugin over its unix socket. "+
-		"At concurrency 8 each worker prepares on its own GPU. p50 / p99 / max.\n\n",
-		o.claims, o.concurrency, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"), o.plugin)
+		"At concurrency 8 each worker prepares on its own GPU. p50 / p99 / max. Load average (1 / 5 / 15 min) at the start %s, at the end %s.\n\n",
+		o.claims, o.concurrency, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"), o.plugin, loadAtStart, loadAverage())
 	b.WriteString("| kind | concurrency | claims | pod waits in prepare (DRA manager) | tessera's time: NodePrepareResources (kubelet's gRPC timer) | kubelet's own share (p50) | unprepare (DRA manager) | first claim on a GPU (MPS daemon start / MIG mode on) | target: tessera p99 ≤ 10 ms |\n")
 	b.WriteString("|---|---|---|---|---|---|---|---|---|\n")
 	for _, r := range rows {
@@ -870,4 +873,18 @@ func footprintMarkdown(o options, fp footprint) string {
 	fmt.Fprintf(&b, "| with those %d claims prepared | %s | — |\n", o.footprintN, mib(fp.loadAfter))
 	fmt.Fprintf(&b, "| high-water mark over the whole run (VmHWM, after every prepare in `prepare.md`) | %s | — |\n", mib(fp.hwm))
 	return b.String()
+}
+
+// loadAverage is /proc/loadavg's 1-, 5- and 15-minute averages: on a shared 2-core machine the numbers
+// above mean little without it.
+func loadAverage() string {
+	raw, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(raw))
+	if len(f) < 3 {
+		return "unknown"
+	}
+	return strings.Join(f[:3], " / ")
 }
