@@ -66,9 +66,9 @@ test-sample: ## The scheduler check in `make test`: 1 in 100 of the trace (commi
 		-controller $(CURDIR)/target/debug/tessera-controller -plugin $(CURDIR)/target/debug/tessera-kubelet-plugin \
 		-out $(CURDIR)/bench-results/test-sample
 
-# kube-scheduler's pods/s per policy on 100 and 1,000 fake nodes, 1.36.5 and 1.37.2 side by side
+# kube-scheduler's pods/s per policy on 100, 300 and 1,000 fake nodes, 1.36.5 and 1.37.2 side by side
 # (e2e/scripts/bench-scheduler-rate.sh: RATE_VERSIONS, RATE_NODES, RATE_POLICIES, RATE_TIME_BOX).
-bench-scheduler-rate: ## Scheduler throughput, 1.36 vs 1.37, whole / dynamic MIG / shares on 100 and 1,000 nodes (~30 min)
+bench-scheduler-rate: ## Scheduler throughput, 1.36 vs 1.37, whole / dynamic MIG / shares on 100-1,000 nodes (~25 min)
 	cargo build -p tessera-controller -p tessera-kubelet-plugin
 	e2e/scripts/bench-scheduler-rate.sh
 

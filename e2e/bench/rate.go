@@ -47,6 +47,44 @@ type RateCell struct {
 	Seconds  float64 `json:"seconds"`
 	TimedOut bool    `json:"timedOut"`
 	TimeBox  float64 `json:"timeBoxSeconds"`
+	// SchedulerCPUSeconds is the CPU time kube-scheduler used over Seconds (user + system, from
+	// /proc/<pid>/stat); 0 when its pid is not known. On a shared machine the rate says how much CPU the
+	// scheduler got, this how much each pod cost it.
+	SchedulerCPUSeconds float64 `json:"schedulerCpuSeconds"`
+}
+
+// CPUMillisPerPod is kube-scheduler's CPU time per bound pod.
+func (c RateCell) CPUMillisPerPod() float64 {
+	if c.Bound == 0 {
+		return 0
+	}
+	return 1000 * c.SchedulerCPUSeconds / float64(c.Bound)
+}
+
+// processCPUSeconds reads a process's user + system CPU time from /proc (clock ticks of 1/100 s, the
+// USER_HZ Linux reports to user space).
+func processCPUSeconds(pid int) (float64, error) {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, fmt.Errorf("failed to read kube-scheduler's CPU time: %w", err)
+	}
+	// The command name (field 2) may contain spaces; the fields after it are space-separated.
+	rest := string(data)
+	if i := strings.LastIndexByte(rest, ')'); i >= 0 {
+		rest = rest[i+1:]
+	}
+	f := strings.Fields(rest)
+	if len(f) < 13 {
+		return 0, fmt.Errorf("failed to parse /proc/%d/stat: %d fields after the command", pid, len(f))
+	}
+	var utime, stime float64
+	if _, err := fmt.Sscan(f[11], &utime); err != nil {
+		return 0, fmt.Errorf("failed to parse utime in /proc/%d/stat: %w", pid, err)
+	}
+	if _, err := fmt.Sscan(f[12], &stime); err != nil {
+		return 0, fmt.Errorf("failed to parse stime in /proc/%d/stat: %w", pid, err)
+	}
+	return (utime + stime) / 100, nil
 }
 
 // PodsPerSecond is the cell's scheduling rate.
@@ -70,6 +108,8 @@ type RateBench struct {
 	TimeBox     time.Duration
 	// Workers bounds concurrent API calls while setting up and tearing down a cell.
 	Workers int
+	// SchedulerPID is kube-scheduler's process (same machine), for its CPU time; 0 skips it.
+	SchedulerPID int
 }
 
 // parallel runs f(i) for i in [0, n) on at most workers goroutines and returns the first error.
@@ -152,6 +192,12 @@ func (b *RateBench) Run(ctx context.Context, policy PolicySpec, c *Cluster, node
 		return res, err
 	}
 	defer w.stop()
+	cpu0 := 0.0
+	if b.SchedulerPID > 0 {
+		if cpu0, err = processCPUSeconds(b.SchedulerPID); err != nil {
+			return res, err
+		}
+	}
 	start := time.Now()
 	createErr := make(chan error, 1)
 	go func() {
@@ -191,6 +237,13 @@ func (b *RateBench) Run(ctx context.Context, policy PolicySpec, c *Cluster, node
 			return res, ctx.Err()
 		}
 	}
+	if b.SchedulerPID > 0 {
+		cpu1, err := processCPUSeconds(b.SchedulerPID)
+		if err != nil {
+			return res, err
+		}
+		res.SchedulerCPUSeconds = cpu1 - cpu0
+	}
 	bound, last, unschedulable := w.snapshot()
 	res.Bound, res.Unschedulable = bound, unschedulable
 	if res.TimedOut {
@@ -199,7 +252,8 @@ func (b *RateBench) Run(ctx context.Context, policy PolicySpec, c *Cluster, node
 		res.Seconds = last.Sub(start).Seconds()
 	}
 	slog.Info("rate cell done", "cell", cell, "bound", res.Bound, "of", res.Pods, "seconds", fmt.Sprintf("%.1f", res.Seconds),
-		"podsPerSecond", fmt.Sprintf("%.1f", res.PodsPerSecond()), "timedOut", res.TimedOut)
+		"podsPerSecond", fmt.Sprintf("%.1f", res.PodsPerSecond()), "timedOut", res.TimedOut,
+		"schedulerCPUMillisPerPod", fmt.Sprintf("%.0f", res.CPUMillisPerPod()))
 	return res, nil
 }
 
@@ -379,6 +433,8 @@ type rateArgs struct {
 	// migMaxNodes skips dynamic-MIG cells above this size (0: none skipped): 9 slices of 208 devices per
 	// node make 1,000 such nodes more than a small machine's API server holds.
 	migMaxNodes int
+	// schedulerPIDFile holds kube-scheduler's pid (up.sh's pids/kube-scheduler.pid).
+	schedulerPIDFile string
 }
 
 // runRate measures every (nodes, policy) cell against the cluster's kube-scheduler, writes the cells as JSON
@@ -403,6 +459,15 @@ func runRate(ctx context.Context, a args, ra rateArgs, r *Renderer, policies []P
 		return fmt.Errorf("failed to build a metadata client for %s: %w", restCfg.Host, err)
 	}
 	b := &RateBench{Client: client, Metadata: meta, Server: version.GitVersion, PodsPerNode: ra.podsPerNode, Burst: ra.burst, TimeBox: ra.timeBox, Workers: 16}
+	if ra.schedulerPIDFile != "" {
+		data, err := os.ReadFile(ra.schedulerPIDFile)
+		if err != nil {
+			return fmt.Errorf("failed to read -rate-scheduler-pid-file: %w", err)
+		}
+		if _, err := fmt.Sscan(string(data), &b.SchedulerPID); err != nil {
+			return fmt.Errorf("failed to read a pid from %s: %w", ra.schedulerPIDFile, err)
+		}
+	}
 	var cells []RateCell
 	for _, n := range ra.nodes {
 		for _, p := range policies {
@@ -488,11 +553,11 @@ func RateTable(cells []RateCell) string {
 	var sb strings.Builder
 	sb.WriteString("| nodes × 8 H100 | policy | devices/node |")
 	for _, s := range servers {
-		fmt.Fprintf(&sb, " %s pods/s | %s bound / pods in s |", s, s)
+		fmt.Fprintf(&sb, " %s pods/s | %s bound / pods in s | %s scheduler CPU ms/pod |", s, s, s)
 	}
 	sb.WriteString("\n|---:|---|---:|")
 	for range servers {
-		sb.WriteString("---:|---:|")
+		sb.WriteString("---:|---:|---:|")
 	}
 	sb.WriteString("\n")
 	for _, n := range ns {
@@ -507,14 +572,18 @@ func RateTable(cells []RateCell) string {
 			for _, s := range servers {
 				c, ok := byKey[fmt.Sprintf("%s/%s/%d", s, p, n)]
 				if !ok {
-					sb.WriteString(" – | – |")
+					sb.WriteString(" – | – | – |")
 					continue
 				}
 				box := ""
 				if c.TimedOut {
 					box = " (time box)"
 				}
-				fmt.Fprintf(&sb, " %.1f | %d / %d in %.0f%s |", c.PodsPerSecond(), c.Bound, c.Pods, c.Seconds, box)
+				cpu := "–"
+				if c.SchedulerCPUSeconds > 0 {
+					cpu = fmt.Sprintf("%.0f", c.CPUMillisPerPod())
+				}
+				fmt.Fprintf(&sb, " %.1f | %d / %d in %.0f%s | %s |", c.PodsPerSecond(), c.Bound, c.Pods, c.Seconds, box, cpu)
 			}
 			sb.WriteString("\n")
 		}
@@ -537,7 +606,11 @@ func RateTable(cells []RateCell) string {
 				sb.WriteString(" – |")
 				continue
 			}
-			fmt.Fprintf(&sb, " %.1f %% |", 100*mig.PodsPerSecond()/whole.PodsPerSecond())
+			cpu := ""
+			if mig.CPUMillisPerPod() > 0 && whole.CPUMillisPerPod() > 0 {
+				cpu = fmt.Sprintf(" (CPU per pod: %.1f %%)", 100*whole.CPUMillisPerPod()/mig.CPUMillisPerPod())
+			}
+			fmt.Fprintf(&sb, " %.1f %%%s |", 100*mig.PodsPerSecond()/whole.PodsPerSecond(), cpu)
 		}
 		sb.WriteString("\n")
 	}

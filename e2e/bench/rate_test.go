@@ -2,6 +2,7 @@ package main
 
 import (
 	"errors"
+	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -34,7 +35,7 @@ func TestTheRateTablePutsVersionsSideBySideWithTheMigToWholeRatio(t *testing.T) 
 		}
 	}
 	// 1.36.5: 48 pods in the 120 s time box = 0.4 pods/s, said to be time-boxed; 1.37.2: 200 in 4 s.
-	if !strings.Contains(migRow, "| 0.4 | 48 / 200 in 120 (time box) |") || !strings.Contains(migRow, "| 50.0 | 200 / 200 in 4 |") {
+	if !strings.Contains(migRow, "| 0.4 | 48 / 200 in 120 (time box) | – |") || !strings.Contains(migRow, "| 50.0 | 200 / 200 in 4 | – |") {
 		t.Errorf("mig row %q", migRow)
 	}
 	// whole: 80 pods/s on 1.36.5, 100 on 1.37.2 → 0.4/80 = 0.5 %, 50/100 = 50 %.
@@ -57,6 +58,34 @@ func TestATimedOutCellCountsOnlyWhatWasBoundInTheTimeBox(t *testing.T) {
 	}
 	if got := (RateCell{}).PodsPerSecond(); got != 0 {
 		t.Errorf("an unmeasured cell has %v pods/s, want 0", got)
+	}
+}
+
+func TestCPUPerPodIsTheSchedulersCPUTimeOverTheBoundPods(t *testing.T) {
+	whole := rateCell("v1.37.2", "whole", 100, 200, 10, false)
+	whole.SchedulerCPUSeconds = 2
+	mig := rateCell("v1.37.2", "mig", 100, 100, 60, true)
+	mig.SchedulerCPUSeconds = 4
+	if got := mig.CPUMillisPerPod(); got != 40 {
+		t.Errorf("CPU per pod %v ms, want 4 s / 100 pods = 40", got)
+	}
+	table := RateTable([]RateCell{whole, mig})
+	// whole: 20 pods/s at 10 ms each; mig: 1.7 pods/s at 40 ms each → rate 8.3 %, CPU per pod 25 %.
+	if !strings.Contains(table, "| 100 | dynamic MIG / whole | 8.3 % (CPU per pod: 25.0 %) |") {
+		t.Errorf("table:\n%s", table)
+	}
+}
+
+func TestProcessCPUSecondsReadsThisProcess(t *testing.T) {
+	got, err := processCPUSeconds(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got < 0 || got > 3600 {
+		t.Errorf("this test process used %v s of CPU", got)
+	}
+	if _, err := processCPUSeconds(-1); err == nil {
+		t.Error("no error for a process that does not exist")
 	}
 }
 

@@ -30,6 +30,7 @@ for v in $versions; do
     -policies "${RATE_POLICIES:-whole,mig,shares}" -out "$out_dir/$v" \
     -rate-nodes "${RATE_NODES:-100,300,1000}" -rate-mig-max-nodes "${RATE_MIG_MAX_NODES:-300}" \
     -rate-time-box "${RATE_TIME_BOX:-60s}" \
+    -rate-scheduler-pid-file "${BENCH_RUN_DIR:-$repo/.run-bench}/pids/kube-scheduler.pid" \
     -rate-json "$out_dir/rate-$v.json" ${RATE_ARGS:-}
   files+=("$out_dir/rate-$v.json")
 done
