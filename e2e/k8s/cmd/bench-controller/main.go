@@ -420,26 +420,46 @@ func (b *bench) heartbeat(ctx context.Context, inv *unstructured.Unstructured, g
 }
 
 // heartbeats renews every inventory once per -heartbeat-interval, spread evenly over it like 1,000
-// independent plugins would be. A missed beat is retried next round; only a context end stops it.
+// independent plugins would be. Beats go to a pool of workers, so a slow API server delays a beat but
+// never stretches the round (a stretched round would let the controller rightly withdraw pools whose
+// heartbeats went stale). A missed beat is retried next round; only a context end stops it.
 func (b *bench) heartbeats(ctx context.Context, names []string) {
-	gap := b.o.heartbeatInterval / time.Duration(len(names))
-	tick := time.NewTicker(gap)
+	work := make(chan string, len(names))
+	var failures, late atomic.Int64
+	var wg sync.WaitGroup
+	for range 32 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for name := range work {
+				// One merge patch of the status per beat, as cheap as a heartbeat can be for the API server.
+				patch := fmt.Appendf(nil, `{"status":{"ready":true,"lastHeartbeatTime":%q}}`, time.Now().UTC().Format(time.RFC3339Nano))
+				_, err := b.dyn.Resource(inventoryGVR).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
+				if err != nil && ctx.Err() == nil {
+					failures.Add(1)
+				}
+			}
+		}()
+	}
+	defer func() {
+		close(work)
+		wg.Wait()
+		if failures.Load() > 0 || late.Load() > 0 {
+			fmt.Fprintf(os.Stderr, "    heartbeats: %d failed, %d skipped because the previous round was still queued\n", failures.Load(), late.Load())
+		}
+	}()
+	tick := time.NewTicker(b.o.heartbeatInterval / time.Duration(len(names)))
 	defer tick.Stop()
-	failures := 0
 	for i := 0; ; i = (i + 1) % len(names) {
 		select {
 		case <-ctx.Done():
-			if failures > 0 {
-				fmt.Fprintf(os.Stderr, "    %d heartbeats failed (retried the next round)\n", failures)
-			}
 			return
 		case <-tick.C:
 		}
-		// One merge patch of the status per beat, as cheap as a heartbeat can be for the API server.
-		patch := fmt.Appendf(nil, `{"status":{"ready":true,"lastHeartbeatTime":%q}}`, time.Now().UTC().Format(time.RFC3339Nano))
-		_, err := b.dyn.Resource(inventoryGVR).Patch(ctx, names[i], types.MergePatchType, patch, metav1.PatchOptions{}, "status")
-		if err != nil && ctx.Err() == nil {
-			failures++
+		select {
+		case work <- names[i]:
+		default:
+			late.Add(1)
 		}
 	}
 }
