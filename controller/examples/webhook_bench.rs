@@ -99,6 +99,7 @@ async fn post(sender: &mut Sender, body: Vec<u8>) {
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body)))
         .expect("a request");
+    sender.ready().await.expect("the connection is open");
     let resp = sender.send_request(req).await.expect("a response");
     assert_eq!(resp.status(), 200);
     let body = resp.into_body().collect().await.expect("a body").to_bytes();
