@@ -30,6 +30,15 @@ pub trait ClaimSource: Send + Sync + 'static {
     fn list(&self) -> BoxFuture<'_, Result<Vec<ResourceClaim>, SourceError>>;
 }
 
+/// A failed read of a claim, in words the claim's owner can act on: serde_json's bare `recursion limit
+/// exceeded` (a claim whose opaque configuration nests too deep to decode) names the configuration instead.
+pub fn read_error(error: kube::Error) -> SourceError {
+    match tessera_api::config::too_deep_config_message(&error.to_string()) {
+        Some(message) => message.into(),
+        None => Box::new(error),
+    }
+}
+
 /// Claims read from the API server.
 #[derive(Clone)]
 pub struct KubeClaims {
@@ -50,7 +59,7 @@ impl ClaimSource for KubeClaims {
     ) -> BoxFuture<'a, Result<Option<ResourceClaim>, SourceError>> {
         Box::pin(async move {
             let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), namespace);
-            api.get_opt(name).await.map_err(|e| Box::new(e) as SourceError)
+            api.get_opt(name).await.map_err(read_error)
         })
     }
 
@@ -435,6 +444,22 @@ pub mod fake {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_claim_whose_config_nests_too_deep_reads_as_an_error_naming_the_configuration() {
+        let deep = format!("{}1{}", "[".repeat(200), "]".repeat(200));
+        let body = format!(
+            r#"{{"apiVersion":"resource.k8s.io/v1","kind":"ResourceClaim","metadata":{{"name":"c"}},"status":{{"allocation":{{"devices":{{"config":[{{"source":"FromClaim","opaque":{{"driver":"gpu.tessera.dev","parameters":{{"x":{deep}}}}}}}]}}}}}}}}"#
+        );
+        let decode = serde_json::from_str::<super::ResourceClaim>(&body).unwrap_err();
+        let message = super::read_error(kube::Error::SerdeError(decode)).to_string();
+        assert!(message.contains("opaque configuration"), "{message}");
+        assert!(!message.contains("recursion limit exceeded"), "{message}");
+
+        let other = serde_json::from_str::<super::ResourceClaim>("{").unwrap_err();
+        let message = super::read_error(kube::Error::SerdeError(other)).to_string();
+        assert!(message.contains("EOF"), "{message}");
+    }
+
     use super::{fake::claim, *};
 
     #[test]
