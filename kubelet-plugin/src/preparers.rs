@@ -58,16 +58,24 @@ pub fn with_preparers(state: NodeState, shared: &Arc<SharedPreparer>) -> NodeSta
 /// The opaque configuration that applies to the context's device, validated; `None` when the allocation
 /// has none for it (and during crash recovery, where only the checkpoint is known).
 pub fn device_config(ctx: &DeviceContext) -> Result<Option<DeviceConfig>, ClaimError> {
-    config::effective_config(
+    let invalid = |source| ClaimError::InvalidConfig {
+        request: ctx.allocation.request.clone(),
+        device: ctx.device.to_string(),
+        source: Box::new(source),
+    };
+    let config = config::effective_config(
         &ctx.allocation.config_entries,
         &ctx.allocation.request,
         &ctx.device,
     )
-    .map_err(|source| ClaimError::InvalidConfig {
-        request: ctx.allocation.request.clone(),
-        device: ctx.device.to_string(),
-        source: Box::new(source),
-    })
+    .map_err(invalid)?;
+    // What only this node can tell: device keys that name a device it has, limits within its memory.
+    if let Some(config) = &config {
+        config
+            .check_on_node(&ctx.node_gpus, &ctx.device)
+            .map_err(invalid)?;
+    }
+    Ok(config)
 }
 
 fn strategy_of(detail: &SharedDetail) -> SharingStrategy {

@@ -106,6 +106,9 @@ pub struct DeviceContext {
     pub backend: Arc<dyn GpuBackend>,
     /// The physical GPU the device lives on, as discovered at start.
     pub gpu: GpuInfo,
+    /// Every GPU of the node, as discovered at start: a claim's config may name devices of other GPUs
+    /// (`perDevicePinnedMemoryLimit` keys), and such a key must name a device this node has.
+    pub node_gpus: Arc<[GpuInfo]>,
     pub claim: ClaimRef,
     /// The device as the allocation names it.
     pub device: DeviceName,
@@ -199,6 +202,8 @@ pub struct NodeState {
     backend: Arc<dyn GpuBackend>,
     claims: Arc<dyn ClaimSource>,
     gpus: BTreeMap<u32, GpuInfo>,
+    /// The same GPUs in index order, shared with every [`DeviceContext`].
+    node_gpus: Arc<[GpuInfo]>,
     /// One lock per GPU, created at start for every discovered GPU (the set is fixed for the plugin's life,
     /// so the map itself needs no lock).
     gpu_locks: BTreeMap<u32, Arc<Mutex<()>>>,
@@ -320,6 +325,7 @@ impl NodeState {
             node_name: config.node_name,
             backend,
             claims,
+            node_gpus: gpus.iter().cloned().collect(),
             gpus: gpus.into_iter().map(|g| (g.index, g)).collect(),
             gpu_locks,
             preparers,
@@ -1031,6 +1037,7 @@ impl NodeState {
             let ctx = DeviceContext {
                 backend: self.backend.clone(),
                 gpu: gpu.clone(),
+                node_gpus: self.node_gpus.clone(),
                 claim: claim.clone(),
                 device,
                 allocation: allocation.clone(),
@@ -1131,6 +1138,7 @@ impl NodeState {
         let ctx = DeviceContext {
             backend: self.backend.clone(),
             gpu,
+            node_gpus: self.node_gpus.clone(),
             claim: ClaimRef {
                 namespace: record.namespace.clone(),
                 name: record.name.clone(),

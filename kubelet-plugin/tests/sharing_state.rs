@@ -171,6 +171,39 @@ async fn a_bad_config_fails_the_prepare_with_its_validation_message_and_changes_
 }
 
 #[tokio::test]
+async fn a_per_device_limit_for_a_device_this_node_lacks_fails_the_prepare_naming_the_key() {
+    let node = TestNode::with_gpus(2);
+    let p = plugin(&node);
+    let elsewhere = json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"perDevicePinnedMemoryLimit": {"gpu-7-shared": "4Gi"}}}});
+    let r = add(
+        &node,
+        claim("elsewhere")
+            .allocated("gpu-0-shared")
+            .config(elsewhere)
+            .build(),
+    );
+    let err = p.state.prepare(&r).await.unwrap_err().to_string();
+    assert!(err.contains("perDevicePinnedMemoryLimit"), "{err}");
+    assert!(err.contains("gpu-7-shared"), "{err}");
+
+    // A key for the node's other GPU is fine: a claim's config may speak of every device it could get.
+    let other_gpu = json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mps": {"perDevicePinnedMemoryLimit": {"gpu-1-shared": "4Gi"}}}});
+    let ok = add(
+        &node,
+        claim("other-gpu")
+            .allocated("gpu-0-shared")
+            .config(other_gpu)
+            .build(),
+    );
+    p.state.prepare(&ok).await.unwrap();
+    p.state.unprepare(&ok).await.unwrap();
+    assert!(p.state.checkpoint().claims.is_empty());
+    assert!(p.shared.sharer.mps().running().is_empty());
+}
+
+#[tokio::test]
 async fn two_share_claims_get_their_own_limits_and_the_last_unprepare_stops_the_daemon() {
     let node = TestNode::with_gpus(1);
     let p = plugin(&node);
