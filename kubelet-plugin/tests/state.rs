@@ -238,7 +238,11 @@ async fn a_corrupted_checkpoint_is_kept_and_refuses_every_claim_naming_the_file_
     let r = claim_ref(&c);
     node.claims.insert(c);
     let state = node.state_unrecovered(BOOT_ID);
-    let refused = state.recover().unwrap().refused.expect("a corrupted checkpoint was accepted");
+    let refused = state
+        .recover()
+        .unwrap()
+        .refused
+        .expect("a corrupted checkpoint was accepted");
     let err = Arc::new(state).prepare(&r).await.unwrap_err().to_string();
     for text in [&refused, &err] {
         assert!(text.contains(&path.display().to_string()), "{text}");
