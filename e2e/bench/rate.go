@@ -568,6 +568,15 @@ func RateTable(cells []RateCell) string {
 					devices = c.Devices
 				}
 			}
+			if devices == 0 {
+				// Skipped on every server (-rate-mig-max-nodes): say so rather than print zeros.
+				fmt.Fprintf(&sb, "| %d | %s | – |", n, p)
+				for range servers {
+					sb.WriteString(" not run | | |")
+				}
+				sb.WriteString("\n")
+				continue
+			}
 			fmt.Fprintf(&sb, "| %d | %s | %d |", n, p, devices)
 			for _, s := range servers {
 				c, ok := byKey[fmt.Sprintf("%s/%s/%d", s, p, n)]

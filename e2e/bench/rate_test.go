@@ -10,7 +10,11 @@ import (
 
 // rateCell is a fixture builder for one measured cell.
 func rateCell(server, policy string, nodes, bound int, seconds float64, timedOut bool) RateCell {
-	return RateCell{Server: server, Policy: policy, Nodes: nodes, Pods: 2 * nodes, Bound: bound, Seconds: seconds, TimedOut: timedOut, TimeBox: 120}
+	devices := 8
+	if policy == "mig" {
+		devices = 208
+	}
+	return RateCell{Server: server, Policy: policy, Nodes: nodes, Devices: devices, Pods: 2 * nodes, Bound: bound, Seconds: seconds, TimedOut: timedOut, TimeBox: 120}
 }
 
 func TestTheRateTablePutsVersionsSideBySideWithTheMigToWholeRatio(t *testing.T) {
@@ -48,6 +52,15 @@ func TestACellWithoutAWholeGPURunHasNoRatio(t *testing.T) {
 	table := RateTable([]RateCell{rateCell("v1.37.2", "mig", 1000, 10, 120, true)})
 	if !strings.Contains(table, "| 1000 | dynamic MIG / whole | – |") {
 		t.Errorf("table without a whole-GPU cell:\n%s", table)
+	}
+}
+
+func TestASizeSkippedForOnePolicyIsMarkedNotRun(t *testing.T) {
+	whole := rateCell("v1.37.2", "whole", 1000, 100, 60, true)
+	mig := rateCell("v1.37.2", "mig", 100, 200, 20, false)
+	table := RateTable([]RateCell{whole, mig})
+	if !strings.Contains(table, "| 1000 | mig | – | not run | | |") {
+		t.Errorf("table:\n%s", table)
 	}
 }
 
