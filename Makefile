@@ -10,11 +10,15 @@ help: ## List the targets
 build: ## Build every Rust binary (debug)
 	cargo build --workspace --bins
 
-test: ## The README's test command: unit and integration tests, the end-to-end suite on a real local cluster, the scheduler check
+test: ## The README's test command: unit and integration tests, the e2e suite on a real local cluster, the scheduler check, the fault suite and benchmarks at a small size, the chart and the image
 	$(MAKE) test-unit
 	$(MAKE) test-bench
 	$(MAKE) e2e
 	$(MAKE) test-sample
+	$(MAKE) test-faults FAULT_ROUNDS=5
+	$(MAKE) bench-smoke
+	$(MAKE) chart-lint
+	$(MAKE) image-test IMAGE_PROFILE=debug
 
 test-unit: ## Rust unit and integration tests (no cluster)
 	cargo build --workspace --all-targets
@@ -103,6 +107,8 @@ bench-smoke: ## Both benchmarks at a small size (20 claims, 10 nodes) so they ca
 .PHONY: image image-test chart-lint
 image: ## OCI image archive of both release binaries, daemonless (target/image/tessera.tar)
 	e2e/scripts/build-image.sh
+# `make test` checks the archive built from the debug binaries it already has (IMAGE_PROFILE=debug): the
+# builder and the layout are what is tested, and a second, release, build would cost it minutes.
 image-test: ## make image, then check the archive (digests, config) and run the binaries from its rootfs
 	e2e/scripts/build-image.sh --test
 chart-lint: ## helm lint --strict of deployments/helm/tessera for the nvml and simulated backends

@@ -18,6 +18,8 @@ trap cleanup EXIT
 "$E2E_DIR/scripts/down.sh" > /dev/null 2>&1 || true
 # A failed start is torn down too (by the trap), after up.sh has printed the failing step and its log.
 SKIP_EXAMPLES=1 "$E2E_DIR/scripts/up.sh"
+# The chart scenarios run helm; build it (or find it up to date) before the scenarios' own timeout starts.
+"$E2E_DIR/scripts/build-helm.sh"
 up_done=$(date +%s)
 
 step "e2e scenarios (log: $LOG_DIR/e2e.log)"
