@@ -58,13 +58,15 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// The checkpoint exists but cannot be trusted. The plugin refuses to start rather than guess which
-    /// claims are prepared (a guess could hand out a MIG instance twice or leak one).
+    /// The checkpoint exists but cannot be trusted. The plugin stays registered but refuses every prepare
+    /// and unprepare rather than guess which claims are prepared (a guess could hand out a MIG instance
+    /// twice or leak one).
     #[error(
-        "checkpoint {path} is corrupted: {reason}. The plugin does not start on a checkpoint it cannot \
-         trust. To recover, move the file aside (mv {path} {path}.corrupt) and restart the plugin: it starts \
-         with no prepared claims and kubelet prepares the claims of running pods again; keep the moved file \
-         for diagnosis"
+        "checkpoint {path} is corrupted: {reason}. The plugin prepares and unprepares nothing on a checkpoint \
+         it cannot trust, and changes nothing on the node meanwhile. To recover, move the file aside \
+         (mv {path} {path}.corrupt): within a minute, or at the next start, the plugin re-adopts the devices \
+         of running pods from the API server, their CDI specs and the hardware; keep the moved file for \
+         diagnosis"
     )]
     CorruptCheckpoint { path: PathBuf, reason: String },
     /// Writing the checkpoint failed.
