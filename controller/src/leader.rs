@@ -4,6 +4,8 @@
 //! * Another replica takes over only when the lease record has not changed for `leaseDurationSeconds`
 //!   **as measured on its own clock** from when it first saw that record (so clock skew between replicas
 //!   does not matter), or the holder released it.
+//! * A replica that stops cleanly releases the lease (empty holder, as client-go's `ReleaseOnCancel`), so
+//!   a rolling update or a drained node hands over at once instead of after a whole lease duration.
 //! * A replica considers itself leader for two thirds of the lease duration after its last successful
 //!   renewal (client-go's renew deadline), strictly less than the time others wait, so two replicas never
 //!   both believe they lead. Writes check [`LeaderElector::is_leader`] right before each call.
@@ -107,6 +109,39 @@ impl LeaderElector {
             Err(e) => {
                 tracing::warn!(error = %e, "lease update failed");
                 self.is_leader(now)
+            }
+        }
+    }
+
+    /// Gives the lease up if this replica holds it: clears the holder so another replica acquires it on
+    /// its next attempt. Says whether it released anything; a failure is logged and leaves the lease to
+    /// expire as if this replica had crashed.
+    pub async fn release<S: LeaseStore>(&mut self, store: &S, now: DateTime<Utc>) -> bool {
+        self.last_renew = None;
+        let lease = match store.get().await {
+            Ok(Some(lease)) => lease,
+            Ok(None) => return false,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the lease to release it failed; it expires instead");
+                return false;
+            }
+        };
+        let spec = lease.spec.clone().unwrap_or_default();
+        if spec.holder_identity.as_deref() != Some(self.identity.as_str()) {
+            return false;
+        }
+        let mut released = lease;
+        released.spec = Some(LeaseSpec {
+            holder_identity: None,
+            lease_duration_seconds: Some(1),
+            renew_time: Some(MicroTime(to_k8s_time(now))),
+            ..spec
+        });
+        match store.replace(&released).await {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "releasing the lease failed; it expires instead");
+                false
             }
         }
     }

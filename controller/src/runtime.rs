@@ -466,6 +466,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .to_std()
         .unwrap_or(Duration::from_secs(2));
     let mut was_leader = false;
+    // Kubernetes stops a pod with SIGTERM; a terminal sends SIGINT. Either releases the lease.
+    let mut stop = std::pin::pin!(stop_signal()?);
     let mut next_probe = tokio::time::Instant::now() + REPROBE_EVERY;
     loop {
         // Gates change with API server upgrades or restarts; a changed answer republishes every pool.
@@ -533,12 +535,31 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         tokio::select! {
             _ = notify.notified() => tokio::time::sleep(DEBOUNCE).await,
             _ = tokio::time::sleep(tick_every) => {}
-            _ = tokio::signal::ctrl_c() => {
-                tracing::info!("shutting down");
+            _ = &mut stop => {
+                // Bounded: with the API server down the lease just expires, as after a crash.
+                let release = replica.elector.release(&lease, Utc::now());
+                let released = tokio::time::timeout(Duration::from_secs(3), release)
+                    .await
+                    .unwrap_or(false);
+                tracing::info!(released_lease = released, "shutting down");
                 return Ok(());
             }
         }
     }
+}
+
+/// Resolves on the first SIGTERM or SIGINT. The handlers are installed before it returns, so a signal that
+/// arrives while the caller is busy is not lost.
+pub fn stop_signal() -> anyhow::Result<impl Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("failed to install the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("failed to install the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
 }
 
 #[cfg(test)]

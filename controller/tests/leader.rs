@@ -1,0 +1,58 @@
+//! Leader election handover: a replica that stops cleanly gives the Lease up, so its successor leads on
+//! its next attempt instead of waiting out the lease duration.
+
+use chrono::{DateTime, Duration, TimeZone, Utc};
+use tessera_controller::leader::{InMemoryLease, LeaderElector};
+
+fn t0() -> DateTime<Utc> {
+    Utc.with_ymd_and_hms(2026, 12, 1, 9, 0, 0).unwrap()
+}
+
+fn elector(identity: &str) -> LeaderElector {
+    LeaderElector::new(identity, "tessera-system", "tessera-controller")
+}
+
+#[tokio::test]
+async fn a_replica_that_stops_cleanly_hands_the_lease_over_at_once() {
+    let lease = InMemoryLease::default();
+    let (mut a, mut b) = (elector("a"), elector("b"));
+    assert!(a.try_acquire_or_renew(&lease, t0()).await);
+    assert!(
+        !b.try_acquire_or_renew(&lease, t0()).await,
+        "b must not lead while a holds a fresh lease"
+    );
+
+    assert!(a.release(&lease, t0() + Duration::seconds(1)).await);
+    assert!(
+        !a.is_leader(t0() + Duration::seconds(1)),
+        "a released, so it must not believe it leads"
+    );
+    assert_eq!(lease.holder(), None);
+
+    // One second later, far inside the 15 s lease duration a crash would make b wait.
+    assert!(b.try_acquire_or_renew(&lease, t0() + Duration::seconds(2)).await);
+    assert_eq!(lease.holder().as_deref(), Some("b"));
+}
+
+#[tokio::test]
+async fn releasing_a_lease_held_by_another_replica_changes_nothing() {
+    let lease = InMemoryLease::default();
+    let (mut a, mut b) = (elector("a"), elector("b"));
+    assert!(a.try_acquire_or_renew(&lease, t0()).await);
+    assert!(!b.release(&lease, t0()).await);
+    assert_eq!(lease.holder().as_deref(), Some("a"));
+    assert!(
+        !b.try_acquire_or_renew(&lease, t0() + Duration::seconds(1)).await,
+        "a still holds a fresh lease"
+    );
+}
+
+#[tokio::test]
+async fn a_replica_that_crashes_is_replaced_only_after_the_lease_duration() {
+    let lease = InMemoryLease::default();
+    let (mut a, mut b) = (elector("a"), elector("b"));
+    assert!(a.try_acquire_or_renew(&lease, t0()).await);
+    assert!(!b.try_acquire_or_renew(&lease, t0() + Duration::seconds(1)).await);
+    assert!(!b.try_acquire_or_renew(&lease, t0() + Duration::seconds(15)).await);
+    assert!(b.try_acquire_or_renew(&lease, t0() + Duration::seconds(16)).await);
+}
