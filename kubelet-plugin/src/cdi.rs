@@ -163,6 +163,14 @@ impl CdiDir {
     /// Writes a claim's spec atomically: the runtime may read the directory at any moment, so it must see
     /// either no file or a whole one. The temporary name starts with `.` and does not end in `.json`, so CDI
     /// caches never load it.
+    ///
+    /// Not fsynced ([`Durability::ProcessCrash`]): a plugin crash (kill -9, OOM, upgrade) keeps the page cache,
+    /// so the renamed file is whole for the runtime and for the restarted plugin. Only a power loss can tear
+    /// it, and that is a new boot: the checkpoint of the old boot is not trusted, a record is re-adopted only
+    /// when its spec still parses (`spec_present`), and every spec no record owns is removed once the API
+    /// server has said which claims are in use (`NodeState::recover`, `NodeState::reconcile`). After a
+    /// reboot no container holds these specs, and kubelet prepares its claims again, which writes them anew.
+    /// (`/var/run/cdi`, the usual directory, is a tmpfs, where there is nothing to sync anyway.)
     pub fn write(&self, claim_uid: &str, spec: &Spec) -> Result<PathBuf> {
         let path = self.spec_path(claim_uid);
         let err = |source| Error::WriteCdiSpec {
@@ -172,7 +180,7 @@ impl CdiDir {
         fs::create_dir_all(&self.dir).map_err(err)?;
         let tmp = self.dir.join(format!(".{SPEC_FILE_PREFIX}{claim_uid}.json.tmp"));
         let json = serde_json::to_vec_pretty(spec).map_err(|e| err(io::Error::other(e)))?;
-        write_atomically(&tmp, &path, &json).map_err(err)?;
+        write_atomically(&tmp, &path, &json, Durability::ProcessCrash).map_err(err)?;
         Ok(path)
     }
 
@@ -233,16 +241,33 @@ impl CdiDir {
     }
 }
 
-/// Writes `bytes` to `path` through `tmp`: write, fsync, rename, fsync of the directory, so after a crash
-/// either the old or the new content is there, never a torn file.
-pub(crate) fn write_atomically(tmp: &Path, path: &Path, bytes: &[u8]) -> io::Result<()> {
+/// What a write through [`write_atomically`] must survive. Either way the rename makes the change atomic for
+/// every reader of this boot: they see the old file or the new one, never a mix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Durability {
+    /// A process crash only: the page cache survives it, so nothing is synced. For files that a power loss
+    /// (a reboot) makes stale anyway and whose readers after a reboot cope with them torn or missing.
+    ProcessCrash,
+    /// Also a power loss, in the weak form "parseable, or absent, or an older version": the temp file is
+    /// fsynced before the rename, so the name never points at data that did not reach the disk. The
+    /// directory is not fsynced: that would only make the rename itself durable, and after a power loss
+    /// the old file and the new one are equally from the old boot.
+    WholeAfterPowerLoss,
+}
+
+/// Writes `bytes` to `path` through `tmp`: write, fsync as `durability` asks, rename.
+pub(crate) fn write_atomically(
+    tmp: &Path,
+    path: &Path,
+    bytes: &[u8],
+    durability: Durability,
+) -> io::Result<()> {
     let mut file = fs::File::create(tmp)?;
     file.write_all(bytes)?;
-    file.sync_all()?;
-    drop(file);
-    fs::rename(tmp, path)?;
-    if let Some(dir) = path.parent() {
-        fs::File::open(dir)?.sync_all()?;
+    if durability == Durability::WholeAfterPowerLoss {
+        // fdatasync: the data and the size, which is all "whole" needs; the mtime may stay behind.
+        file.sync_data()?;
     }
-    Ok(())
+    drop(file);
+    fs::rename(tmp, path)
 }

@@ -15,7 +15,20 @@
 //!   prepared *before* any hardware or CDI change, [`Phase::PrepareCompleted`] after. A record still in the
 //!   first phase at start-up was interrupted by a crash and is rolled back.
 //!
-//! Writes are atomic: temp file, fsync, rename, fsync of the directory.
+//! Writes are atomic: temp file, fsync of the temp file, rename. What that buys, and why it is enough:
+//!
+//! * A process crash (kill -9, OOM, an upgrade) loses nothing: the page cache outlives the process, and
+//!   the rename is atomic, so the restarted plugin reads the last checkpoint written, whole. This is the
+//!   only case where the checkpoint must be exact, and no fsync is needed for it.
+//! * A power loss is a reboot: the boot id changes, so whatever checkpoint the disk holds is of an earlier
+//!   boot and is not trusted ([`Loaded::OtherBoot`]: its records are re-adopted only when the API server
+//!   says a pod uses the claim and the hardware still has the devices; a missing file, [`Loaded::Missing`],
+//!   is rebuilt the same way from the API server, the CDI specs and the hardware). So after a power loss
+//!   the file only has to be *parseable or absent*, of any age: a torn or empty one would read as
+//!   [`Error::CorruptCheckpoint`] and stop the plugin from serving. The fsync of the temp file before the
+//!   rename guarantees that: the name never points at data that is not on disk.
+//! * The directory is not fsynced after the rename. That fsync only makes the rename itself durable, i.e.
+//!   decides whether a power loss brings back the old file or the new one; both are of the old boot.
 
 use std::{
     collections::BTreeMap,
@@ -28,7 +41,7 @@ use sha2::{Digest, Sha256};
 use tessera_api::MigPlacement;
 
 use crate::{
-    cdi::write_atomically,
+    cdi::{Durability, write_atomically},
     error::{Error, Result},
 };
 
@@ -247,7 +260,8 @@ impl CheckpointStore {
         })
     }
 
-    /// Writes the checkpoint atomically.
+    /// Writes the checkpoint atomically, whole after a power loss (see the module comment for why that is
+    /// the durability it needs).
     pub fn save(&self, checkpoint: &Checkpoint) -> Result<()> {
         let err = |source| Error::WriteCheckpoint {
             path: self.path.clone(),
@@ -264,7 +278,7 @@ impl CheckpointStore {
             fs::create_dir_all(dir).map_err(err)?;
         }
         let tmp = self.path.with_extension("json.tmp");
-        write_atomically(&tmp, &self.path, &bytes).map_err(err)
+        write_atomically(&tmp, &self.path, &bytes, Durability::WholeAfterPowerLoss).map_err(err)
     }
 }
 

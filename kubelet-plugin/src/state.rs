@@ -7,23 +7,33 @@
 //!  get claim (ClaimSource) ─▶ check UID ─▶ plan every device (no side effects: bad input writes nothing)
 //!        ▼
 //!  lock the claim's GPUs (per GPU, in index order) ─▶ checkpoint PrepareStarted(planned devices)
-//!        ▼
+//!        ▼                                               (skipped when every device is a whole GPU)
 //!  per device: DevicePreparer::prepare (off the async runtime) ─▶ write CDI spec ─▶ PrepareCompleted
 //!        └─ any failure: undo the devices done so far, remove the spec and the record, report the error
 //! ```
+//!
+//! The `PrepareStarted` record exists so that a crash in the middle leaves a note of what to undo on the
+//! hardware. A whole GPU changes nothing that needs undoing (its preparer may turn an idle GPU out of MIG
+//! mode, which is what a whole GPU wants anyway, and its unprepare is a no-op), so a claim of whole GPUs
+//! only is written once, as `PrepareCompleted`. A crash before that write leaves at most a CDI spec without
+//! a record, and start-up removes every spec no record owns ([`NodeState::recover`] on a checkpoint of this
+//! boot; after the API server answered otherwise); kubelet, which got no answer, prepares the claim again.
 //!
 //! Devices dispatch by [`DeviceKind`] to a [`DevicePreparer`]. This module prepares whole GPUs
 //! ([`WholeGpuPreparer`]); MIG and shared devices are rejected with [`ClaimError::NotSupported`] until their
 //! preparers are registered with [`NodeState::with_preparer`].
 //!
 //! Concurrency: claims on different GPUs prepare in parallel; only claims sharing a GPU wait for each
-//! other. The checkpoint is one file, so its writes are serialized, but they are short (a few KiB and two
-//! fsyncs) and never wait on hardware.
+//! other. The checkpoint is one file; its writes (a few KiB and one fsync) run on blocking threads and are
+//! group-committed, so concurrent prepares share one write instead of queueing for one each
+//! ([`journal`]).
 
+mod journal;
 mod recovery;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    io,
     path::PathBuf,
     sync::{Arc, Mutex as SyncMutex},
     time::Duration,
@@ -41,6 +51,7 @@ use crate::{
     error::{ClaimError, Error, Result},
     gpu::GpuBackend,
 };
+use journal::{Change, Journal};
 use recovery::{ClaimUse, claim_key, claim_use};
 
 /// A claim as kubelet names it.
@@ -209,8 +220,8 @@ pub struct NodeState {
     gpu_locks: BTreeMap<u32, Arc<Mutex<()>>>,
     preparers: BTreeMap<DeviceKind, Arc<dyn DevicePreparer>>,
     cdi: CdiDir,
-    store: CheckpointStore,
-    checkpoint: SyncMutex<Checkpoint>,
+    /// The checkpoint file and its version on disk (what every read sees).
+    journal: Arc<Journal>,
     /// Set while the checkpoint on disk is corrupted: every prepare and unprepare is refused with it.
     refused: SyncMutex<Option<Refusal>>,
     /// Recovery that needs the API server before anything may be cleaned (see [`Pending`]).
@@ -330,11 +341,13 @@ impl NodeState {
             gpu_locks,
             preparers,
             cdi: CdiDir::new(config.cdi_dir),
-            store: CheckpointStore::new(&config.state_dir),
-            checkpoint: SyncMutex::new(Checkpoint {
-                boot_id: config.boot_id,
-                claims: BTreeMap::new(),
-            }),
+            journal: Arc::new(Journal::new(
+                CheckpointStore::new(&config.state_dir),
+                Checkpoint {
+                    boot_id: config.boot_id,
+                    claims: BTreeMap::new(),
+                },
+            )),
             refused: SyncMutex::new(None),
             pending: SyncMutex::new(Pending::default()),
             sweeps: Vec::new(),
@@ -394,10 +407,10 @@ impl NodeState {
     /// * A corrupted checkpoint is kept, and every prepare and unprepare is refused with an error naming it
     ///   and the fix, so kubelet shows that instead of "driver not registered"; nothing on the node changes.
     pub fn recover(&self) -> Result<Recovery> {
-        let boot_id = self.lock_checkpoint().boot_id.clone();
+        let boot_id = self.journal.read().boot_id.clone();
         let mut recovery = Recovery::default();
         let mut pending = Pending::default();
-        let mut checkpoint = match self.store.load(&boot_id) {
+        let mut checkpoint = match self.journal.store().load(&boot_id) {
             Ok(Loaded::Missing) => {
                 pending.adopt = true;
                 Checkpoint {
@@ -408,7 +421,7 @@ impl NodeState {
             Ok(Loaded::Current(cp)) => cp,
             Ok(Loaded::OtherBoot(old)) => {
                 warn!(
-                    path = %self.store.path().display(), old_boot_id = %old.boot_id, claims = old.claims.len(),
+                    path = %self.journal.store().path().display(), old_boot_id = %old.boot_id, claims = old.claims.len(),
                     "the checkpoint is of an earlier boot: keeping only the claims running pods still use \
                      and whose devices are still there"
                 );
@@ -479,8 +492,7 @@ impl NodeState {
             .values()
             .filter(|r| r.phase == Phase::PrepareCompleted)
             .count();
-        self.store.save(&checkpoint)?;
-        *self.lock_checkpoint() = checkpoint;
+        self.journal.replace(checkpoint)?;
         *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = pending;
         *self.refused.lock().unwrap_or_else(|e| e.into_inner()) = None;
         *self.problems.lock().unwrap_or_else(|e| e.into_inner()) = recovery.problems();
@@ -635,9 +647,9 @@ impl NodeState {
                     "cannot re-adopt an in-use claim's devices; its pod keeps what it has, but they are released"),
             }
         }
-        self.store.save(&checkpoint)?;
+        // The re-adopted records are on disk before the sweep removes what no record owns.
+        self.journal.replace(checkpoint.clone())?;
         self.sweep_unowned(&checkpoint, recovery)?;
-        *self.lock_checkpoint() = checkpoint;
         Ok(())
     }
 
@@ -766,11 +778,12 @@ impl NodeState {
 
     fn mark_failed(&self, uid: &str, reason: String) {
         error!(claim = %uid, error = %reason, "failed to roll back a claim; keeping its record and retrying later");
-        if let Err(e) = self.update_checkpoint(|cp| {
-            if let Some(r) = cp.claims.get_mut(uid) {
-                r.recovery_error = Some(reason);
-            }
-        }) {
+        // Rare (a failed rollback), so written in place, on whatever thread failed.
+        let change = Change::MarkFailed {
+            uid: uid.to_string(),
+            reason,
+        };
+        if let Err(e) = self.journal.commit(change) {
             warn!(claim = %uid, error = %e, "could not record a failed rollback");
         }
     }
@@ -801,9 +814,7 @@ impl NodeState {
                 device: "(rollback)".into(),
                 reason: e.to_string(),
             })??;
-        self.update_checkpoint(|cp| {
-            cp.claims.remove(&record.uid);
-        })?;
+        self.commit(Change::Remove(record.uid.clone())).await?;
         Ok(())
     }
 
@@ -853,7 +864,7 @@ impl NodeState {
 
     /// A copy of the in-memory checkpoint.
     pub fn checkpoint(&self) -> Checkpoint {
-        self.lock_checkpoint().clone()
+        self.journal.read().clone()
     }
 
     /// Prepares a batch of claims concurrently; every claim gets its own result.
@@ -891,9 +902,7 @@ impl NodeState {
             // A failed attempt whose own rollback failed: undo it before trying again.
             self.undo_blocking(&stale, stale.devices.len()).await?;
             self.cdi.remove(&claim.uid)?;
-            self.update_checkpoint(|cp| {
-                cp.claims.remove(&claim.uid);
-            })?;
+            self.commit(Change::Remove(claim.uid.clone())).await?;
         }
 
         let mut record = ClaimRecord {
@@ -904,9 +913,13 @@ impl NodeState {
             devices: planned.iter().map(|p| p.record.clone()).collect(),
             recovery_error: None,
         };
-        self.update_checkpoint(|cp| {
-            cp.claims.insert(claim.uid.clone(), record.clone());
-        })?;
+        // Only hardware changes need the note of what to undo (see the module comment).
+        let two_phase = planned
+            .iter()
+            .any(|p| !matches!(p.record.detail, DeviceDetail::Gpu { .. }));
+        if two_phase {
+            self.commit(Change::Put(record.clone())).await?;
+        }
 
         let mut cdi_devices = Vec::with_capacity(planned.len());
         for (i, p) in planned.iter().enumerate() {
@@ -920,10 +933,7 @@ impl NodeState {
                         record.devices[i].detail = detail;
                         // Ids learned from the hardware (MIG instances) must be on disk before the next
                         // step, or a crash now would leave instances nobody knows to destroy.
-                        let r = record.clone();
-                        if let Err(e) = self.update_checkpoint(|cp| {
-                            cp.claims.insert(claim.uid.clone(), r);
-                        }) {
+                        if two_phase && let Err(e) = self.commit(Change::Put(record.clone())).await {
                             return Err(self.abort(&record, i + 1, e.into()).await);
                         }
                     }
@@ -945,9 +955,7 @@ impl NodeState {
             return Err(self.abort(&record, record.devices.len(), e.into()).await);
         }
         record.phase = Phase::PrepareCompleted;
-        if let Err(e) = self.update_checkpoint(|cp| {
-            cp.claims.insert(claim.uid.clone(), record.clone());
-        }) {
+        if let Err(e) = self.commit(Change::Put(record.clone())).await {
             return Err(self.abort(&record, record.devices.len(), e.into()).await);
         }
         info!(claim = %claim.uid, namespace = %claim.namespace, name = %claim.name,
@@ -971,9 +979,7 @@ impl NodeState {
         };
         self.undo_blocking(&record, record.devices.len()).await?;
         self.cdi.remove(&claim.uid)?;
-        self.update_checkpoint(|cp| {
-            cp.claims.remove(&claim.uid);
-        })?;
+        self.commit(Change::Remove(claim.uid.clone())).await?;
         info!(claim = %claim.uid, namespace = %claim.namespace, name = %claim.name, "unprepared claim");
         Ok(())
     }
@@ -1082,16 +1088,13 @@ impl NodeState {
     /// Undoes the first `done` devices of a failed prepare and drops the record; returns the error to report.
     /// If the undo fails too, the `PrepareStarted` record stays, so the next attempt or start rolls it back.
     async fn abort(self: &Arc<Self>, record: &ClaimRecord, done: usize, error: ClaimError) -> ClaimError {
-        let undone = self
-            .undo_blocking(record, done)
-            .await
-            .and_then(|()| self.cdi.remove(&record.uid).map_err(ClaimError::from))
-            .and_then(|()| {
-                self.update_checkpoint(|cp| {
-                    cp.claims.remove(&record.uid);
-                })
-                .map_err(ClaimError::from)
-            });
+        let undone = async {
+            self.undo_blocking(record, done).await?;
+            self.cdi.remove(&record.uid)?;
+            self.commit(Change::Remove(record.uid.clone())).await?;
+            Ok::<(), ClaimError>(())
+        }
+        .await;
         if let Err(undo) = undone {
             // Marked, so the periodic reconcile retries it even if kubelet never asks for this claim again.
             warn!(claim = %record.uid, error = %undo, "failed to roll back a failed prepare; will retry");
@@ -1181,7 +1184,7 @@ impl NodeState {
     }
 
     fn completed(&self, uid: &str) -> Option<Vec<PreparedDevice>> {
-        let cp = self.lock_checkpoint();
+        let cp = self.journal.read();
         let record = cp
             .claims
             .get(uid)
@@ -1190,23 +1193,22 @@ impl NodeState {
     }
 
     fn record(&self, uid: &str) -> Option<ClaimRecord> {
-        self.lock_checkpoint().claims.get(uid).cloned()
+        self.journal.read().claims.get(uid).cloned()
     }
 
-    /// Applies `change` to a copy of the checkpoint, writes it, and only then makes it the in-memory state,
-    /// so memory never claims more than the disk.
-    fn update_checkpoint(&self, change: impl FnOnce(&mut Checkpoint)) -> Result<()> {
-        let mut current = self.lock_checkpoint();
-        let mut next = current.clone();
-        change(&mut next);
-        self.store.save(&next)?;
-        *current = next;
-        Ok(())
-    }
-
-    fn lock_checkpoint(&self) -> std::sync::MutexGuard<'_, Checkpoint> {
-        // A panic while holding the lock cannot leave the checkpoint half-changed: changes are made on a copy.
-        self.checkpoint.lock().unwrap_or_else(|e| e.into_inner())
+    /// Commits `change` to the checkpoint on a blocking thread (the write waits for an fsync, which must
+    /// not stall the runtime's workers and with them every other gRPC call), together with whatever other
+    /// claims committed meanwhile. Returns once the change is on disk and in memory.
+    async fn commit(&self, change: Change) -> Result<()> {
+        let journal = self.journal.clone();
+        tokio::task::spawn_blocking(move || journal.commit(change))
+            .await
+            .unwrap_or_else(|e| {
+                Err(Error::WriteCheckpoint {
+                    path: self.journal.store().path().to_path_buf(),
+                    source: io::Error::other(format!("the write's thread failed: {e}")),
+                })
+            })
     }
 }
 
