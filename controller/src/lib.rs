@@ -17,6 +17,7 @@ pub mod cel;
 pub mod cli;
 pub mod crds;
 pub mod devices;
+pub mod explain;
 pub mod features;
 pub mod fixtures;
 pub mod leader;

@@ -1,0 +1,178 @@
+//! `kubectl-tessera`: the kubectl plugin (`kubectl tessera explain …` finds it on PATH by its name).
+//! The thin layer: flags, reading the objects (file or API server), printing, the exit code.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use k8s_openapi::api::{
+    core::v1::Pod,
+    resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice},
+};
+use kube::{
+    Api, Client, Config,
+    api::ListParams,
+    config::{KubeConfigOptions, Kubeconfig},
+};
+
+use super::{Cluster, ExplainError, Target, explain, input};
+
+/// What explain leaves out, shown in `--help`.
+pub const NOT_MODELLED: &str = "\
+Scope: each node is evaluated on its own, as the scheduler's filter does: every request alone (with its \
+firstAvailable alternatives in order), then all pending claims of the pod together, with the devices, \
+shared counters (MIG placements) and consumable capacity (shares) that allocated claims already hold. \
+Not modelled: matchAttribute/distinctAttribute constraints (ignored), slices selected by nodeSelector or \
+per-device node selection (only nodeName and allNodes slices count), DeviceTaintRules, binding \
+conditions, claims the scheduler has reserved but not yet written, pods asking for extended resources \
+(nvidia.com/gpu) without a claim, node affinity and every non-DRA scheduling condition. A selector that \
+fails at runtime on a device makes that device not match (the scheduler reports such a claim as an error).";
+
+const EXIT_CODES: &str = "\
+Exit status: 0 when everything fits on some node (or is allocated already), 1 when something does not \
+fit, 2 on errors (object not found, API server unreachable, malformed file).";
+
+/// tessera's kubectl plugin.
+#[derive(Debug, Parser)]
+#[command(name = "kubectl-tessera", version, after_help = EXIT_CODES)]
+pub struct Args {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Why a pod, claim or template does (not) fit: per request and node, the closest devices and the
+    /// first condition each fails.
+    #[command(after_help = format!("{NOT_MODELLED}\n\n{EXIT_CODES}"))]
+    Explain(ExplainArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExplainArgs {
+    /// pod/NAME, claim/NAME or template/NAME.
+    pub target: String,
+    /// Namespace of the target; the kubeconfig context's (or `default`) when absent.
+    #[arg(short = 'n', long)]
+    pub namespace: Option<String>,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value = "text")]
+    pub output: Output,
+    /// Read DeviceClasses, ResourceSlices, ResourceClaims, Pods and ResourceClaimTemplates from this JSON
+    /// or YAML List instead of the API server.
+    #[arg(long)]
+    pub from_file: Option<PathBuf>,
+    /// Kubeconfig file (as kubectl: KUBECONFIG, then ~/.kube/config, then in-cluster).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+fn cluster_error(e: impl std::fmt::Display) -> ExplainError {
+    ExplainError::Cluster {
+        message: e.to_string(),
+    }
+}
+
+async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, ExplainError> {
+    let config = match kubeconfig {
+        Some(path) => {
+            // KUBECONFIG may list several files; kubectl merges them, the first one is enough here.
+            let first = std::env::split_paths(path)
+                .next()
+                .unwrap_or_else(|| path.to_path_buf());
+            let kc = Kubeconfig::read_from(&first)
+                .map_err(|e| cluster_error(format!("failed to read kubeconfig {}: {e}", first.display())))?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .map_err(cluster_error)?
+        }
+        None => Config::infer().await.map_err(cluster_error)?,
+    };
+    Client::try_from(config).map_err(cluster_error)
+}
+
+async fn list<K>(api: Api<K>) -> Result<Vec<K>, ExplainError>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    Ok(api
+        .list(&ListParams::default())
+        .await
+        .map_err(cluster_error)?
+        .items)
+}
+
+/// Reads what explaining `target` needs from the API server.
+async fn from_cluster(client: Client, target: &Target) -> Result<Cluster, ExplainError> {
+    let namespace = match target {
+        Target::Pod { namespace, .. }
+        | Target::Claim { namespace, .. }
+        | Target::Template { namespace, .. } => namespace.clone(),
+    };
+    let mut cluster = Cluster {
+        classes: list(Api::<DeviceClass>::all(client.clone())).await?,
+        slices: list(Api::<ResourceSlice>::all(client.clone())).await?,
+        // Every namespace: other namespaces' allocations hold devices too.
+        claims: list(Api::<ResourceClaim>::all(client.clone())).await?,
+        templates: list(Api::<ResourceClaimTemplate>::namespaced(
+            client.clone(),
+            &namespace,
+        ))
+        .await?,
+        pods: Vec::new(),
+    };
+    if let Target::Pod { name, .. } = target {
+        let pods: Api<Pod> = Api::namespaced(client, &namespace);
+        if let Some(pod) = pods.get_opt(name).await.map_err(cluster_error)? {
+            cluster.pods.push(pod);
+        }
+    }
+    Ok(cluster)
+}
+
+/// Runs explain; returns the exit status (0 fits, 1 does not fit, 2 error), having printed the answer.
+pub async fn run(args: Args) -> u8 {
+    match run_inner(args).await {
+        Ok(true) => 0,
+        Ok(false) => 1,
+        Err(e) => {
+            eprintln!("error: {e}");
+            2
+        }
+    }
+}
+
+async fn run_inner(args: Args) -> Result<bool, ExplainError> {
+    let Command::Explain(args) = args.command;
+    let (cluster, target) = match &args.from_file {
+        Some(path) => {
+            let cluster = input::read(path)?;
+            let target = Target::parse(&args.target, args.namespace.as_deref().unwrap_or("default"))?;
+            (cluster, target)
+        }
+        None => {
+            let client = client(args.kubeconfig.as_deref()).await?;
+            let namespace = args
+                .namespace
+                .clone()
+                .unwrap_or_else(|| client.default_namespace().to_string());
+            let target = Target::parse(&args.target, &namespace)?;
+            (from_cluster(client, &target).await?, target)
+        }
+    };
+    let report = explain(&cluster, &target)?;
+    match args.output {
+        Output::Text => print!("{}", report.to_text()),
+        Output::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&report)
+                .expect("a report serializes: it holds only strings and bools")
+        ),
+    }
+    Ok(report.fits)
+}

@@ -1,0 +1,668 @@
+//! `tessera explain`: why a pod, claim or template does (not) fit, evaluated the way kube-scheduler's
+//! structured allocator evaluates it, with the first condition each device fails.
+//!
+//! ```text
+//!  [ List file | API server ] ──▶ Cluster ──▶ targets (pod → its pending claims; claim; template)
+//!                                    │
+//!                                    ▼ per node: model (pools, counters left, who holds what)
+//!              per request: static checks per device ─▶ diagnosis, closest devices
+//!              all requests together: the allocator's exhaustive search ─▶ verdict per node
+//! ```
+//!
+//! Everything here is plain Rust over k8s-openapi types; [`cli`] is the thin kube layer. What is not
+//! modelled is listed in the binary's `--help` ([`cli::NOT_MODELLED`]).
+
+pub mod cli;
+pub mod eval;
+pub mod input;
+pub mod model;
+pub mod report;
+pub mod request;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::{
+    core::v1::Pod,
+    resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice},
+};
+
+use self::{
+    eval::{Candidates, Failure, Outcome, Search, Selectors},
+    model::{AllocatedState, NodeModel, claim_key},
+    report::{AlternativeNode, ClaimReport, DeviceNote, NodeVerdict, Report, RequestNode, RequestReport},
+    request::{Alternative, ClaimInput},
+};
+use crate::cel::Quantity;
+
+/// Why explain could not answer. Each message names the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ExplainError {
+    #[error("{kind} {namespace}/{name} not found{hint}")]
+    NotFound {
+        kind: &'static str,
+        namespace: String,
+        name: String,
+        hint: String,
+    },
+    #[error("{given:?} is not a target: give pod/NAME, claim/NAME or template/NAME")]
+    BadTarget { given: String },
+    #[error("cannot read {path}: {message}")]
+    File { path: String, message: String },
+    #[error(
+        "cannot reach the API server: {message}; set KUBECONFIG or pass --kubeconfig, or explain offline with --from-file"
+    )]
+    Cluster { message: String },
+    #[error("{claim}: request {field}: {message}")]
+    BadRequest {
+        claim: String,
+        field: String,
+        message: String,
+    },
+}
+
+/// The objects explain reads.
+#[derive(Clone, Debug, Default)]
+pub struct Cluster {
+    pub classes: Vec<DeviceClass>,
+    pub slices: Vec<ResourceSlice>,
+    pub claims: Vec<ResourceClaim>,
+    pub pods: Vec<Pod>,
+    pub templates: Vec<ResourceClaimTemplate>,
+}
+
+/// What to explain.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Target {
+    Pod { namespace: String, name: String },
+    Claim { namespace: String, name: String },
+    Template { namespace: String, name: String },
+}
+
+impl Target {
+    /// `pod/NAME`, `claim/NAME`, `template/NAME` (or the long kind names kubectl accepts).
+    pub fn parse(given: &str, namespace: &str) -> Result<Self, ExplainError> {
+        let bad = || ExplainError::BadTarget {
+            given: given.to_string(),
+        };
+        let (kind, name) = given.split_once('/').ok_or_else(bad)?;
+        if name.is_empty() || name.contains('/') {
+            return Err(bad());
+        }
+        let (namespace, name) = (namespace.to_string(), name.to_string());
+        Ok(match kind.to_ascii_lowercase().as_str() {
+            "pod" | "pods" | "po" => Self::Pod { namespace, name },
+            "claim" | "resourceclaim" | "resourceclaims" => Self::Claim { namespace, name },
+            "template" | "resourceclaimtemplate" | "resourceclaimtemplates" => {
+                Self::Template { namespace, name }
+            }
+            _ => return Err(bad()),
+        })
+    }
+
+    pub fn label(&self) -> String {
+        match self {
+            Self::Pod { namespace, name } => format!("pod {namespace}/{name}"),
+            Self::Claim { namespace, name } => format!("claim {namespace}/{name}"),
+            Self::Template { namespace, name } => format!("template {namespace}/{name}"),
+        }
+    }
+}
+
+fn ns_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> &str {
+    meta.namespace.as_deref().unwrap_or("default")
+}
+
+fn find<'c, T: k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>>(
+    items: &'c [T],
+    namespace: &str,
+    name: &str,
+) -> Option<&'c T> {
+    items
+        .iter()
+        .find(|i| ns_of(i.metadata()) == namespace && i.metadata().name.as_deref() == Some(name))
+}
+
+/// A claim to show: pending ones are evaluated, allocated ones only reported.
+struct Resolved {
+    pending: Vec<ClaimInput>,
+    allocated: Vec<(String, String)>,
+    /// Claims (namespace/name) whose own allocation must not count against them.
+    exclude: BTreeSet<String>,
+}
+
+fn allocated_on(claim: &ResourceClaim) -> Option<String> {
+    let alloc = claim.status.as_ref()?.allocation.as_ref()?;
+    let devices: Vec<String> = alloc
+        .devices
+        .iter()
+        .flat_map(|d| d.results.iter().flatten())
+        .map(|r| format!("{}/{}", r.pool, r.device))
+        .collect();
+    Some(devices.join(", "))
+}
+
+fn resolve(cluster: &Cluster, target: &Target) -> Result<Resolved, ExplainError> {
+    let mut out = Resolved {
+        pending: Vec::new(),
+        allocated: Vec::new(),
+        exclude: BTreeSet::new(),
+    };
+    let add_claim = |out: &mut Resolved, claim: &ResourceClaim| -> Result<(), ExplainError> {
+        let key = claim_key(claim);
+        out.exclude.insert(key.clone());
+        match allocated_on(claim) {
+            Some(devices) => out.allocated.push((format!("claim {key}"), devices)),
+            None => out.pending.push(ClaimInput::from_spec(
+                format!("claim {key}"),
+                claim.spec.as_ref(),
+            )?),
+        }
+        Ok(())
+    };
+    let not_found = |kind, namespace: &str, name: &str, hint: &str| ExplainError::NotFound {
+        kind,
+        namespace: namespace.to_string(),
+        name: name.to_string(),
+        hint: hint.to_string(),
+    };
+    match target {
+        Target::Claim { namespace, name } => {
+            let claim = find(&cluster.claims, namespace, name).ok_or_else(|| {
+                not_found(
+                    "ResourceClaim",
+                    namespace,
+                    name,
+                    "; check the name and -n NAMESPACE",
+                )
+            })?;
+            add_claim(&mut out, claim)?;
+        }
+        Target::Template { namespace, name } => {
+            let t = find(&cluster.templates, namespace, name).ok_or_else(|| {
+                not_found(
+                    "ResourceClaimTemplate",
+                    namespace,
+                    name,
+                    "; check the name and -n NAMESPACE",
+                )
+            })?;
+            out.pending.push(ClaimInput::from_spec(
+                format!("template {namespace}/{name}"),
+                t.spec.as_ref().and_then(|s| s.spec.as_ref()),
+            )?);
+        }
+        Target::Pod { namespace, name } => {
+            let pod = find(&cluster.pods, namespace, name)
+                .ok_or_else(|| not_found("Pod", namespace, name, "; check the name and -n NAMESPACE"))?;
+            let statuses = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.resource_claim_statuses.as_ref());
+            let spec_claims = pod.spec.as_ref().and_then(|s| s.resource_claims.as_ref());
+            for pc in spec_claims.into_iter().flatten() {
+                let generated = statuses
+                    .into_iter()
+                    .flatten()
+                    .find(|s| s.name == pc.name)
+                    .and_then(|s| s.resource_claim_name.clone());
+                if let Some(claim_name) = pc.resource_claim_name.clone().or(generated) {
+                    let claim = find(&cluster.claims, namespace, &claim_name).ok_or_else(|| {
+                        not_found(
+                            "ResourceClaim",
+                            namespace,
+                            &claim_name,
+                            &format!(" (pod {name} names it as {:?})", pc.name),
+                        )
+                    })?;
+                    add_claim(&mut out, claim)?;
+                } else if let Some(t_name) = &pc.resource_claim_template_name {
+                    // Not generated yet: the claim will be the template's.
+                    let t = find(&cluster.templates, namespace, t_name).ok_or_else(|| {
+                        not_found(
+                            "ResourceClaimTemplate",
+                            namespace,
+                            t_name,
+                            &format!(" (pod {name} names it as {:?})", pc.name),
+                        )
+                    })?;
+                    out.pending.push(ClaimInput::from_spec(
+                        format!("template {namespace}/{t_name} (pod claim {})", pc.name),
+                        t.spec.as_ref().and_then(|s| s.spec.as_ref()),
+                    )?);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn asks(alt: &Alternative) -> String {
+    let mut s = alt.class.clone();
+    if alt.all {
+        s.push_str(", all matching devices");
+    } else {
+        let _ = std::fmt::Write::write_fmt(
+            &mut s,
+            format_args!(", {} device{}", alt.count, if alt.count == 1 { "" } else { "s" }),
+        );
+    }
+    for (name, q) in &alt.capacity {
+        let _ = std::fmt::Write::write_fmt(&mut s, format_args!(", {name} {q}"));
+    }
+    s
+}
+
+/// Per device on one node: `None` when free for the request, else its first failed condition.
+type Diagnosis = Vec<(usize, Option<Failure>)>;
+
+fn closest_order(model: &NodeModel<'_>, diag: &Diagnosis) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..diag.len()).collect();
+    let rank = |i: &usize| -> (u8, Quantity) {
+        match &diag[*i].1 {
+            None => (u8::MAX, Quantity::from_int(0)),
+            Some(f @ Failure::CapacityOver { offered, .. }) => (f.stage(), *offered),
+            Some(f @ Failure::CapacityLeft { left, .. }) => (f.stage(), *left),
+            Some(f) => (f.stage(), Quantity::from_int(0)),
+        }
+    };
+    order.sort_by(|a, b| {
+        rank(b).cmp(&rank(a)).then(
+            model.devices[diag[*a].0]
+                .name()
+                .cmp(model.devices[diag[*b].0].name()),
+        )
+    });
+    order
+}
+
+fn profile_of(model: &NodeModel<'_>, d: usize) -> Option<String> {
+    let dev = &model.devices[d];
+    let attrs = dev.device.attributes.as_ref()?;
+    let a = attrs
+        .get("profile")
+        .or_else(|| attrs.get(&format!("{}/profile", dev.id.0)))?;
+    a.string.clone()
+}
+
+/// The node-level reason an alternative does not fit, from its diagnosis.
+fn alternative_reason(
+    model: &NodeModel<'_>,
+    alt: &Alternative,
+    class_found: bool,
+    diag: &Diagnosis,
+    outcome: Outcome,
+) -> String {
+    if !class_found {
+        return format!("DeviceClass {} does not exist", alt.class);
+    }
+    if outcome == Outcome::Undecided {
+        return "undecided: the search gave up (too many combinations); the scheduler may still find one"
+            .into();
+    }
+    let free = diag.iter().filter(|(_, f)| f.is_none()).count();
+    let blocked: Vec<&(usize, Option<Failure>)> = diag.iter().filter(|(_, f)| f.is_some()).collect();
+    let best_stage = blocked
+        .iter()
+        .filter_map(|(_, f)| f.as_ref().map(Failure::stage))
+        .max();
+    let order = closest_order(model, diag);
+    let closest_failure = order
+        .iter()
+        .find_map(|i| diag[*i].1.as_ref().map(|f| (diag[*i].0, f)));
+    if alt.all {
+        if best_stage.is_none_or(|s| s < 3) && free == 0 {
+            return format!(
+                "allocationMode All: no device of class {} matches here",
+                alt.class
+            );
+        }
+        return match closest_failure {
+            Some((d, f)) => format!(
+                "allocationMode All needs every matching device; {}: {f}",
+                model.devices[d].name()
+            ),
+            None => "allocationMode All: the matching devices exclude each other".into(),
+        };
+    }
+    if free >= alt.count {
+        return format!(
+            "{free} matching devices are free one at a time, but no {} of them fit together (they share counters or capacity)",
+            alt.count
+        );
+    }
+    let grouped = match (best_stage, closest_failure) {
+        (None, _) | (_, None) => format!(
+            "no device on this node (0 of {} published here)",
+            model.devices.len()
+        ),
+        (Some(0), _) => format!("no device of class {} on this node", alt.class),
+        (Some(_), Some((d, f))) => match f {
+            Failure::CapacityOver {
+                name,
+                requested,
+                offered,
+            } => format!(
+                "no device offers {name} {requested}; the largest is {offered} ({})",
+                model.devices[d].name()
+            ),
+            Failure::Tainted { taint } => {
+                let n = blocked
+                    .iter()
+                    .filter(|(_, f)| f.as_ref().is_some_and(|f| f.stage() == 4))
+                    .count();
+                format!("all {n} matching devices are tainted: {taint}, not tolerated")
+            }
+            f if f.stage() == 5 => {
+                let at5: Vec<usize> = blocked
+                    .iter()
+                    .filter(|(_, f)| f.as_ref().is_some_and(|f| f.stage() == 5))
+                    .map(|(d, _)| *d)
+                    .collect();
+                let mut holders = BTreeSet::new();
+                for (_, f) in &blocked {
+                    if let Some(f) = f {
+                        holders.extend(f.holders().iter().cloned());
+                    }
+                }
+                let holders: Vec<String> = holders.into_iter().collect();
+                let profiles: BTreeSet<Option<String>> = at5.iter().map(|d| profile_of(model, *d)).collect();
+                let who = if holders.is_empty() {
+                    "other claims".to_string()
+                } else {
+                    format!("claims {}", holders.join(", "))
+                };
+                match (profiles.len(), profiles.iter().next()) {
+                    (1, Some(Some(p))) => {
+                        format!("profile {p}: all {} placements in use by {who}", at5.len())
+                    }
+                    _ if matches!(f, Failure::CapacityLeft { .. }) => {
+                        format!("{f} (closest: {})", model.devices[d].name())
+                    }
+                    _ => format!("all {} matching devices are in use by {who}", at5.len()),
+                }
+            }
+            f => format!("{} (closest: {})", f, model.devices[d].name()),
+        },
+    };
+    if free > 0 {
+        format!(
+            "count {} > {free} free matching devices; the rest: {grouped}",
+            alt.count
+        )
+    } else {
+        grouped
+    }
+}
+
+fn diagnose<'a>(
+    selectors: &mut Selectors<'_>,
+    model: &NodeModel<'a>,
+    state: &AllocatedState,
+    alt: &Alternative,
+) -> (Diagnosis, Candidates) {
+    let probe = Search::new(model, state, 1, Vec::new());
+    let mut diag = Vec::new();
+    let mut cands = Candidates {
+        devices: Vec::new(),
+        all: Vec::new(),
+        all_blocked: false,
+    };
+    for d in 0..model.devices.len() {
+        let dev = &model.devices[d];
+        match selectors.static_check(alt, dev) {
+            Ok(()) => {
+                cands.devices.push(d);
+                cands.all.push(d);
+                diag.push((d, probe.check(alt, d).err()));
+            }
+            Err(f) => {
+                // `All` counts every device matching the selectors and the static capacity; a taint then
+                // makes the whole request fail rather than leaving the device out.
+                if matches!(f, Failure::Tainted { .. }) {
+                    cands.all.push(d);
+                    cands.all_blocked = true;
+                }
+                diag.push((d, Some(f)));
+            }
+        }
+    }
+    (diag, cands)
+}
+
+/// Explains `target` against `cluster`.
+pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainError> {
+    let resolved = resolve(cluster, target)?;
+    let state = AllocatedState::from_claims(&cluster.claims, &resolved.exclude);
+    let mut selectors = Selectors::new(&cluster.classes);
+    let nodes = model::node_names(&cluster.slices);
+    let models: Vec<NodeModel<'_>> = nodes
+        .iter()
+        .map(|n| NodeModel::build(n, &cluster.slices, &state))
+        .collect();
+    let tessera_only = cluster
+        .slices
+        .iter()
+        .all(|s| s.spec.driver == tessera_api::DRIVER_NAME);
+
+    let mut claims_out: Vec<ClaimReport> = resolved
+        .allocated
+        .iter()
+        .map(|(label, devices)| ClaimReport {
+            claim: label.clone(),
+            allocated: Some(devices.clone()),
+            requests: Vec::new(),
+        })
+        .collect();
+    let mut node_verdicts = Vec::new();
+    // Per claim, request, node: the per-alternative diagnoses (for the summary).
+    let mut request_reports: Vec<Vec<RequestReport>> = Vec::new();
+    // Per (claim, request): the largest amount any device offers of the capacity it lacks, and where.
+    let mut best_capacity: BTreeMap<(usize, usize), (Quantity, String, String)> = BTreeMap::new();
+
+    for (ci, claim) in resolved.pending.iter().enumerate() {
+        let mut reqs = Vec::new();
+        for (ri, req) in claim.requests.iter().enumerate() {
+            let mut per_node = Vec::new();
+            for model in &models {
+                let mut alts_out = Vec::new();
+                let mut fits_node = false;
+                for alt in &req.alternatives {
+                    let class_found = selectors.class(&alt.class).is_some();
+                    let (diag, cands) = diagnose(&mut selectors, model, &state, alt);
+                    for (d, f) in &diag {
+                        if let Some(Failure::CapacityOver {
+                            name,
+                            requested,
+                            offered,
+                        }) = f
+                        {
+                            let better = best_capacity
+                                .get(&(ci, ri))
+                                .is_none_or(|e| offered.compare(&e.0).is_gt());
+                            if better {
+                                best_capacity.insert(
+                                    (ci, ri),
+                                    (
+                                        *offered,
+                                        format!("{} on {}", model.devices[*d].name(), model.name),
+                                        format!("{name} {requested}"),
+                                    ),
+                                );
+                            }
+                        }
+                    }
+                    let outcome = if class_found {
+                        Search::new(model, &state, 1, vec![(0, vec![(alt, cands)])]).run()
+                    } else {
+                        Outcome::DoesNotFit
+                    };
+                    let fits = outcome == Outcome::Fits;
+                    fits_node |= fits;
+                    let order = closest_order(model, &diag);
+                    let closest = order
+                        .iter()
+                        .take(3)
+                        .map(|i| DeviceNote {
+                            device: model.devices[diag[*i].0].name().to_string(),
+                            free: diag[*i].1.is_none(),
+                            reason: diag[*i].1.as_ref().map(ToString::to_string),
+                        })
+                        .collect();
+                    alts_out.push(AlternativeNode {
+                        name: alt.name.clone(),
+                        asks: asks(alt),
+                        fits,
+                        reason: (!fits).then(|| alternative_reason(model, alt, class_found, &diag, outcome)),
+                        closest,
+                    });
+                }
+                per_node.push(RequestNode {
+                    node: model.name.clone(),
+                    fits: fits_node,
+                    alternatives: alts_out,
+                });
+            }
+            let fit_nodes: Vec<&str> = per_node
+                .iter()
+                .filter(|n| n.fits)
+                .map(|n| n.node.as_str())
+                .collect();
+            let summary = if !fit_nodes.is_empty() {
+                format!("fits on {}", fit_nodes.join(", "))
+            } else if let Some((offered, device, asked)) = best_capacity
+                .get(&(ci, ri))
+                .filter(|_| request_stuck_at_capacity(&per_node))
+            {
+                let who = if tessera_only { "tessera device" } else { "device" };
+                format!("no {who} offers {asked}; the largest is {offered} ({device})")
+            } else if per_node.is_empty() {
+                "no node publishes devices".to_string()
+            } else {
+                let first = per_node
+                    .iter()
+                    .flat_map(|n| n.alternatives.iter().map(move |a| (n, a)))
+                    .find_map(|(n, a)| a.reason.as_ref().map(|r| (n, a, r)));
+                match first {
+                    Some((n, a, r)) if req.first_available => format!("{}: {} ({})", n.node, r, a.name),
+                    Some((n, _, r)) => format!("{}: {r}", n.node),
+                    None => "does not fit".to_string(),
+                }
+            };
+            reqs.push(RequestReport {
+                name: req.name.clone(),
+                fits: !fit_nodes.is_empty(),
+                summary,
+                nodes: per_node,
+            });
+        }
+        request_reports.push(reqs);
+    }
+
+    // All pending claims' requests together, per node.
+    for model in &models {
+        let mut requests = Vec::new();
+        for (ci, claim) in resolved.pending.iter().enumerate() {
+            for req in &claim.requests {
+                let alts = req
+                    .alternatives
+                    .iter()
+                    .map(|alt| (alt, diagnose(&mut selectors, model, &state, alt).1))
+                    .collect();
+                requests.push((ci, alts));
+            }
+        }
+        let any_missing_class = resolved
+            .pending
+            .iter()
+            .flat_map(|c| c.requests.iter().flat_map(|r| r.alternatives.iter()))
+            .any(|a| selectors.class(&a.class).is_none());
+        let outcome = if any_missing_class {
+            Outcome::DoesNotFit
+        } else {
+            Search::new(model, &state, resolved.pending.len(), requests).run()
+        };
+        node_verdicts.push(NodeVerdict {
+            node: model.name.clone(),
+            fits: outcome == Outcome::Fits,
+            undecided: outcome == Outcome::Undecided,
+            reason: None,
+        });
+    }
+    for (ni, v) in node_verdicts.iter_mut().enumerate() {
+        if v.fits {
+            continue;
+        }
+        let failing: Vec<String> = request_reports
+            .iter()
+            .flatten()
+            .filter(|r| !r.nodes[ni].fits)
+            .map(|r| r.name.clone())
+            .collect();
+        v.reason = Some(if v.undecided {
+            "undecided: the search gave up (too many combinations)".into()
+        } else if failing.is_empty() {
+            "each request fits alone, but not all together".into()
+        } else {
+            format!("request {} does not fit", failing.join(", "))
+        });
+    }
+
+    let label = target.label();
+    let pending = !resolved.pending.is_empty();
+    let fit_nodes: Vec<&str> = node_verdicts
+        .iter()
+        .filter(|n| n.fits)
+        .map(|n| n.node.as_str())
+        .collect();
+    let fits = !pending || !fit_nodes.is_empty();
+    let summary = if !pending {
+        format!("{label}: every claim is allocated already")
+    } else if fits {
+        format!("{label} fits on {}", fit_nodes.join(", "))
+    } else {
+        let why = request_reports
+            .iter()
+            .zip(&resolved.pending)
+            .flat_map(|(rs, c)| rs.iter().map(move |r| (r, c)))
+            .find(|(r, _)| !r.fits)
+            .map(|(r, c)| {
+                let claim = if resolved.pending.len() > 1 {
+                    format!("{} ", c.label)
+                } else {
+                    String::new()
+                };
+                format!("{claim}request {}: {}", r.name, r.summary)
+            })
+            .unwrap_or_else(|| "each request fits alone, but not all together on one node".into());
+        format!(
+            "{label} does not fit on any of {} node{}: {why}",
+            models.len(),
+            if models.len() == 1 { "" } else { "s" }
+        )
+    };
+    for (claim, reqs) in resolved.pending.iter().zip(request_reports) {
+        claims_out.push(ClaimReport {
+            claim: claim.label.clone(),
+            allocated: None,
+            requests: reqs,
+        });
+    }
+    Ok(Report {
+        target: label,
+        fits,
+        summary,
+        nodes: node_verdicts,
+        claims: claims_out,
+    })
+}
+
+/// Whether, on every node and for every alternative, capacity was the furthest any device got.
+fn request_stuck_at_capacity(nodes: &[RequestNode]) -> bool {
+    nodes.iter().all(|n| {
+        n.alternatives.iter().all(|a| {
+            a.reason
+                .as_deref()
+                .is_some_and(|r| r.starts_with("no device offers"))
+        })
+    })
+}
