@@ -4,19 +4,32 @@
 //! hardware state (MIG mode, GPU and compute instances, compute mode, time-slice, running processes) lives in
 //! `<state dir>/simulated-gpus.json`. Every operation takes an exclusive `flock` on
 //! `<state dir>/simulated-gpus.lock`, re-reads the state file, applies the NVML rules of `gpu-mig-mps.md`
-//! 3.8, and on change writes the file atomically (temp file, fsync, rename, fsync of the directory). So the
-//! state survives a plugin restart or SIGKILL the way hardware does, several processes (a plugin and a test
-//! harness) see one consistent GPU, and a crash between two calls leaves the same half-done state a real GPU
-//! would.
+//! 3.8, and on change writes the file atomically (temp file, fsync of it, rename). So the state survives a
+//! plugin restart or SIGKILL the way hardware does, several processes (a plugin and a test harness) see one
+//! consistent GPU, and a crash between two calls leaves the same half-done state a real GPU would.
+//!
+//! Durability is the hardware's, no more: a process crash keeps the page cache, so the renamed file is
+//! there for the next process without any sync. The fsync of the temp file is for a power loss only, so
+//! that the file is whole (an older version or the newer one) and the next start does not stop at a torn
+//! file; the directory is not fsynced, because which version comes back after a power loss does not matter
+//! to hardware whose MIG instances a reboot erases anyway (the plugin's checkpoint of the old boot is not
+//! trusted either, see [`crate::checkpoint`]).
 //!
 //! The state file is also the e2e interface: a harness may add a PID to `processes` of a GPU or compute
 //! instance (under the same lock) to make the GPU busy.
+//!
+//! The backend's own time is the *simulated NVML time*: every call that reads or changes the state (lock,
+//! read, parse, the NVML rules, write) is timed, and after each one the totals of this backend since it was
+//! opened are written to `<state dir>/simulated-nvml-time.json` as `{"calls": N, "nanos": T}` (temp file and
+//! rename, no sync), so a benchmark can subtract exactly the time a real GPU's NVML would have taken
+//! instead. Calls answered from memory (canned device numbers) are not counted.
 
 use std::{
     fs::{self, File, OpenOptions},
     io::Write,
     path::{Path, PathBuf},
     sync::{Mutex, MutexGuard},
+    time::{Duration, Instant},
 };
 
 use serde::{Deserialize, Serialize};
@@ -36,6 +49,8 @@ pub const SIMULATED_CUDA_DRIVER_VERSION: &str = "13.0";
 
 const STATE_FILE: &str = "simulated-gpus.json";
 const LOCK_FILE: &str = "simulated-gpus.lock";
+/// The backend's own time so far (see the module comment).
+pub const NVML_TIME_FILE: &str = "simulated-nvml-time.json";
 const STATE_VERSION: u32 = 1;
 /// GPU-instance ids run 0..=14, compute-instance ids 0..=7 (`mig-minors` has gi0..gi14, ci0..ci7).
 const MAX_GPU_INSTANCE_ID: u32 = 14;
@@ -336,6 +351,22 @@ pub struct SimulatedBackend {
     /// value back, so a new backend (a restarted plugin) knows nothing ([`GpuBackend::time_slice`] says
     /// `Default`) while the GPU keeps what it was set to ([`SimulatedBackend::hardware_time_slice`]).
     known_time_slices: Mutex<std::collections::HashMap<u32, TimeSlice>>,
+    /// Time spent in calls that touch the state, since this backend was opened.
+    nvml_time: Mutex<NvmlTime>,
+}
+
+/// The simulated NVML time of one backend: how many calls touched the state and how long they took, lock
+/// wait included (a real driver serializes MIG changes on a GPU too).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NvmlTime {
+    pub calls: u64,
+    pub nanos: u64,
+}
+
+impl NvmlTime {
+    pub fn total(&self) -> Duration {
+        Duration::from_nanos(self.nanos)
+    }
 }
 
 /// Holds the node-wide lock for one operation; releases it on drop, even on panic.
@@ -385,6 +416,7 @@ impl SimulatedBackend {
             lock_file: Mutex::new(lock_file),
             driver_root: state_dir.join(DRIVER_ROOT_DIR),
             known_time_slices: Mutex::new(Default::default()),
+            nvml_time: Mutex::new(NvmlTime::default()),
         };
         // Validates (or creates) the state now, so a corrupt file fails the start, not the first claim.
         backend.write(|_| Ok(()))?;
@@ -398,6 +430,11 @@ impl SimulatedBackend {
     /// Path of the JSON hardware state.
     pub fn state_file(&self) -> &Path {
         &self.state_path
+    }
+
+    /// This backend's simulated NVML time so far (also in [`NVML_TIME_FILE`] of the state dir).
+    pub fn nvml_time(&self) -> NvmlTime {
+        *self.nvml_time.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Number of simulated GPUs.
@@ -551,31 +588,56 @@ impl SimulatedBackend {
         let write = || -> std::io::Result<()> {
             let mut f = File::create(&tmp)?;
             f.write_all(&json)?;
-            f.sync_all()?;
-            fs::rename(&tmp, &self.state_path)?;
-            // The rename is durable only once the directory entry is.
-            File::open(&self.state_dir)?.sync_all()
+            // Whole after a power loss; no directory fsync (see the module comment for why neither more
+            // nor less).
+            f.sync_data()?;
+            drop(f);
+            fs::rename(&tmp, &self.state_path)
         };
         write().map_err(|e| self.state_err(format!("cannot write the state: {e}")))
     }
 
     fn read<T>(&self, f: impl FnOnce(&HardwareState) -> Result<T>) -> Result<T> {
+        let started = Instant::now();
         let _lock = self.lock()?;
-        f(&self.load()?)
+        let out = self.load().and_then(|state| f(&state));
+        self.account(started.elapsed());
+        out
     }
 
     /// Runs one operation under the lock and persists whatever it changed, also when it fails: a failed
     /// Ampere MIG toggle still changes the pending mode.
     fn write<T>(&self, f: impl FnOnce(&mut HardwareState) -> Result<T>) -> Result<T> {
+        let started = Instant::now();
         let _lock = self.lock()?;
-        let mut state = self.load()?;
-        let on_disk = fs::metadata(&self.state_path).is_ok();
-        let before = state.clone();
-        let out = f(&mut state);
-        if state != before || !on_disk {
-            self.store(&state)?;
-        }
+        let out = (|| {
+            let mut state = self.load()?;
+            let on_disk = fs::metadata(&self.state_path).is_ok();
+            let before = state.clone();
+            let out = f(&mut state);
+            if state != before || !on_disk {
+                self.store(&state)?;
+            }
+            out
+        })();
+        self.account(started.elapsed());
         out
+    }
+
+    /// Adds one call to the simulated NVML time and publishes the totals. Called with the state lock held,
+    /// so the totals file is written by one thread at a time. A failed write of it is ignored: it is a
+    /// benchmark's reading, and the call it measures has already succeeded or failed on its own.
+    fn account(&self, took: Duration) {
+        let totals = {
+            let mut t = self.nvml_time.lock().unwrap_or_else(|e| e.into_inner());
+            t.calls += 1;
+            t.nanos += u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+            *t
+        };
+        let path = self.state_dir.join(NVML_TIME_FILE);
+        let tmp = self.state_dir.join(format!("{NVML_TIME_FILE}.tmp"));
+        let json = serde_json::to_vec(&totals).unwrap_or_default();
+        let _ = fs::write(&tmp, json).and_then(|()| fs::rename(&tmp, &path));
     }
 
     fn sim_gpu(&self, gpu: u32) -> Result<&SimGpu> {
@@ -1330,6 +1392,26 @@ mod tests {
             reopened.mig_mode(0).unwrap().current,
             "the node file's initial MIG mode does not override state"
         );
+    }
+
+    #[test]
+    fn every_call_that_touches_the_state_is_counted_in_the_state_dirs_time_file() {
+        let node = NodeBuilder::new().mig_gpus("H100-SXM5-80GB", 1).build();
+        let b = &node.backend;
+        let opened = b.nvml_time();
+        let gi = b.create_gpu_instance(0, 9, placement(0, 4)).unwrap();
+        b.create_compute_instance(0, gi).unwrap();
+        b.list_gpu_instances(0).unwrap();
+        // A failing call is NVML time too.
+        b.create_gpu_instance(0, 9, placement(0, 4)).unwrap_err();
+        // Answered from memory: not a state call.
+        b.char_device("/dev/nvidiactl").unwrap();
+        let now = b.nvml_time();
+        assert_eq!(now.calls, opened.calls + 4);
+        assert!(now.nanos > opened.nanos);
+        let file: NvmlTime =
+            serde_json::from_slice(&fs::read(node.dir.path().join(NVML_TIME_FILE)).unwrap()).unwrap();
+        assert_eq!(file, now);
     }
 
     #[test]
