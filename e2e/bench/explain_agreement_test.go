@@ -18,10 +18,10 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
-	"k8s.io/apimachinery/pkg/types"
 )
 
 // The agreement property: on generated tessera-shaped clusters (slices rendered by tessera's own binaries
@@ -89,8 +89,8 @@ type explainGen struct {
 	rng *rand.Rand
 	// present are the classes the current case's nodes publish; most requests name one of them.
 	present []string
-	src    SliceSource
-	models []string
+	src     SliceSource
+	models  []string
 }
 
 func pick[T any](g *explainGen, xs ...T) T { return xs[g.rng.IntN(len(xs))] }
