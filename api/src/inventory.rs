@@ -44,10 +44,14 @@ pub struct NodeInventorySpec {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeInventoryStatus {
-    /// True while the plugin is registered with kubelet and can prepare claims.
+    /// True once kubelet has registered the plugin and it can prepare claims. A plugin that is stopped
+    /// (SIGTERM, an upgrade) leaves it as it was: the controller keeps the node's slices through a restart
+    /// and withdraws them only when the heartbeat stops changing, or after `ready` has been false for
+    /// longer than its `--not-ready-grace`.
     #[serde(default)]
     pub ready: bool,
-    /// Refreshed periodically by the plugin; a stale heartbeat means the plugin stopped reporting.
+    /// Refreshed periodically by the plugin. The controller judges it by when it saw the value change, on
+    /// its own clock, so the plugin's clock and API server outages do not make a node look stale.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_heartbeat_time: Option<Time>,
     /// Number of GPUs in `spec.gpus` (for `kubectl get`).
