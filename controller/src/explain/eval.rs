@@ -531,8 +531,18 @@ impl<'n, 'a> Search<'n, 'a> {
                     *e = e.checked_add(&q(&v.value)).unwrap_or(*e);
                 }
             }
-            let available = self.node.available.get(&pool);
-            for (set, counters) in available.into_iter().flatten() {
+            // The allocator refuses the device when any counter of the pool is overdrawn. Of those, the
+            // one to report is a counter the device itself consumes, a memory slice first: that is the
+            // placement overlap a user can act on.
+            let consumes = |set: &str, name: &str| {
+                dev.device
+                    .consumes_counters
+                    .iter()
+                    .flatten()
+                    .any(|c| c.counter_set == set && c.counters.contains_key(name))
+            };
+            let mut overdrawn: Vec<(u8, &String, &String)> = Vec::new();
+            for (set, counters) in self.node.available.get(&pool).into_iter().flatten() {
                 for (name, left) in counters {
                     let used = mine
                         .get(set)
@@ -540,19 +550,27 @@ impl<'n, 'a> Search<'n, 'a> {
                         .copied()
                         .unwrap_or(Quantity::from_int(0));
                     if left.compare(&used).is_lt() {
-                        let claims = self
-                            .node
-                            .charged_by
-                            .get(&(pool.clone(), set.clone(), name.clone()))
-                            .cloned()
-                            .unwrap_or_default();
-                        return Err(Failure::Counters {
-                            set: set.clone(),
-                            counter: name.clone(),
-                            claims,
-                        });
+                        let rank = match (consumes(set, name), name.starts_with("memory-slice")) {
+                            (true, true) => 0,
+                            (true, false) => 1,
+                            _ => 2,
+                        };
+                        overdrawn.push((rank, set, name));
                     }
                 }
+            }
+            if let Some((_, set, name)) = overdrawn.into_iter().min() {
+                let claims = self
+                    .node
+                    .charged_by
+                    .get(&(pool.clone(), set.clone(), name.clone()))
+                    .cloned()
+                    .unwrap_or_default();
+                return Err(Failure::Counters {
+                    set: set.clone(),
+                    counter: name.clone(),
+                    claims,
+                });
             }
             counters_taken = Some(mine);
         }

@@ -284,6 +284,63 @@ fn profile_of(model: &NodeModel<'_>, d: usize) -> Option<String> {
     a.string.clone()
 }
 
+/// The reason shared by the blocked devices of a diagnosis, from the closest of them.
+fn grouped_reason(model: &NodeModel<'_>, alt: &Alternative, diag: &Diagnosis) -> String {
+    let blocked: Vec<(usize, &Failure)> = diag
+        .iter()
+        .filter_map(|(d, f)| f.as_ref().map(|f| (*d, f)))
+        .collect();
+    let order = closest_order(model, diag);
+    let Some((d, f)) = order
+        .iter()
+        .find_map(|i| diag[*i].1.as_ref().map(|f| (diag[*i].0, f)))
+    else {
+        return format!(
+            "no device on this node (0 of {} published here)",
+            model.devices.len()
+        );
+    };
+    let name = model.devices[d].name();
+    match f {
+        _ if f.stage() == 0 => format!("no device of class {} on this node", alt.class),
+        Failure::CapacityOver {
+            name: cap,
+            requested,
+            offered,
+        } => format!("no device offers {cap} {requested}; the largest is {offered} ({name})"),
+        Failure::Tainted { taint } => {
+            let n = blocked.iter().filter(|(_, f)| f.stage() == 4).count();
+            format!("all {n} matching devices are tainted: {taint}, not tolerated")
+        }
+        _ if f.stage() == 5 => {
+            let held: Vec<usize> = blocked
+                .iter()
+                .filter(|(_, f)| f.stage() == 5)
+                .map(|(d, _)| *d)
+                .collect();
+            let holders: BTreeSet<String> = blocked
+                .iter()
+                .filter(|(_, f)| f.stage() == 5)
+                .flat_map(|(_, f)| f.holders().iter().cloned())
+                .collect();
+            let who = if holders.is_empty() {
+                "other claims".to_string()
+            } else {
+                format!("claims {}", holders.into_iter().collect::<Vec<_>>().join(", "))
+            };
+            let profiles: BTreeSet<Option<String>> = held.iter().map(|d| profile_of(model, *d)).collect();
+            match profiles.iter().next() {
+                Some(Some(p)) if profiles.len() == 1 => {
+                    format!("profile {p}: all {} placements in use by {who}", held.len())
+                }
+                _ if matches!(f, Failure::CapacityLeft { .. }) => format!("{f} (closest: {name})"),
+                _ => format!("all {} matching devices are in use by {who}", held.len()),
+            }
+        }
+        f => format!("{f} (closest: {name})"),
+    }
+}
+
 /// The node-level reason an alternative does not fit, from its diagnosis.
 fn alternative_reason(
     model: &NodeModel<'_>,
@@ -300,28 +357,29 @@ fn alternative_reason(
             .into();
     }
     let free = diag.iter().filter(|(_, f)| f.is_none()).count();
-    let blocked: Vec<&(usize, Option<Failure>)> = diag.iter().filter(|(_, f)| f.is_some()).collect();
-    let best_stage = blocked
+    // Devices that match the request's selectors but cannot be used now.
+    let matching: Diagnosis = diag
         .iter()
-        .filter_map(|(_, f)| f.as_ref().map(Failure::stage))
-        .max();
-    let order = closest_order(model, diag);
-    let closest_failure = order
-        .iter()
-        .find_map(|i| diag[*i].1.as_ref().map(|f| (diag[*i].0, f)));
+        .filter(|(_, f)| f.as_ref().is_none_or(|f| f.stage() >= 2))
+        .cloned()
+        .collect();
     if alt.all {
-        if best_stage.is_none_or(|s| s < 3) && free == 0 {
+        if matching.is_empty() {
             return format!(
                 "allocationMode All: no device of class {} matches here",
                 alt.class
             );
         }
-        return match closest_failure {
+        let order = closest_order(model, &matching);
+        return match order
+            .iter()
+            .find_map(|i| matching[*i].1.as_ref().map(|f| (matching[*i].0, f)))
+        {
             Some((d, f)) => format!(
                 "allocationMode All needs every matching device; {}: {f}",
                 model.devices[d].name()
             ),
-            None => "allocationMode All: the matching devices exclude each other".into(),
+            None => "allocationMode All: the matching devices cannot all be allocated together".into(),
         };
     }
     if free >= alt.count {
@@ -330,68 +388,18 @@ fn alternative_reason(
             alt.count
         );
     }
-    let grouped = match (best_stage, closest_failure) {
-        (None, _) | (_, None) => format!(
-            "no device on this node (0 of {} published here)",
-            model.devices.len()
-        ),
-        (Some(0), _) => format!("no device of class {} on this node", alt.class),
-        (Some(_), Some((d, f))) => match f {
-            Failure::CapacityOver {
-                name,
-                requested,
-                offered,
-            } => format!(
-                "no device offers {name} {requested}; the largest is {offered} ({})",
-                model.devices[d].name()
-            ),
-            Failure::Tainted { taint } => {
-                let n = blocked
-                    .iter()
-                    .filter(|(_, f)| f.as_ref().is_some_and(|f| f.stage() == 4))
-                    .count();
-                format!("all {n} matching devices are tainted: {taint}, not tolerated")
-            }
-            f if f.stage() == 5 => {
-                let at5: Vec<usize> = blocked
-                    .iter()
-                    .filter(|(_, f)| f.as_ref().is_some_and(|f| f.stage() == 5))
-                    .map(|(d, _)| *d)
-                    .collect();
-                let mut holders = BTreeSet::new();
-                for (_, f) in &blocked {
-                    if let Some(f) = f {
-                        holders.extend(f.holders().iter().cloned());
-                    }
-                }
-                let holders: Vec<String> = holders.into_iter().collect();
-                let profiles: BTreeSet<Option<String>> = at5.iter().map(|d| profile_of(model, *d)).collect();
-                let who = if holders.is_empty() {
-                    "other claims".to_string()
-                } else {
-                    format!("claims {}", holders.join(", "))
-                };
-                match (profiles.len(), profiles.iter().next()) {
-                    (1, Some(Some(p))) => {
-                        format!("profile {p}: all {} placements in use by {who}", at5.len())
-                    }
-                    _ if matches!(f, Failure::CapacityLeft { .. }) => {
-                        format!("{f} (closest: {})", model.devices[d].name())
-                    }
-                    _ => format!("all {} matching devices are in use by {who}", at5.len()),
-                }
-            }
-            f => format!("{} (closest: {})", f, model.devices[d].name()),
-        },
-    };
-    if free > 0 {
-        format!(
-            "count {} > {free} free matching devices; the rest: {grouped}",
-            alt.count
-        )
-    } else {
-        grouped
+    if free == 0 {
+        return grouped_reason(model, alt, diag);
     }
+    let rest: Diagnosis = matching.into_iter().filter(|(_, f)| f.is_some()).collect();
+    if rest.is_empty() {
+        return format!("count {} > {free} matching devices on this node", alt.count);
+    }
+    format!(
+        "count {} > {free} free matching devices; the rest: {}",
+        alt.count,
+        grouped_reason(model, alt, &rest)
+    )
 }
 
 fn diagnose<'a>(

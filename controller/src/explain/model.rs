@@ -205,6 +205,10 @@ impl<'a> NodeModel<'a> {
             }
             model.available.insert(pool_id, counters);
         }
+        for claims in model.charged_by.values_mut() {
+            claims.sort();
+            claims.dedup();
+        }
         model
     }
 }
