@@ -471,8 +471,11 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
         let mut reqs = Vec::new();
         for (ri, req) in claim.requests.iter().enumerate() {
             let mut per_node = Vec::new();
+            // How close each (node, alternative) came: the furthest stage any device reached.
+            let mut closeness: Vec<Vec<u8>> = Vec::new();
             for model in &models {
                 let mut alts_out = Vec::new();
+                let mut node_closeness = Vec::new();
                 let mut fits_node = false;
                 for alt in &req.alternatives {
                     let class_found = selectors.class(&alt.class).is_some();
@@ -507,8 +510,10 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
                     let fits = outcome == Outcome::Fits;
                     fits_node |= fits;
                     let order = closest_order(model, &diag);
+                    // Devices of other classes are not "close": they are left out of the list.
                     let closest = order
                         .iter()
+                        .filter(|i| !matches!(diag[**i].1, Some(Failure::ClassSelector { .. })))
                         .take(3)
                         .map(|i| DeviceNote {
                             device: model.devices[diag[*i].0].name().to_string(),
@@ -516,6 +521,12 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
                             reason: diag[*i].1.as_ref().map(ToString::to_string),
                         })
                         .collect();
+                    node_closeness.push(
+                        diag.iter()
+                            .map(|(_, f)| f.as_ref().map_or(u8::MAX, Failure::stage))
+                            .max()
+                            .unwrap_or(0),
+                    );
                     alts_out.push(AlternativeNode {
                         name: alt.name.clone(),
                         asks: asks(alt),
@@ -524,6 +535,7 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
                         closest,
                     });
                 }
+                closeness.push(node_closeness);
                 per_node.push(RequestNode {
                     node: model.name.clone(),
                     fits: fits_node,
@@ -546,13 +558,20 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
             } else if per_node.is_empty() {
                 "no node publishes devices".to_string()
             } else {
-                let first = per_node
-                    .iter()
-                    .flat_map(|n| n.alternatives.iter().map(move |a| (n, a)))
-                    .find_map(|(n, a)| a.reason.as_ref().map(|r| (n, a, r)));
+                // The node and alternative that came closest (the first of equals) explain it best.
+                let mut first: Option<(&RequestNode, &AlternativeNode, &String, u8)> = None;
+                for (n, scores) in per_node.iter().zip(&closeness) {
+                    for (a, score) in n.alternatives.iter().zip(scores) {
+                        if let Some(r) = &a.reason
+                            && first.is_none_or(|f| *score > f.3)
+                        {
+                            first = Some((n, a, r, *score));
+                        }
+                    }
+                }
                 match first {
-                    Some((n, a, r)) if req.first_available => format!("{}: {} ({})", n.node, r, a.name),
-                    Some((n, _, r)) => format!("{}: {r}", n.node),
+                    Some((n, a, r, _)) if req.first_available => format!("{}: {} ({})", n.node, r, a.name),
+                    Some((n, _, r, _)) => format!("{}: {r}", n.node),
                     None => "does not fit".to_string(),
                 }
             };

@@ -109,7 +109,9 @@ impl Report {
                 }
             }
         }
-        if self.claims.iter().filter(|c| c.allocated.is_none()).count() > 0 && !self.nodes.is_empty() {
+        // With one request the per-node verdict above is already the whole answer.
+        let requests: usize = self.claims.iter().map(|c| c.requests.len()).sum();
+        if requests > 1 && !self.nodes.is_empty() {
             let _ = writeln!(out, "\nall requests together:");
             for n in &self.nodes {
                 let reason = n.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default();
