@@ -387,20 +387,32 @@ impl<'c> Selectors<'c> {
 
 /// One alternative's candidates on a node: devices passing the static checks, in the allocator's order.
 pub struct Candidates {
-    pub devices: Vec<usize>,
+    /// The devices the search visits, in the allocator's order: those passing the static checks, and
+    /// (`Some(message)`) those whose selector fails at runtime, which abort the allocation when visited.
+    pub devices: Vec<(usize, Option<String>)>,
     /// For `All`: every device matching the selectors and static capacity, each of which must be free.
     pub all: Vec<usize>,
     /// For `All`: a device matches but cannot be used at all (taint), so the request cannot succeed.
     pub all_blocked: bool,
+    /// For `All`: what makes the allocator refuse the claim before searching (a selector failing on some
+    /// device, a pool being updated).
+    pub all_error: Option<String>,
 }
 
 /// What the search over one node found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
     Fits,
     DoesNotFit,
     /// The search ran out of steps; the allocator may still find (or not find) an assignment.
     Undecided,
+    /// The allocator stops with an error (the scheduler reports it and the pod stays pending).
+    Error(String),
+}
+
+enum Stop {
+    OutOfSteps,
+    Error(String),
 }
 
 /// The search's budget: the allocator itself has no such limit but the scheduler's filter has a timeout.
@@ -440,49 +452,71 @@ impl<'n, 'a> Search<'n, 'a> {
     }
 
     pub fn run(mut self) -> Outcome {
+        // The allocator sizes every `All` request (every alternative) before it searches.
+        let before = self
+            .requests
+            .iter()
+            .flat_map(|(_, alts)| alts.iter())
+            .find_map(|(alt, c)| c.all_error.clone().filter(|_| alt.all));
+        if let Some(message) = before {
+            return Outcome::Error(message);
+        }
         match self.solve(0) {
-            Some(true) => Outcome::Fits,
-            Some(false) => Outcome::DoesNotFit,
-            None => Outcome::Undecided,
+            Ok(true) => Outcome::Fits,
+            Ok(false) => Outcome::DoesNotFit,
+            Err(Stop::OutOfSteps) => Outcome::Undecided,
+            Err(Stop::Error(message)) => Outcome::Error(message),
         }
     }
 
-    /// `None` when out of steps.
-    fn solve(&mut self, ri: usize) -> Option<bool> {
+    fn solve(&mut self, ri: usize) -> Result<bool, Stop> {
         if ri == self.requests.len() {
-            return Some(true);
+            return Ok(true);
         }
         for ai in 0..self.requests[ri].1.len() {
             if self.solve_alt(ri, ai, 0, 0)? {
-                return Some(true);
+                return Ok(true);
             }
         }
-        Some(false)
+        Ok(false)
     }
 
-    fn solve_alt(&mut self, ri: usize, ai: usize, picked: usize, start: usize) -> Option<bool> {
+    fn solve_alt(&mut self, ri: usize, ai: usize, picked: usize, start: usize) -> Result<bool, Stop> {
         let claim = self.requests[ri].0;
         let (alt, cands) = &self.requests[ri].1[ai];
         let (alt, all) = (*alt, alt.all);
         let need = if all { cands.all.len() } else { alt.count };
         if all && (need == 0 || cands.all_blocked) {
-            return Some(false);
+            return Ok(false);
         }
         if picked == need {
             return self.solve(ri + 1);
         }
         if self.per_claim[claim] + (need - picked) > MAX_DEVICES_PER_CLAIM {
-            return Some(false);
+            return Ok(false);
         }
-        let list: Vec<usize> = if all {
-            vec![cands.all[picked]]
+        let list: Vec<(usize, Option<String>)> = if all {
+            vec![(cands.all[picked], None)]
         } else {
             cands.devices[start.min(cands.devices.len())..].to_vec()
         };
-        for (offset, d) in list.into_iter().enumerate() {
+        for (offset, (d, error)) in list.into_iter().enumerate() {
             self.steps += 1;
             if self.steps > MAX_STEPS {
-                return None;
+                return Err(Stop::OutOfSteps);
+            }
+            if let Some(message) = error {
+                // The allocator skips a device in use before it evaluates selectors on it.
+                let dev = &self.node.devices[d];
+                let in_use = !dev.multi_allocatable()
+                    && (self.state.exclusive.contains_key(&dev.id) || self.exclusive.contains(&d));
+                if alt.admin_access || !in_use {
+                    return Err(Stop::Error(format!(
+                        "selector fails on {}: {message}",
+                        dev.name()
+                    )));
+                }
+                continue;
             }
             let Ok(taken) = self.take(alt, d) else { continue };
             self.per_claim[claim] += 1;
@@ -490,13 +524,11 @@ impl<'n, 'a> Search<'n, 'a> {
             let done = self.solve_alt(ri, ai, picked + 1, next);
             self.per_claim[claim] -= 1;
             self.give_back(d, taken);
-            match done {
-                Some(true) => return Some(true),
-                None => return None,
-                Some(false) => {}
+            if done? {
+                return Ok(true);
             }
         }
-        Some(false)
+        Ok(false)
     }
 
     /// The dynamic checks for one device: in use, counters, capacity left. Also what [`diagnose`] reports.

@@ -347,12 +347,15 @@ fn alternative_reason(
     alt: &Alternative,
     class_found: bool,
     diag: &Diagnosis,
-    outcome: Outcome,
+    outcome: &Outcome,
 ) -> String {
     if !class_found {
         return format!("DeviceClass {} does not exist", alt.class);
     }
-    if outcome == Outcome::Undecided {
+    if let Outcome::Error(message) = outcome {
+        return format!("the scheduler stops with an error: {message}");
+    }
+    if *outcome == Outcome::Undecided {
         return "undecided: the search gave up (too many combinations); the scheduler may still find one"
             .into();
     }
@@ -414,21 +417,37 @@ fn diagnose<'a>(
         devices: Vec::new(),
         all: Vec::new(),
         all_blocked: false,
+        all_error: None,
     };
     for d in 0..model.devices.len() {
         let dev = &model.devices[d];
+        if alt.all && !dev.pool_complete && cands.all_error.is_none() {
+            cands.all_error = Some(format!(
+                "allocationMode All, but the pool of {} is being updated",
+                dev.name()
+            ));
+        }
         match selectors.static_check(alt, dev) {
             Ok(()) => {
-                cands.devices.push(d);
+                cands.devices.push((d, None));
                 cands.all.push(d);
                 diag.push((d, probe.check(alt, d).err()));
             }
             Err(f) => {
-                // `All` counts every device matching the selectors and the static capacity; a taint then
-                // makes the whole request fail rather than leaving the device out.
-                if matches!(f, Failure::Tainted { .. }) {
-                    cands.all.push(d);
-                    cands.all_blocked = true;
+                match &f {
+                    // `All` counts every device matching the selectors and the static capacity; a taint
+                    // then makes the whole request fail rather than leaving the device out.
+                    Failure::Tainted { .. } => {
+                        cands.all.push(d);
+                        cands.all_blocked = true;
+                    }
+                    Failure::SelectorError { message } if dev.pool_complete => {
+                        cands.devices.push((d, Some(message.clone())));
+                        if cands.all_error.is_none() {
+                            cands.all_error = Some(format!("selector fails on {}: {message}", dev.name()));
+                        }
+                    }
+                    _ => {}
                 }
                 diag.push((d, Some(f)));
             }
@@ -531,7 +550,7 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
                         name: alt.name.clone(),
                         asks: asks(alt),
                         fits,
-                        reason: (!fits).then(|| alternative_reason(model, alt, class_found, &diag, outcome)),
+                        reason: (!fits).then(|| alternative_reason(model, alt, class_found, &diag, &outcome)),
                         closest,
                     });
                 }
@@ -612,11 +631,14 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
             node: model.name.clone(),
             fits: outcome == Outcome::Fits,
             undecided: outcome == Outcome::Undecided,
-            reason: None,
+            reason: match outcome {
+                Outcome::Error(message) => Some(format!("the scheduler stops with an error: {message}")),
+                _ => None,
+            },
         });
     }
     for (ni, v) in node_verdicts.iter_mut().enumerate() {
-        if v.fits {
+        if v.fits || v.reason.is_some() {
             continue;
         }
         let failing: Vec<String> = request_reports

@@ -132,6 +132,8 @@ fn pools(slices: &[ResourceSlice]) -> BTreeMap<PoolId, (Vec<&ResourceSlice>, boo
         }
     }
     for (slices, complete) in out.values_mut() {
+        // The allocator visits a pool's slices by name.
+        slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
         let want = slices.first().map_or(0, |s| s.spec.pool.resource_slice_count);
         *complete = slices.len() as i64 == want;
     }
