@@ -595,3 +595,29 @@ fn help_documents_the_exit_codes_and_what_is_not_modelled() {
     assert!(text.contains("Exit status: 0 when everything fits"), "{text}");
     assert!(text.contains("Not modelled: matchAttribute"), "{text}");
 }
+
+#[test]
+fn a_selector_failing_at_runtime_is_the_error_the_scheduler_stops_with() {
+    // Whole GPUs have no `profile` attribute: CEL fails on them, and the allocator with it.
+    let c = cluster()
+        .node("gpu-node-0", "h100-whole")
+        .claim(claim("typo").exactly("gpu", ask("gpu.tessera.dev").selector(&profile("7g.80gb"))));
+
+    let report = c.explain("claim/typo");
+
+    assert!(!report.fits);
+    let reason = report.nodes[0].reason.as_deref().unwrap();
+    assert!(
+        reason.starts_with("the scheduler stops with an error: selector fails on gpu-0: "),
+        "{reason}"
+    );
+    let alt = &report.claims[0].requests[0].nodes[0].alternatives[0];
+    assert!(
+        alt.closest[0]
+            .reason
+            .as_deref()
+            .unwrap()
+            .starts_with("selector fails: "),
+        "{alt:?}"
+    );
+}

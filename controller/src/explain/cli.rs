@@ -25,7 +25,8 @@ Not modelled: matchAttribute/distinctAttribute constraints (ignored), slices sel
 per-device node selection (only nodeName and allNodes slices count), DeviceTaintRules, binding \
 conditions, claims the scheduler has reserved but not yet written, pods asking for extended resources \
 (nvidia.com/gpu) without a claim, node affinity and every non-DRA scheduling condition. A selector that \
-fails at runtime on a device makes that device not match (the scheduler reports such a claim as an error).";
+fails at runtime (a missing attribute) ends a node's evaluation with that error where the allocator would \
+evaluate it, as the scheduler does; the device is listed with the error.";
 
 const EXIT_CODES: &str = "\
 Exit status: 0 when everything fits on some node (or is allocated already), 1 when something does not \
