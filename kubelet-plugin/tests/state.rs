@@ -12,11 +12,13 @@ use common::{BOOT_ID, TestNode};
 use tessera_api::MigPlacement;
 use tessera_kubelet_plugin::{
     cdi::{self, ContainerEdits, DeviceNode},
-    checkpoint::{Checkpoint, CheckpointStore, ClaimRecord, DeviceDetail, DeviceRecord, MigDetail, Phase},
+    checkpoint::{
+        Checkpoint, CheckpointStore, ClaimRecord, DeviceDetail, DeviceRecord, Loaded, MigDetail, Phase,
+    },
     claims::fake::{NODE, claim},
     error::ClaimError,
     gpu::GpuError,
-    state::{ClaimRef, DeviceContext, DeviceKind, DevicePreparer, NodeState},
+    state::{ClaimRef, DeviceContext, DeviceKind, DevicePreparer, NodeState, WholeGpuPreparer},
 };
 
 fn claim_ref(c: &k8s_openapi::api::resource::v1::ResourceClaim) -> ClaimRef {
@@ -637,4 +639,125 @@ async fn a_claim_on_another_gpu_prepares_while_a_slow_gpu_is_busy() {
     *gate.0.lock().unwrap() = true;
     gate.1.notify_all();
     slow_task.await.unwrap().unwrap();
+}
+
+/// The whole-GPU preparer, reading the checkpoint on disk while it prepares: what a crash at that moment
+/// would leave.
+struct CheckpointOnDiskDuringPrepare {
+    store: CheckpointStore,
+    seen: Mutex<Vec<Checkpoint>>,
+}
+
+impl DevicePreparer for CheckpointOnDiskDuringPrepare {
+    fn plan(&self, ctx: &DeviceContext) -> Result<DeviceDetail, ClaimError> {
+        WholeGpuPreparer.plan(ctx)
+    }
+
+    fn prepare(
+        &self,
+        ctx: &DeviceContext,
+        planned: DeviceDetail,
+    ) -> Result<(DeviceDetail, ContainerEdits), ClaimError> {
+        let Loaded::Current(cp) = self.store.load(BOOT_ID).unwrap() else {
+            panic!("start-up writes a checkpoint of this boot");
+        };
+        self.seen.lock().unwrap().push(cp);
+        WholeGpuPreparer.prepare(ctx, planned)
+    }
+
+    fn unprepare(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError> {
+        WholeGpuPreparer.unprepare(ctx, detail)
+    }
+}
+
+#[tokio::test]
+async fn a_whole_gpu_claim_is_recorded_once_when_prepared_with_no_prepare_started_phase() {
+    let node = TestNode::new();
+    let watcher = Arc::new(CheckpointOnDiskDuringPrepare {
+        store: CheckpointStore::new(&node.state_dir()),
+        seen: Mutex::new(Vec::new()),
+    });
+    let state = node
+        .state_unrecovered(BOOT_ID)
+        .with_preparer(DeviceKind::Gpu, watcher.clone());
+    state.recover().unwrap();
+    let state = Arc::new(state);
+    let c = claim("w").allocated("gpu-3").build();
+    let r = claim_ref(&c);
+    node.claims.insert(c);
+
+    state.prepare(&r).await.unwrap();
+    let seen = watcher.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
+    assert!(
+        seen[0].claims.is_empty(),
+        "a whole GPU changes nothing to undo, so no record is written before it is prepared: {:?}",
+        seen[0].claims
+    );
+    let Loaded::Current(after) = CheckpointStore::new(&node.state_dir()).load(BOOT_ID).unwrap() else {
+        panic!("the checkpoint should be of this boot");
+    };
+    assert_eq!(after.claims[&r.uid].phase, Phase::PrepareCompleted);
+}
+
+#[tokio::test]
+async fn a_crash_after_a_whole_gpus_cdi_spec_and_before_its_record_leaves_a_spec_the_next_start_removes() {
+    let node = TestNode::new();
+    drop(node.state());
+    // What a crash between writing the spec and writing the PrepareCompleted record leaves behind: a spec
+    // that no record of this boot's checkpoint owns.
+    let uid = "7d2e-crashed-whole";
+    let spec = cdi::Spec {
+        cdi_version: cdi::CDI_VERSION.into(),
+        kind: cdi::CDI_KIND.into(),
+        devices: vec![cdi::Device {
+            name: cdi::device_name(uid, "gpu-6"),
+            container_edits: ContainerEdits::default(),
+        }],
+        container_edits: ContainerEdits::default(),
+    };
+    cdi::CdiDir::new(node.cdi_dir()).write(uid, &spec).unwrap();
+
+    let state = node.state_unrecovered(BOOT_ID);
+    let recovery = state.recover().unwrap();
+    assert_eq!(recovery.removed_cdi_specs, vec![uid.to_string()]);
+    assert!(recovery.rolled_back.is_empty());
+    assert_nothing_written(&node, &state);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_prepares_on_every_gpu_all_reach_the_checkpoint_on_disk_and_unprepare_from_it() {
+    let node = TestNode::new();
+    let refs: Vec<ClaimRef> = (0..8)
+        .map(|i| {
+            let c = claim(&format!("c{i}")).allocated(&format!("gpu-{i}")).build();
+            let r = claim_ref(&c);
+            node.claims.insert(c);
+            r
+        })
+        .collect();
+    let state = node.state();
+
+    for (r, result) in state.prepare_all(&refs).await {
+        result.unwrap_or_else(|e| panic!("{}: {e}", r.name));
+    }
+    let Loaded::Current(on_disk) = CheckpointStore::new(&node.state_dir()).load(BOOT_ID).unwrap() else {
+        panic!("the checkpoint should be of this boot");
+    };
+    assert_eq!(on_disk, state.checkpoint());
+    assert_eq!(on_disk.claims.len(), 8);
+    assert!(
+        on_disk
+            .claims
+            .values()
+            .all(|r| r.phase == Phase::PrepareCompleted)
+    );
+
+    // A restart reads what the batched writes left, and unprepares from it.
+    let restarted = node.state();
+    assert_eq!(restarted.checkpoint().claims.len(), 8);
+    for (r, result) in restarted.unprepare_all(&refs).await {
+        result.unwrap_or_else(|e| panic!("{}: {e}", r.name));
+    }
+    assert_nothing_written(&node, &restarted);
 }
