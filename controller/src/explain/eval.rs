@@ -495,6 +495,25 @@ impl<'n, 'a> Search<'n, 'a> {
         if self.per_claim[claim] + (need - picked) > MAX_DEVICES_PER_CLAIM {
             return Ok(false);
         }
+        // Fewer usable devices left than still needed: no assignment down this path. Taking a device only
+        // uses things up (a device, counters, capacity), so one that cannot be taken now cannot be taken
+        // deeper in this branch either; the exception is a shared device that consumes counters, whose
+        // counters are charged only by its first share. The allocator has no such cut, so it is taken
+        // only where the allocator could not meet a failing selector on the way.
+        if !all && cands.devices.iter().all(|(_, e)| e.is_none()) {
+            let rest = &cands.devices[start.min(cands.devices.len())..];
+            let usable = rest
+                .iter()
+                .filter(|(d, _)| {
+                    let dev = &self.node.devices[*d];
+                    let recovers = dev.multi_allocatable() && dev.device.consumes_counters.is_some();
+                    recovers || self.check(alt, *d).is_ok()
+                })
+                .count();
+            if usable < need - picked {
+                return Ok(false);
+            }
+        }
         let list: Vec<(usize, Option<String>)> = if all {
             vec![(cands.all[picked], None)]
         } else {
