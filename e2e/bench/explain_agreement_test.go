@@ -112,7 +112,7 @@ type explainGen struct {
 	models  []string
 }
 
-func pick[T any](g *explainGen, xs ...T) T { return xs[g.rng.IntN(len(xs))] }
+func explainPick[T any](g *explainGen, xs ...T) T { return xs[g.rng.IntN(len(xs))] }
 
 func explainSel(expr string) resourceapi.DeviceSelector {
 	return resourceapi.DeviceSelector{CEL: &resourceapi.CELDeviceSelector{Expression: expr}}
@@ -123,14 +123,14 @@ func (g *explainGen) capacity(class string) *resourceapi.CapacityRequirements {
 	switch class {
 	case ClassShared:
 		if g.rng.IntN(3) > 0 {
-			req["memory"] = resource.MustParse(pick(g, "1Gi", "10Gi", "20Gi", "40Gi", "79Gi", "80Gi", "200Gi", "1500Mi"))
+			req["memory"] = resource.MustParse(explainPick(g, "1Gi", "10Gi", "20Gi", "40Gi", "79Gi", "80Gi", "200Gi", "1500Mi"))
 		}
 		if g.rng.IntN(2) == 0 {
-			req["compute"] = resource.MustParse(pick(g, "10", "25", "50", "100", "150"))
+			req["compute"] = resource.MustParse(explainPick(g, "10", "25", "50", "100", "150"))
 		}
 	default:
 		if g.rng.IntN(4) == 0 {
-			req["memory"] = resource.MustParse(pick(g, "10Gi", "20Gi", "40Gi", "80Gi", "200Gi"))
+			req["memory"] = resource.MustParse(explainPick(g, "10Gi", "20Gi", "40Gi", "80Gi", "200Gi"))
 		}
 		if g.rng.IntN(10) == 0 {
 			req["compute"] = resource.MustParse("10")
@@ -154,15 +154,15 @@ func (g *explainGen) selectors(class string) []resourceapi.DeviceSelector {
 	}
 	switch class {
 	case ClassMIG:
-		return []resourceapi.DeviceSelector{explainSel(fmt.Sprintf(`%s.profile == %q`, attr, pick(g, "1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb", "1g.18gb", "3g.71gb", "1g.5gb", "3g.20gb")))}
+		return []resourceapi.DeviceSelector{explainSel(fmt.Sprintf(`%s.profile == %q`, attr, explainPick(g, "1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb", "1g.18gb", "3g.71gb", "1g.5gb", "3g.20gb")))}
 	case ClassGPU:
-		return []resourceapi.DeviceSelector{pick(g,
+		return []resourceapi.DeviceSelector{explainPick(g,
 			explainSel(fmt.Sprintf(`%s.index == %d`, attr, g.rng.IntN(3))),
 			explainSel(fmt.Sprintf(`%s.cudaComputeCapability.isGreaterThan(semver("8.0.0"))`, attr)),
 			explainSel(fmt.Sprintf(`%s.productName == "NVIDIA H200"`, attr)),
 		)}
 	default:
-		return []resourceapi.DeviceSelector{pick(g,
+		return []resourceapi.DeviceSelector{explainPick(g,
 			explainSel(`device.capacity["gpu.tessera.dev"].memory.compareTo(quantity("100Gi")) >= 0`),
 			explainSel(fmt.Sprintf(`%s.index < 1`, attr)),
 		)}
@@ -173,16 +173,16 @@ func (g *explainGen) tolerations() []resourceapi.DeviceToleration {
 	if g.rng.IntN(4) != 0 {
 		return nil
 	}
-	return []resourceapi.DeviceToleration{pick(g,
+	return []resourceapi.DeviceToleration{explainPick(g,
 		resourceapi.DeviceToleration{Key: "gpu.tessera.dev/unhealthy", Operator: resourceapi.DeviceTolerationOpExists},
 		resourceapi.DeviceToleration{Operator: resourceapi.DeviceTolerationOpExists, Effect: resourceapi.DeviceTaintEffectNoExecute},
 	)}
 }
 
 func (g *explainGen) exact() resourceapi.ExactDeviceRequest {
-	class := pick(g, ClassGPU, ClassMIG, ClassShared)
+	class := explainPick(g, ClassGPU, ClassMIG, ClassShared)
 	if len(g.present) > 0 && g.rng.IntN(8) > 0 {
-		class = pick(g, g.present...)
+		class = explainPick(g, g.present...)
 	}
 	r := resourceapi.ExactDeviceRequest{
 		DeviceClassName: class,
@@ -190,7 +190,7 @@ func (g *explainGen) exact() resourceapi.ExactDeviceRequest {
 		Capacity:        g.capacity(class),
 		Tolerations:     g.tolerations(),
 		AllocationMode:  resourceapi.DeviceAllocationModeExactCount,
-		Count:           int64(pick(g, 1, 1, 1, 2, 3)),
+		Count:           int64(explainPick(g, 1, 1, 1, 2, 3)),
 	}
 	if g.rng.IntN(15) == 0 {
 		r.AllocationMode, r.Count = resourceapi.DeviceAllocationModeAll, 0
@@ -224,8 +224,8 @@ func (g *explainGen) claim(name string, maxRequests int) *resourceapi.ResourceCl
 	return c
 }
 
-// taint marks every device of one GPU of the node the way the controller marks an unhealthy GPU.
-func taintGPU(ns NodeSlices, gpu int, effect resourceapi.DeviceTaintEffect) {
+// explainTaint marks every device of one GPU of the node the way the controller marks an unhealthy GPU.
+func explainTaint(ns NodeSlices, gpu int, effect resourceapi.DeviceTaintEffect) {
 	for _, s := range ns.Slices {
 		for i := range s.Spec.Devices {
 			d := &s.Spec.Devices[i]
@@ -236,7 +236,7 @@ func taintGPU(ns NodeSlices, gpu int, effect resourceapi.DeviceTaintEffect) {
 	}
 }
 
-func newState() structured.AllocatedState {
+func explainState() structured.AllocatedState {
 	return structured.AllocatedState{
 		AllocatedDevices:         sets.New[structured.DeviceID](),
 		AllocatedSharedDeviceIDs: sets.New[structured.SharedDeviceID](),
@@ -244,7 +244,7 @@ func newState() structured.AllocatedState {
 	}
 }
 
-func record(state *structured.AllocatedState, result resourceapi.AllocationResult) {
+func explainRecord(state *structured.AllocatedState, result resourceapi.AllocationResult) {
 	for _, r := range result.Devices.Results {
 		id := structured.MakeDeviceID(r.Driver, r.Pool, r.Device)
 		if r.ShareID == nil {
@@ -258,8 +258,8 @@ func record(state *structured.AllocatedState, result resourceapi.AllocationResul
 	}
 }
 
-// allocate runs the structured allocator for the claim on one node, as the scheduler's Filter does.
-func allocate(ctx context.Context, classes classLister, cache *cel.Cache, state structured.AllocatedState, slices []*resourceapi.ResourceSlice, node string, claim *resourceapi.ResourceClaim) (*resourceapi.AllocationResult, error) {
+// explainAllocate runs the structured allocator for the claim on one node, as the scheduler's Filter does.
+func explainAllocate(ctx context.Context, classes classLister, cache *cel.Cache, state structured.AllocatedState, slices []*resourceapi.ResourceSlice, node string, claim *resourceapi.ResourceClaim) (*resourceapi.AllocationResult, error) {
 	alloc, err := structured.NewAllocator(ctx, Features, state, classes, slices, cache)
 	if err != nil {
 		return nil, err
@@ -273,13 +273,13 @@ func allocate(ctx context.Context, classes classLister, cache *cel.Cache, state 
 
 func (g *explainGen) next(ctx context.Context, index int, classes classLister, cache *cel.Cache) (*explainCase, structured.AllocatedState, error) {
 	c := &explainCase{index: index}
-	state := newState()
+	state := explainState()
 	g.present = nil
 	for n := range 1 + g.rng.IntN(2) {
-		shape := explainShape{policy: pick(g, explainPolicies()...), gpus: 1 + g.rng.IntN(3)}
+		shape := explainShape{policy: explainPick(g, explainPolicies()...), gpus: 1 + g.rng.IntN(3)}
 		var gpus []string
 		for range shape.gpus {
-			gpus = append(gpus, pick(g, g.models...))
+			gpus = append(gpus, explainPick(g, g.models...))
 		}
 		template, err := g.src.Slices(shape.policy, gpus)
 		if err != nil {
@@ -287,7 +287,7 @@ func (g *explainGen) next(ctx context.Context, index int, classes classLister, c
 		}
 		ns := ForNode(template, fmt.Sprintf("node-%d", n))
 		if g.rng.IntN(5) == 0 {
-			taintGPU(ns, g.rng.IntN(shape.gpus), pick(g, resourceapi.DeviceTaintEffectNoSchedule, resourceapi.DeviceTaintEffectNoExecute, resourceapi.DeviceTaintEffectNone))
+			explainTaint(ns, g.rng.IntN(shape.gpus), explainPick(g, resourceapi.DeviceTaintEffectNoSchedule, resourceapi.DeviceTaintEffectNoExecute, resourceapi.DeviceTaintEffectNone))
 		}
 		switch {
 		case shape.policy.Name == "e2e-mixed":
@@ -307,11 +307,11 @@ func (g *explainGen) next(ctx context.Context, index int, classes classLister, c
 	for h := range g.rng.IntN(7) {
 		claim := g.claim(fmt.Sprintf("held-%d", h), 1)
 		node := c.nodes[g.rng.IntN(len(c.nodes))].Node
-		result, err := allocate(ctx, classes, cache, state, slices, node, claim)
+		result, err := explainAllocate(ctx, classes, cache, state, slices, node, claim)
 		if err != nil || result == nil {
 			continue
 		}
-		record(&state, *result)
+		explainRecord(&state, *result)
 		claim.Status.Allocation = result
 		c.held = append(c.held, claim)
 	}
@@ -408,7 +408,7 @@ func TestExplainSaysFitsExactlyWhenTheStructuredAllocatorAllocates(t *testing.T)
 		}
 		v := verdict{c: c, want: map[string]bool{}, notes: map[string]string{}}
 		for _, n := range c.nodes {
-			result, err := allocate(ctx, classes, cache, state, c.slices(), n.Node, c.claim)
+			result, err := explainAllocate(ctx, classes, cache, state, c.slices(), n.Node, c.claim)
 			// An allocator error (a selector failing at runtime, a pool being updated) leaves the pod
 			// pending, as "does not fit" does.
 			v.want[n.Node] = err == nil && result != nil
