@@ -69,6 +69,16 @@ fn hash_of(slice: &ResourceSlice) -> Option<&str> {
         .map(String::as_str)
 }
 
+/// Drops from an existing slice what [`diff`] never reads: its devices, counters and managed fields.
+/// [`diff`] compares names, the content-hash annotation, the pool's generation and slice count, and
+/// takes the `resourceVersion` for a replace; the devices are ~99 % of a slice's size, and the controller
+/// keeps every slice of the cluster in its cache, so its memory is what it publishes, not what it reads.
+pub fn trim_to_what_diff_reads(slice: &mut ResourceSlice) {
+    slice.metadata.managed_fields = None;
+    slice.spec.devices = None;
+    slice.spec.shared_counters = None;
+}
+
 /// Compares desired pools with the existing slices of this driver; pools in `held` are not touched.
 pub fn diff(
     desired: &DesiredPools,

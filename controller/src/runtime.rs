@@ -21,6 +21,7 @@ use anyhow::Context as _;
 use chrono::Utc;
 use futures::StreamExt;
 use k8s_openapi::api::{coordination::v1::Lease, core::v1::Node, resource::v1::ResourceSlice};
+use kube::runtime::WatchStreamExt as _;
 use kube::{
     Api, Client, Config,
     api::{DeleteParams, Patch, PatchParams, PostParams},
@@ -43,7 +44,7 @@ use crate::{
     leader::{LeaderElector, LeaseError, LeaseStore},
     liveness::{Liveness, View},
     pool::{CONTENT_HASH_ANNOTATION, NodeRef},
-    pool_diff::Plan,
+    pool_diff::{Plan, trim_to_what_diff_reads},
     publisher::{ApiError, ClusterApi, Reconciler, Replica, Snapshot},
 };
 
@@ -296,6 +297,11 @@ impl Stores {
     }
 }
 
+/// What the cache of every watched kind drops: managed fields, which nothing in the controller reads.
+pub fn drop_managed_fields<K: kube::Resource>(object: &mut K) {
+    object.meta_mut().managed_fields = None;
+}
+
 /// A delay in `[d/2, d]`: replicas and watches that failed together do not retry together.
 fn jittered(d: Duration) -> Duration {
     use std::hash::{BuildHasher, RandomState};
@@ -311,6 +317,7 @@ pub async fn mirror<K>(
     mut writer: reflector::store::Writer<K>,
     api: Api<K>,
     config: watcher::Config,
+    trim: fn(&mut K),
     view: ViewCell,
     wake: Arc<Notify>,
 ) where
@@ -320,7 +327,7 @@ pub async fn mirror<K>(
     let mut lists = 0u64;
     let mut backoff = RELIST_INITIAL_BACKOFF;
     loop {
-        let mut events = std::pin::pin!(watcher(api.clone(), config.clone()));
+        let mut events = std::pin::pin!(watcher(api.clone(), config.clone()).modify(trim));
         while let Some(event) = events.next().await {
             match event {
                 Ok(event) => {
@@ -392,6 +399,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         inv_writer,
         Api::<NodeInventory>::all(client.clone()),
         wc(),
+        drop_managed_fields,
         views[0].clone(),
         Arc::clone(&notify),
     ));
@@ -400,6 +408,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         node_writer,
         Api::<PartialObjectMeta<Node>>::all(client.clone()),
         wc(),
+        drop_managed_fields,
         views[1].clone(),
         Arc::clone(&notify),
     ));
@@ -408,6 +417,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         pol_writer,
         Api::<GpuPolicy>::all(client.clone()),
         wc().fields(&format!("metadata.name={DEFAULT_POLICY_NAME}")),
+        drop_managed_fields,
         views[2].clone(),
         Arc::clone(&notify),
     ));
@@ -416,6 +426,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         slice_writer,
         Api::<ResourceSlice>::all(client.clone()),
         wc().fields(&format!("spec.driver={DRIVER_NAME}")),
+        trim_to_what_diff_reads,
         views[3].clone(),
         Arc::clone(&notify),
     ));

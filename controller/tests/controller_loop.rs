@@ -27,6 +27,7 @@ use tessera_controller::{
     leader::{InMemoryLease, LeaderElector},
     liveness::{Liveness, View},
     pool::NodeRef,
+    pool_diff::trim_to_what_diff_reads,
     publisher::{ApiError, ClusterApi, InMemoryApi, Reconciler, Replica, Snapshot},
     time::to_k8s_time,
     validate::validate_pool,
@@ -120,7 +121,16 @@ impl Cluster {
                 })
                 .collect(),
             policy: self.policy.clone(),
-            slices: api.slices(),
+            // As the runtime's cache holds them: without devices, so every test here also checks that the
+            // diff needs nothing the cache drops.
+            slices: api
+                .slices()
+                .into_iter()
+                .map(|mut s| {
+                    trim_to_what_diff_reads(&mut s);
+                    s
+                })
+                .collect(),
         }
     }
 }
@@ -677,4 +687,46 @@ spec:
     let c = &api.policy_status("default").unwrap().conditions[0];
     assert_eq!(c.reason, REASON_INVALID_MODEL);
     assert!(c.message.contains("overlap"), "{}", c.message);
+}
+
+#[tokio::test]
+async fn the_cache_keeps_of_a_slice_what_the_diff_reads_and_drops_its_devices() {
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
+    steps(2, &mut r, &mut cluster, &api).await;
+    let full = api.slices();
+    assert!(
+        full.iter()
+            .any(|s| s.spec.devices.as_ref().is_some_and(|d| !d.is_empty())),
+        "the fixture publishes devices"
+    );
+    for original in full {
+        let mut cached = original.clone();
+        trim_to_what_diff_reads(&mut cached);
+        assert_eq!(cached.spec.devices, None);
+        assert_eq!(cached.spec.shared_counters, None);
+        assert_eq!(cached.metadata.name, original.metadata.name);
+        assert_eq!(
+            cached.metadata.resource_version,
+            original.metadata.resource_version
+        );
+        assert_eq!(cached.metadata.annotations, original.metadata.annotations);
+        assert_eq!(cached.spec.pool, original.spec.pool);
+        assert_eq!(cached.spec.driver, original.spec.driver);
+        assert_eq!(cached.spec.node_name, original.spec.node_name);
+        let (size_full, size_cached) = (
+            serde_json::to_vec(&original).unwrap().len(),
+            serde_json::to_vec(&cached).unwrap().len(),
+        );
+        assert!(
+            size_cached * 10 < size_full || original.spec.devices.is_none(),
+            "{}: cached {size_cached} bytes of {size_full}",
+            original.metadata.name.as_deref().unwrap_or_default()
+        );
+    }
+    assert_eq!(
+        step(&mut r, &mut cluster, &api).await,
+        0,
+        "nothing changed, nothing written"
+    );
 }

@@ -253,6 +253,7 @@ async fn a_failed_watch_loses_the_view_until_a_fresh_list_completes() {
         writer,
         kube::Api::all(client),
         kube::runtime::watcher::Config::default(),
+        tessera_controller::runtime::drop_managed_fields,
         view.clone(),
         Arc::new(tokio::sync::Notify::new()),
     ));

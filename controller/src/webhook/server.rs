@@ -150,6 +150,7 @@ async fn watch_classes(kubeconfig: Option<&std::path::Path>) -> Result<Arc<Clust
         classes_writer,
         Api::all(client.clone()),
         watcher::Config::default(),
+        crate::runtime::drop_managed_fields,
         ViewCell::new(now),
         wake.clone(),
     ));
@@ -158,6 +159,8 @@ async fn watch_classes(kubeconfig: Option<&std::path::Path>) -> Result<Arc<Clust
         slices_writer,
         Api::all(client),
         watcher::Config::default().fields(&format!("spec.driver={DRIVER_NAME}")),
+        // The webhook judges classes by the devices, so it keeps them.
+        crate::runtime::drop_managed_fields,
         ViewCell::new(now),
         wake.clone(),
     ));
