@@ -12,8 +12,11 @@
 //! * `bootId` is the node's boot id when the checkpoint was written: a checkpoint from an earlier boot
 //!   describes MIG instances and CDI specs the reboot already erased, so it is discarded.
 //! * Each claim goes through two phases: [`Phase::PrepareStarted`] is written with the devices about to be
-//!   prepared *before* any hardware or CDI change, [`Phase::PrepareCompleted`] after. A record still in the
-//!   first phase at start-up was interrupted by a crash and is rolled back.
+//!   prepared *before* any hardware or CDI change, [`Phase::PrepareCompleted`] after, with what the
+//!   hardware returned (MIG ids). A record still in the first phase at start-up was interrupted by a crash
+//!   and is rolled back; what it cannot name (an instance created before the crash, whose ids were not
+//!   written yet) is destroyed by the start-up sweep of MIG instances no completed record holds. A claim
+//!   of whole GPUs only changes nothing that needs undoing and is written once, as `PrepareCompleted`.
 //!
 //! Writes are atomic: temp file, fsync of the temp file, rename. What that buys, and why it is enough:
 //!
@@ -120,6 +123,7 @@ pub enum DeviceDetail {
 
 /// A MIG device: identity known before preparing (GPU, profile, placement) and ids known only after
 /// creation (`None` until then, so a crash in between leaves a record that still says where to look).
+/// The ids reach the disk with `PrepareCompleted`, or with a record of a rollback that failed.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MigDetail {

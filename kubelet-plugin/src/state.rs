@@ -929,14 +929,13 @@ impl NodeState {
                         name: p.cdi_name.clone(),
                         container_edits: edits,
                     });
-                    if detail != record.devices[i].detail {
-                        record.devices[i].detail = detail;
-                        // Ids learned from the hardware (MIG instances) must be on disk before the next
-                        // step, or a crash now would leave instances nobody knows to destroy.
-                        if two_phase && let Err(e) = self.commit(Change::Put(record.clone())).await {
-                            return Err(self.abort(&record, i + 1, e.into()).await);
-                        }
-                    }
+                    // The ids learned from the hardware (MIG instances) go to disk with PrepareCompleted, not
+                    // in a write of their own: a crash before that leaves a PrepareStarted record, whose
+                    // rollback at start skips what has no ids, and then the start-up sweep destroys every
+                    // MIG instance no completed record holds, exactly as it already must for a crash
+                    // between creating a GPU instance and its compute instance. Until then the ids are in
+                    // memory, where a failed prepare's own rollback ([`Self::abort`]) needs them.
+                    record.devices[i].detail = detail;
                 }
                 Err(e) => return Err(self.abort(&record, i, e).await),
             }
@@ -1096,9 +1095,19 @@ impl NodeState {
         }
         .await;
         if let Err(undo) = undone {
-            // Marked, so the periodic reconcile retries it even if kubelet never asks for this claim again.
-            warn!(claim = %record.uid, error = %undo, "failed to roll back a failed prepare; will retry");
-            self.mark_failed(&record.uid, undo.to_string());
+            // Recorded, so the periodic reconcile retries it even if kubelet never asks for this claim
+            // again: the record as far as the hardware got (with the MIG ids the disk may not have yet),
+            // as PrepareStarted so that no retry of the prepare takes it for done.
+            error!(claim = %record.uid, error = %undo,
+                "failed to roll back a failed prepare; keeping its record and retrying later");
+            let failed = ClaimRecord {
+                phase: Phase::PrepareStarted,
+                recovery_error: Some(undo.to_string()),
+                ..record.clone()
+            };
+            if let Err(e) = self.commit(Change::Put(failed)).await {
+                warn!(claim = %record.uid, error = %e, "could not record a failed rollback");
+            }
         }
         error
     }

@@ -517,3 +517,52 @@ async fn a_claim_whose_rollback_fails_at_start_is_kept_reported_and_retried_whil
     assert!(!state.checkpoint().claims.contains_key(uid));
     assert!(state.problems().is_empty());
 }
+
+#[tokio::test]
+async fn a_crash_after_a_mig_instance_was_created_and_before_its_ids_reached_the_disk_is_undone_at_start() {
+    let node = TestNode::new();
+    let _stop = StopDaemons::new(&node);
+    let first = start(&node, BOOT_ID).await;
+    let r = add(
+        &node,
+        claim("slice")
+            .allocated("gpu-2-mig-3g-40gb-4")
+            .reserved_for_pod("p")
+            .build(),
+    );
+    first.state.prepare(&r).await.unwrap();
+    assert_eq!(instances(&node, 2).len(), 1);
+    drop(first);
+
+    // The disk as a kill -9 after the hardware step and the CDI spec leaves it: the instance exists, the
+    // record is still PrepareStarted with the planned device only (the ids are written with
+    // PrepareCompleted).
+    let store = CheckpointStore::new(&node.state_dir());
+    let Loaded::Current(mut cp) = store.load(BOOT_ID).unwrap() else {
+        panic!("the checkpoint should be of this boot");
+    };
+    let record = cp.claims.get_mut(&r.uid).unwrap();
+    record.phase = Phase::PrepareStarted;
+    let DeviceDetail::Mig(m) = &mut record.devices[0].detail else {
+        panic!("a MIG claim records a MIG device: {:?}", record.devices[0].detail);
+    };
+    (m.gpu_instance, m.compute_instance, m.uuid) = (None, None, None);
+    store.save(&cp).unwrap();
+    assert!(node.cdi_dir().read_dir().unwrap().count() > 0);
+
+    let restarted = start(&node, BOOT_ID).await;
+    assert_eq!(restarted.recovery.rolled_back, vec![r.uid.clone()]);
+    assert_eq!(restarted.recovery.destroyed_mig_instances, 1);
+    assert_eq!(
+        instances(&node, 2),
+        Vec::new(),
+        "the instance no record names must go"
+    );
+    assert!(restarted.state.checkpoint().claims.is_empty());
+    assert_eq!(restarted.state.cdi().claim_uids().unwrap(), Vec::<String>::new());
+    // kubelet, which never got an answer, prepares the claim again: its placement is free.
+    restarted.state.prepare(&r).await.unwrap();
+    assert_eq!(instances(&node, 2).len(), 1);
+    restarted.state.unprepare(&r).await.unwrap();
+    assert_eq!(instances(&node, 2), Vec::new());
+}

@@ -803,6 +803,16 @@ func sleep(ctx context.Context, d time.Duration) error {
 // stats are sorted durations.
 type stats []time.Duration
 
+// durationsWithZeros is durations keeping zeros, for times that may truly be zero.
+func durationsWithZeros(ts []timing, f func(timing) time.Duration) stats {
+	out := make(stats, 0, len(ts))
+	for _, t := range ts {
+		out = append(out, f(t))
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
+	return out
+}
+
 func durations(ts []timing, f func(timing) time.Duration) stats {
 	out := make(stats, 0, len(ts))
 	for _, t := range ts {
@@ -844,6 +854,14 @@ func pqm(s stats) string {
 	return fmt.Sprintf("%s / %s / %s", ms(s.q(0.5)), ms(s.q(0.99)), ms(s.max()))
 }
 
+// msZero is ms for a time that may be zero and is known (not missing).
+func msZero(d time.Duration) string {
+	if d <= 0 {
+		return "0 ms"
+	}
+	return ms(d)
+}
+
 func prepareMarkdown(o options, rows []row) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "# Prepare latency: kubelet's DRA manager → tessera-kubelet-plugin (simulated %d × %s)\n\n", gpus, o.model)
@@ -867,9 +885,10 @@ func prepareMarkdown(o options, rows []row) string {
 			overhead := durations(r.timings, func(t timing) time.Duration { return t.prepare - t.grpc })
 			kube = ms(overhead.q(0.5))
 			if r.nvmlKnown {
-				n := durations(r.timings, func(t timing) time.Duration { return t.nvml })
+				// A prepare may make no NVML call at all (a share joining a running MPS daemon): zeros count.
+				n := durationsWithZeros(r.timings, func(t timing) time.Duration { return t.nvml })
 				ownTime := durations(r.timings, func(t timing) time.Duration { return t.grpc - t.nvml })
-				nvml, less = pqm(n), pqm(ownTime)
+				nvml, less = fmt.Sprintf("%s / %s / %s", msZero(n.q(0.5)), msZero(n.q(0.99)), msZero(n.max())), pqm(ownTime)
 				// The MIG target is NVML's time plus at most 10 ms of tessera's: checked per call.
 				if mig {
 					p99 = ownTime.q(0.99)
@@ -882,7 +901,7 @@ func prepareMarkdown(o options, rows []row) string {
 			own = fmt.Sprintf("mean %s (calls overlap; p99 ≤ the pod's wait)", ms(r.grpcMean))
 			p99 = prep.q(0.99)
 			if r.nvmlKnown {
-				nvml = fmt.Sprintf("mean %s per prepare + unprepare", ms(r.nvmlCycleMean))
+				nvml = fmt.Sprintf("mean %s per prepare + unprepare", msZero(r.nvmlCycleMean))
 				less = "—"
 			}
 		}
