@@ -116,6 +116,7 @@ impl ClusterBuilder {
 struct ClaimBuilder {
     name: String,
     requests: Vec<Value>,
+    constraints: Vec<Value>,
     allocated: Vec<Value>,
 }
 
@@ -123,6 +124,7 @@ fn claim(name: &str) -> ClaimBuilder {
     ClaimBuilder {
         name: name.to_string(),
         requests: Vec::new(),
+        constraints: Vec::new(),
         allocated: Vec::new(),
     }
 }
@@ -176,6 +178,11 @@ impl ClaimBuilder {
         self
     }
 
+    fn constraint(mut self, kind: &str, attribute: &str) -> Self {
+        self.constraints.push(json!({kind: attribute}));
+        self
+    }
+
     /// Allocated already, holding these devices of `node` whole.
     fn holding(mut self, node: &str, devices: &[&str]) -> Self {
         for d in devices {
@@ -190,7 +197,7 @@ impl ClaimBuilder {
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaim",
             "metadata": {"name": self.name, "namespace": "default"},
-            "spec": {"devices": {"requests": self.requests}},
+            "spec": {"devices": {"requests": self.requests, "constraints": self.constraints}},
         });
         if !self.allocated.is_empty() {
             v["status"] = json!({"allocation": {"devices": {"results": self.allocated}}});
@@ -593,7 +600,10 @@ fn help_documents_the_exit_codes_and_what_is_not_modelled() {
 
     assert_eq!(code, 0);
     assert!(text.contains("Exit status: 0 when everything fits"), "{text}");
-    assert!(text.contains("Not modelled: matchAttribute"), "{text}");
+    assert!(
+        text.contains("Not modelled: slices selected by nodeSelector"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -620,4 +630,33 @@ fn a_selector_failing_at_runtime_is_the_error_the_scheduler_stops_with() {
             .starts_with("selector fails: "),
         "{alt:?}"
     );
+}
+
+#[test]
+fn a_match_attribute_constraint_no_two_devices_can_meet_is_named_and_a_distinct_one_fits() {
+    // Two whole GPUs never share an index; two different ones always do not.
+    let c = cluster()
+        .node("gpu-node-0", "h100-whole")
+        .claim(
+            claim("same")
+                .exactly("a", ask("gpu.tessera.dev"))
+                .exactly("b", ask("gpu.tessera.dev"))
+                .constraint("matchAttribute", "gpu.tessera.dev/index"),
+        )
+        .claim(
+            claim("apart")
+                .exactly("a", ask("gpu.tessera.dev"))
+                .exactly("b", ask("gpu.tessera.dev"))
+                .constraint("distinctAttribute", "gpu.tessera.dev/index"),
+        );
+
+    let same = c.explain("claim/same");
+    let apart = c.explain("claim/apart");
+
+    assert!(!same.fits);
+    assert_eq!(
+        same.nodes[0].reason.as_deref(),
+        Some("each request fits alone, but not all together under matchAttribute gpu.tessera.dev/index")
+    );
+    assert!(apart.fits, "{}", apart.to_text());
 }

@@ -22,12 +22,13 @@ import (
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/dynamic-resource-allocation/cel"
 	"k8s.io/dynamic-resource-allocation/structured"
+	"k8s.io/utils/ptr"
 )
 
 // The agreement property: on generated tessera-shaped clusters (slices rendered by tessera's own binaries
 // under the whole, shares and default dynamic-MIG policies, some GPUs tainted, some devices already held
 // by claims the allocator itself placed) and generated claims (counts, selectors, capacity requests,
-// firstAvailable, allocationMode All, tolerations), `kubectl-tessera explain -o json` says a claim fits
+// firstAvailable, allocationMode All, tolerations, matchAttribute/distinctAttribute), `kubectl-tessera explain -o json` says a claim fits
 // on a node exactly when Kubernetes' structured allocator allocates it there.
 
 const (
@@ -220,6 +221,24 @@ func (g *explainGen) claim(name string, maxRequests int) *resourceapi.ResourceCl
 		}
 		e := g.exact()
 		c.Spec.Devices.Requests = append(c.Spec.Devices.Requests, resourceapi.DeviceRequest{Name: name, Exactly: &e})
+	}
+	if g.rng.IntN(4) == 0 {
+		// A constraint across the claim's requests (or within one request of several devices).
+		attr := explainPick(g, "gpu.tessera.dev/index", "gpu.tessera.dev/productName", "resource.kubernetes.io/pcieRoot", "gpu.tessera.dev/profile")
+		var requests []string
+		if g.rng.IntN(2) == 0 {
+			requests = []string{c.Spec.Devices.Requests[0].Name}
+			if subs := c.Spec.Devices.Requests[0].FirstAvailable; len(subs) > 0 && g.rng.IntN(2) == 0 {
+				requests = []string{c.Spec.Devices.Requests[0].Name + "/" + subs[0].Name}
+			}
+		}
+		constraint := resourceapi.DeviceConstraint{Requests: requests}
+		if g.rng.IntN(2) == 0 {
+			constraint.MatchAttribute = ptr.To(resourceapi.FullyQualifiedName(attr))
+		} else {
+			constraint.DistinctAttribute = ptr.To(resourceapi.FullyQualifiedName(attr))
+		}
+		c.Spec.Devices.Constraints = append(c.Spec.Devices.Constraints, constraint)
 	}
 	return c
 }

@@ -19,9 +19,10 @@ use super::{Cluster, ExplainError, Target, explain, input};
 /// What explain leaves out, shown in `--help`.
 pub const NOT_MODELLED: &str = "\
 Scope: each node is evaluated on its own, as the scheduler's filter does: every request alone (with its \
-firstAvailable alternatives in order), then all pending claims of the pod together, with the devices, \
+firstAvailable alternatives in order), then all pending claims of the pod together (with their matchAttribute and \
+distinctAttribute constraints), with the devices, \
 shared counters (MIG placements) and consumable capacity (shares) that allocated claims already hold. \
-Not modelled: matchAttribute/distinctAttribute constraints (ignored), slices selected by nodeSelector or \
+Not modelled: slices selected by nodeSelector or \
 per-device node selection (only nodeName and allNodes slices count), DeviceTaintRules, binding \
 conditions, claims the scheduler has reserved but not yet written, pods asking for extended resources \
 (nvidia.com/gpu) without a claim, node affinity and every non-DRA scheduling condition. A selector that \

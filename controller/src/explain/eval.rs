@@ -8,7 +8,7 @@ use k8s_openapi::api::resource::v1::{DeviceCapacity, DeviceClass, DeviceTaint, D
 
 use super::{
     model::{Counters, NodeDevice, NodeModel, PoolId},
-    request::{Alternative, MAX_DEVICES_PER_CLAIM},
+    request::{Alternative, Constraint, MAX_DEVICES_PER_CLAIM},
 };
 use crate::cel::{CelEnv, Quantity, Selector};
 
@@ -56,6 +56,10 @@ pub enum Failure {
         left: Quantity,
         claims: Vec<String>,
     },
+    /// Only found by the search: the device breaks a claim constraint with the devices chosen before it.
+    Constraint {
+        constraint: String,
+    },
 }
 
 impl Failure {
@@ -68,6 +72,7 @@ impl Failure {
             Failure::NoCapacity { .. } | Failure::CapacityOver { .. } | Failure::CapacityPolicy { .. } => 3,
             Failure::Tainted { .. } => 4,
             Failure::InUse { .. } | Failure::Counters { .. } | Failure::CapacityLeft { .. } => 5,
+            Failure::Constraint { .. } => 6,
         }
     }
 
@@ -126,6 +131,9 @@ impl std::fmt::Display for Failure {
                 left,
                 claims,
             } => write!(f, "{name} {requested} > {left} left after {}", names(claims)),
+            Failure::Constraint { constraint } => {
+                write!(f, "{constraint} differs from the devices chosen with it")
+            }
         }
     }
 }
@@ -418,6 +426,67 @@ enum Stop {
 /// The search's budget: the allocator itself has no such limit but the scheduler's filter has a timeout.
 const MAX_STEPS: u64 = 2_000_000;
 
+/// An attribute value as constraints compare it: scalars by type and value; lists never compare equal.
+#[derive(Clone, Debug)]
+enum AttrValue {
+    Bool(bool),
+    Int(i64),
+    String(String),
+    Version(String),
+    Other,
+}
+
+impl AttrValue {
+    fn same(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Bool(a), Self::Bool(b)) => a == b,
+            (Self::Int(a), Self::Int(b)) => a == b,
+            (Self::String(a), Self::String(b)) | (Self::Version(a), Self::Version(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+/// `lookupAttribute`: the fully qualified name, else the bare name when the domain is the driver's.
+fn attribute(dev: &NodeDevice<'_>, name: &str) -> Option<AttrValue> {
+    let attrs = dev.device.attributes.as_ref()?;
+    let a = attrs.get(name).or_else(|| {
+        let (domain, id) = name.split_once('/')?;
+        (domain == dev.id.0).then(|| attrs.get(id)).flatten()
+    })?;
+    Some(if let Some(b) = a.bool {
+        AttrValue::Bool(b)
+    } else if let Some(i) = a.int {
+        AttrValue::Int(i)
+    } else if let Some(s) = &a.string {
+        AttrValue::String(s.clone())
+    } else if let Some(v) = &a.version {
+        AttrValue::Version(v.clone())
+    } else {
+        AttrValue::Other
+    })
+}
+
+/// One constraint during the search, with the values of the devices added under it.
+struct ConstraintState {
+    constraint: Constraint,
+    values: Vec<AttrValue>,
+}
+
+impl ConstraintState {
+    /// `add` of the allocator's match/distinct constraints; monotonic, as the allocator assumes.
+    fn admits(&self, v: &AttrValue) -> bool {
+        if self.constraint.distinct {
+            self.values.iter().all(|x| match (v, x) {
+                (AttrValue::Other, _) => false,
+                _ => !v.same(x),
+            })
+        } else {
+            self.values.first().is_none_or(|first| v.same(first))
+        }
+    }
+}
+
 pub struct Search<'n, 'a> {
     node: &'n NodeModel<'a>,
     state: &'n super::model::AllocatedState,
@@ -429,6 +498,8 @@ pub struct Search<'n, 'a> {
     /// Counters this search has consumed, per pool.
     counters: BTreeMap<PoolId, Counters>,
     per_claim: Vec<usize>,
+    /// Per claim: its constraints.
+    constraints: Vec<Vec<ConstraintState>>,
     steps: u64,
 }
 
@@ -436,10 +507,22 @@ impl<'n, 'a> Search<'n, 'a> {
     pub fn new(
         node: &'n NodeModel<'a>,
         state: &'n super::model::AllocatedState,
-        claims: usize,
+        constraints: Vec<Vec<Constraint>>,
         requests: Vec<(usize, Vec<(&'n Alternative, Candidates)>)>,
     ) -> Self {
+        let claims = constraints.len();
         Self {
+            constraints: constraints
+                .into_iter()
+                .map(|cs| {
+                    cs.into_iter()
+                        .map(|constraint| ConstraintState {
+                            constraint,
+                            values: Vec::new(),
+                        })
+                        .collect()
+                })
+                .collect(),
             node,
             state,
             requests,
@@ -537,7 +620,18 @@ impl<'n, 'a> Search<'n, 'a> {
                 }
                 continue;
             }
-            let Ok(taken) = self.take(alt, d) else { continue };
+            let taken = match self.take(alt, d, claim) {
+                Ok(taken) => taken,
+                // For `All` the allocator treats a constraint that rules out one of the devices as an
+                // error in the claim, not as "try something else".
+                Err(Failure::Constraint { constraint }) if all => {
+                    let name = self.node.devices[d].name();
+                    return Err(Stop::Error(format!(
+                        "allocationMode All: {name} breaks the claim's {constraint}"
+                    )));
+                }
+                Err(_) => continue,
+            };
             self.per_claim[claim] += 1;
             let next = if all { 0 } else { start + offset + 1 };
             let done = self.solve_alt(ri, ai, picked + 1, next);
@@ -642,8 +736,28 @@ impl<'n, 'a> Search<'n, 'a> {
         })
     }
 
-    fn take(&mut self, alt: &Alternative, d: usize) -> Result<Undo, Failure> {
+    fn take(&mut self, alt: &Alternative, d: usize, claim: usize) -> Result<Undo, Failure> {
         let taken = self.check(alt, d)?;
+        // The claim's constraints, after what the device itself needs (as allocateDevice orders them).
+        let dev = &self.node.devices[d];
+        let mut added = Vec::new();
+        for (i, c) in self.constraints[claim].iter().enumerate() {
+            if !c.constraint.applies_to(alt) {
+                continue;
+            }
+            match attribute(dev, &c.constraint.attribute) {
+                Some(v) if c.admits(&v) => added.push((i, v)),
+                _ => {
+                    return Err(Failure::Constraint {
+                        constraint: c.constraint.to_string(),
+                    });
+                }
+            }
+        }
+        let constraints: Vec<usize> = added.iter().map(|(i, _)| *i).collect();
+        for (i, v) in added {
+            self.constraints[claim][i].values.push(v);
+        }
         let undo = Undo {
             previous_counters: taken
                 .counters
@@ -652,6 +766,8 @@ impl<'n, 'a> Search<'n, 'a> {
             pool: taken.pool.clone(),
             capacity: taken.capacity.is_some(),
             exclusive: taken.exclusive,
+            claim,
+            constraints,
         };
         if let Some(c) = taken.counters {
             self.counters.insert(taken.pool, c);
@@ -666,6 +782,9 @@ impl<'n, 'a> Search<'n, 'a> {
     }
 
     fn give_back(&mut self, d: usize, undo: Undo) {
+        for i in &undo.constraints {
+            self.constraints[undo.claim][*i].values.pop();
+        }
         if undo.exclusive {
             self.exclusive.remove(&d);
         }
@@ -703,4 +822,6 @@ struct Undo {
     previous_counters: Option<Option<Counters>>,
     capacity: bool,
     exclusive: bool,
+    claim: usize,
+    constraints: Vec<usize>,
 }

@@ -348,6 +348,7 @@ fn alternative_reason(
     class_found: bool,
     diag: &Diagnosis,
     outcome: &Outcome,
+    constraints: &[request::Constraint],
 ) -> String {
     if !class_found {
         return format!("DeviceClass {} does not exist", alt.class);
@@ -386,8 +387,21 @@ fn alternative_reason(
         };
     }
     if free >= alt.count {
+        let applying: Vec<String> = constraints
+            .iter()
+            .filter(|c| c.applies_to(alt))
+            .map(ToString::to_string)
+            .collect();
+        let why = if applying.is_empty() {
+            "they share counters or capacity".to_string()
+        } else {
+            format!(
+                "they share counters or capacity, or break {}",
+                applying.join(", ")
+            )
+        };
         return format!(
-            "{free} matching devices are free one at a time, but no {} of them fit together (they share counters or capacity)",
+            "{free} matching devices are free one at a time, but no {} of them fit together ({why})",
             alt.count
         );
     }
@@ -411,7 +425,7 @@ fn diagnose<'a>(
     state: &AllocatedState,
     alt: &Alternative,
 ) -> (Diagnosis, Candidates) {
-    let probe = Search::new(model, state, 1, Vec::new());
+    let probe = Search::new(model, state, vec![Vec::new()], Vec::new());
     let mut diag = Vec::new();
     let mut cands = Candidates {
         devices: Vec::new(),
@@ -522,7 +536,13 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
                         }
                     }
                     let outcome = if class_found {
-                        Search::new(model, &state, 1, vec![(0, vec![(alt, cands)])]).run()
+                        Search::new(
+                            model,
+                            &state,
+                            vec![claim.constraints.clone()],
+                            vec![(0, vec![(alt, cands)])],
+                        )
+                        .run()
                     } else {
                         Outcome::DoesNotFit
                     };
@@ -550,7 +570,9 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
                         name: alt.name.clone(),
                         asks: asks(alt),
                         fits,
-                        reason: (!fits).then(|| alternative_reason(model, alt, class_found, &diag, &outcome)),
+                        reason: (!fits).then(|| {
+                            alternative_reason(model, alt, class_found, &diag, &outcome, &claim.constraints)
+                        }),
                         closest,
                     });
                 }
@@ -625,7 +647,8 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
         let outcome = if any_missing_class {
             Outcome::DoesNotFit
         } else {
-            Search::new(model, &state, resolved.pending.len(), requests).run()
+            let constraints = resolved.pending.iter().map(|c| c.constraints.clone()).collect();
+            Search::new(model, &state, constraints, requests).run()
         };
         node_verdicts.push(NodeVerdict {
             node: model.name.clone(),
@@ -650,7 +673,19 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
         v.reason = Some(if v.undecided {
             "undecided: the search gave up (too many combinations)".into()
         } else if failing.is_empty() {
-            "each request fits alone, but not all together".into()
+            let constraints: Vec<String> = resolved
+                .pending
+                .iter()
+                .flat_map(|c| c.constraints.iter().map(ToString::to_string))
+                .collect();
+            if constraints.is_empty() {
+                "each request fits alone, but not all together".into()
+            } else {
+                format!(
+                    "each request fits alone, but not all together under {}",
+                    constraints.join(", ")
+                )
+            }
         } else {
             format!("request {} does not fit", failing.join(", "))
         });

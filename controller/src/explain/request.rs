@@ -18,6 +18,9 @@ pub const MAX_DEVICES_PER_CLAIM: usize = 32;
 pub struct Alternative {
     /// `request` or `request/subrequest`.
     pub name: String,
+    /// The request's name, and the subrequest's for a `firstAvailable` entry (constraints name either).
+    pub request: String,
+    pub sub: Option<String>,
     pub class: String,
     pub selectors: Vec<String>,
     /// `allocationMode: All`.
@@ -36,12 +39,42 @@ pub struct Request {
     pub first_available: bool,
 }
 
+/// A claim's `matchAttribute` or `distinctAttribute` constraint.
+#[derive(Clone, Debug)]
+pub struct Constraint {
+    /// The requests (or `request/subrequest`s) it applies to; empty for all of them.
+    pub requests: Vec<String>,
+    /// Fully qualified attribute name.
+    pub attribute: String,
+    pub distinct: bool,
+}
+
+impl Constraint {
+    pub fn applies_to(&self, alt: &Alternative) -> bool {
+        self.requests.is_empty()
+            || self.requests.contains(&alt.request)
+            || (alt.sub.is_some() && self.requests.contains(&alt.name))
+    }
+}
+
+impl std::fmt::Display for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = if self.distinct {
+            "distinctAttribute"
+        } else {
+            "matchAttribute"
+        };
+        write!(f, "{kind} {}", self.attribute)
+    }
+}
+
 /// The requests of one claim (or template) to evaluate.
 #[derive(Clone, Debug)]
 pub struct ClaimInput {
     /// `claim ns/name` or `template ns/name`.
     pub label: String,
     pub requests: Vec<Request>,
+    pub constraints: Vec<Constraint>,
 }
 
 struct Fields<'a> {
@@ -54,7 +87,16 @@ struct Fields<'a> {
     admin_access: Option<bool>,
 }
 
-fn alternative(label: &str, name: String, f: Fields<'_>) -> Result<Alternative, ExplainError> {
+fn alternative(
+    label: &str,
+    request: &str,
+    sub: Option<&str>,
+    f: Fields<'_>,
+) -> Result<Alternative, ExplainError> {
+    let name = match sub {
+        Some(sub) => format!("{request}/{sub}"),
+        None => request.to_string(),
+    };
     let bad = |field: &str, message: String| ExplainError::BadRequest {
         claim: label.to_string(),
         field: format!("{name}.{field}"),
@@ -95,6 +137,8 @@ fn alternative(label: &str, name: String, f: Fields<'_>) -> Result<Alternative, 
     }
     Ok(Alternative {
         name,
+        request: request.to_string(),
+        sub: sub.map(str::to_string),
         class: f.class.to_string(),
         selectors,
         all,
@@ -116,7 +160,8 @@ impl ClaimInput {
             let alternatives = match (&r.exactly, &r.first_available) {
                 (Some(e), None) => vec![alternative(
                     &label,
-                    r.name.clone(),
+                    &r.name,
+                    None,
                     Fields {
                         class: &e.device_class_name,
                         selectors: e.selectors.as_ref(),
@@ -132,7 +177,8 @@ impl ClaimInput {
                     .map(|s| {
                         alternative(
                             &label,
-                            format!("{}/{}", r.name, s.name),
+                            &r.name,
+                            Some(&s.name),
                             Fields {
                                 class: &s.device_class_name,
                                 selectors: s.selectors.as_ref(),
@@ -159,6 +205,32 @@ impl ClaimInput {
                 alternatives,
             });
         }
-        Ok(Self { label, requests })
+        let mut constraints = Vec::new();
+        let given = spec
+            .and_then(|s| s.devices.as_ref())
+            .and_then(|d| d.constraints.as_ref());
+        for (i, c) in given.into_iter().flatten().enumerate() {
+            let (attribute, distinct) = match (&c.match_attribute, &c.distinct_attribute) {
+                (Some(a), None) => (a.clone(), false),
+                (None, Some(a)) => (a.clone(), true),
+                _ => {
+                    return Err(ExplainError::BadRequest {
+                        claim: label.clone(),
+                        field: format!("constraints[{i}]"),
+                        message: "needs exactly one of matchAttribute or distinctAttribute".into(),
+                    });
+                }
+            };
+            constraints.push(Constraint {
+                requests: c.requests.clone().unwrap_or_default(),
+                attribute,
+                distinct,
+            });
+        }
+        Ok(Self {
+            label,
+            requests,
+            constraints,
+        })
     }
 }
