@@ -107,6 +107,18 @@ impl ClusterBuilder {
         self
     }
 
+    /// A device-plugin-era pod: its container asks for `gpus` of the extended resource `nvidia.com/gpu`.
+    fn legacy_pod(mut self, pod: &str, gpus: i64) -> Self {
+        let p: Pod = serde_json::from_value(json!({
+            "metadata": {"name": pod, "namespace": "default"},
+            "spec": {"containers": [{"name": "cuda", "image": "cuda",
+                "resources": {"limits": {"nvidia.com/gpu": gpus.to_string()}}}]},
+        }))
+        .unwrap();
+        self.cluster.pods.push(p);
+        self
+    }
+
     fn explain(&self, target: &str) -> Report {
         explain(&self.cluster, &Target::parse(target, "default").unwrap()).unwrap()
     }
@@ -659,4 +671,24 @@ fn a_match_attribute_constraint_no_two_devices_can_meet_is_named_and_a_distinct_
         Some("each request fits alone, but not all together under matchAttribute gpu.tessera.dev/index")
     );
     assert!(apart.fits, "{}", apart.to_text());
+}
+
+#[test]
+fn a_pod_asking_for_nvidia_gpus_is_explained_as_the_claim_the_scheduler_makes_for_it() {
+    // gpu.tessera.dev carries extendedResourceName: nvidia.com/gpu.
+    let c = cluster()
+        .node("gpu-node-0", "h100-whole")
+        .legacy_pod("two", 2)
+        .legacy_pod("nine", 9);
+
+    let two = c.explain("pod/two");
+    let nine = c.explain("pod/nine");
+
+    assert!(two.fits, "{}", two.to_text());
+    assert!(!nine.fits);
+    assert_eq!(
+        nine.summary,
+        "pod default/nine does not fit on any of 1 node: request nvidia.com/gpu: gpu-node-0: count 9 > 8 \
+         matching devices on this node"
+    );
 }

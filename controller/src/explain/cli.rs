@@ -24,8 +24,10 @@ distinctAttribute constraints), with the devices, \
 shared counters (MIG placements) and consumable capacity (shares) that allocated claims already hold. \
 Not modelled: slices selected by nodeSelector or \
 per-device node selection (only nodeName and allNodes slices count), DeviceTaintRules, binding \
-conditions, claims the scheduler has reserved but not yet written, pods asking for extended resources \
-(nvidia.com/gpu) without a claim, node affinity and every non-DRA scheduling condition. A selector that \
+conditions, claims the scheduler has reserved but not yet written, nodes that serve an extended resource \
+(nvidia.com/gpu) through a device plugin (a pod asking for one is explained as the claim the scheduler \
+makes from the DeviceClass with that extendedResourceName), node affinity and every non-DRA scheduling \
+condition. A selector that \
 fails at runtime (a missing attribute) ends a node's evaluation with that error where the allocator would \
 evaluate it, as the scheduler does; the device is listed with the error.";
 

@@ -231,9 +231,104 @@ fn resolve(cluster: &Cluster, target: &Target) -> Result<Resolved, ExplainError>
                     )?);
                 }
             }
+            let extended = pod
+                .status
+                .as_ref()
+                .and_then(|s| s.extended_resource_claim_status.as_ref());
+            match extended {
+                Some(st) => {
+                    let claim =
+                        find(&cluster.claims, namespace, &st.resource_claim_name).ok_or_else(|| {
+                            not_found(
+                                "ResourceClaim",
+                                namespace,
+                                &st.resource_claim_name,
+                                &format!(" (pod {name}'s extendedResourceClaimStatus names it)"),
+                            )
+                        })?;
+                    add_claim(&mut out, claim)?;
+                }
+                None => {
+                    if let Some(c) = extended_resource_claim(cluster, pod, namespace, name) {
+                        out.pending.push(c);
+                    }
+                }
+            }
         }
     }
     Ok(out)
+}
+
+/// The claim kube-scheduler makes for a pod that asks for an extended resource a DeviceClass serves
+/// (`extendedResourceName`, or `deviceclass.resource.kubernetes.io/<class>`): one request of that class per
+/// resource, as many devices as the pod needs at once (its containers together, or its largest init
+/// container if that is more).
+fn extended_resource_claim(cluster: &Cluster, pod: &Pod, namespace: &str, name: &str) -> Option<ClaimInput> {
+    let spec = pod.spec.as_ref()?;
+    let class_for = |resource: &str| -> Option<String> {
+        cluster.classes.iter().find_map(|c| {
+            let class = c.metadata.name.clone()?;
+            let served = c.spec.as_ref().and_then(|s| s.extended_resource_name.as_deref()) == Some(resource)
+                || resource == format!("deviceclass.resource.kubernetes.io/{class}");
+            served.then_some(class)
+        })
+    };
+    let amounts = |c: &k8s_openapi::api::core::v1::Container| -> BTreeMap<String, i64> {
+        let r = c.resources.as_ref();
+        let mut out = BTreeMap::new();
+        for list in [
+            r.and_then(|r| r.requests.as_ref()),
+            r.and_then(|r| r.limits.as_ref()),
+        ] {
+            for (k, q) in list.into_iter().flatten() {
+                if let Some(v) = Quantity::parse(&q.0).ok().and_then(|q| q.as_integer()) {
+                    let e = out.entry(k.clone()).or_insert(0);
+                    *e = (*e).max(v);
+                }
+            }
+        }
+        out
+    };
+    let mut need: BTreeMap<String, i64> = BTreeMap::new();
+    for c in &spec.containers {
+        for (k, v) in amounts(c) {
+            *need.entry(k).or_insert(0) += v;
+        }
+    }
+    for c in spec.init_containers.iter().flatten() {
+        for (k, v) in amounts(c) {
+            let e = need.entry(k).or_insert(0);
+            *e = (*e).max(v);
+        }
+    }
+    let requests: Vec<request::Request> = need
+        .into_iter()
+        .filter(|(_, v)| *v > 0)
+        .filter_map(|(resource, count)| {
+            let class = class_for(&resource)?;
+            Some(request::Request {
+                name: resource.clone(),
+                first_available: false,
+                alternatives: vec![Alternative {
+                    name: resource.clone(),
+                    request: resource,
+                    sub: None,
+                    class,
+                    selectors: Vec::new(),
+                    all: false,
+                    count: count as usize,
+                    capacity: BTreeMap::new(),
+                    tolerations: Vec::new(),
+                    admin_access: false,
+                }],
+            })
+        })
+        .collect();
+    (!requests.is_empty()).then(|| ClaimInput {
+        label: format!("pod {namespace}/{name}'s extended resources"),
+        requests,
+        constraints: Vec::new(),
+    })
 }
 
 fn asks(alt: &Alternative) -> String {
