@@ -77,6 +77,8 @@ type explainCase struct {
 	shapes []explainShape
 	held   []*resourceapi.ResourceClaim
 	claim  *resourceapi.ResourceClaim
+	// second, when set, makes the case a pod with both claims, which the allocator places together.
+	second *resourceapi.ResourceClaim
 }
 
 func (c *explainCase) slices() []*resourceapi.ResourceSlice {
@@ -85,6 +87,13 @@ func (c *explainCase) slices() []*resourceapi.ResourceSlice {
 		out = append(out, n.Slices...)
 	}
 	return out
+}
+
+func (c *explainCase) pending() []*resourceapi.ResourceClaim {
+	if c.second == nil {
+		return []*resourceapi.ResourceClaim{c.claim}
+	}
+	return []*resourceapi.ResourceClaim{c.claim, c.second}
 }
 
 func (c *explainCase) describe() string {
@@ -99,8 +108,10 @@ func (c *explainCase) describe() string {
 		}
 		fmt.Fprintf(&b, "held by %s: %s\n", h.Name, strings.Join(devs, ", "))
 	}
-	spec, _ := json.Marshal(c.claim.Spec)
-	fmt.Fprintf(&b, "claim spec: %s\n", spec)
+	for _, claim := range c.pending() {
+		spec, _ := json.Marshal(claim.Spec)
+		fmt.Fprintf(&b, "claim %s spec: %s\n", claim.Name, spec)
+	}
 	return b.String()
 }
 
@@ -277,13 +288,14 @@ func explainRecord(state *structured.AllocatedState, result resourceapi.Allocati
 	}
 }
 
-// explainAllocate runs the structured allocator for the claim on one node, as the scheduler's Filter does.
-func explainAllocate(ctx context.Context, classes classLister, cache *cel.Cache, state structured.AllocatedState, slices []*resourceapi.ResourceSlice, node string, claim *resourceapi.ResourceClaim) (*resourceapi.AllocationResult, error) {
+// explainAllocate runs the structured allocator for a pod's claims on one node, as the scheduler's Filter
+// does, and returns the first claim's result.
+func explainAllocate(ctx context.Context, classes classLister, cache *cel.Cache, state structured.AllocatedState, slices []*resourceapi.ResourceSlice, node string, claims ...*resourceapi.ResourceClaim) (*resourceapi.AllocationResult, error) {
 	alloc, err := structured.NewAllocator(ctx, Features, state, classes, slices, cache)
 	if err != nil {
 		return nil, err
 	}
-	results, err := alloc.Allocate(ctx, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: node}}, []*resourceapi.ResourceClaim{claim})
+	results, err := alloc.Allocate(ctx, &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: node}}, claims)
 	if err != nil || len(results) == 0 {
 		return nil, err
 	}
@@ -335,6 +347,9 @@ func (g *explainGen) next(ctx context.Context, index int, classes classLister, c
 		c.held = append(c.held, claim)
 	}
 	c.claim = g.claim("pending", 2)
+	if g.rng.IntN(5) == 0 {
+		c.second = g.claim("pending-2", 1)
+	}
 	return c, state, nil
 }
 
@@ -361,10 +376,26 @@ func runExplain(dir string, c *explainCase, classes []*resourceapi.DeviceClass) 
 		o.APIVersion, o.Kind = "resource.k8s.io/v1", "ResourceSlice"
 		items = append(items, o)
 	}
-	for _, o := range append(append([]*resourceapi.ResourceClaim{}, c.held...), c.claim) {
+	for _, o := range append(append([]*resourceapi.ResourceClaim{}, c.held...), c.pending()...) {
 		o := o.DeepCopy()
 		o.APIVersion, o.Kind = "resource.k8s.io/v1", "ResourceClaim"
 		items = append(items, o)
+	}
+	target := "claim/" + c.claim.Name
+	if c.second != nil {
+		pod := &v1.Pod{
+			TypeMeta:   metav1.TypeMeta{APIVersion: "v1", Kind: "Pod"},
+			ObjectMeta: metav1.ObjectMeta{Name: "pending-pod", Namespace: "default"},
+			Spec: v1.PodSpec{
+				Containers: []v1.Container{{Name: "ctr", Image: "pause"}},
+				ResourceClaims: []v1.PodResourceClaim{
+					{Name: "one", ResourceClaimName: ptr.To(c.claim.Name)},
+					{Name: "two", ResourceClaimName: ptr.To(c.second.Name)},
+				},
+			},
+		}
+		items = append(items, pod)
+		target = "pod/" + pod.Name
 	}
 	data, err := json.Marshal(map[string]any{"apiVersion": "v1", "kind": "List", "items": items})
 	if err != nil {
@@ -374,7 +405,7 @@ func runExplain(dir string, c *explainCase, classes []*resourceapi.DeviceClass) 
 	if err := os.WriteFile(file, data, 0o644); err != nil {
 		return nil, "", err
 	}
-	cmd := exec.Command(explainBin, "explain", "claim/"+c.claim.Name, "-n", "default", "--from-file", file, "-o", "json")
+	cmd := exec.Command(explainBin, "explain", target, "-n", "default", "--from-file", file, "-o", "json")
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err = cmd.Run()
@@ -427,7 +458,7 @@ func TestExplainSaysFitsExactlyWhenTheStructuredAllocatorAllocates(t *testing.T)
 		}
 		v := verdict{c: c, want: map[string]bool{}, notes: map[string]string{}}
 		for _, n := range c.nodes {
-			result, err := explainAllocate(ctx, classes, cache, state, c.slices(), n.Node, c.claim)
+			result, err := explainAllocate(ctx, classes, cache, state, c.slices(), n.Node, c.pending()...)
 			// An allocator error (a selector failing at runtime, a pool being updated) leaves the pod
 			// pending, as "does not fit" does.
 			v.want[n.Node] = err == nil && result != nil
@@ -457,10 +488,13 @@ func TestExplainSaysFitsExactlyWhenTheStructuredAllocatorAllocates(t *testing.T)
 	close(work)
 	wg.Wait()
 
-	fit, notFit, nodeChecks, mismatches := 0, 0, 0, 0
+	fit, notFit, nodeChecks, mismatches, pods := 0, 0, 0, 0, 0
 	for i, v := range verdicts {
 		if errs[i] != nil {
 			t.Fatalf("case %d: %v\n%s", i, errs[i], v.c.describe())
+		}
+		if v.c.second != nil {
+			pods++
 		}
 		anyFit := false
 		for _, n := range reports[i].Nodes {
@@ -493,8 +527,8 @@ func TestExplainSaysFitsExactlyWhenTheStructuredAllocatorAllocates(t *testing.T)
 			notFit++
 		}
 	}
-	t.Logf("explain agreement: %d cases (seed %d): %d fit on some node, %d fit nowhere; %d node verdicts compared, %d disagree",
-		len(verdicts), seed, fit, notFit, nodeChecks, mismatches)
+	t.Logf("explain agreement: %d cases (seed %d, %d of them pods with two claims): %d fit on some node, %d fit nowhere; %d node verdicts compared, %d disagree",
+		len(verdicts), seed, pods, fit, notFit, nodeChecks, mismatches)
 	if !t.Failed() {
 		os.RemoveAll(keep)
 	} else {
