@@ -394,6 +394,7 @@ impl<'c> Selectors<'c> {
 // === the search ===
 
 /// One alternative's candidates on a node: devices passing the static checks, in the allocator's order.
+#[derive(Clone, Debug)]
 pub struct Candidates {
     /// The devices the search visits, in the allocator's order: those passing the static checks, and
     /// (`Some(message)`) those whose selector fails at runtime, which abort the allocation when visited.

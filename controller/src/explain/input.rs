@@ -65,7 +65,12 @@ fn add(cluster: &mut Cluster, path: &str, v: Value, list_kind: Option<&str>) -> 
             )
         })?;
     if kind == "List" || kind.ends_with("List") {
-        let items = v.get("items").cloned().unwrap_or(Value::Array(Vec::new()));
+        // Moved out, not cloned: a cluster's slices can be tens of megabytes.
+        let mut v = v;
+        let items = v
+            .as_object_mut()
+            .and_then(|o| o.remove("items"))
+            .unwrap_or(Value::Array(Vec::new()));
         let inner = kind.strip_suffix("List").filter(|k| !k.is_empty());
         return add(cluster, path, items, inner);
     }

@@ -594,6 +594,9 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
     let mut request_reports: Vec<Vec<RequestReport>> = Vec::new();
     // Per (claim, request): the largest amount any device offers of the capacity it lacks, and where.
     let mut best_capacity: BTreeMap<(usize, usize), (Quantity, String, String)> = BTreeMap::new();
+    // Per (node, claim, request, alternative): the candidates, kept for the search of all requests together
+    // (evaluating selectors is most of explain's time).
+    let mut kept: BTreeMap<(usize, usize, usize, usize), Candidates> = BTreeMap::new();
 
     for (ci, claim) in resolved.pending.iter().enumerate() {
         let mut reqs = Vec::new();
@@ -601,13 +604,14 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
             let mut per_node = Vec::new();
             // How close each (node, alternative) came: the furthest stage any device reached.
             let mut closeness: Vec<Vec<u8>> = Vec::new();
-            for model in &models {
+            for (ni, model) in models.iter().enumerate() {
                 let mut alts_out = Vec::new();
                 let mut node_closeness = Vec::new();
                 let mut fits_node = false;
-                for alt in &req.alternatives {
+                for (ai, alt) in req.alternatives.iter().enumerate() {
                     let class_found = selectors.class(&alt.class).is_some();
                     let (diag, cands) = diagnose(&mut selectors, model, &state, alt);
+                    kept.insert((ni, ci, ri, ai), cands.clone());
                     for (d, f) in &diag {
                         if let Some(Failure::CapacityOver {
                             name,
@@ -722,14 +726,20 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
     }
 
     // All pending claims' requests together, per node.
-    for model in &models {
+    for (ni, model) in models.iter().enumerate() {
         let mut requests = Vec::new();
         for (ci, claim) in resolved.pending.iter().enumerate() {
-            for req in &claim.requests {
+            for (ri, req) in claim.requests.iter().enumerate() {
                 let alts = req
                     .alternatives
                     .iter()
-                    .map(|alt| (alt, diagnose(&mut selectors, model, &state, alt).1))
+                    .enumerate()
+                    .map(|(ai, alt)| {
+                        let cands = kept
+                            .remove(&(ni, ci, ri, ai))
+                            .expect("every alternative was diagnosed above");
+                        (alt, cands)
+                    })
                     .collect();
                 requests.push((ci, alts));
             }
