@@ -692,3 +692,20 @@ fn a_pod_asking_for_nvidia_gpus_is_explained_as_the_claim_the_scheduler_makes_fo
          matching devices on this node"
     );
 }
+
+#[test]
+fn an_allocated_claim_is_reported_with_its_devices_and_fits() {
+    let c = cluster().node("gpu-node-0", "h100-whole").claim(
+        claim("done")
+            .exactly("gpu", ask("gpu.tessera.dev"))
+            .holding("gpu-node-0", &["gpu-3"]),
+    );
+
+    let report = c.explain("claim/done");
+
+    assert!(report.fits);
+    assert_eq!(
+        report.summary,
+        "claim default/done is allocated already: gpu-node-0/gpu-3"
+    );
+}

@@ -805,7 +805,11 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
         .collect();
     let fits = !pending || !fit_nodes.is_empty();
     let summary = if !pending {
-        format!("{label}: every claim is allocated already")
+        match (target, resolved.allocated.as_slice()) {
+            (Target::Claim { .. }, [(_, devices)]) => format!("{label} is allocated already: {devices}"),
+            (_, []) => format!("{label} asks for no devices"),
+            _ => format!("{label}: every claim is allocated already"),
+        }
     } else if fits {
         format!("{label} fits on {}", fit_nodes.join(", "))
     } else {
