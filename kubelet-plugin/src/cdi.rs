@@ -164,7 +164,7 @@ impl CdiDir {
     /// either no file or a whole one. The temporary name starts with `.` and does not end in `.json`, so CDI
     /// caches never load it.
     ///
-    /// Not fsynced ([`Durability::ProcessCrash`]): a plugin crash (kill -9, OOM, upgrade) keeps the page cache,
+    /// Not fsynced (`Durability::ProcessCrash`): a plugin crash (kill -9, OOM, upgrade) keeps the page cache,
     /// so the renamed file is whole for the runtime and for the restarted plugin. Only a power loss can tear
     /// it, and that is a new boot: the checkpoint of the old boot is not trusted, a record is re-adopted only
     /// when its spec still parses (`spec_present`), and every spec no record owns is removed once the API

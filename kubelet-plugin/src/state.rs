@@ -26,7 +26,7 @@
 //! Concurrency: claims on different GPUs prepare in parallel; only claims sharing a GPU wait for each
 //! other. The checkpoint is one file; its writes (a few KiB and one fsync) run on blocking threads and are
 //! group-committed, so concurrent prepares share one write instead of queueing for one each
-//! ([`journal`]).
+//! (`state/journal.rs`).
 
 mod journal;
 mod recovery;
