@@ -383,3 +383,36 @@ fn nvidias_mps_tool_runs_with_the_driver_roots_path_and_libraries() {
         "{out}"
     );
 }
+
+#[test]
+fn a_control_tool_that_exits_without_reading_its_command_reports_its_own_error() {
+    let root = tempfile::tempdir().unwrap();
+    let bin = root.path().join("usr/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let tool = bin.join("nvidia-cuda-mps-control");
+    // Closes stdin at once, as a control tool that cannot reach its daemon gives up before reading.
+    std::fs::write(
+        &tool,
+        "#!/bin/sh\nexec 0<&-\necho 'Cannot find MPS control daemon process' >&2\nexit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let mps = MpsManager::new(
+        state.path(),
+        Launcher::Nvidia {
+            control: tool,
+            driver_root: root.path().to_path_buf(),
+        },
+    );
+    for _ in 0..20 {
+        let err = mps
+            .send("gpu-0", "get_default_active_thread_percentage")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("Cannot find MPS control daemon process"),
+            "the tool's own message, not a broken pipe: {err}"
+        );
+    }
+}

@@ -515,7 +515,12 @@ fn run_with_timeout(
         .spawn()
         .map_err(io)?;
     if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
-        writeln!(stdin, "{text}").map_err(io)?;
+        // A tool that exits without reading its command (it printed an error, say) may close the pipe
+        // before this write: its exit status and stderr, collected below, say more than EPIPE would.
+        match writeln!(stdin, "{text}") {
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+            written => written.map_err(io)?,
+        }
     }
     let deadline = Instant::now() + timeout;
     loop {
