@@ -15,7 +15,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
-use tessera_api::{DRIVER_NAME, NodeInventory};
+use sha2::{Digest, Sha256};
+use tessera_api::{DRIVER_NAME, NodeInventory, NodeInventorySpec};
 
 use crate::{
     devices::Model,
@@ -79,6 +80,104 @@ pub fn trim_to_what_diff_reads(slice: &mut ResourceSlice) {
     slice.spec.shared_counters = None;
 }
 
+/// What [`diff`] reads of one desired slice to tell whether the pool is unchanged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceSummary {
+    pub name: Option<String>,
+    /// The [`CONTENT_HASH_ANNOTATION`].
+    pub hash: Option<String>,
+}
+
+/// What [`diff`] reads of a desired pool to tell whether it is unchanged: each slice's name and content
+/// hash (the slice count is their number). A few hundred bytes per node where the slices are ~1 MB.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PoolSummary {
+    pub slices: Vec<SliceSummary>,
+}
+
+impl PoolSummary {
+    pub fn of(slices: &[ResourceSlice]) -> Self {
+        Self {
+            slices: slices
+                .iter()
+                .map(|s| SliceSummary {
+                    name: s.metadata.name.clone(),
+                    hash: hash_of(s).map(str::to_string),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The existing slices of this driver, by pool.
+fn existing_by_pool(existing: &[ResourceSlice]) -> BTreeMap<&str, Vec<&ResourceSlice>> {
+    let mut by_pool: BTreeMap<&str, Vec<&ResourceSlice>> = BTreeMap::new();
+    for s in existing.iter().filter(|s| s.spec.driver == DRIVER_NAME) {
+        by_pool.entry(s.spec.pool.name.as_str()).or_default().push(s);
+    }
+    by_pool
+}
+
+/// Adds to `plan` the writes for one pool. `want` summarizes the desired slices (empty: the pool should
+/// not exist); `render` gives them in full and is called only when the pool has to be written.
+fn diff_pool(
+    pool: &str,
+    want: &PoolSummary,
+    render: impl FnOnce() -> Vec<ResourceSlice>,
+    have: &[&ResourceSlice],
+    generations: &mut Generations,
+    plan: &mut Plan,
+) {
+    if want.slices.is_empty() {
+        plan.deletes
+            .extend(have.iter().filter_map(|s| s.metadata.name.clone()));
+        return;
+    }
+    let have_by_name: BTreeMap<&str, &ResourceSlice> = have
+        .iter()
+        .filter_map(|s| Some((s.metadata.name.as_deref()?, *s)))
+        .collect();
+    let generations_seen: BTreeSet<i64> = have.iter().map(|s| s.spec.pool.generation).collect();
+    let unchanged = have.len() == want.slices.len()
+        && generations_seen.len() == 1
+        && have
+            .iter()
+            .all(|s| s.spec.pool.resource_slice_count == want.slices.len() as i64)
+        && want.slices.iter().all(|w| {
+            w.name
+                .as_deref()
+                .and_then(|n| have_by_name.get(n))
+                .is_some_and(|h| hash_of(h) == w.hash.as_deref())
+        });
+    let max_seen = generations_seen.last().copied().unwrap_or(0);
+    if unchanged {
+        let g = generations.entry(pool.to_string()).or_default();
+        *g = (*g).max(max_seen);
+        return;
+    }
+    let generation = max_seen.max(generations.get(pool).copied().unwrap_or(0)) + 1;
+    generations.insert(pool.to_string(), generation);
+    let want = render();
+    let count = want.len() as i64;
+    let wanted_names: BTreeSet<String> = want.iter().filter_map(|w| w.metadata.name.clone()).collect();
+    for mut slice in want {
+        slice.spec.pool.generation = generation;
+        slice.spec.pool.resource_slice_count = count;
+        match slice.metadata.name.as_deref().and_then(|n| have_by_name.get(n)) {
+            Some(existing) => {
+                slice.metadata.resource_version = existing.metadata.resource_version.clone();
+                plan.updates.push(slice);
+            }
+            None => plan.creates.push(slice),
+        }
+    }
+    plan.deletes.extend(
+        have.iter()
+            .filter_map(|s| s.metadata.name.clone())
+            .filter(|n| !wanted_names.contains(n)),
+    );
+}
+
 /// Compares desired pools with the existing slices of this driver; pools in `held` are not touched.
 pub fn diff(
     desired: &DesiredPools,
@@ -86,10 +185,7 @@ pub fn diff(
     held: &BTreeSet<String>,
     generations: &mut Generations,
 ) -> Plan {
-    let mut by_pool: BTreeMap<&str, Vec<&ResourceSlice>> = BTreeMap::new();
-    for s in existing.iter().filter(|s| s.spec.driver == DRIVER_NAME) {
-        by_pool.entry(s.spec.pool.name.as_str()).or_default().push(s);
-    }
+    let by_pool = existing_by_pool(existing);
     let mut plan = Plan::default();
     let pools: BTreeSet<&str> = desired
         .keys()
@@ -100,53 +196,13 @@ pub fn diff(
     for pool in pools {
         let have = by_pool.get(pool).map(Vec::as_slice).unwrap_or_default();
         let want = desired.get(pool).map(Vec::as_slice).unwrap_or_default();
-        if want.is_empty() {
-            plan.deletes
-                .extend(have.iter().filter_map(|s| s.metadata.name.clone()));
-            continue;
-        }
-        let have_by_name: BTreeMap<&str, &ResourceSlice> = have
-            .iter()
-            .filter_map(|s| Some((s.metadata.name.as_deref()?, *s)))
-            .collect();
-        let generations_seen: BTreeSet<i64> = have.iter().map(|s| s.spec.pool.generation).collect();
-        let unchanged = have.len() == want.len()
-            && generations_seen.len() == 1
-            && have
-                .iter()
-                .all(|s| s.spec.pool.resource_slice_count == want.len() as i64)
-            && want.iter().all(|w| {
-                w.metadata
-                    .name
-                    .as_deref()
-                    .and_then(|n| have_by_name.get(n))
-                    .is_some_and(|h| hash_of(h) == hash_of(w))
-            });
-        let max_seen = generations_seen.last().copied().unwrap_or(0);
-        if unchanged {
-            let g = generations.entry(pool.to_string()).or_default();
-            *g = (*g).max(max_seen);
-            continue;
-        }
-        let generation = max_seen.max(generations.get(pool).copied().unwrap_or(0)) + 1;
-        generations.insert(pool.to_string(), generation);
-        let wanted_names: BTreeSet<&str> = want.iter().filter_map(|w| w.metadata.name.as_deref()).collect();
-        for w in want {
-            let mut slice = w.clone();
-            slice.spec.pool.generation = generation;
-            slice.spec.pool.resource_slice_count = want.len() as i64;
-            match w.metadata.name.as_deref().and_then(|n| have_by_name.get(n)) {
-                Some(existing) => {
-                    slice.metadata.resource_version = existing.metadata.resource_version.clone();
-                    plan.updates.push(slice);
-                }
-                None => plan.creates.push(slice),
-            }
-        }
-        plan.deletes.extend(
-            have.iter()
-                .filter_map(|s| s.metadata.name.clone())
-                .filter(|n| !wanted_names.contains(n.as_str())),
+        diff_pool(
+            pool,
+            &PoolSummary::of(want),
+            || want.to_vec(),
+            have,
+            generations,
+            &mut plan,
         );
     }
     plan
@@ -200,4 +256,154 @@ pub fn desired_pools(inputs: &Inputs<'_>) -> DesiredPools {
         }
     }
     pools
+}
+
+/// Identifies the inventory spec a pool was rendered from, without holding the spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum SpecVersion {
+    /// NodeInventory has the status subresource (`deployments/crds/`), so the API server bumps
+    /// `metadata.generation` on a spec change and never on the heartbeat (a status write); a recreated
+    /// inventory has a new uid. Comparing these is O(1) per node and tick.
+    Generation { uid: String, generation: i64 },
+    /// An inventory without uid or generation (one not read from an API server, as in tests and
+    /// `render`): a hash of its spec.
+    SpecHash([u8; 32]),
+}
+
+impl SpecVersion {
+    fn of(inventory: &NodeInventory) -> Self {
+        if let (Some(uid), Some(generation)) = (&inventory.metadata.uid, inventory.metadata.generation) {
+            return Self::Generation {
+                uid: uid.clone(),
+                generation,
+            };
+        }
+        // Serializing a spec of derived `Serialize` types cannot fail; an empty hash would only cost a
+        // re-render.
+        let bytes = serde_json::to_vec(&inventory.spec).unwrap_or_default();
+        Self::SpecHash(Sha256::digest(&bytes).into())
+    }
+}
+
+/// Everything [`node_slices`] reads for one node.
+#[derive(Clone, Debug, PartialEq)]
+struct RenderKey {
+    node: NodeRef,
+    spec: SpecVersion,
+    /// The model of each GPU, in inventory order.
+    models: Vec<Model>,
+    features: ApiFeatures,
+}
+
+/// Per node: the key a pool was last rendered under and what [`diff`] needs of the result. Unchanged
+/// pools are then decided without rendering them, and the controller never holds a copy of every
+/// published device: full slices exist only for pools being written, until the writes are done.
+#[derive(Debug, Default)]
+pub struct RenderCache {
+    entries: BTreeMap<String, (RenderKey, PoolSummary)>,
+    renders: u64,
+}
+
+impl RenderCache {
+    /// How many times a node's slices were rendered ([`node_slices`]) since the cache was made.
+    pub fn renders(&self) -> u64 {
+        self.renders
+    }
+
+    /// Nodes with a cached summary.
+    pub fn nodes(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+}
+
+/// [`node_slices`] for `key`, counted in `renders`.
+fn render(key: &RenderKey, inventory: &NodeInventorySpec, renders: &mut u64) -> Vec<ResourceSlice> {
+    *renders += 1;
+    let models = |index: u32| {
+        inventory
+            .gpus
+            .iter()
+            .position(|g| g.index == index)
+            .and_then(|i| key.models.get(i).cloned())
+            .unwrap_or(Model::Default)
+    };
+    node_slices(&key.node, inventory, &models, key.features)
+}
+
+/// [`diff`] of [`desired_pools`] against `existing`, rendering a node's slices only when what they are
+/// rendered from changed since the last call, or when its pool has to be written. Drops the cache
+/// entries of nodes that are gone (no Node or no inventory). Returns the plan and the names of the pools
+/// that should exist.
+pub fn diff_cached(
+    inputs: &Inputs<'_>,
+    existing: &[ResourceSlice],
+    held: &BTreeSet<String>,
+    generations: &mut Generations,
+    cache: &mut RenderCache,
+) -> (Plan, BTreeSet<String>) {
+    // As in `desired_pools`, the last inventory of a node wins.
+    let mut publishing: BTreeMap<&str, &NodeInventory> = BTreeMap::new();
+    for inv in inputs.inventories {
+        let name = inv.spec.node_name.as_str();
+        if inputs.nodes.contains_key(name) && (inputs.verdict)(name) == Verdict::Publish {
+            publishing.insert(name, inv);
+        }
+    }
+    let with_inventory: BTreeSet<&str> = inputs
+        .inventories
+        .iter()
+        .map(|i| i.spec.node_name.as_str())
+        .filter(|n| inputs.nodes.contains_key(*n))
+        .collect();
+    let RenderCache { entries, renders } = cache;
+    entries.retain(|n, _| with_inventory.contains(n.as_str()));
+
+    let by_pool = existing_by_pool(existing);
+    let mut plan = Plan::default();
+    let pools: BTreeSet<&str> = publishing
+        .keys()
+        .copied()
+        .chain(by_pool.keys().copied())
+        .filter(|p| !held.contains(*p))
+        .collect();
+    let empty = PoolSummary::default();
+    let mut desired = BTreeSet::new();
+    for pool in pools {
+        let have = by_pool.get(pool).map(Vec::as_slice).unwrap_or_default();
+        let (Some(inv), Some(node)) = (publishing.get(pool), inputs.nodes.get(pool)) else {
+            diff_pool(pool, &empty, Vec::new, have, generations, &mut plan);
+            continue;
+        };
+        let key = RenderKey {
+            node: node.clone(),
+            spec: SpecVersion::of(inv),
+            models: inv
+                .spec
+                .gpus
+                .iter()
+                .map(|g| {
+                    inputs
+                        .assignments
+                        .get(&(pool.to_string(), g.index))
+                        .cloned()
+                        .unwrap_or(Model::Default)
+                })
+                .collect(),
+            features: inputs.features,
+        };
+        // A render made to learn the hashes is kept for the writes, so a changed pool renders once.
+        let mut fresh = None;
+        if entries.get(pool).is_none_or(|(k, _)| *k != key) {
+            let slices = render(&key, &inv.spec, renders);
+            entries.insert(pool.to_string(), (key.clone(), PoolSummary::of(&slices)));
+            fresh = Some(slices);
+        }
+        let summary = &entries[pool].1;
+        if !summary.slices.is_empty() {
+            desired.insert(pool.to_string());
+        }
+        let slices = || fresh.unwrap_or_else(|| render(&key, &inv.spec, renders));
+        diff_pool(pool, summary, slices, have, generations, &mut plan);
+    }
+    (plan, desired)
 }

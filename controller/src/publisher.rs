@@ -13,7 +13,11 @@
 //!                              ClusterApi
 //! ```
 
-use std::{collections::BTreeMap, sync::Mutex, time::Instant};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Mutex,
+    time::Instant,
+};
 
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::resource::v1::ResourceSlice;
@@ -29,7 +33,7 @@ use crate::{
     liveness::{Liveness, View},
     policy::{Assignments, CompiledPolicy, PolicyProblem, valid_condition},
     pool::NodeRef,
-    pool_diff::{DesiredPools, Generations, Inputs, Plan, desired_pools, diff, held_pools},
+    pool_diff::{Generations, Inputs, Plan, RenderCache, diff_cached, held_pools},
 };
 
 /// Error of an API call, as the runtime reports it.
@@ -82,23 +86,25 @@ pub struct Snapshot {
 pub struct Decision {
     /// `None` while the policy is invalid and no valid one was seen since start: nothing is written.
     pub plan: Option<Plan>,
-    /// The desired pools behind `plan`.
-    pub desired: DesiredPools,
+    /// Pools that should exist: nodes that exist and whose plugin is alive, with something to publish.
+    /// Names only: the slices of pools being written are in `plan`, the others are never rendered.
+    pub desired: BTreeSet<String>,
     /// Pools left as they are this round (see [`crate::liveness::Verdict::Hold`]).
-    pub held: std::collections::BTreeSet<String>,
+    pub held: BTreeSet<String>,
     /// The policy status to write, when it differs from the stored one.
     pub status: Option<(String, GpuPolicyStatus)>,
     pub problem: Option<PolicyProblem>,
 }
 
-/// Turns snapshots into writes, remembering the last valid policy, the pool generations it wrote and
-/// what it saw of each node's heartbeat.
+/// Turns snapshots into writes, remembering the last valid policy, the pool generations it wrote, what
+/// it saw of each node's heartbeat and what each node's pool was last rendered from.
 pub struct Reconciler {
     cel: CelEnv,
     pub features: ApiFeatures,
     pub liveness: Liveness,
     last_valid: Option<CompiledPolicy>,
     generations: Generations,
+    renders: RenderCache,
 }
 
 impl Reconciler {
@@ -109,7 +115,13 @@ impl Reconciler {
             liveness,
             last_valid: None,
             generations: Generations::new(),
+            renders: RenderCache::default(),
         }
+    }
+
+    /// The per-node render cache (for tests and metrics: how often pools were rendered).
+    pub fn render_cache(&self) -> &RenderCache {
+        &self.renders
     }
 
     /// Records the snapshot's heartbeats at `mono` (the monotonic clock). Idempotent for one snapshot, so
@@ -170,7 +182,7 @@ impl Reconciler {
         let Some(assignments) = assignments else {
             return Decision {
                 plan: None,
-                desired: DesiredPools::new(),
+                desired: BTreeSet::new(),
                 held: Default::default(),
                 status,
                 problem,
@@ -185,9 +197,14 @@ impl Reconciler {
             features: self.features,
             verdict: &verdict,
         };
-        let desired = desired_pools(&inputs);
         let held = held_pools(&inputs, &snap.slices);
-        let plan = diff(&desired, &snap.slices, &held, &mut self.generations);
+        let (plan, desired) = diff_cached(
+            &inputs,
+            &snap.slices,
+            &held,
+            &mut self.generations,
+            &mut self.renders,
+        );
         Decision {
             plan: Some(plan),
             desired,
