@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make e2e`: fresh cluster (`make up` without the examples), the e2e scenarios (e2e/k8s/e2etest,
 # compiled to e2e/bin/e2e.test), then `make down`. KEEP_CLUSTER=1 leaves the cluster running;
-# E2E_RUN='regexp' selects scenarios (go test -run).
+# E2E_RUN='regexp' selects scenarios (go test -run). Without it the fault suite's TestFaults* scenarios are
+# skipped here: `make test-faults` runs them on a cluster of their own (E2E_RUN=Faults runs them here).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 start=$(date +%s)
@@ -23,9 +24,10 @@ SKIP_EXAMPLES=1 "$E2E_DIR/scripts/up.sh"
 up_done=$(date +%s)
 
 step "e2e scenarios (log: $LOG_DIR/e2e.log)"
+if [[ -n "${E2E_RUN:-}" ]]; then select=(-test.run "$E2E_RUN"); else select=(-test.skip '^TestFaults'); fi
 set +e
 (cd "$REPO_ROOT" && RUN_DIR="$RUN_DIR" E2E_REPO_ROOT="$REPO_ROOT" NODES="$NODES" GPUS="$GPUS" MODEL="$MODEL" NODE_PREFIX="$NODE_PREFIX" \
-  "$BIN_DIR/e2e.test" -test.v -test.timeout 20m ${E2E_RUN:+-test.run "$E2E_RUN"}) 2>&1 | tee "$LOG_DIR/e2e.log"
+  "$BIN_DIR/e2e.test" -test.v -test.timeout 20m "${select[@]}") 2>&1 | tee "$LOG_DIR/e2e.log"
 rc=${PIPESTATUS[0]}
 set -e
 end=$(date +%s)
