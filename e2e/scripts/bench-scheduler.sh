@@ -8,21 +8,9 @@
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
-export RUN_DIR="${BENCH_RUN_DIR:-$repo/.run-bench}"
-export ETCD_PORT="${BENCH_ETCD_PORT:-23890}" ETCD_PEER_PORT="${BENCH_ETCD_PEER_PORT:-23900}"
-export API_PORT="${BENCH_API_PORT:-16543}" SCHEDULER_PORT="${BENCH_SCHEDULER_PORT:-16559}"
-export CONTROLLER_MANAGER_PORT="${BENCH_CONTROLLER_MANAGER_PORT:-16557}"
-export NODES=0 SKIP_DRIVER=1 SKIP_EXAMPLES=1 POLICY=none
+source "$here/bench-cluster.sh"
+bench_cluster_env "$repo/.run-bench" 23890 23900 16543 16559 16557
 
-cleanup() {
-  if [[ "${KEEP_CLUSTER:-0}" != 1 ]]; then
-    "$here/down.sh" > /dev/null || echo "warning: stopping the bench cluster in $RUN_DIR failed" >&2
-  else
-    echo "bench cluster left running: KUBECONFIG=$RUN_DIR/pki/admin.kubeconfig; RUN_DIR=$RUN_DIR make down stops it"
-  fi
-}
-"$here/down.sh" > /dev/null 2>&1 || true
-trap cleanup EXIT
-"$here/up.sh"
+bench_cluster_up
 cd "$repo/e2e/bench"
 GOTOOLCHAIN=local go run . -kubeconfig "$RUN_DIR/pki/admin.kubeconfig" "$@"
