@@ -349,31 +349,56 @@ fn discover_cdi_prints_the_spec_a_claim_would_get_and_names_the_gpus_it_leaves_o
     );
 }
 
+/// A GPU Operator style driver root (tools and libraries not on the plugin's own paths) whose
+/// `nvidia-cuda-mps-control` is `script`, and an [`MpsManager`] launching it.
+struct FakeControlTool {
+    root: tempfile::TempDir,
+    _state: tempfile::TempDir,
+    mps: MpsManager,
+}
+
+impl FakeControlTool {
+    fn with_script(script: &str) -> Self {
+        let root = tempfile::tempdir().unwrap();
+        let bin = root.path().join("usr/bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::create_dir_all(root.path().join("usr/lib/x86_64-linux-gnu")).unwrap();
+        let tool = bin.join("nvidia-cuda-mps-control");
+        std::fs::write(&tool, script).unwrap();
+        std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let mps = MpsManager::new(
+            state.path(),
+            Launcher::Nvidia {
+                control: tool,
+                driver_root: root.path().to_path_buf(),
+            },
+        );
+        Self {
+            root,
+            _state: state,
+            mps,
+        }
+    }
+
+    fn send(&self) -> Result<String, String> {
+        self.mps
+            .send("gpu-0", "get_default_active_thread_percentage")
+            .map_err(|e| e.to_string())
+    }
+}
+
 #[test]
 fn nvidias_mps_tool_runs_with_the_driver_roots_path_and_libraries() {
-    // A GPU Operator style driver root: the tools and libraries are not on the plugin's own paths.
-    let root = tempfile::tempdir().unwrap();
-    let bin = root.path().join("usr/bin");
-    let lib = root.path().join("usr/lib/x86_64-linux-gnu");
-    std::fs::create_dir_all(&bin).unwrap();
-    std::fs::create_dir_all(&lib).unwrap();
-    let tool = bin.join("nvidia-cuda-mps-control");
     // Prints what the control daemon would use to find nvidia-cuda-mps-server and libcuda.
-    std::fs::write(
-        &tool,
+    let fake = FakeControlTool::with_script(
         "#!/bin/sh\necho \"PATH=$PATH\"\necho \"LD_LIBRARY_PATH=$LD_LIBRARY_PATH\"\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let state = tempfile::tempdir().unwrap();
-    let mps = MpsManager::new(
-        state.path(),
-        Launcher::Nvidia {
-            control: tool,
-            driver_root: root.path().to_path_buf(),
-        },
     );
-    let out = mps.send("gpu-0", "get_default_active_thread_percentage").unwrap();
+    let out = fake.send().unwrap();
+    let (bin, lib) = (
+        fake.root.path().join("usr/bin"),
+        fake.root.path().join("usr/lib/x86_64-linux-gnu"),
+    );
     assert!(
         out.contains(&format!("PATH={}", bin.display())),
         "the driver root's binaries must come first: {out}"
@@ -386,30 +411,12 @@ fn nvidias_mps_tool_runs_with_the_driver_roots_path_and_libraries() {
 
 #[test]
 fn a_control_tool_that_exits_without_reading_its_command_reports_its_own_error() {
-    let root = tempfile::tempdir().unwrap();
-    let bin = root.path().join("usr/bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    let tool = bin.join("nvidia-cuda-mps-control");
     // Closes stdin at once, as a control tool that cannot reach its daemon gives up before reading.
-    std::fs::write(
-        &tool,
+    let fake = FakeControlTool::with_script(
         "#!/bin/sh\nexec 0<&-\necho 'Cannot find MPS control daemon process' >&2\nexit 1\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let state = tempfile::tempdir().unwrap();
-    let mps = MpsManager::new(
-        state.path(),
-        Launcher::Nvidia {
-            control: tool,
-            driver_root: root.path().to_path_buf(),
-        },
     );
     for _ in 0..20 {
-        let err = mps
-            .send("gpu-0", "get_default_active_thread_percentage")
-            .unwrap_err()
-            .to_string();
+        let err = fake.send().unwrap_err();
         assert!(
             err.contains("Cannot find MPS control daemon process"),
             "the tool's own message, not a broken pipe: {err}"
