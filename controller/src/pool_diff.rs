@@ -45,6 +45,13 @@ impl Plan {
         self.creates.len() + self.updates.len() + self.deletes.len()
     }
 
+    /// Appends `other`'s writes.
+    pub fn extend(&mut self, other: Plan) {
+        self.creates.extend(other.creates);
+        self.updates.extend(other.updates);
+        self.deletes.extend(other.deletes);
+    }
+
     /// Pools the plan touches.
     pub fn pools(&self) -> BTreeSet<String> {
         self.creates
@@ -118,20 +125,20 @@ fn existing_by_pool(existing: &[ResourceSlice]) -> BTreeMap<&str, Vec<&ResourceS
     by_pool
 }
 
-/// Adds to `plan` the writes for one pool. `want` summarizes the desired slices (empty: the pool should
-/// not exist); `render` gives them in full and is called only when the pool has to be written.
+/// The writes for one pool. `want` summarizes the desired slices (empty: the pool should not exist);
+/// `render` gives them in full and is called only when the pool has to be written.
 fn diff_pool(
     pool: &str,
     want: &PoolSummary,
     render: impl FnOnce() -> Vec<ResourceSlice>,
     have: &[&ResourceSlice],
     generations: &mut Generations,
-    plan: &mut Plan,
-) {
+) -> Plan {
+    let mut plan = Plan::default();
     if want.slices.is_empty() {
         plan.deletes
             .extend(have.iter().filter_map(|s| s.metadata.name.clone()));
-        return;
+        return plan;
     }
     let have_by_name: BTreeMap<&str, &ResourceSlice> = have
         .iter()
@@ -153,7 +160,7 @@ fn diff_pool(
     if unchanged {
         let g = generations.entry(pool.to_string()).or_default();
         *g = (*g).max(max_seen);
-        return;
+        return plan;
     }
     let generation = max_seen.max(generations.get(pool).copied().unwrap_or(0)) + 1;
     generations.insert(pool.to_string(), generation);
@@ -176,6 +183,7 @@ fn diff_pool(
             .filter_map(|s| s.metadata.name.clone())
             .filter(|n| !wanted_names.contains(n)),
     );
+    plan
 }
 
 /// Compares desired pools with the existing slices of this driver; pools in `held` are not touched.
@@ -196,32 +204,31 @@ pub fn diff(
     for pool in pools {
         let have = by_pool.get(pool).map(Vec::as_slice).unwrap_or_default();
         let want = desired.get(pool).map(Vec::as_slice).unwrap_or_default();
-        diff_pool(
+        plan.extend(diff_pool(
             pool,
             &PoolSummary::of(want),
             || want.to_vec(),
             have,
             generations,
-            &mut plan,
-        );
+        ));
     }
     plan
 }
 
-/// What the desired pools are built from.
-pub struct Inputs<'a> {
+/// What the desired pools are built from; `'v` is the verdict's, which may be shorter.
+pub struct Inputs<'a, 'v> {
     pub inventories: &'a [NodeInventory],
     /// Nodes that exist, by name.
     pub nodes: &'a BTreeMap<String, NodeRef>,
     pub assignments: &'a Assignments,
     pub features: ApiFeatures,
     /// What [`crate::liveness`] says of a node's pool.
-    pub verdict: &'a dyn Fn(&str) -> Verdict,
+    pub verdict: &'v dyn Fn(&str) -> Verdict,
 }
 
 /// The pools to leave as they are: those of existing nodes (with slices or an inventory) whose verdict is
 /// [`Verdict::Hold`].
-pub fn held_pools(inputs: &Inputs<'_>, existing: &[ResourceSlice]) -> BTreeSet<String> {
+pub fn held_pools(inputs: &Inputs<'_, '_>, existing: &[ResourceSlice]) -> BTreeSet<String> {
     inputs
         .inventories
         .iter()
@@ -233,7 +240,7 @@ pub fn held_pools(inputs: &Inputs<'_>, existing: &[ResourceSlice]) -> BTreeSet<S
 }
 
 /// The pools that should exist: one per node that exists and whose plugin is alive.
-pub fn desired_pools(inputs: &Inputs<'_>) -> DesiredPools {
+pub fn desired_pools(inputs: &Inputs<'_, '_>) -> DesiredPools {
     let mut pools = DesiredPools::new();
     for inv in inputs.inventories {
         let name = &inv.spec.node_name;
@@ -330,49 +337,77 @@ fn render(key: &RenderKey, inventory: &NodeInventorySpec, renders: &mut u64) -> 
     node_slices(&key.node, inventory, &models, key.features)
 }
 
-/// [`diff`] of [`desired_pools`] against `existing`, rendering a node's slices only when what they are
-/// rendered from changed since the last call, or when its pool has to be written. Drops the cache
-/// entries of nodes that are gone (no Node or no inventory). Returns the plan and the names of the pools
-/// that should exist.
-pub fn diff_cached(
-    inputs: &Inputs<'_>,
-    existing: &[ResourceSlice],
-    held: &BTreeSet<String>,
-    generations: &mut Generations,
-    cache: &mut RenderCache,
-) -> (Plan, BTreeSet<String>) {
-    // As in `desired_pools`, the last inventory of a node wins.
-    let mut publishing: BTreeMap<&str, &NodeInventory> = BTreeMap::new();
-    for inv in inputs.inventories {
-        let name = inv.spec.node_name.as_str();
-        if inputs.nodes.contains_key(name) && (inputs.verdict)(name) == Verdict::Publish {
-            publishing.insert(name, inv);
+/// [`diff`] of [`desired_pools`] against `existing`, one pool at a time, rendering a node's slices only
+/// when what they are rendered from changed since the cache last saw it, or when its pool has to be
+/// written. A caller that writes each pool's plan before asking for the next holds the full slices of one
+/// pool at a time, not of every pool being written.
+pub struct PoolCursor<'a> {
+    /// Pools to look at, in name order, with the inventory and Node of those that should be published.
+    pools: std::vec::IntoIter<(&'a str, Option<(&'a NodeInventory, &'a NodeRef)>)>,
+    existing: BTreeMap<&'a str, Vec<&'a ResourceSlice>>,
+    assignments: &'a Assignments,
+    features: ApiFeatures,
+    desired: BTreeSet<String>,
+}
+
+impl<'a> PoolCursor<'a> {
+    /// Decides which pools to look at (pools in `held` are not) and drops the cache entries of nodes
+    /// that are gone (no Node or no inventory).
+    pub fn new(
+        inputs: &Inputs<'a, '_>,
+        existing: &'a [ResourceSlice],
+        held: &BTreeSet<String>,
+        cache: &mut RenderCache,
+    ) -> Self {
+        // As in `desired_pools`, the last inventory of a node wins.
+        let mut publishing: BTreeMap<&'a str, (&'a NodeInventory, &'a NodeRef)> = BTreeMap::new();
+        for inv in inputs.inventories {
+            let name = inv.spec.node_name.as_str();
+            if let Some(node) = inputs.nodes.get(name)
+                && (inputs.verdict)(name) == Verdict::Publish
+            {
+                publishing.insert(name, (inv, node));
+            }
+        }
+        let with_inventory: BTreeSet<&str> = inputs
+            .inventories
+            .iter()
+            .map(|i| i.spec.node_name.as_str())
+            .filter(|n| inputs.nodes.contains_key(*n))
+            .collect();
+        cache.entries.retain(|n, _| with_inventory.contains(n.as_str()));
+        let existing = existing_by_pool(existing);
+        let pools: BTreeSet<&'a str> = publishing
+            .keys()
+            .copied()
+            .chain(existing.keys().copied())
+            .filter(|p| !held.contains(*p))
+            .collect();
+        let pools: Vec<_> = pools
+            .into_iter()
+            .map(|p| (p, publishing.get(p).copied()))
+            .collect();
+        Self {
+            pools: pools.into_iter(),
+            existing,
+            assignments: inputs.assignments,
+            features: inputs.features,
+            desired: BTreeSet::new(),
         }
     }
-    let with_inventory: BTreeSet<&str> = inputs
-        .inventories
-        .iter()
-        .map(|i| i.spec.node_name.as_str())
-        .filter(|n| inputs.nodes.contains_key(*n))
-        .collect();
-    let RenderCache { entries, renders } = cache;
-    entries.retain(|n, _| with_inventory.contains(n.as_str()));
 
-    let by_pool = existing_by_pool(existing);
-    let mut plan = Plan::default();
-    let pools: BTreeSet<&str> = publishing
-        .keys()
-        .copied()
-        .chain(by_pool.keys().copied())
-        .filter(|p| !held.contains(*p))
-        .collect();
-    let empty = PoolSummary::default();
-    let mut desired = BTreeSet::new();
-    for pool in pools {
-        let have = by_pool.get(pool).map(Vec::as_slice).unwrap_or_default();
-        let (Some(inv), Some(node)) = (publishing.get(pool), inputs.nodes.get(pool)) else {
-            diff_pool(pool, &empty, Vec::new, have, generations, &mut plan);
-            continue;
+    /// The writes for the next pool (empty when it is unchanged); `None` once every pool was looked at.
+    pub fn next_pool(&mut self, generations: &mut Generations, cache: &mut RenderCache) -> Option<Plan> {
+        let (pool, publish) = self.pools.next()?;
+        let have = self.existing.get(pool).map(Vec::as_slice).unwrap_or_default();
+        let Some((inv, node)) = publish else {
+            return Some(diff_pool(
+                pool,
+                &PoolSummary::default(),
+                Vec::new,
+                have,
+                generations,
+            ));
         };
         let key = RenderKey {
             node: node.clone(),
@@ -382,15 +417,15 @@ pub fn diff_cached(
                 .gpus
                 .iter()
                 .map(|g| {
-                    inputs
-                        .assignments
+                    self.assignments
                         .get(&(pool.to_string(), g.index))
                         .cloned()
                         .unwrap_or(Model::Default)
                 })
                 .collect(),
-            features: inputs.features,
+            features: self.features,
         };
+        let RenderCache { entries, renders } = cache;
         // A render made to learn the hashes is kept for the writes, so a changed pool renders once.
         let mut fresh = None;
         if entries.get(pool).is_none_or(|(k, _)| *k != key) {
@@ -400,10 +435,31 @@ pub fn diff_cached(
         }
         let summary = &entries[pool].1;
         if !summary.slices.is_empty() {
-            desired.insert(pool.to_string());
+            self.desired.insert(pool.to_string());
         }
         let slices = || fresh.unwrap_or_else(|| render(&key, &inv.spec, renders));
-        diff_pool(pool, summary, slices, have, generations, &mut plan);
+        Some(diff_pool(pool, summary, slices, have, generations))
     }
-    (plan, desired)
+
+    /// The pools that should exist, of those looked at so far.
+    pub fn desired(self) -> BTreeSet<String> {
+        self.desired
+    }
+}
+
+/// Every pool of a [`PoolCursor`] at once: the plan and the names of the pools that should exist. Plans
+/// the same writes as [`diff`] of [`desired_pools`].
+pub fn diff_cached(
+    inputs: &Inputs<'_, '_>,
+    existing: &[ResourceSlice],
+    held: &BTreeSet<String>,
+    generations: &mut Generations,
+    cache: &mut RenderCache,
+) -> (Plan, BTreeSet<String>) {
+    let mut cursor = PoolCursor::new(inputs, existing, held, cache);
+    let mut plan = Plan::default();
+    while let Some(pool) = cursor.next_pool(generations, cache) {
+        plan.extend(pool);
+    }
+    (plan, cursor.desired())
 }

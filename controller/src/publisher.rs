@@ -33,7 +33,7 @@ use crate::{
     liveness::{Liveness, View},
     policy::{Assignments, CompiledPolicy, PolicyProblem, valid_condition},
     pool::NodeRef,
-    pool_diff::{Generations, Inputs, Plan, RenderCache, diff_cached, held_pools},
+    pool_diff::{Generations, Inputs, Plan, PoolCursor, RenderCache, held_pools, trim_to_what_diff_reads},
 };
 
 /// Error of an API call, as the runtime reports it.
@@ -160,9 +160,13 @@ impl Reconciler {
         }
     }
 
-    /// The pure part: desired pools, the diff against existing slices, and the policy status. `now` is
-    /// the wall clock (condition times), `mono` the monotonic clock (heartbeat ages).
-    pub fn decide(&mut self, snap: &Snapshot, now: DateTime<Utc>, mono: Instant) -> Decision {
+    /// The policy status, and the per-GPU models the plan is made from (`None`: nothing is written).
+    fn prepare(
+        &mut self,
+        snap: &Snapshot,
+        now: DateTime<Utc>,
+        mono: Instant,
+    ) -> (Decision, Option<Assignments>) {
         self.observe(snap, mono);
         let (assignments, problem) = self.assignments(snap);
         let status = snap.policy.as_ref().and_then(|p| {
@@ -179,42 +183,61 @@ impl Reconciler {
             (p.status.as_ref() != Some(&status))
                 .then(|| (p.metadata.name.clone().unwrap_or_default(), status))
         });
-        let Some(assignments) = assignments else {
-            return Decision {
-                plan: None,
-                desired: BTreeSet::new(),
-                held: Default::default(),
-                status,
-                problem,
-            };
+        let decision = Decision {
+            plan: None,
+            desired: BTreeSet::new(),
+            held: BTreeSet::new(),
+            status,
+            problem,
         };
+        (decision, assignments)
+    }
+
+    /// The pools held this round, and a cursor over the others.
+    fn cursor<'a>(
+        &mut self,
+        snap: &'a Snapshot,
+        assignments: &'a Assignments,
+        mono: Instant,
+    ) -> (BTreeSet<String>, PoolCursor<'a>) {
         let liveness = &self.liveness;
-        let verdict = |node: &str| liveness.verdict(node, mono);
+        let verdict = move |node: &str| liveness.verdict(node, mono);
         let inputs = Inputs {
             inventories: &snap.inventories,
             nodes: &snap.nodes,
-            assignments: &assignments,
+            assignments,
             features: self.features,
             verdict: &verdict,
         };
         let held = held_pools(&inputs, &snap.slices);
-        let (plan, desired) = diff_cached(
-            &inputs,
-            &snap.slices,
-            &held,
-            &mut self.generations,
-            &mut self.renders,
-        );
-        Decision {
-            plan: Some(plan),
-            desired,
-            held,
-            status,
-            problem,
-        }
+        let cursor = PoolCursor::new(&inputs, &snap.slices, &held, &mut self.renders);
+        (held, cursor)
     }
 
-    /// Decides, then writes while `may_write()` holds (checked before every call). Returns the decision.
+    /// The pure part: the diff against existing slices, with every slice to write in full, and the
+    /// policy status. `now` is the wall clock (condition times), `mono` the monotonic clock (heartbeat
+    /// ages).
+    pub fn decide(&mut self, snap: &Snapshot, now: DateTime<Utc>, mono: Instant) -> Decision {
+        let (mut decision, assignments) = self.prepare(snap, now, mono);
+        let Some(assignments) = assignments else {
+            return decision;
+        };
+        let (held, mut cursor) = self.cursor(snap, &assignments, mono);
+        let mut plan = Plan::default();
+        while let Some(pool) = cursor.next_pool(&mut self.generations, &mut self.renders) {
+            plan.extend(pool);
+        }
+        decision.held = held;
+        decision.desired = cursor.desired();
+        decision.plan = Some(plan);
+        decision
+    }
+
+    /// Decides and writes while `may_write()` holds (checked before every call), one pool at a time: a
+    /// pool's slices are rendered, written, and trimmed to what [`crate::pool_diff::diff`] reads before
+    /// the next pool is looked at, so at most one pool's devices are held however many pools change
+    /// (every pool does at start and on a policy change). Returns the decision; its plan holds the
+    /// trimmed slices of the pools looked at, up to the first write `may_write` refused.
     pub async fn reconcile<A: ClusterApi>(
         &mut self,
         snap: &Snapshot,
@@ -223,7 +246,7 @@ impl Reconciler {
         mono: Instant,
         may_write: &(dyn Fn() -> bool + Sync),
     ) -> Result<Decision, Error> {
-        let decision = self.decide(snap, now, mono);
+        let (mut decision, assignments) = self.prepare(snap, now, mono);
         if let Some((name, status)) = &decision.status {
             if !may_write() {
                 return Ok(decision);
@@ -235,39 +258,61 @@ impl Reconciler {
                     source,
                 })?;
         }
-        let Some(plan) = &decision.plan else {
+        let Some(assignments) = assignments else {
             return Ok(decision);
         };
-        let name = |s: &ResourceSlice| s.metadata.name.clone().unwrap_or_default();
-        for s in &plan.creates {
-            if !may_write() {
-                return Ok(decision);
+        let (held, mut cursor) = self.cursor(snap, &assignments, mono);
+        decision.held = held;
+        let mut plan = Plan::default();
+        let mut refused = false;
+        while !refused && let Some(mut pool) = cursor.next_pool(&mut self.generations, &mut self.renders) {
+            refused = !write(api, &pool, may_write).await?;
+            for s in pool.creates.iter_mut().chain(&mut pool.updates) {
+                trim_to_what_diff_reads(s);
             }
-            api.create_slice(s).await.map_err(|source| Error::CreateSlice {
-                name: name(s),
-                source,
-            })?;
+            plan.extend(pool);
         }
-        for s in &plan.updates {
-            if !may_write() {
-                return Ok(decision);
-            }
-            api.replace_slice(s).await.map_err(|source| Error::ReplaceSlice {
-                name: name(s),
-                source,
-            })?;
-        }
-        for n in &plan.deletes {
-            if !may_write() {
-                return Ok(decision);
-            }
-            api.delete_slice(n).await.map_err(|source| Error::DeleteSlice {
-                name: n.clone(),
-                source,
-            })?;
-        }
+        decision.desired = cursor.desired();
+        decision.plan = Some(plan);
         Ok(decision)
     }
+}
+
+/// Writes `plan` (creates, updates, deletes) while `may_write()` holds; `false` once it did not.
+async fn write<A: ClusterApi>(
+    api: &A,
+    plan: &Plan,
+    may_write: &(dyn Fn() -> bool + Sync),
+) -> Result<bool, Error> {
+    let name = |s: &ResourceSlice| s.metadata.name.clone().unwrap_or_default();
+    for s in &plan.creates {
+        if !may_write() {
+            return Ok(false);
+        }
+        api.create_slice(s).await.map_err(|source| Error::CreateSlice {
+            name: name(s),
+            source,
+        })?;
+    }
+    for s in &plan.updates {
+        if !may_write() {
+            return Ok(false);
+        }
+        api.replace_slice(s).await.map_err(|source| Error::ReplaceSlice {
+            name: name(s),
+            source,
+        })?;
+    }
+    for n in &plan.deletes {
+        if !may_write() {
+            return Ok(false);
+        }
+        api.delete_slice(n).await.map_err(|source| Error::DeleteSlice {
+            name: n.clone(),
+            source,
+        })?;
+    }
+    Ok(true)
 }
 
 /// One controller replica: an elector and a reconciler. Only a leading replica reconciles.

@@ -5,12 +5,16 @@ mod support;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    sync::Mutex,
     time::{Duration as StdDuration, Instant},
 };
 
 use chrono::{DateTime, Duration, Utc};
 use k8s_openapi::{api::resource::v1::ResourceSlice, apimachinery::pkg::apis::meta::v1::Time};
-use tessera_api::{NodeInventory, policy::GpuPolicy};
+use tessera_api::{
+    NodeInventory,
+    policy::{GpuPolicy, GpuPolicyStatus},
+};
 use tessera_controller::{
     devices::Model,
     features::ApiFeatures,
@@ -22,7 +26,7 @@ use tessera_controller::{
         Generations, Inputs, Plan, RenderCache, desired_pools, diff, diff_cached, held_pools,
         trim_to_what_diff_reads,
     },
-    publisher::{ClusterApi, InMemoryApi, Reconciler, Snapshot},
+    publisher::{ApiError, ClusterApi, InMemoryApi, Reconciler, Snapshot},
     time::to_k8s_time,
 };
 
@@ -375,4 +379,81 @@ async fn the_cached_diff_plans_the_writes_that_rendering_every_pool_plans() {
         apply(&api, &by_cache).await;
     }
     assert!(total_writes > 9 + 3 + 9, "the rounds did write: {total_writes}");
+}
+
+/// A [`ClusterApi`] that records the pool of every slice write, in order.
+struct Recording<'a> {
+    api: &'a InMemoryApi,
+    pools: Mutex<Vec<String>>,
+}
+
+impl Recording<'_> {
+    fn record(&self, pool: &str) {
+        self.pools.lock().unwrap().push(pool.to_string());
+    }
+}
+
+impl ClusterApi for Recording<'_> {
+    async fn create_slice(&self, s: &ResourceSlice) -> Result<(), ApiError> {
+        self.record(&s.spec.pool.name);
+        self.api.create_slice(s).await
+    }
+    async fn replace_slice(&self, s: &ResourceSlice) -> Result<(), ApiError> {
+        self.record(&s.spec.pool.name);
+        self.api.replace_slice(s).await
+    }
+    async fn delete_slice(&self, n: &str) -> Result<(), ApiError> {
+        self.record(n.split("-gpu.tessera.dev-").next().unwrap_or_default());
+        self.api.delete_slice(n).await
+    }
+    async fn patch_policy_status(&self, n: &str, s: &GpuPolicyStatus) -> Result<(), ApiError> {
+        self.api.patch_policy_status(n, s).await
+    }
+}
+
+/// Writing pool after pool is what lets the reconciler render one pool, write it and drop its devices
+/// before rendering the next, instead of holding every changed pool's devices at once.
+#[tokio::test]
+async fn a_policy_change_is_written_pool_after_pool_and_the_decision_keeps_no_devices() {
+    let (mut world, api) = (World::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&world, &api);
+    step(&mut r, &mut world, &api).await;
+    r.features = ApiFeatures::NONE;
+    world.elapsed += 1;
+    let recording = Recording {
+        api: &api,
+        pools: Default::default(),
+    };
+    let decision = r
+        .reconcile(
+            &world.snapshot(&api),
+            &recording,
+            world.wall(),
+            world.mono(),
+            &|| true,
+        )
+        .await
+        .unwrap();
+    let pools = recording.pools.into_inner().unwrap();
+    let mut expected = vec!["node-a".to_string(); 9];
+    expected.extend(vec!["node-b".to_string(); 3]);
+    assert_eq!(
+        pools, expected,
+        "node-a's update and eight deletes, then node-b's update and two deletes"
+    );
+    let plan = decision.plan.expect("a valid policy");
+    assert_eq!(plan.writes(), 9 + 3);
+    assert!(
+        plan.creates
+            .iter()
+            .chain(&plan.updates)
+            .all(|s| s.spec.devices.is_none() && s.spec.shared_counters.is_none()),
+        "written slices are trimmed to what the diff reads"
+    );
+    assert!(
+        plan.updates
+            .iter()
+            .all(|s| s.metadata.annotations.is_some() && s.spec.pool.generation == 2),
+        "what the runtime waits for in its cache is kept"
+    );
 }
