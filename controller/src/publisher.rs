@@ -235,7 +235,7 @@ impl Reconciler {
 
     /// Decides and writes while `may_write()` holds (checked before every call), one pool at a time: a
     /// pool's slices are rendered, written, and trimmed to what [`crate::pool_diff::diff`] reads before
-    /// the next pool is looked at, so at most one pool's devices are held however many pools change
+    /// the next pool is looked at (deletes last, for every pool), so at most one pool's devices are held however many pools change
     /// (every pool does at start and on a policy change). Returns the decision; its plan holds the
     /// trimmed slices of the pools looked at, up to the first write `may_write` refused.
     pub async fn reconcile<A: ClusterApi>(
@@ -265,12 +265,21 @@ impl Reconciler {
         decision.held = held;
         let mut plan = Plan::default();
         let mut refused = false;
+        // Deletes (names only) wait until every pool's new slices are written, as when the whole plan was
+        // written at once: a pool is complete for the scheduler once its new generation is, so a policy
+        // change makes every pool usable after one write each instead of after all of its deletes.
+        let mut deletes = vec![];
         while !refused && let Some(mut pool) = cursor.next_pool(&mut self.generations, &mut self.renders) {
-            refused = !write(api, &pool, may_write).await?;
+            deletes.append(&mut pool.deletes);
+            refused = !write(api, &pool.creates, &pool.updates, &[], may_write).await?;
             for s in pool.creates.iter_mut().chain(&mut pool.updates) {
                 trim_to_what_diff_reads(s);
             }
             plan.extend(pool);
+        }
+        plan.deletes = deletes;
+        if !refused {
+            write(api, &[], &[], &plan.deletes, may_write).await?;
         }
         decision.desired = cursor.desired();
         decision.plan = Some(plan);
@@ -278,14 +287,16 @@ impl Reconciler {
     }
 }
 
-/// Writes `plan` (creates, updates, deletes) while `may_write()` holds; `false` once it did not.
+/// Creates, updates, then deletes while `may_write()` holds; `false` once it did not.
 async fn write<A: ClusterApi>(
     api: &A,
-    plan: &Plan,
+    creates: &[ResourceSlice],
+    updates: &[ResourceSlice],
+    deletes: &[String],
     may_write: &(dyn Fn() -> bool + Sync),
 ) -> Result<bool, Error> {
     let name = |s: &ResourceSlice| s.metadata.name.clone().unwrap_or_default();
-    for s in &plan.creates {
+    for s in creates {
         if !may_write() {
             return Ok(false);
         }
@@ -294,7 +305,7 @@ async fn write<A: ClusterApi>(
             source,
         })?;
     }
-    for s in &plan.updates {
+    for s in updates {
         if !may_write() {
             return Ok(false);
         }
@@ -303,7 +314,7 @@ async fn write<A: ClusterApi>(
             source,
         })?;
     }
-    for n in &plan.deletes {
+    for n in deletes {
         if !may_write() {
             return Ok(false);
         }

@@ -414,7 +414,7 @@ impl ClusterApi for Recording<'_> {
 /// Writing pool after pool is what lets the reconciler render one pool, write it and drop its devices
 /// before rendering the next, instead of holding every changed pool's devices at once.
 #[tokio::test]
-async fn a_policy_change_is_written_pool_after_pool_and_the_decision_keeps_no_devices() {
+async fn a_policy_change_writes_pool_after_pool_then_the_deletes_and_the_decision_keeps_no_devices() {
     let (mut world, api) = (World::two_nodes(), InMemoryApi::default());
     let mut r = reconciler_for(&world, &api);
     step(&mut r, &mut world, &api).await;
@@ -435,11 +435,12 @@ async fn a_policy_change_is_written_pool_after_pool_and_the_decision_keeps_no_de
         .await
         .unwrap();
     let pools = recording.pools.into_inner().unwrap();
-    let mut expected = vec!["node-a".to_string(); 9];
-    expected.extend(vec!["node-b".to_string(); 3]);
+    let mut expected = vec!["node-a".to_string(), "node-b".to_string()];
+    expected.extend(vec!["node-a".to_string(); 8]);
+    expected.extend(vec!["node-b".to_string(); 2]);
     assert_eq!(
         pools, expected,
-        "node-a's update and eight deletes, then node-b's update and two deletes"
+        "node-a's update, node-b's update, then the deletes: every pool complete after one write each"
     );
     let plan = decision.plan.expect("a valid policy");
     assert_eq!(plan.writes(), 9 + 3);
