@@ -13,6 +13,7 @@
 pub mod attributes;
 pub mod config;
 pub mod device_name;
+pub mod health;
 pub mod inventory;
 pub mod policy;
 

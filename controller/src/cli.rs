@@ -55,6 +55,10 @@ pub struct RunArgs {
     /// partitionable, consumable, taints).
     #[arg(long, env = "TESSERA_FEATURES")]
     pub features: Option<ApiFeatures>,
+    /// Address for kubelet's probes: `GET /livez` (the runtime answers) and `GET /readyz` (every watched
+    /// kind has been listed), e.g. `:8081`. Off when unset.
+    #[arg(long, env = "TESSERA_HEALTH_ADDR", value_parser = tessera_api::health::parse_listen_addr)]
+    pub health_addr: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Clone, ClapArgs)]

@@ -297,6 +297,37 @@ impl Stores {
     }
 }
 
+/// Live while the runtime answers (a long first publish must not get the controller restarted); ready
+/// once every watched kind has been listed since start, so a rolling update waits for a replica that can
+/// take over.
+fn health_checks(views: [ViewCell; 4]) -> tessera_api::health::Checks {
+    const KINDS: [&str; 4] = ["NodeInventory", "Node", "GpuPolicy", "ResourceSlice"];
+    let listed = std::sync::Mutex::new([false; 4]);
+    tessera_api::health::Checks {
+        live: Arc::new(|| Ok(())),
+        ready: Arc::new(move || {
+            let mut listed = listed.lock().unwrap_or_else(|e| e.into_inner());
+            for (seen, view) in listed.iter_mut().zip(&views) {
+                *seen |= matches!(view.get(), View::Synced { .. });
+            }
+            let missing: Vec<&str> = KINDS
+                .iter()
+                .zip(listed.iter())
+                .filter(|(_, seen)| !**seen)
+                .map(|(kind, _)| *kind)
+                .collect();
+            if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "not listed from the API server yet: {}",
+                    missing.join(", ")
+                ))
+            }
+        }),
+    }
+}
+
 /// What the cache of every watched kind drops: managed fields, which nothing in the controller reads.
 pub fn drop_managed_fields<K: kube::Resource>(object: &mut K) {
     object.meta_mut().managed_fields = None;
@@ -365,6 +396,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         heartbeat_timeout,
         not_ready_grace,
         features,
+        health_addr,
     } = args;
     let client = client(kubeconfig.as_deref()).await?;
     let pinned_features = features;
@@ -393,6 +425,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (slice_reader, slice_writer) = reflector::store();
     let started = Instant::now();
     let views = [(); 4].map(|()| ViewCell::new(started));
+    if let Some(addr) = health_addr {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("failed to listen for health probes on {addr} (--health-addr)"))?;
+        tracing::info!(%addr, "health probes: GET /livez, /readyz");
+        tokio::spawn(tessera_api::health::serve(listener, health_checks(views.clone())));
+    }
     let wc = watcher::Config::default;
     tokio::spawn(mirror(
         "NodeInventory",
@@ -595,6 +634,30 @@ mod tests {
             lost(early),
             "the earliest loss"
         );
+    }
+
+    #[test]
+    fn the_controller_is_ready_once_every_kind_was_listed_and_stays_ready_through_a_relist() {
+        let t0 = Instant::now();
+        let views = [(); 4].map(|()| ViewCell::new(t0));
+        let checks = health_checks(views.clone());
+        assert_eq!(
+            (checks.ready)().unwrap_err(),
+            "not listed from the API server yet: NodeInventory, Node, GpuPolicy, ResourceSlice"
+        );
+        views[0].set(View::Synced { list: 1 });
+        views[2].set(View::Synced { list: 1 });
+        assert_eq!(
+            (checks.ready)().unwrap_err(),
+            "not listed from the API server yet: Node, ResourceSlice"
+        );
+        views[1].set(View::Synced { list: 1 });
+        views[3].set(View::Synced { list: 1 });
+        assert_eq!((checks.ready)(), Ok(()));
+        // An API server restart loses every watch; the replica was ready and liveness holds the pools.
+        views.iter().for_each(|v| v.lose(t0 + Duration::from_secs(5)));
+        assert_eq!((checks.ready)(), Ok(()));
+        assert_eq!((checks.live)(), Ok(()));
     }
 
     #[test]

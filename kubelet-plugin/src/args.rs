@@ -89,6 +89,11 @@ pub struct Args {
     #[arg(long, env = "KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
 
+    /// Address for kubelet's probes: `GET /livez` (the plugin's runtime answers) and `GET /readyz` (kubelet
+    /// has registered the plugin), e.g. `:8081`. Off when unset.
+    #[arg(long, env = "TESSERA_HEALTH_ADDR", value_parser = tessera_api::health::parse_listen_addr)]
+    health_addr: Option<std::net::SocketAddr>,
+
     /// Seconds between NodeInventory heartbeats (the controller's timeout defaults to 40).
     #[arg(long, env = "TESSERA_HEARTBEAT_INTERVAL", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     heartbeat_interval: u64,
@@ -271,6 +276,7 @@ impl Args {
             mps_supervisor_socket,
             kubeconfig,
             heartbeat_interval,
+            health_addr,
             boot_id_file,
             log_format: _,
         } = self;
@@ -365,6 +371,16 @@ impl Args {
         });
 
         let (registration_tx, registration_rx) = watch::channel(RegistrationState::Pending);
+        if let Some(addr) = health_addr {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| Error::BindHealth { addr, source })?;
+            info!(%addr, "health probes: GET /livez, /readyz");
+            tokio::spawn(tessera_api::health::serve(
+                listener,
+                health_checks(registration_rx.clone()),
+            ));
+        }
         let publisher = InventoryPublisher::new(
             client,
             spec,
@@ -394,6 +410,19 @@ impl Args {
             warn!(error = %e, "the inventory publisher ended abnormally");
         }
         served
+    }
+}
+
+/// Live while the runtime answers; ready once kubelet has registered the plugin, so a rolling update
+/// (maxSurge) stops the old pod only after the new one serves.
+fn health_checks(registration: watch::Receiver<RegistrationState>) -> tessera_api::health::Checks {
+    tessera_api::health::Checks {
+        live: Arc::new(|| Ok(())),
+        ready: Arc::new(move || match &*registration.borrow() {
+            RegistrationState::Registered => Ok(()),
+            RegistrationState::Pending => Err("waiting for kubelet to register the plugin".into()),
+            RegistrationState::Failed(reason) => Err(format!("kubelet rejected the plugin: {reason}")),
+        }),
     }
 }
 

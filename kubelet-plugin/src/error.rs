@@ -125,6 +125,13 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// Binding the health endpoint's TCP address failed.
+    #[error("failed to listen for health probes on {addr} (--health-addr / TESSERA_HEALTH_ADDR): {source}")]
+    BindHealth {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: io::Error,
+    },
     /// A gRPC server stopped with an error.
     #[error("failed to serve gRPC on {path}: {source}")]
     Serve {

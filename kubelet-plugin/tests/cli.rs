@@ -1,5 +1,7 @@
 //! The binary: `discover` without a cluster, and a plugin run against an API server that is not there.
 
+mod common;
+
 use std::{
     io::Read,
     path::Path,
@@ -137,4 +139,105 @@ fn the_plugin_serves_kubelet_without_an_api_server_and_cleans_up_on_sigterm() {
         "{stderr}"
     );
     assert!(!reg.exists() && !dra.exists(), "sockets left behind");
+}
+
+/// A blocking `GET path` on `addr`: the status code and the body.
+fn probe(addr: &str, path: &str) -> (u16, String) {
+    use std::io::Write;
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: kubelet\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).unwrap();
+    let status = raw.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (
+        status,
+        raw.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default(),
+    )
+}
+
+/// A free port on 127.0.0.1 (bound and released; the plugin binds it right after).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readiness_probe_fails_with_the_reason_until_kubelet_registers_the_plugin() {
+    use tessera_proto::pluginregistration::{
+        InfoRequest, RegistrationStatus, registration_client::RegistrationClient,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let kubeconfig = d.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n\
+         users: [{name: u, user: {token: t}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n\
+         current-context: x\n",
+    )
+    .unwrap();
+    std::fs::write(d.join("boot_id"), "boot-1\n").unwrap();
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut child = Command::new(BIN)
+        .args([
+            "--node-name",
+            "node-a",
+            "--backend",
+            "simulated",
+            "--health-addr",
+            &addr,
+        ])
+        .arg("--simulated-node-file")
+        .arg(node_file(d))
+        .arg("--state-dir")
+        .arg(d.join("state"))
+        .arg("--kubelet-registry-dir")
+        .arg(d.join("registry"))
+        .arg("--kubelet-plugins-dir")
+        .arg(d.join("plugins"))
+        .arg("--cdi-dir")
+        .arg(d.join("cdi"))
+        .arg("--boot-id-file")
+        .arg(d.join("boot_id"))
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let reg = d.join("registry/gpu.tessera.dev-reg.sock");
+    common::wait_for_socket(&reg).await;
+    let get = |path: &'static str| {
+        let addr = addr.clone();
+        tokio::task::spawn_blocking(move || probe(&addr, path))
+    };
+    assert_eq!(get("/livez").await.unwrap(), (200, "ok\n".into()));
+    assert_eq!(
+        get("/readyz").await.unwrap(),
+        (503, "waiting for kubelet to register the plugin\n".into())
+    );
+
+    let mut registration = RegistrationClient::new(common::dial(&reg).await);
+    registration.get_info(InfoRequest {}).await.unwrap();
+    registration
+        .notify_registration_status(RegistrationStatus {
+            plugin_registered: true,
+            error: String::new(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(get("/readyz").await.unwrap(), (200, "ok\n".into()));
+
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
 }
