@@ -17,6 +17,37 @@ fn node_file(dir: &Path) -> std::path::PathBuf {
     path
 }
 
+/// The plugin for node `node-a` with the simulated backend and every directory under `d`, pointed at
+/// an API server address nothing listens on.
+fn plugin_in(d: &Path) -> Command {
+    let kubeconfig = d.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n\
+         users: [{name: u, user: {token: t}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n\
+         current-context: x\n",
+    )
+    .unwrap();
+    std::fs::write(d.join("boot_id"), "boot-1\n").unwrap();
+    let mut cmd = Command::new(BIN);
+    cmd.args(["--node-name", "node-a", "--backend", "simulated"])
+        .arg("--simulated-node-file")
+        .arg(node_file(d))
+        .arg("--state-dir")
+        .arg(d.join("state"))
+        .arg("--kubelet-registry-dir")
+        .arg(d.join("registry"))
+        .arg("--kubelet-plugins-dir")
+        .arg(d.join("plugins"))
+        .arg("--cdi-dir")
+        .arg(d.join("cdi"))
+        .arg("--boot-id-file")
+        .arg(d.join("boot_id"))
+        .arg("--kubeconfig")
+        .arg(kubeconfig);
+    cmd
+}
+
 #[test]
 fn discover_prints_the_inventory_spec_as_yaml_without_a_cluster() {
     let dir = tempfile::tempdir().unwrap();
@@ -61,38 +92,8 @@ fn the_plugin_serves_kubelet_without_an_api_server_and_cleans_up_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     // An API server address nothing listens on: the publisher must retry, not crash.
-    let kubeconfig = d.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n\
-         users: [{name: u, user: {token: t}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n\
-         current-context: x\n",
-    )
-    .unwrap();
-    std::fs::write(d.join("boot_id"), "boot-1\n").unwrap();
-    let mut child = Command::new(BIN)
-        .args([
-            "--node-name",
-            "node-a",
-            "--backend",
-            "simulated",
-            "--heartbeat-interval",
-            "1",
-        ])
-        .arg("--simulated-node-file")
-        .arg(node_file(d))
-        .arg("--state-dir")
-        .arg(d.join("state"))
-        .arg("--kubelet-registry-dir")
-        .arg(d.join("registry"))
-        .arg("--kubelet-plugins-dir")
-        .arg(d.join("plugins"))
-        .arg("--cdi-dir")
-        .arg(d.join("cdi"))
-        .arg("--boot-id-file")
-        .arg(d.join("boot_id"))
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
+    let mut child = plugin_in(d)
+        .args(["--heartbeat-interval", "1"])
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -177,39 +178,9 @@ async fn the_readiness_probe_fails_with_the_reason_until_kubelet_registers_the_p
     };
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let kubeconfig = d.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n\
-         users: [{name: u, user: {token: t}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n\
-         current-context: x\n",
-    )
-    .unwrap();
-    std::fs::write(d.join("boot_id"), "boot-1\n").unwrap();
     let addr = format!("127.0.0.1:{}", free_port());
-    let mut child = Command::new(BIN)
-        .args([
-            "--node-name",
-            "node-a",
-            "--backend",
-            "simulated",
-            "--health-addr",
-            &addr,
-        ])
-        .arg("--simulated-node-file")
-        .arg(node_file(d))
-        .arg("--state-dir")
-        .arg(d.join("state"))
-        .arg("--kubelet-registry-dir")
-        .arg(d.join("registry"))
-        .arg("--kubelet-plugins-dir")
-        .arg(d.join("plugins"))
-        .arg("--cdi-dir")
-        .arg(d.join("cdi"))
-        .arg("--boot-id-file")
-        .arg(d.join("boot_id"))
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
+    let mut child = plugin_in(d)
+        .args(["--health-addr", &addr])
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
