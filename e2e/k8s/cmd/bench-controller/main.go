@@ -42,6 +42,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
+
+	"tessera.dev/e2e/internal/procstat"
 )
 
 const driverName = "gpu.tessera.dev"
@@ -108,7 +110,7 @@ type bench struct {
 }
 
 // loadAtStart is the machine's load average when the bench started, for the table's header.
-var loadAtStart = loadAverage()
+var loadAtStart = procstat.LoadAverage()
 
 func run(ctx context.Context, o options) error {
 	cfg, err := clientcmd.BuildConfigFromFlags("", o.kubeconfig)
@@ -251,7 +253,7 @@ func (b *bench) runShape(ctx context.Context, shape string) (result, error) {
 
 	// 2. Steady state: heartbeats keep arriving, nothing else changes.
 	mark := b.snapshot(ctx)
-	if err := sleep(ctx, b.o.steady); err != nil {
+	if err := procstat.Sleep(ctx, b.o.steady); err != nil {
 		return r, err
 	}
 	if err := ctrl.alive(); err != nil {
@@ -273,7 +275,7 @@ func (b *bench) runShape(ctx context.Context, shape string) (result, error) {
 	}); err != nil {
 		return r, err
 	}
-	if err := sleep(ctx, b.o.settle); err != nil {
+	if err := procstat.Sleep(ctx, b.o.settle); err != nil {
 		return r, err
 	}
 	d = b.since(ctx, mark)
@@ -298,7 +300,7 @@ func (b *bench) runShape(ctx context.Context, shape string) (result, error) {
 	}
 	r.policyConverge = time.Since(t)
 	// The old generation's slices are deleted after the new one is complete; count those writes too.
-	if err := sleep(ctx, b.o.settle); err != nil {
+	if err := procstat.Sleep(ctx, b.o.settle); err != nil {
 		return r, err
 	}
 	d = b.since(ctx, mark)
@@ -536,7 +538,7 @@ func (b *bench) cleanup(ctx context.Context) error {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("the driver's ResourceSlices were not gone %s after cleanup", b.o.timeout)
 		}
-		if err := sleep(ctx, 200*time.Millisecond); err != nil {
+		if err := procstat.Sleep(ctx, 200*time.Millisecond); err != nil {
 			return err
 		}
 	}
@@ -632,7 +634,7 @@ func (b *bench) waitFor(ctx context.Context, ctrl *controller, what string, done
 		}
 		// Each check walks every slice in the informer (9,000 at full size); 4 a second keep the bench's
 		// own CPU use small beside the controller's on 2 cores.
-		if err := sleep(ctx, 250*time.Millisecond); err != nil {
+		if err := procstat.Sleep(ctx, 250*time.Millisecond); err != nil {
 			return err
 		}
 	}
@@ -789,7 +791,7 @@ func (p *peaks) sample(ctx context.Context, name string, pid func() (int, error)
 	defer tick.Stop()
 	for {
 		if id, err := pid(); err == nil {
-			if v, err := rssBytes(id); err == nil {
+			if v, err := procstat.RSS(id); err == nil {
 				p.mu.Lock()
 				p.rss[name] = max(p.rss[name], v)
 				p.mu.Unlock()
@@ -809,21 +811,6 @@ func (p *peaks) max(name string) int64 {
 	return p.rss[name]
 }
 
-// rssBytes reads VmRSS of a process.
-func rssBytes(pid int) (int64, error) {
-	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		return 0, err
-	}
-	for _, line := range strings.Split(string(raw), "\n") {
-		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
-			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
-			return kb * 1024, err
-		}
-	}
-	return 0, fmt.Errorf("no VmRSS in /proc/%d/status", pid)
-}
-
 func readPid(path string) (int, error) {
 	raw, err := os.ReadFile(path)
 	if err != nil {
@@ -839,15 +826,6 @@ func mib(b int64) string {
 	return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20))
 }
 
-func sleep(ctx context.Context, d time.Duration) error {
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-time.After(d):
-		return nil
-	}
-}
-
 func verdict(ok bool) string {
 	if ok {
 		return "met"
@@ -861,7 +839,7 @@ func markdown(o options, rs []result) string {
 	fmt.Fprintf(&b, "`e2e/scripts/bench-controller.sh -nodes %d -shapes %s -steady %s` on %d CPUs, %s. "+
 		"Every node is a Node plus the NodeInventory the simulated plugin discovers for its shape, its heartbeat renewed every %s by the bench; "+
 		"no GpuPolicy at first (the built-in default: dynamic MIG wherever the GPU can do it). Controller binary `%s`. Load average (1 / 5 / 15 min) at the start %s, at the end %s.\n\n",
-		o.nodes, o.shapes, o.steady, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"), o.heartbeatInterval, o.controller, loadAtStart, loadAverage())
+		o.nodes, o.shapes, o.steady, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"), o.heartbeatInterval, o.controller, loadAtStart, procstat.LoadAverage())
 	b.WriteString("| shape (per node) | slices / devices | controller start → every pool published | steady-state writes | one node's inventory changes | policy change → converged | controller peak RSS | kube-apiserver peak RSS |\n")
 	b.WriteString("|---|---|---|---|---|---|---|---|\n")
 	for _, r := range rs {
@@ -880,18 +858,4 @@ func markdown(o options, rs []result) string {
 		"The inventory change removes the last GPU of one node; its writes are counted for -settle after that pool is republished. The policy change creates GpuPolicy `default` with one `whole` rule (every pool then has one device per GPU); converged when every pool is complete at one device per GPU, its writes counted until -settle after that. " +
 		"RSS is VmRSS sampled every 100 ms over the whole run of a shape.\n")
 	return b.String()
-}
-
-// loadAverage is /proc/loadavg's 1-, 5- and 15-minute averages: on a shared 2-core machine the numbers
-// above mean little without it.
-func loadAverage() string {
-	raw, err := os.ReadFile("/proc/loadavg")
-	if err != nil {
-		return "unknown"
-	}
-	f := strings.Fields(string(raw))
-	if len(f) < 3 {
-		return "unknown"
-	}
-	return strings.Join(f[:3], " / ")
 }

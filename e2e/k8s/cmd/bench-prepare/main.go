@@ -17,7 +17,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"math"
@@ -55,6 +54,8 @@ import (
 	kubeletmetrics "k8s.io/kubernetes/pkg/kubelet/metrics"
 	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
 	"k8s.io/utils/ptr"
+
+	"tessera.dev/e2e/internal/procstat"
 )
 
 const (
@@ -142,7 +143,7 @@ type bench struct {
 }
 
 // loadAtStart is the machine's load average when the bench started, for the table's header.
-var loadAtStart = loadAverage()
+var loadAtStart = procstat.LoadAverage()
 
 func run(ctx context.Context, o options) error {
 	kubeletmetrics.Register()
@@ -218,11 +219,11 @@ func run(ctx context.Context, o options) error {
 	fmt.Fprintf(os.Stderr, "plugin registered with kubelet's plugin manager and ready after %s\n", time.Since(registered).Round(time.Millisecond))
 
 	// Footprint, idle: registered, inventory published, nothing prepared.
-	if err := sleep(ctx, 5*time.Second); err != nil {
+	if err := procstat.Sleep(ctx, 5*time.Second); err != nil {
 		return err
 	}
 	var fp footprint
-	if fp.idle, err = rssBytes(b.plugin.pid()); err != nil {
+	if fp.idle, err = procstat.RSS(b.plugin.pid()); err != nil {
 		return fmt.Errorf("failed to read the plugin's RSS: %w", err)
 	}
 
@@ -249,7 +250,7 @@ func run(ctx context.Context, o options) error {
 	if err := b.footprintUnderLoad(ctx, &fp); err != nil {
 		return fmt.Errorf("footprint during %d concurrent prepares: %w", o.footprintN, err)
 	}
-	if fp.hwm, err = hwmBytes(b.plugin.pid()); err != nil {
+	if fp.hwm, err = procstat.HighWaterMark(b.plugin.pid()); err != nil {
 		return fmt.Errorf("failed to read the plugin's VmHWM: %w", err)
 	}
 	if err := b.plugin.alive(); err != nil {
@@ -563,7 +564,7 @@ func (b *bench) footprintUnderLoad(ctx context.Context, fp *footprint) error {
 		tick := time.NewTicker(10 * time.Millisecond)
 		defer tick.Stop()
 		for {
-			if v, err := rssBytes(b.plugin.pid()); err == nil {
+			if v, err := procstat.RSS(b.plugin.pid()); err == nil {
 				m = max(m, v)
 			}
 			select {
@@ -582,14 +583,14 @@ func (b *bench) footprintUnderLoad(ctx context.Context, fp *footprint) error {
 	fp.loadWall = time.Since(t)
 	if err == nil {
 		// A moment with all N prepared: the state the plugin holds for them is in the sample too.
-		err = sleep(ctx, 500*time.Millisecond)
+		err = procstat.Sleep(ctx, 500*time.Millisecond)
 	}
 	stop()
 	fp.load = <-peak
 	if err != nil {
 		return err
 	}
-	fp.loadAfter, _ = rssBytes(b.plugin.pid())
+	fp.loadAfter, _ = procstat.RSS(b.plugin.pid())
 	if err := parallel(ctx, 8, n, func(i int) error {
 		_, err := b.unprepare(ctx, claims[i])
 		return err
@@ -774,32 +775,6 @@ func unstructuredBool(obj map[string]any, path ...string) (bool, bool, error) {
 	return v, ok, nil
 }
 
-func rssBytes(pid int) (int64, error) { return statusKB(pid, "VmRSS:") }
-func hwmBytes(pid int) (int64, error) { return statusKB(pid, "VmHWM:") }
-
-func statusKB(pid int, field string) (int64, error) {
-	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		return 0, err
-	}
-	for _, line := range strings.Split(string(raw), "\n") {
-		if rest, ok := strings.CutPrefix(line, field); ok {
-			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
-			return kb * 1024, err
-		}
-	}
-	return 0, errors.New("no " + field + " in /proc/" + strconv.Itoa(pid) + "/status")
-}
-
-func sleep(ctx context.Context, d time.Duration) error {
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-time.After(d):
-		return nil
-	}
-}
-
 // stats are sorted durations.
 type stats []time.Duration
 
@@ -869,7 +844,7 @@ func prepareMarkdown(o options, rows []row) string {
 		"Each claim is created and allocated in a real kube-apiserver, then its pod goes through `PrepareResources` and `UnprepareResources` "+
 		"of kubelet's own DRA manager (k8s.io/kubernetes/pkg/kubelet/cm/dra), which calls the plugin over its unix socket. "+
 		"At concurrency 8 each worker prepares on its own GPU. p50 / p99 / max. Load average (1 / 5 / 15 min) at the start %s, at the end %s.\n\n",
-		o.claims, o.concurrency, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"), o.plugin, loadAtStart, loadAverage())
+		o.claims, o.concurrency, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"), o.plugin, loadAtStart, procstat.LoadAverage())
 	b.WriteString("| kind | concurrency | claims | pod waits in prepare (DRA manager) | tessera's time: NodePrepareResources (kubelet's gRPC timer) | simulated NVML time in it | tessera's time less NVML | kubelet's own share (p50) | unprepare (DRA manager) | first claim on a GPU (MPS daemon start / MIG mode on) | target: tessera p99 ≤ 10 ms (MIG: NVML + ≤ 10 ms) |\n")
 	b.WriteString("|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, r := range rows {
@@ -952,18 +927,4 @@ func footprintMarkdown(o options, fp footprint) string {
 	fmt.Fprintf(&b, "| with those %d claims prepared | %s | — |\n", o.footprintN, mib(fp.loadAfter))
 	fmt.Fprintf(&b, "| high-water mark over the whole run (VmHWM, after every prepare in `prepare.md`) | %s | — |\n", mib(fp.hwm))
 	return b.String()
-}
-
-// loadAverage is /proc/loadavg's 1-, 5- and 15-minute averages: on a shared 2-core machine the numbers
-// above mean little without it.
-func loadAverage() string {
-	raw, err := os.ReadFile("/proc/loadavg")
-	if err != nil {
-		return "unknown"
-	}
-	f := strings.Fields(string(raw))
-	if len(f) < 3 {
-		return "unknown"
-	}
-	return strings.Join(f[:3], " / ")
 }
