@@ -3,7 +3,7 @@
 # benchmark's own run dir and ports, so it runs beside `make up` and the other benchmarks; CRDs and
 # DeviceClasses applied, no nodes, no tessera processes, no GpuPolicy. Each port can be overridden:
 # BENCH_RUN_DIR, BENCH_ETCD_PORT, BENCH_ETCD_PEER_PORT, BENCH_API_PORT, BENCH_SCHEDULER_PORT,
-# BENCH_CONTROLLER_MANAGER_PORT. KEEP_CLUSTER=1 leaves the cluster running after the benchmark.
+# BENCH_CONTROLLER_MANAGER_PORT. Then `source common.sh` and `fresh_cluster` (KEEP_CLUSTER=1 leaves it running).
 
 # bench_cluster_env RUN_DIR ETCD_PORT ETCD_PEER_PORT API_PORT SCHEDULER_PORT CONTROLLER_MANAGER_PORT: the
 # defaults of one benchmark, exported for up.sh and down.sh.
@@ -13,20 +13,4 @@ bench_cluster_env() {
   export API_PORT="${BENCH_API_PORT:-$4}" SCHEDULER_PORT="${BENCH_SCHEDULER_PORT:-$5}"
   export CONTROLLER_MANAGER_PORT="${BENCH_CONTROLLER_MANAGER_PORT:-$6}"
   export NODES=0 SKIP_DRIVER=1 SKIP_EXAMPLES=1 POLICY=none
-}
-
-_bench_cluster_down() {
-  if [[ "${KEEP_CLUSTER:-0}" != 1 ]]; then
-    "$here/down.sh" > /dev/null || echo "warning: stopping the bench cluster in $RUN_DIR failed" >&2
-  else
-    echo "bench cluster left running: KUBECONFIG=$RUN_DIR/pki/admin.kubeconfig; RUN_DIR=$RUN_DIR make down stops it"
-  fi
-}
-
-# bench_cluster_up: stops what an earlier run left in RUN_DIR, starts the control plane, and stops it again
-# when the script exits (unless KEEP_CLUSTER=1). Needs $here, the scripts' directory.
-bench_cluster_up() {
-  "$here/down.sh" > /dev/null 2>&1 || true
-  trap _bench_cluster_down EXIT
-  "$here/up.sh"
 }

@@ -13,7 +13,7 @@ source "$here/bench-cluster.sh"
 bench_cluster_env "$repo/bench-results/run-controller" 23990 24000 16643 16659 16657
 source "$here/common.sh"
 
-bench_cluster_up
+fresh_cluster
 step "build: bench-controller"
 (cd "$E2E_DIR/k8s" && GOFLAGS="-buildvcs=false -modfile=$K8S_MODFILE" CGO_ENABLED=0 go build -trimpath -o "$BIN_DIR/bench-controller" ./cmd/bench-controller)
 step "bench-controller $*"

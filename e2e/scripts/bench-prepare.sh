@@ -12,7 +12,7 @@ source "$here/bench-cluster.sh"
 bench_cluster_env "$repo/bench-results/run-prepare" 24090 24100 16743 16759 16757
 source "$here/common.sh"
 
-bench_cluster_up
+fresh_cluster
 step "build: bench-prepare"
 (cd "$E2E_DIR/k8s" && GOFLAGS="-buildvcs=false -modfile=$K8S_MODFILE" CGO_ENABLED=0 go build -trimpath -o "$BIN_DIR/bench-prepare" ./cmd/bench-prepare)
 step "bench-prepare $*"

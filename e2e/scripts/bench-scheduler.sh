@@ -11,6 +11,7 @@ repo="$(cd "$here/../.." && pwd)"
 source "$here/bench-cluster.sh"
 bench_cluster_env "$repo/.run-bench" 23890 23900 16543 16559 16557
 
-bench_cluster_up
+source "$here/common.sh"
+fresh_cluster
 cd "$repo/e2e/bench"
 GOTOOLCHAIN=local go run . -kubeconfig "$RUN_DIR/pki/admin.kubeconfig" "$@"

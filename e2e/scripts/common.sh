@@ -138,3 +138,20 @@ stop_sessions() {
 }
 
 clusterctl() { "$BIN_DIR/clusterctl" "$@"; }
+
+# fresh_cluster: stops whatever an earlier run left in RUN_DIR, starts the cluster `make up` starts (as the
+# environment configures up.sh: ports, NODES, SKIP_EXAMPLES, ...), and stops it again when the calling script
+# exits, also after a failed start, unless KEEP_CLUSTER=1. The teardown owns the script's EXIT trap.
+fresh_cluster() {
+  "$E2E_DIR/scripts/down.sh" > /dev/null 2>&1 || true
+  trap _fresh_cluster_down EXIT
+  "$E2E_DIR/scripts/up.sh"
+}
+
+_fresh_cluster_down() {
+  if [[ "${KEEP_CLUSTER:-0}" != 1 ]]; then
+    "$E2E_DIR/scripts/down.sh" > /dev/null || echo "warning: stopping the cluster in $RUN_DIR failed" >&2
+  else
+    echo "cluster left running (KEEP_CLUSTER=1): KUBECONFIG=$ADMIN_KUBECONFIG; RUN_DIR=$RUN_DIR make down stops it"
+  fi
+}

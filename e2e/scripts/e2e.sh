@@ -7,18 +7,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 start=$(date +%s)
 
-cleanup() {
-  if [[ "${KEEP_CLUSTER:-0}" != 1 ]]; then
-    "$E2E_DIR/scripts/down.sh" > /dev/null || echo "warning: make down failed" >&2
-  else
-    echo "cluster left running (KEEP_CLUSTER=1); make down to stop it"
-  fi
-}
-trap cleanup EXIT
-
-"$E2E_DIR/scripts/down.sh" > /dev/null 2>&1 || true
-# A failed start is torn down too (by the trap), after up.sh has printed the failing step and its log.
-SKIP_EXAMPLES=1 "$E2E_DIR/scripts/up.sh"
+# A failed start is torn down too, after up.sh has printed the failing step and its log.
+SKIP_EXAMPLES=1 fresh_cluster
 # The chart scenarios run helm; build it (or find it up to date) before the scenarios' own timeout starts.
 "$E2E_DIR/scripts/build-helm.sh"
 up_done=$(date +%s)

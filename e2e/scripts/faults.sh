@@ -19,17 +19,7 @@ if [[ -z "${FAULTS_OUT:-}" ]]; then
 fi
 start=$(date +%s)
 
-cleanup() {
-  if [[ "${KEEP_CLUSTER:-0}" != 1 ]]; then
-    "$E2E_DIR/scripts/down.sh" > /dev/null || echo "warning: make down failed" >&2
-  else
-    echo "cluster left running (KEEP_CLUSTER=1); make down to stop it"
-  fi
-}
-trap cleanup EXIT
-
-"$E2E_DIR/scripts/down.sh" > /dev/null 2>&1 || true
-SKIP_EXAMPLES=1 "$E2E_DIR/scripts/up.sh"
+SKIP_EXAMPLES=1 fresh_cluster
 up_done=$(date +%s)
 
 step "fault suite, FAULT_ROUNDS=$rounds (log: $LOG_DIR/faults.log, table: $FAULTS_OUT)"
