@@ -23,7 +23,6 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/tools/cache"
-	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/ptr"
 )
 
@@ -440,19 +439,10 @@ type rateArgs struct {
 // runRate measures every (nodes, policy) cell against the cluster's kube-scheduler, writes the cells as JSON
 // and prints this server's table.
 func runRate(ctx context.Context, a args, ra rateArgs, r *Renderer, policies []PolicySpec, cfg Config) error {
-	restCfg, err := clientcmd.BuildConfigFromFlags("", a.kubeconfig)
-	if err != nil {
-		return fmt.Errorf("failed to load -kubeconfig %s: %w", a.kubeconfig, err)
-	}
 	// Setting up 1,000 nodes and creating pods in bursts: the client must not be what limits the rate.
-	restCfg.QPS, restCfg.Burst = 1000, 2000
-	client, err := kubernetes.NewForConfig(restCfg)
+	restCfg, client, version, err := connect(a.kubeconfig, 1000, 2000)
 	if err != nil {
-		return fmt.Errorf("failed to build a client for %s: %w", restCfg.Host, err)
-	}
-	version, err := client.Discovery().ServerVersion()
-	if err != nil {
-		return fmt.Errorf("failed to reach the API server at %s (is the bench cluster up?): %w", restCfg.Host, err)
+		return err
 	}
 	meta, err := metadata.NewForConfig(restCfg)
 	if err != nil {

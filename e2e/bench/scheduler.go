@@ -18,8 +18,10 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/apimachinery/pkg/version"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/ptr"
@@ -387,23 +389,33 @@ func describe(results []resourceapi.DeviceRequestAllocationResult) string {
 	return strings.Join(deviceKeys(results), " ")
 }
 
+// connect builds a client for the bench cluster's API server from kubeconfig, with the client-side rate
+// limits qps and burst, and checks that the server answers.
+func connect(kubeconfig string, qps float32, burst int) (*rest.Config, *kubernetes.Clientset, *version.Info, error) {
+	restCfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("failed to load -kubeconfig %s: %w", kubeconfig, err)
+	}
+	restCfg.QPS, restCfg.Burst = qps, burst
+	client, err := kubernetes.NewForConfig(restCfg)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("failed to build a client for %s: %w", restCfg.Host, err)
+	}
+	v, err := client.Discovery().ServerVersion()
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("failed to reach the API server at %s (is the bench cluster up?): %w", restCfg.Host, err)
+	}
+	return restCfg, client, v, nil
+}
+
 // runSchedulerSample replays a stratified sample of the trace through the cluster's kube-scheduler under
 // every policy, checks each decision against the allocator, writes scheduler-sample.md and fails when any
 // decision differed.
 func runSchedulerSample(ctx context.Context, a args, r *Renderer, tr *Trace, policies []PolicySpec, cfg Config) error {
-	restCfg, err := clientcmd.BuildConfigFromFlags("", a.kubeconfig)
-	if err != nil {
-		return fmt.Errorf("failed to load -kubeconfig %s: %w", a.kubeconfig, err)
-	}
 	// One pod at a time, a few requests each: the default 5 QPS would be the bottleneck.
-	restCfg.QPS, restCfg.Burst = 200, 400
-	client, err := kubernetes.NewForConfig(restCfg)
+	_, client, version, err := connect(a.kubeconfig, 200, 400)
 	if err != nil {
-		return fmt.Errorf("failed to build a client for %s: %w", restCfg.Host, err)
-	}
-	version, err := client.Discovery().ServerVersion()
-	if err != nil {
-		return fmt.Errorf("failed to reach the API server at %s (is the bench cluster up?): %w", restCfg.Host, err)
+		return err
 	}
 	sample, err := Sample(tr, a.sampleEvery)
 	if err != nil {
