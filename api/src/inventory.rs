@@ -60,6 +60,65 @@ pub struct NodeInventoryStatus {
     /// Human-readable reason when not ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// Health of every GPU, and of each MIG device that failed on its own, as the plugin last saw it
+    /// (NVML events and its periodic probe). The controller taints the published devices of an unhealthy
+    /// entry (see `GpuPolicy.spec.health`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub health: Vec<DeviceHealth>,
+}
+
+/// The health of one GPU (`mig` unset: the GPU and every device carved from it) or of one MIG device.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceHealth {
+    /// NVML index of the GPU.
+    pub gpu: u32,
+    /// The MIG device, when the problem was attributed to one (an XID event carrying its GPU-instance id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<MigDeviceRef>,
+    /// `Healthy` or `Unhealthy`.
+    pub state: HealthState,
+    /// Why it is unhealthy; unset when healthy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<HealthReason>,
+    /// The XID number, for `reason: Xid`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xid: Option<u32>,
+    /// When the device entered this state, on the plugin's clock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Time>,
+    /// What happened, for people (`kubectl get nodeinventory -o yaml`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// A MIG device by what its published name is made of (`gpu-<gpu>-mig-<profile>-<start>`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MigDeviceRef {
+    /// GPU-instance profile, e.g. `3g.40gb`.
+    pub profile: String,
+    /// First memory slice of its placement.
+    pub start: u32,
+}
+
+/// Whether a device works.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum HealthState {
+    #[default]
+    Healthy,
+    Unhealthy,
+}
+
+/// What made a device unhealthy; each maps to a taint effect in `GpuPolicy.spec.health.taints`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum HealthReason {
+    /// A critical XID error that needs the GPU's work stopped (not one of the application XIDs).
+    Xid,
+    /// An uncorrectable (double-bit) ECC memory error.
+    DoubleBitEcc,
+    /// The GPU stopped answering (`NVML_ERROR_GPU_IS_LOST`, fallen off the bus).
+    GpuLost,
 }
 
 /// One physical GPU.

@@ -65,6 +65,153 @@ pub struct GpuPolicySpec {
     /// Evaluated in order for every GPU; the first match wins.
     #[serde(default)]
     pub rules: Vec<PolicyRule>,
+    /// How the controller taints the devices of a GPU (or MIG device) its plugin reports unhealthy;
+    /// the defaults below apply when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<HealthPolicy>,
+}
+
+/// Device taints for sick GPUs.
+///
+/// ```yaml
+/// health:
+///   taints: {xid: NoSchedule, doubleBitEcc: NoSchedule, gpuLost: NoExecute}
+///   quietPeriod: 60s
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthPolicy {
+    /// The taint effect per kind of failure.
+    #[serde(default)]
+    pub taints: HealthTaints,
+    /// How long a device must stay healthy after a failure before its taint is removed, as a duration
+    /// (`90s`, `5m`, `1m30s`); default [`DEFAULT_QUIET_PERIOD_SECS`] seconds. `0s` removes it at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quiet_period: Option<String>,
+}
+
+/// Default of `health.quietPeriod`: long enough that a GPU throwing an XID every few seconds does not
+/// flap between tainted and schedulable.
+pub const DEFAULT_QUIET_PERIOD_SECS: u64 = 60;
+
+/// Effect of the taint per failure; each defaults as documented on its field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthTaints {
+    /// A critical XID (`gpu.tessera.dev/xid=<xid>`); default `NoSchedule`: the GPU may recover after its
+    /// work is restarted, so running pods are left to decide.
+    #[serde(default = "no_schedule")]
+    pub xid: TaintEffect,
+    /// A double-bit ECC error (`gpu.tessera.dev/ecc`); default `NoSchedule`.
+    #[serde(default = "no_schedule")]
+    pub double_bit_ecc: TaintEffect,
+    /// A lost GPU (`gpu.tessera.dev/gpu-lost`); default `NoExecute`: its pods cannot make progress, so
+    /// the device-taint eviction controller evicts them.
+    #[serde(default = "no_execute")]
+    pub gpu_lost: TaintEffect,
+}
+
+impl Default for HealthTaints {
+    fn default() -> Self {
+        Self {
+            xid: TaintEffect::NoSchedule,
+            double_bit_ecc: TaintEffect::NoSchedule,
+            gpu_lost: TaintEffect::NoExecute,
+        }
+    }
+}
+
+fn no_schedule() -> TaintEffect {
+    TaintEffect::NoSchedule
+}
+
+fn no_execute() -> TaintEffect {
+    TaintEffect::NoExecute
+}
+
+/// A device taint effect (`resource.k8s.io/v1` `DeviceTaint.effect`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum TaintEffect {
+    /// No new allocations; allocated devices stay.
+    NoSchedule,
+    /// No new allocations, and pods using the device are evicted.
+    NoExecute,
+    /// Informational only (Kubernetes 1.35+).
+    #[serde(rename = "None")]
+    Informational,
+}
+
+impl TaintEffect {
+    /// The spelling of `DeviceTaint.effect`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NoSchedule => "NoSchedule",
+            Self::NoExecute => "NoExecute",
+            Self::Informational => "None",
+        }
+    }
+}
+
+/// Reads a duration as Kubernetes spells it in its objects (`90s`, `5m`, `1h`, `1m30s`, `0s`): whole
+/// numbers of `h`, `m` and `s`, largest first. Errors say what was wrong and show a valid spelling.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let text = s.trim();
+    if text.is_empty() {
+        return Err("is empty; write a duration such as 60s or 1m30s".into());
+    }
+    let mut secs: u64 = 0;
+    let mut digits = String::new();
+    let mut last_unit = u64::MAX;
+    for c in text.chars() {
+        if c.is_ascii_digit() {
+            digits.push(c);
+            continue;
+        }
+        let unit = match c {
+            'h' => 3600,
+            'm' => 60,
+            's' => 1,
+            _ => {
+                return Err(format!(
+                    "{s:?} has the unit {c:?}; use h, m or s, e.g. 60s or 1m30s"
+                ))
+            }
+        };
+        if digits.is_empty() && c == 's' && last_unit == 60 {
+            return Err(format!("{s:?} is in milliseconds; write whole seconds, e.g. 1s"));
+        }
+        if digits.is_empty() {
+            return Err(format!(
+                "{s:?} has a unit without a number; write e.g. 60s or 1m30s"
+            ));
+        }
+        if unit >= last_unit {
+            return Err(format!(
+                "{s:?} repeats or reorders units; write the largest first, e.g. 1m30s"
+            ));
+        }
+        last_unit = unit;
+        let n: u64 = digits.parse().map_err(|_| format!("{s:?} is too large"))?;
+        secs = n
+            .checked_mul(unit)
+            .and_then(|v| secs.checked_add(v))
+            .ok_or_else(|| format!("{s:?} is too large"))?;
+        digits.clear();
+    }
+    if !digits.is_empty() {
+        return Err(format!("{s:?} ends without a unit; write e.g. {digits}s"));
+    }
+    Ok(std::time::Duration::from_secs(secs))
+}
+
+impl HealthPolicy {
+    /// `quietPeriod`, or the default when unset.
+    pub fn quiet_period(&self) -> Result<std::time::Duration, String> {
+        match &self.quiet_period {
+            None => Ok(std::time::Duration::from_secs(DEFAULT_QUIET_PERIOD_SECS)),
+            Some(s) => parse_duration(s),
+        }
+    }
 }
 
 /// One rule: a selector and exactly one model.
@@ -237,6 +384,36 @@ spec:
         assert_eq!(shared.memory_step, Some(Quantity("2Gi".into())));
         assert!(rules[1].optional);
         assert_eq!(rules[2].model(), Ok(ModelRef::Whole));
+    }
+
+    #[test]
+    fn health_settings_default_to_no_schedule_for_errors_and_no_execute_for_a_lost_gpu() {
+        let spec: GpuPolicySpec =
+            serde_norway::from_str("health: {taints: {xid: NoExecute}, quietPeriod: 1m30s}").unwrap();
+        let health = spec.health.unwrap();
+        assert_eq!(health.taints.xid, TaintEffect::NoExecute);
+        assert_eq!(health.taints.double_bit_ecc, TaintEffect::NoSchedule);
+        assert_eq!(health.taints.gpu_lost, TaintEffect::NoExecute);
+        assert_eq!(health.quiet_period(), Ok(std::time::Duration::from_secs(90)));
+        assert_eq!(
+            HealthPolicy::default().quiet_period(),
+            Ok(std::time::Duration::from_secs(DEFAULT_QUIET_PERIOD_SECS))
+        );
+        let none: HealthTaints = serde_norway::from_str("xid: None").unwrap();
+        assert_eq!(none.xid.as_str(), "None");
+    }
+
+    #[test]
+    fn durations_read_as_kubernetes_spells_them_and_bad_ones_say_how_to_write_them() {
+        let secs = |s| parse_duration(s).map(|d| d.as_secs());
+        assert_eq!(secs("0s"), Ok(0));
+        assert_eq!(secs("5m"), Ok(300));
+        assert_eq!(secs("1h2m3s"), Ok(3723));
+        assert!(secs("60").unwrap_err().contains("60s"));
+        assert!(secs("1s1m").unwrap_err().contains("largest first"));
+        assert!(secs("10ms").unwrap_err().contains("whole seconds"));
+        assert!(secs("2d").unwrap_err().contains("use h, m or s"));
+        assert!(secs("").unwrap_err().contains("empty"));
     }
 
     #[test]

@@ -329,6 +329,7 @@ impl NodeBuilder {
             last_heartbeat_time: self.heartbeat.map(|t| Time(crate::time::to_k8s_time(t))),
             gpu_count: inv.spec.gpus.len() as u32,
             message: None,
+            health: vec![],
         });
         inv
     }

@@ -121,6 +121,7 @@ pub fn inventory_status(
         last_heartbeat_time: Some(Time(now)),
         gpu_count: spec.gpus.len() as u32,
         message,
+        health: vec![],
     }
 }
 
