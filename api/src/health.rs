@@ -1,6 +1,9 @@
 //! Liveness and readiness over plain HTTP, for kubelet's probes of both binaries: `GET /livez` (also
 //! `/healthz`) and `GET /readyz` answer `200 ok` or `503` with the reason, one line of text, so
 //! `kubectl describe pod` shows why a probe failed.
+//!
+//! The same listener serves `GET /metrics` when the binary gives it a [`crate::metrics::Render`]: one port
+//! for probes and scraping, so the chart opens one port per pod and the probes prove the scrape target is up.
 
 use std::{convert::Infallible, sync::Arc};
 
@@ -35,6 +38,16 @@ pub fn parse_listen_addr(s: &str) -> Result<std::net::SocketAddr, String> {
 /// Serves `checks` on `listener` until the task is dropped. A failed accept is logged and retried: the
 /// probes must not take the process down.
 pub async fn serve(listener: TcpListener, checks: Checks) {
+    serve_with_metrics(listener, checks, None).await
+}
+
+/// [`serve`], plus `GET /metrics` from `metrics`. Rendering runs on a blocking thread: collectors may ask
+/// the GPUs (NVML) for usage, which must not stall the probes sharing the runtime.
+pub async fn serve_with_metrics(
+    listener: TcpListener,
+    checks: Checks,
+    metrics: Option<crate::metrics::Render>,
+) {
     loop {
         let (tcp, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -45,10 +58,21 @@ pub async fn serve(listener: TcpListener, checks: Checks) {
             }
         };
         let checks = checks.clone();
+        let metrics = metrics.clone();
         tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let response = answer(&req, &checks);
-                async move { Ok::<_, Infallible>(response) }
+            let service = service_fn(move |req: Request<hyper::body::Incoming>| {
+                let scrape = match (req.method(), req.uri().path(), &metrics) {
+                    (&Method::GET, "/metrics", Some(render)) => Some(render.clone()),
+                    _ => None,
+                };
+                let response = scrape.is_none().then(|| answer(&req, &checks));
+                async move {
+                    Ok::<_, Infallible>(match (response, scrape) {
+                        (Some(response), _) => response,
+                        (None, Some(render)) => scrape_response(render).await,
+                        (None, None) => unreachable!("either answered or scraped"),
+                    })
+                }
             });
             if let Err(e) = http1::Builder::new()
                 .serve_connection(TokioIo::new(tcp), service)
@@ -67,13 +91,30 @@ fn answer<B>(req: &Request<B>, checks: &Checks) -> Response<Full<Bytes>> {
         _ => {
             return text(
                 StatusCode::NOT_FOUND,
-                "not found: GET /livez, /healthz or /readyz\n".into(),
+                "not found: GET /livez, /healthz, /readyz or /metrics\n".into(),
             );
         }
     };
     match check() {
         Ok(()) => text(StatusCode::OK, "ok\n".into()),
         Err(reason) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
+    }
+}
+
+async fn scrape_response(render: crate::metrics::Render) -> Response<Full<Bytes>> {
+    match tokio::task::spawn_blocking(move || render()).await {
+        Ok(body) => {
+            let mut response = text(StatusCode::OK, body);
+            response.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+            );
+            response
+        }
+        Err(e) => text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("rendering the metrics failed: {e}\n"),
+        ),
     }
 }
 
@@ -157,5 +198,28 @@ mod tests {
         let (status, body) = probe("/metrics").await.unwrap();
         assert_eq!(status, 404);
         assert!(body.contains("/readyz"), "{body}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_probe_listener_also_serves_metrics_when_given_a_registry() {
+        let checks = Checks {
+            live: Arc::new(|| Ok(())),
+            ready: Arc::new(|| Ok(())),
+        };
+        let render: crate::metrics::Render =
+            Arc::new(|| "# TYPE tessera_up gauge\ntessera_up 1\n# EOF\n".to_string());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(serve_with_metrics(listener, checks, Some(render)));
+        let (status, body) = tokio::task::spawn_blocking(move || get(addr, "/metrics"))
+            .await
+            .unwrap();
+        assert_eq!(status, 200);
+        let parsed = crate::metrics::exposition::parse(&body).unwrap();
+        assert_eq!(parsed.find("tessera_up", &[])[0].value, 1.0);
+        let (status, _) = tokio::task::spawn_blocking(move || get(addr, "/readyz"))
+            .await
+            .unwrap();
+        assert_eq!(status, 200);
     }
 }

@@ -15,6 +15,7 @@ pub mod config;
 pub mod device_name;
 pub mod health;
 pub mod inventory;
+pub mod metrics;
 pub mod policy;
 
 pub use device_name::DeviceName;
