@@ -68,6 +68,38 @@ pub trait ClusterApi: Sync {
     ) -> impl Future<Output = Result<(), ApiError>> + Send;
 }
 
+/// Asked before every write: may this replica write now? A leader's gate renews its lease here when the
+/// renewal is due, so a publish that takes longer than the renew deadline (a start or a policy change on
+/// a large cluster) keeps writing instead of stopping half-way once the deadline passes.
+pub trait WriteGate: Send {
+    fn may_write(&mut self) -> impl Future<Output = bool> + Send;
+}
+
+/// A plain predicate as a gate (tests, and callers that renew elsewhere).
+impl<F: Fn() -> bool + Sync> WriteGate for &F {
+    async fn may_write(&mut self) -> bool {
+        (*self)()
+    }
+}
+
+/// The gate of a leading replica: renews (or, once lost, fails to reacquire) the lease through the elector,
+/// which makes no API call while the last renewal is younger than the renew interval.
+struct LeaseGate<'a, S: LeaseStore> {
+    elector: &'a mut LeaderElector,
+    lease: &'a S,
+    clock: &'a (dyn Fn() -> DateTime<Utc> + Sync),
+}
+
+impl<S: LeaseStore> WriteGate for LeaseGate<'_, S> {
+    async fn may_write(&mut self) -> bool {
+        // Fresh renewal: true without a call. Due: one lease write. Failed call: true only until the renew
+        // deadline of the last success, so a replica cut off from the API server stops in time.
+        self.elector
+            .try_acquire_or_renew(self.lease, (self.clock)())
+            .await
+    }
+}
+
 /// Everything the controller watches, at one moment.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
@@ -94,6 +126,8 @@ pub struct Decision {
     /// The policy status to write, when it differs from the stored one.
     pub status: Option<(String, GpuPolicyStatus)>,
     pub problem: Option<PolicyProblem>,
+    /// The gate refused a write (the lease was lost mid-way): `plan` was not written in full.
+    pub interrupted: bool,
 }
 
 /// Turns snapshots into writes, remembering the last valid policy, the pool generations it wrote, what
@@ -189,6 +223,7 @@ impl Reconciler {
             held: BTreeSet::new(),
             status,
             problem,
+            interrupted: false,
         };
         (decision, assignments)
     }
@@ -233,22 +268,22 @@ impl Reconciler {
         decision
     }
 
-    /// Decides and writes while `may_write()` holds (checked before every call), one pool at a time: a
+    /// Decides and writes while the gate allows it (asked before every call), one pool at a time: a
     /// pool's slices are rendered, written, and trimmed to what [`crate::pool_diff::diff`] reads before
     /// the next pool is looked at (deletes last, for every pool), so at most one pool's devices are held however many pools change
     /// (every pool does at start and on a policy change). Returns the decision; its plan holds the
-    /// trimmed slices of the pools looked at, up to the first write `may_write` refused.
-    pub async fn reconcile<A: ClusterApi>(
+    /// trimmed slices of the pools looked at, up to the first write the gate refused.
+    pub async fn reconcile<A: ClusterApi, G: WriteGate>(
         &mut self,
         snap: &Snapshot,
         api: &A,
         now: DateTime<Utc>,
         mono: Instant,
-        may_write: &(dyn Fn() -> bool + Sync),
+        mut gate: G,
     ) -> Result<Decision, Error> {
         let (mut decision, assignments) = self.prepare(snap, now, mono);
         if let Some((name, status)) = &decision.status {
-            if !may_write() {
+            if !gate.may_write().await {
                 return Ok(decision);
             }
             api.patch_policy_status(name, status)
@@ -271,7 +306,7 @@ impl Reconciler {
         let mut deletes = vec![];
         while !refused && let Some(mut pool) = cursor.next_pool(&mut self.generations, &mut self.renders) {
             deletes.append(&mut pool.deletes);
-            refused = !write(api, &pool.creates, &pool.updates, &[], may_write).await?;
+            refused = !write(api, &pool.creates, &pool.updates, &[], &mut gate).await?;
             for s in pool.creates.iter_mut().chain(&mut pool.updates) {
                 trim_to_what_diff_reads(s);
             }
@@ -279,25 +314,26 @@ impl Reconciler {
         }
         plan.deletes = deletes;
         if !refused {
-            write(api, &[], &[], &plan.deletes, may_write).await?;
+            refused = !write(api, &[], &[], &plan.deletes, &mut gate).await?;
         }
+        decision.interrupted = refused;
         decision.desired = cursor.desired();
         decision.plan = Some(plan);
         Ok(decision)
     }
 }
 
-/// Creates, updates, then deletes while `may_write()` holds; `false` once it did not.
-async fn write<A: ClusterApi>(
+/// Creates, updates, then deletes while the gate allows; `false` once it did not.
+async fn write<A: ClusterApi, G: WriteGate>(
     api: &A,
     creates: &[ResourceSlice],
     updates: &[ResourceSlice],
     deletes: &[String],
-    may_write: &(dyn Fn() -> bool + Sync),
+    gate: &mut G,
 ) -> Result<bool, Error> {
     let name = |s: &ResourceSlice| s.metadata.name.clone().unwrap_or_default();
     for s in creates {
-        if !may_write() {
+        if !gate.may_write().await {
             return Ok(false);
         }
         api.create_slice(s).await.map_err(|source| Error::CreateSlice {
@@ -306,7 +342,7 @@ async fn write<A: ClusterApi>(
         })?;
     }
     for s in updates {
-        if !may_write() {
+        if !gate.may_write().await {
             return Ok(false);
         }
         api.replace_slice(s).await.map_err(|source| Error::ReplaceSlice {
@@ -315,7 +351,7 @@ async fn write<A: ClusterApi>(
         })?;
     }
     for n in deletes {
-        if !may_write() {
+        if !gate.may_write().await {
             return Ok(false);
         }
         api.delete_slice(n).await.map_err(|source| Error::DeleteSlice {
@@ -334,7 +370,8 @@ pub struct Replica {
 
 impl Replica {
     /// Observes the snapshot's heartbeats, renews or acquires the lease, then reconciles if leading.
-    /// `clock` is read again before every write, so a replica that lost its lease mid-way stops writing.
+    /// Before every write the lease is renewed when due (`clock` read again), so a long publish keeps its
+    /// lease and a replica that lost it mid-way stops writing.
     /// A follower observes too, so on taking over it already knows which heartbeats are alive.
     pub async fn tick<S: LeaseStore, A: ClusterApi>(
         &mut self,
@@ -348,10 +385,13 @@ impl Replica {
         if !self.elector.try_acquire_or_renew(lease, clock()).await {
             return Ok(None);
         }
-        let elector = &self.elector;
-        let may_write = || elector.is_leader(clock());
+        let gate = LeaseGate {
+            elector: &mut self.elector,
+            lease,
+            clock,
+        };
         self.reconciler
-            .reconcile(snap, api, clock(), mono, &may_write)
+            .reconcile(snap, api, clock(), mono, gate)
             .await
             .map(Some)
     }

@@ -557,7 +557,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 if let Some(problem) = &decision.problem {
                     tracing::warn!(%problem, "GpuPolicy is invalid; keeping the last valid policy");
                 }
-                if let Some(plan) = decision.plan.filter(|p| !p.is_empty()) {
+                if decision.interrupted {
+                    // The plan's counts are not writes here; the next leader's round writes the rest.
+                    tracing::warn!("lost the lease while publishing; stopped writing");
+                } else if let Some(plan) = decision.plan.filter(|p| !p.is_empty()) {
                     tracing::info!(
                         creates = plan.creates.len(),
                         updates = plan.updates.len(),

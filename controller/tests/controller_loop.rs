@@ -730,3 +730,85 @@ async fn the_cache_keeps_of_a_slice_what_the_diff_reads_and_drops_its_devices() 
         "nothing changed, nothing written"
     );
 }
+
+/// A [`ClusterApi`] whose every write takes a second of the shared clock, as slice writes do on a loaded
+/// API server during a start on a large cluster.
+struct Slow<'a> {
+    api: &'a InMemoryApi,
+    clock: &'a Mutex<DateTime<Utc>>,
+}
+
+impl Slow<'_> {
+    fn tick(&self) {
+        *self.clock.lock().unwrap() += Duration::seconds(1);
+    }
+}
+
+impl ClusterApi for Slow<'_> {
+    async fn create_slice(&self, s: &ResourceSlice) -> Result<(), ApiError> {
+        self.tick();
+        self.api.create_slice(s).await
+    }
+    async fn replace_slice(&self, s: &ResourceSlice) -> Result<(), ApiError> {
+        self.tick();
+        self.api.replace_slice(s).await
+    }
+    async fn delete_slice(&self, n: &str) -> Result<(), ApiError> {
+        self.tick();
+        self.api.delete_slice(n).await
+    }
+    async fn patch_policy_status(&self, n: &str, s: &GpuPolicyStatus) -> Result<(), ApiError> {
+        self.tick();
+        self.api.patch_policy_status(n, s).await
+    }
+}
+
+#[tokio::test]
+async fn a_leader_whose_publish_outlasts_the_renew_deadline_renews_between_writes_and_finishes_it() {
+    let (mut cluster, api, lease) = (
+        Cluster::two_nodes(),
+        InMemoryApi::default(),
+        InMemoryLease::default(),
+    );
+    let clock = Mutex::new(now());
+    let read = || *clock.lock().unwrap();
+    let mut replica = Replica {
+        elector: LeaderElector::new("a", "tessera-system", "tessera-controller"),
+        reconciler: reconciler_for(&cluster, &api),
+    };
+    // One heartbeat later, so every pool is published rather than held.
+    cluster.elapsed += 1;
+    let slow = Slow {
+        api: &api,
+        clock: &clock,
+    };
+    let started = read();
+    let decision = replica
+        .tick(&lease, &slow, &cluster.snapshot(&api), &read, cluster.mono())
+        .await
+        .unwrap()
+        .expect("the only replica leads");
+    assert!(!decision.interrupted, "the gate never refused a write");
+    let plan = decision.plan.expect("a valid policy");
+    let writes = plan.creates.len() + plan.updates.len() + plan.deletes.len();
+    let took = read() - started;
+    assert!(
+        writes > 10,
+        "the fixture must need more than the 10 s renew deadline of writes, plans {writes}"
+    );
+    assert_eq!(
+        api.slices().len(),
+        writes,
+        "every slice of the plan is written in one round (took {} s)",
+        took.num_seconds()
+    );
+    assert!(
+        replica.elector.is_leader(read()),
+        "the lease was renewed on the way"
+    );
+    let mut other = LeaderElector::new("b", "tessera-system", "tessera-controller");
+    assert!(
+        !other.try_acquire_or_renew(&lease, read()).await,
+        "the renewed lease keeps another replica out"
+    );
+}
