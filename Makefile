@@ -37,6 +37,11 @@ up: ## Local Kubernetes 1.37 cluster without Docker + tessera (NODES=2 GPUS=8 MO
 down: ## Stop everything `make up` started and remove its state (logs stay in .run/logs)
 	e2e/scripts/down.sh
 
+# The real node (e2e/scripts/real-node.sh): kubelet, containerd, runc, CNI plugins, pause and busybox images.
+.PHONY: build-node
+build-node: ## Build the real node's kubelet, containerd, runc, CNI plugins and images (cached; e2e/bin/node)
+	e2e/scripts/build-node.sh
+
 e2e: ## End-to-end scenarios on a fresh local cluster (builds control plane, harness and Rust binaries)
 	e2e/scripts/e2e.sh
 

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Builds what the real node (e2e/scripts/real-node.sh) runs, with no release downloads and no registry:
+#   - kubelet from the e2e/k8s module (the control plane's release, K8S_VERSION picks 1.37 or 1.36) into $BIN_DIR;
+#   - containerd 2.x, containerd-shim-runc-v2, ctr, runc (cgo, seccomp), crictl and the CNI plugins bridge,
+#     host-local, loopback and portmap from e2e/tools/node/go.mod into e2e/bin/node/ (cni/ for the plugins);
+#   - the pause image (Kubernetes' own build/pause/linux/pause.c, gcc -static) and a busybox image (Debian's
+#     busybox-static) as OCI archives in e2e/bin/node/images/, which real-node.sh imports with ctr.
+# Each part is relinked only when what it is built from changes (module versions, Go, this script).
+# Debian packages it needs (gcc, libseccomp-dev, busybox-static, iptables): e2e/scripts/node-packages.sh.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+SELF="$E2E_DIR/scripts/$(basename "${BASH_SOURCE[0]}")"
+K8S_MOD="$E2E_DIR/k8s"
+NODE_MOD="$E2E_DIR/tools/node"
+NODE_BIN="${NODE_BIN_DIR:-$E2E_DIR/bin/node}"
+export GOTOOLCHAIN=local
+
+command -v go >/dev/null 2>&1 || { echo "error: go not found in PATH; install Go >= 1.26.0" >&2; exit 2; }
+"$E2E_DIR/scripts/node-packages.sh" --check
+
+# stamp_ok NAME WANT FILE...: true when every FILE exists and NAME's stamp says WANT.
+stamp_ok() {
+  local name="$1" want="$2" f; shift 2
+  for f in "$@"; do [[ -e "$f" ]] || return 1; done
+  [[ -f "$NODE_BIN/.$name-stamp" && "$(cat "$NODE_BIN/.$name-stamp")" == "$want" ]]
+}
+mods_of() { (cd "$1" && go list -deps -f '{{with .Module}}{{.Path}}@{{.Version}}{{end}}' "${@:2}" | sort -u); }
+mkdir -p "$NODE_BIN/cni" "$NODE_BIN/images" "$BIN_DIR"
+
+# kubelet: the same module, replace block and version stamp as the control plane (build-k8s.sh), so the
+# node reports the API server's release.
+KUBELET_PKG=k8s.io/kubernetes/cmd/kubelet
+KUBE_VERSION="$(cd "$K8S_MOD" && GOFLAGS="-mod=mod -modfile=$K8S_MODFILE" go list -m -f '{{.Version}}' k8s.io/kubernetes)"
+want="$( { GOFLAGS="-mod=mod -modfile=$K8S_MODFILE" mods_of "$K8S_MOD" "$KUBELET_PKG"; go env GOVERSION; cat "$SELF"; } | sha256sum | cut -d' ' -f1)"
+if stamp_ok "kubelet-$K8S_VERSION" "$want" "$BIN_DIR/kubelet"; then
+  echo "kubelet $KUBE_VERSION up to date in $BIN_DIR"
+else
+  start=$(date +%s)
+  minor="$(echo "$KUBE_VERSION" | cut -d. -f2)"
+  ldf="-s -w -X k8s.io/component-base/version.gitVersion=$KUBE_VERSION -X k8s.io/component-base/version.gitMajor=1"
+  ldf+=" -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
+  (cd "$K8S_MOD" && CGO_ENABLED=0 GOFLAGS="-mod=mod -buildvcs=false -modfile=$K8S_MODFILE" \
+    go build -trimpath -ldflags "$ldf" -o "$BIN_DIR/kubelet" "$KUBELET_PKG")
+  echo "$want" > "$NODE_BIN/.kubelet-$K8S_VERSION-stamp"
+  echo "kubelet $KUBE_VERSION built in $(( $(date +%s) - start ))s"
+fi
+
+export GOFLAGS="-mod=mod -buildvcs=false"
+RUNTIME_PKGS=(github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2
+  github.com/containerd/containerd/v2/cmd/ctr sigs.k8s.io/cri-tools/cmd/crictl)
+CNI_PKGS=(github.com/containernetworking/plugins/plugins/main/bridge github.com/containernetworking/plugins/plugins/main/loopback
+  github.com/containernetworking/plugins/plugins/ipam/host-local github.com/containernetworking/plugins/plugins/meta/portmap)
+RUNC_PKG=github.com/opencontainers/runc
+v() { (cd "$NODE_MOD" && go list -m -f '{{.Version}}' "$1"); }
+CONTAINERD_VERSION="$(v github.com/containerd/containerd/v2)"
+RUNC_VERSION="$(v github.com/opencontainers/runc)"
+want="$( { mods_of "$NODE_MOD" "${RUNTIME_PKGS[@]}" "${CNI_PKGS[@]}" "$RUNC_PKG"; go env GOVERSION; cat "$SELF"; } | sha256sum | cut -d' ' -f1)"
+if stamp_ok runtime "$want" "$NODE_BIN"/{containerd,containerd-shim-runc-v2,ctr,crictl,runc} "$NODE_BIN"/cni/{bridge,loopback,host-local,portmap}; then
+  echo "containerd $CONTAINERD_VERSION, runc $RUNC_VERSION, CNI plugins up to date in $NODE_BIN"
+else
+  start=$(date +%s)
+  # containerd and ctr print their version from these (`containerd --version`, the CRI's RuntimeVersion).
+  ldf="-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION"
+  (cd "$NODE_MOD" && CGO_ENABLED=0 go build -trimpath -ldflags "$ldf" -o "$NODE_BIN/" "${RUNTIME_PKGS[@]}")
+  (cd "$NODE_MOD" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$NODE_BIN/cni/" "${CNI_PKGS[@]}")
+  # runc needs cgo (nsenter) and libseccomp: containerd's CRI gives every sandbox a seccomp profile, and a
+  # runc built without the tag refuses it ("seccomp: config provided but seccomp not supported").
+  (cd "$NODE_MOD" && CGO_ENABLED=1 go build -trimpath -tags seccomp \
+    -ldflags "-s -w -X main.version=${RUNC_VERSION#v}" -o "$NODE_BIN/runc" "$RUNC_PKG")
+  echo "$want" > "$NODE_BIN/.runtime-stamp"
+  echo "containerd $CONTAINERD_VERSION, runc $RUNC_VERSION, CNI plugins built in $(( $(date +%s) - start ))s"
+fi
+
+PAUSE_C="$(cd "$K8S_MOD" && GOFLAGS="-mod=mod -modfile=$K8S_MODFILE" go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
+[[ -f "$PAUSE_C" ]] || { echo "error: $PAUSE_C missing (go mod download k8s.io/kubernetes in $K8S_MOD)" >&2; exit 2; }
+want="$( { sha256sum "$PAUSE_C" /bin/busybox "$E2E_DIR/images/node_images.py"; gcc --version | head -1; cat "$SELF"; } | sha256sum | cut -d' ' -f1)"
+if stamp_ok images "$want" "$NODE_BIN/images/pause.tar" "$NODE_BIN/images/busybox.tar"; then
+  echo "pause and busybox images up to date in $NODE_BIN/images"
+else
+  gcc -Os -static -Wall -Werror -DVERSION=tessera-e2e -o "$NODE_BIN/pause" "$PAUSE_C"
+  python3 "$E2E_DIR/images/node_images.py" --pause "$NODE_BIN/pause" --busybox /bin/busybox --out "$NODE_BIN/images"
+  echo "$want" > "$NODE_BIN/.images-stamp"
+  echo "pause and busybox images written to $NODE_BIN/images"
+fi
