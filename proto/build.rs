@@ -10,6 +10,7 @@ const PROTO_FILES: &[&str] = &[
     "k8s.io/kubelet/pkg/apis/dra/v1beta1/api.proto",
     "k8s.io/kubelet/pkg/apis/pluginregistration/v1/api.proto",
     "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1/api.proto",
+    "k8s.io/kubelet/pkg/apis/dra-health/v1/api.proto",
 ];
 
 /// Name of the encoded `FileDescriptorSet` written to `OUT_DIR`; `lib.rs` embeds it so tests

@@ -4,7 +4,8 @@
 //!   unprepare ResourceClaims. A 1.34+ kubelet prefers v1; older kubelets know only v1beta1.
 //! * [`pluginregistration`]: the `Registration` service through which the kubelet discovers a
 //!   plugin in its registry directory.
-//! * [`health::v1alpha1`]: the `DRAResourceHealth` service streaming device health.
+//! * [`health::v1`] and [`health::v1alpha1`]: the `DRAResourceHealth` service streaming device health
+//!   (v1 since Kubernetes 1.37, v1alpha1 for 1.36).
 //!
 //! Server and client code is generated for every service: the plugin serves them, and tests use
 //! the clients to play the kubelet. The proto packages are kept exactly as upstream because the
@@ -43,6 +44,11 @@ pub mod health {
     pub mod v1alpha1 {
         tonic::include_proto!("v1alpha1");
     }
+
+    /// Proto package `v1` (Kubernetes 1.37: the same messages as v1alpha1, which 1.37 deprecates).
+    pub mod v1 {
+        tonic::include_proto!("v1");
+    }
 }
 
 /// `PluginInfo.supported_versions` entry announcing [`dra::v1`]'s `DRAPlugin`.
@@ -53,6 +59,10 @@ pub const DRA_PLUGIN_V1BETA1_SERVICE: &str = "v1beta1.DRAPlugin";
 
 /// `PluginInfo.supported_versions` entry announcing [`health::v1alpha1`]'s `DRAResourceHealth`.
 pub const DRA_HEALTH_V1ALPHA1_SERVICE: &str = "v1alpha1.DRAResourceHealth";
+
+/// `PluginInfo.supported_versions` entry announcing [`health::v1`]'s `DRAResourceHealth`. A 1.37 kubelet
+/// opens the health stream only when registration lists it or the v1alpha1 entry.
+pub const DRA_HEALTH_V1_SERVICE: &str = "v1.DRAResourceHealth";
 
 /// `PluginInfo.type` of a DRA driver.
 pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";

@@ -172,8 +172,18 @@ fn pluginregistration_matches_the_upstream_layout() {
 
 #[test]
 fn dra_health_v1alpha1_matches_the_upstream_layout() {
-    let file = file("k8s.io/kubelet/pkg/apis/dra-health/v1alpha1/api.proto");
-    assert_plain_proto3(&file, "v1alpha1");
+    assert_health_layout("v1alpha1");
+}
+
+/// Kubernetes 1.37 moved the health API to `v1` with the same messages (k8s.io/kubelet v0.37.2).
+#[test]
+fn dra_health_v1_has_the_same_layout_in_package_v1() {
+    assert_health_layout("v1");
+}
+
+fn assert_health_layout(package: &str) {
+    let file = file(&format!("k8s.io/kubelet/pkg/apis/dra-health/{package}/api.proto"));
+    assert_plain_proto3(&file, package);
     let mut lines = render(&file);
     lines.sort();
     let mut expected = vec![
@@ -194,7 +204,7 @@ fn dra_health_v1alpha1_matches_the_upstream_layout() {
 }
 
 #[test]
-fn the_descriptor_set_holds_exactly_the_four_vendored_files() {
+fn the_descriptor_set_holds_exactly_the_five_vendored_files() {
     let mut names: Vec<String> = descriptor_set()
         .file
         .into_iter()
@@ -204,6 +214,7 @@ fn the_descriptor_set_holds_exactly_the_four_vendored_files() {
     assert_eq!(
         names,
         [
+            "k8s.io/kubelet/pkg/apis/dra-health/v1/api.proto",
             "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1/api.proto",
             "k8s.io/kubelet/pkg/apis/dra/v1/api.proto",
             "k8s.io/kubelet/pkg/apis/dra/v1beta1/api.proto",
