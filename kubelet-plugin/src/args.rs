@@ -28,7 +28,7 @@ use crate::{
         Sharer,
         mps::{Launcher, MpsManager},
     },
-    state::{NodeState, RECONCILE_INTERVAL, StateConfig},
+    state::{NodeState, RECONCILE_INTERVAL, StateConfig, StateLock},
 };
 
 /// tessera's kubelet plugin: discovers the node's NVIDIA GPUs, publishes them as a NodeInventory, and
@@ -70,6 +70,13 @@ pub struct Args {
         default_value = "/var/lib/kubelet/plugins"
     )]
     kubelet_plugins_dir: PathBuf,
+
+    /// UID of the plugin's pod (the downward API's metadata.uid). With it the sockets get names of their
+    /// own, so the new pod of a rolling update (maxSurge) registers beside the old one and takes the node
+    /// state over when the old one exits; without it the fixed names (one instance per node: a host
+    /// process, the local cluster).
+    #[arg(long, env = "POD_UID")]
+    pod_uid: Option<String>,
 
     /// Directory the container runtime reads CDI specs from.
     #[arg(long, env = "TESSERA_CDI_DIR", default_value = "/var/run/cdi")]
@@ -271,6 +278,7 @@ impl Args {
             state_dir,
             kubelet_registry_dir,
             kubelet_plugins_dir,
+            pod_uid,
             cdi_dir,
             cdi_hook,
             mps_supervisor_socket,
@@ -287,7 +295,171 @@ impl Args {
             None => {}
         }
         let node_name = node_name.ok_or(Error::MissingNodeName)?;
+        let pod_uid = pod_uid.map(checked_pod_uid).transpose()?;
+        let paths = SocketPaths::for_pod(&kubelet_registry_dir, &kubelet_plugins_dir, pod_uid.as_deref());
+        let holder = match &pod_uid {
+            Some(uid) => format!("pod {uid} (pid {})", std::process::id()),
+            None => format!("pid {}", std::process::id()),
+        };
 
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
+        let mut sigint = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
+        let signal_stop = stop_tx.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = sigterm.recv() => info!("received SIGTERM"),
+                _ = sigint.recv() => info!("received SIGINT"),
+            }
+            signal_stop.send_replace(true);
+        });
+
+        let (registration_tx, registration_rx) = watch::channel(RegistrationState::Pending);
+        if let Some(addr) = health_addr {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| Error::BindHealth { addr, source })?;
+            info!(%addr, "health probes: GET /livez, /readyz");
+            tokio::spawn(tessera_api::health::serve(
+                listener,
+                health_checks(registration_rx.clone()),
+            ));
+        }
+
+        // With the fixed socket names there is one instance per node: it owns the state before it binds,
+        // so a second one started by mistake waits instead of taking over the first one's sockets. With
+        // names of its own, the new pod of a rolling update serves (and gets registered) first and takes the
+        // state over once the old pod, stopped because this one is ready, has exited (state/handover.rs).
+        let mut lock = None;
+        if pod_uid.is_none() {
+            match StateLock::acquire(&state_dir, &holder, stop_rx.clone()).await? {
+                Some(l) => lock = Some(l),
+                None => return Ok(()),
+            }
+        }
+        for path in driver::remove_stale_sockets(&paths) {
+            info!(socket = %path.display(), "cleaned up after a plugin instance that was killed");
+        }
+        let (gate_tx, gate) = driver::StateGate::closed(StateLock::path_in(&state_dir));
+        let serving = {
+            let (paths, mut stopped) = (paths.clone(), stop_rx.clone());
+            tokio::spawn(async move {
+                driver::serve_gated(&paths, gate, registration_tx, async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                })
+                .await
+            })
+        };
+        if pod_uid.is_some() {
+            wait_for_fixed_name_instance(&paths, stop_rx.clone()).await;
+            lock = StateLock::acquire(&state_dir, &holder, stop_rx.clone()).await?;
+        }
+
+        let owned = match lock {
+            Some(_) => {
+                let setup = NodeSetup {
+                    node_name,
+                    backend,
+                    state_dir,
+                    cdi_dir,
+                    cdi_hook,
+                    mps_supervisor_socket,
+                    kubeconfig,
+                    heartbeat_interval,
+                    boot_id_file,
+                };
+                setup.take_over(gate_tx, registration_rx, stop_rx.clone()).await
+            }
+            // Stopped while waiting for the old instance: nothing of the node was touched, and the calls
+            // waiting at the gate fail at once.
+            None => {
+                drop(gate_tx);
+                Ok(Vec::new())
+            }
+        };
+        if owned.is_err() {
+            stop_tx.send_replace(true);
+        }
+        let served = serving.await.unwrap_or_else(|e| {
+            warn!(error = %e, "the kubelet sockets' task ended abnormally");
+            Ok(())
+        });
+        // Also on a serve error, so the inventory is marked not ready before exiting.
+        stop_tx.send_replace(true);
+        for task in owned? {
+            if let Err(e) = task.await {
+                warn!(error = %e, "a background task ended abnormally");
+            }
+        }
+        // The lock goes last: the calls in flight and the reconcile have finished, so the next instance
+        // loads a checkpoint nothing changes any more.
+        drop(lock);
+        served
+    }
+}
+
+/// Waits while a plugin without a pod UID (a version from before per-pod socket names) serves on this
+/// node: it takes no state lock, so the new pod must not load the state before that one is gone.
+async fn wait_for_fixed_name_instance(paths: &SocketPaths, mut stop: watch::Receiver<bool>) {
+    let fixed = paths.fixed_registration();
+    let mut logged = false;
+    while driver::socket_is_live(&fixed) {
+        if !logged {
+            info!(socket = %fixed.display(), "a plugin instance without per-pod socket names serves on this \
+                node; waiting for it to exit before taking over the node state");
+            logged = true;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// A pod UID as the downward API gives it; refused otherwise, as it becomes part of socket file names.
+fn checked_pod_uid(uid: String) -> Result<String> {
+    let valid =
+        !uid.is_empty() && uid.len() <= 64 && uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+    if valid {
+        Ok(uid)
+    } else {
+        Err(Error::InvalidPodUid { uid })
+    }
+}
+
+/// What the plugin needs to load the node state, once it owns it.
+struct NodeSetup {
+    node_name: String,
+    backend: BackendArgs,
+    state_dir: PathBuf,
+    cdi_dir: PathBuf,
+    cdi_hook: Option<PathBuf>,
+    mps_supervisor_socket: Option<PathBuf>,
+    kubeconfig: Option<PathBuf>,
+    heartbeat_interval: u64,
+    boot_id_file: PathBuf,
+}
+
+impl NodeSetup {
+    /// Discovers the GPUs, loads and recovers the checkpoint, opens the gate for kubelet's calls and starts
+    /// the inventory publisher and the periodic reconcile; returns their tasks, which end on `stop`.
+    async fn take_over(
+        self,
+        gate: watch::Sender<Option<Arc<NodeState>>>,
+        registration_rx: watch::Receiver<RegistrationState>,
+        stop_rx: watch::Receiver<bool>,
+    ) -> Result<Vec<tokio::task::JoinHandle<()>>> {
+        let Self {
+            node_name,
+            backend,
+            state_dir,
+            cdi_dir,
+            cdi_hook,
+            mps_supervisor_socket,
+            kubeconfig,
+            heartbeat_interval,
+            boot_id_file,
+        } = self;
         let gpu_backend = backend.open(&node_name, &state_dir)?;
         let discovered = gpu_backend.discover().map_err(|source| Error::Discover {
             backend: gpu_backend.name(),
@@ -358,29 +530,7 @@ impl Args {
         let recovery = state.start().await?;
         info!(?recovery, "loaded the checkpoint");
 
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
-        let mut sigint = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
-        let signal_stop = stop_tx.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = sigterm.recv() => info!("received SIGTERM"),
-                _ = sigint.recv() => info!("received SIGINT"),
-            }
-            signal_stop.send_replace(true);
-        });
-
-        let (registration_tx, registration_rx) = watch::channel(RegistrationState::Pending);
-        if let Some(addr) = health_addr {
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|source| Error::BindHealth { addr, source })?;
-            info!(%addr, "health probes: GET /livez, /readyz");
-            tokio::spawn(tessera_api::health::serve(
-                listener,
-                health_checks(registration_rx.clone()),
-            ));
-        }
+        gate.send_replace(Some(state.clone()));
         let publisher = InventoryPublisher::new(
             client,
             spec,
@@ -392,24 +542,8 @@ impl Args {
             Arc::new(move || state.problems())
         });
         let publisher = tokio::spawn(publisher.run(stop_rx.clone()));
-        tokio::spawn(
-            state
-                .clone()
-                .reconcile_periodically(RECONCILE_INTERVAL, stop_rx.clone()),
-        );
-
-        let paths = SocketPaths::new(&kubelet_registry_dir, &kubelet_plugins_dir);
-        let mut stopped = stop_rx;
-        let served = driver::serve(&paths, state, registration_tx, async move {
-            let _ = stopped.wait_for(|s| *s).await;
-        })
-        .await;
-        // Also on a serve error, so the inventory is marked not ready before exiting.
-        stop_tx.send_replace(true);
-        if let Err(e) = publisher.await {
-            warn!(error = %e, "the inventory publisher ended abnormally");
-        }
-        served
+        let reconcile = tokio::spawn(state.reconcile_periodically(RECONCILE_INTERVAL, stop_rx));
+        Ok(vec![publisher, reconcile])
     }
 }
 

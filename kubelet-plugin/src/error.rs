@@ -118,6 +118,20 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// `--pod-uid` is not a pod UID; it becomes part of socket file names, so only what a UID holds is taken.
+    #[error(
+        "invalid --pod-uid / POD_UID {uid:?}: expected the pod's metadata.uid (letters, digits and '-'), set \
+         from the downward API (fieldRef metadata.uid)"
+    )]
+    InvalidPodUid { uid: String },
+    /// Opening or locking the state directory's lock file failed (not: another instance holds it, which is
+    /// waited for).
+    #[error("failed to lock the state directory with {path}: {source}")]
+    LockState {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     /// Creating a socket's directory or binding the socket failed.
     #[error("failed to bind socket {path}: {source}")]
     BindSocket {
@@ -259,6 +273,14 @@ pub enum ClaimError {
          the hardware. See the plugin's log line \"refusing to serve: corrupted checkpoint\""
     )]
     CheckpointRefused { path: PathBuf, reason: String },
+    /// During a rolling update this instance got the call, but the instance it replaces still holds the
+    /// node state (it finishes its in-flight calls before it exits on SIGTERM).
+    #[error(
+        "the tessera plugin is taking over this node from the instance it replaces, which still holds \
+         {path} after {waited_secs}s; kubelet retries. If no older plugin pod is terminating on this node, \
+         see which process holds the file (fuser {path})"
+    )]
+    HandoverPending { path: PathBuf, waited_secs: u64 },
     /// Node state (checkpoint or CDI spec) could not be written.
     #[error(transparent)]
     State(#[from] Box<Error>),

@@ -28,6 +28,7 @@
 //! group-committed, so concurrent prepares share one write instead of queueing for one each
 //! (`state/journal.rs`).
 
+mod handover;
 mod journal;
 mod recovery;
 
@@ -51,6 +52,7 @@ use crate::{
     error::{ClaimError, Error, Result},
     gpu::GpuBackend,
 };
+pub use handover::{LOCK_FILE, StateLock};
 use journal::{Change, Journal};
 use recovery::{ClaimUse, claim_key, claim_use};
 
