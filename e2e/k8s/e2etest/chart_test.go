@@ -193,6 +193,21 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 		}
 	}
 
+	// The surge needs both: sockets named after the pod (else the new pod's collide with the old one's), and
+	// readiness once kubelet registered the new pod (else the old one is stopped before the new one serves).
+	podUID := ""
+	for _, v := range plugin.Spec.Template.Spec.Containers[0].Env {
+		if v.Name == "POD_UID" && v.ValueFrom != nil && v.ValueFrom.FieldRef != nil {
+			podUID = v.ValueFrom.FieldRef.FieldPath
+		}
+	}
+	if podUID != "metadata.uid" {
+		t.Errorf("plugin env POD_UID from field %q, want the downward API's metadata.uid", podUID)
+	}
+	if rp := plugin.Spec.Template.Spec.Containers[0].ReadinessProbe; rp == nil || rp.HTTPGet == nil || rp.HTTPGet.Path != "/readyz" {
+		t.Errorf("plugin readiness probe %+v, want GET /readyz (ready once kubelet registered the plugin)", rp)
+	}
+
 	supervisor := daemonSet(t, objs, "tessera-mps-supervisor")
 	if supervisor.Spec.UpdateStrategy.Type != appsv1.OnDeleteDaemonSetStrategyType {
 		t.Errorf("MPS supervisor update strategy %s, want OnDelete", supervisor.Spec.UpdateStrategy.Type)
