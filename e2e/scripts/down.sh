@@ -8,6 +8,8 @@ if [[ ! -d "$RUN_DIR" ]]; then
   echo "nothing to stop ($RUN_DIR does not exist)"
   exit 0
 fi
+# The real node's pods first, while containerd can still remove them; then its mounts and network.
+"$E2E_DIR/scripts/real-node.sh" down || echo "warning: stopping the real node's pods failed" >&2
 names=()
 [[ -f "$PID_DIR/order" ]] && mapfile -t names < <(tac "$PID_DIR/order")
 for f in "$PID_DIR"/*.pid; do

@@ -8,6 +8,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 start=$(date +%s)
 
 # A failed start is torn down too, after up.sh has printed the failing step and its log.
+# The real node (kubelet + containerd + runc) runs in every make e2e: the TestRealNode* scenarios install the
+# chart on it (REAL_NODE=0 leaves it out, and those scenarios fail saying so).
+export REAL_NODE="${REAL_NODE:-1}"
 SKIP_EXAMPLES=1 fresh_cluster
 # The chart scenarios run helm; build it (or find it up to date) before the scenarios' own timeout starts.
 "$E2E_DIR/scripts/build-helm.sh"
@@ -17,6 +20,7 @@ step "e2e scenarios (log: $LOG_DIR/e2e.log)"
 if [[ -n "${E2E_RUN:-}" ]]; then select=(-test.run "$E2E_RUN"); else select=(-test.skip '^TestFaults'); fi
 set +e
 (cd "$REPO_ROOT" && RUN_DIR="$RUN_DIR" E2E_REPO_ROOT="$REPO_ROOT" NODES="$NODES" GPUS="$GPUS" MODEL="$MODEL" NODE_PREFIX="$NODE_PREFIX" \
+  REAL_NODE="$REAL_NODE" REAL_NODE_NAME="${REAL_NODE_NAME:-real-node}" \
   "$BIN_DIR/e2e.test" -test.v -test.timeout 20m "${select[@]}") 2>&1 | tee "$LOG_DIR/e2e.log"
 rc=${PIPESTATUS[0]}
 set -e

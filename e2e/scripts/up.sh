@@ -3,7 +3,8 @@
 # kube-controller-manager) as plain processes, N fake GPU nodes (kubelet stand-in + tessera's kubelet
 # plugin on the simulated backend), tessera's controller, CRDs, DeviceClasses and the examples.
 # Variables: NODES GPUS MODEL (node shape), SKIP_EXAMPLES=1, SKIP_DRIVER=1 (control plane and nodes
-# only), RUN_DIR, *_PORT, FEATURE_GATES, RUNTIME_CONFIG, SCHEDULER_ARGS (extra kube-scheduler flags).
+# only), RUN_DIR, *_PORT, FEATURE_GATES, RUNTIME_CONFIG, SCHEDULER_ARGS (extra kube-scheduler flags),
+# REAL_NODE=1 (also a real node: kubelet + containerd + runc, e2e/scripts/real-node.sh; make e2e sets it).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$REPO_ROOT"
@@ -44,12 +45,27 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   [[ -x "$CONTROLLER_BIN" ]] || die "$CONTROLLER_BIN missing after cargo build"
 fi
 
+REAL_NODE="${REAL_NODE:-0}"
+if [[ "$REAL_NODE" == 1 ]]; then
+  step "build: real node (kubelet, containerd, runc, CNI, images; log: $LOG_DIR/build-node.log)"
+  "$E2E_DIR/scripts/build-node.sh" > "$LOG_DIR/build-node.log" 2>&1 || die "real node build failed" "$LOG_DIR/build-node.log"
+  grep -E 'built in|up to date|written' "$LOG_DIR/build-node.log" | sed 's/^/    /'
+  if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
+    # The chart's image, from the debug binaries just built: the real node imports it (nothing is pulled).
+    step "build: tessera image from the debug binaries (log: $LOG_DIR/build-image.log)"
+    IMAGE_PROFILE=debug "$E2E_DIR/scripts/build-image.sh" > "$LOG_DIR/build-image.log" 2>&1 \
+      || die "image build failed" "$LOG_DIR/build-image.log"
+  fi
+fi
+
 step "pki: CA, serving cert, service-account keys, tokens, kubeconfigs in $PKI_DIR"
 ids="admin=admin,scheduler=system:kube-scheduler,controller-manager=system:kube-controller-manager,controller=tessera-controller"
 for i in $(seq 0 $((NODES - 1))); do
   n="$(node_name "$i")"
   ids+=",kubelet-$n=system:node:$n,plugin-$n=tessera-plugin-$n"
 done
+# The real node's kubelet is a node and nothing more (Node authorizer, NodeRestriction).
+[[ "$REAL_NODE" == 1 ]] && ids+=",kubelet-${REAL_NODE_NAME:-real-node}=system:node:${REAL_NODE_NAME:-real-node}@system:nodes"
 clusterctl pki --dir "$PKI_DIR" --server "https://127.0.0.1:$API_PORT" --identities "$ids" \
   > "$LOG_DIR/pki.log" 2>&1 || die "PKI generation failed" "$LOG_DIR/pki.log"
 
@@ -77,7 +93,7 @@ write_proc kube-apiserver -- "$BIN_DIR/kube-apiserver" \
   --service-cluster-ip-range 10.0.0.0/24 \
   --service-account-issuer https://kubernetes.default.svc \
   --service-account-key-file "$PKI_DIR/sa.pub" --service-account-signing-key-file "$PKI_DIR/sa.key" \
-  --disable-admission-plugins ServiceAccount --endpoint-reconciler-type none \
+  --endpoint-reconciler-type none \
   --allow-privileged=true --profiling=false "${gates[@]}" "${rc[@]}"
 start_proc kube-apiserver
 clusterctl wait-api --kubeconfig "$ADMIN_KUBECONFIG" --timeout 90s || die "kube-apiserver did not become ready" "$LOG_DIR/kube-apiserver.log"
@@ -91,7 +107,8 @@ start_proc kube-scheduler
 write_proc kube-controller-manager -- "$BIN_DIR/kube-controller-manager" \
   --kubeconfig "$PKI_DIR/controller-manager.kubeconfig" --leader-elect=false \
   --bind-address 127.0.0.1 --secure-port "$CONTROLLER_MANAGER_PORT" --cert-dir "$RUN_DIR/controller-manager-certs" \
-  --controllers resourceclaim-controller,device-taint-eviction-controller,garbage-collector-controller,namespace-controller,serviceaccount-controller \
+  --controllers resourceclaim-controller,device-taint-eviction-controller,garbage-collector-controller,namespace-controller,serviceaccount-controller,root-ca-certificate-publisher-controller,daemonset-controller,deployment-controller,replicaset-controller \
+  --root-ca-file "$PKI_DIR/ca.crt" \
   "${gates[@]}"
 # SKIP_CONTROLLER_MANAGER=1 (the scheduler rate benchmark): nothing there needs it, and its informers
 # would hold a third copy of every slice.
@@ -184,6 +201,10 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
     step "pods (waiting up to 120s for them to settle)"
     clusterctl report --kubeconfig "$ADMIN_KUBECONFIG" --wait 120s | tee "$RUN_DIR/report.txt"
   fi
+fi
+
+if [[ "$REAL_NODE" == 1 ]]; then
+  "$E2E_DIR/scripts/real-node.sh" up || die "the real node did not come up"
 fi
 
 step "cluster is up"

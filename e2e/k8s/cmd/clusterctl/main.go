@@ -26,7 +26,7 @@ import (
 
 const usage = `usage: clusterctl <command> [flags]
 commands:
-  pki            --dir D --server URL --identities name=user,...
+  pki            --dir D --server URL --identities name=user[@group+group],...
   wait-url       --url URL [--timeout 60s]            (2xx over http, or https without verification)
   wait-api       --kubeconfig K [--timeout 60s]       (/readyz)
   wait-node      --kubeconfig K --node N              (Ready, no taints)
@@ -53,7 +53,7 @@ func run(ctx context.Context, cmd string, args []string) error {
 	node := fs.String("node", "", "node name")
 	dir := fs.String("dir", "", "output directory")
 	server := fs.String("server", "", "API server URL")
-	identities := fs.String("identities", "", "name=user,...")
+	identities := fs.String("identities", "", "name=user[@group+group],...")
 	url := fs.String("url", "", "URL to poll")
 	namespace := fs.String("namespace", "default", "namespace for namespaced objects without one")
 	waitFor := fs.Duration("wait", 0, "wait this long for pods to settle before reporting")
@@ -74,9 +74,19 @@ func run(ctx context.Context, cmd string, args []string) error {
 		for _, kv := range strings.Split(*identities, ",") {
 			name, user, ok := strings.Cut(kv, "=")
 			if !ok {
-				return fmt.Errorf("--identities entry %q is not name=user", kv)
+				return fmt.Errorf("--identities entry %q is not name=user or name=user@group+group", kv)
 			}
-			ids = append(ids, cluster.Identity{Name: name, User: user})
+			id := cluster.Identity{Name: name, User: user}
+			// user@g1+g2 puts the identity in those groups only (user@: in none) instead of system:masters.
+			if u, groups, ok := strings.Cut(user, "@"); ok {
+				id.User, id.Groups = u, []string{}
+				for _, g := range strings.Split(groups, "+") {
+					if g != "" {
+						id.Groups = append(id.Groups, g)
+					}
+				}
+			}
+			ids = append(ids, id)
 		}
 		return cluster.WritePKI(*dir, *server, ids)
 	case "wait-url":

@@ -24,12 +24,13 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 )
 
-// Identity is one token in the API server's token file. Every identity is in system:masters: the
-// harness tests the driver's behaviour, not RBAC (granular status authorization needs pod-bound
-// tokens, see local-control-plane.md section 5).
+// Identity is one token in the API server's token file. Without Groups an identity is in
+// system:masters: the stand-in harness tests the driver's behaviour, not RBAC. The real node's kubelet is
+// in system:nodes only, so the Node authorizer and NodeRestriction judge it as they would a real kubelet.
 type Identity struct {
-	Name string // kubeconfig file name (<dir>/<Name>.kubeconfig)
-	User string
+	Name   string // kubeconfig file name (<dir>/<Name>.kubeconfig)
+	User   string
+	Groups []string // nil: system:masters
 }
 
 // WritePKI creates a CA, a serving certificate for 127.0.0.1, the service-account key pair, a token
@@ -107,7 +108,16 @@ func WritePKI(dir, server string, identities []Identity) error {
 			return fmt.Errorf("failed to generate token: %w", err)
 		}
 		token := hex.EncodeToString(raw)
-		fmt.Fprintf(&tokens, "%s,%s,%d,\"system:masters\"\n", token, id.User, 1000+i)
+		groups := id.Groups
+		if groups == nil {
+			groups = []string{"system:masters"}
+		}
+		if len(groups) == 0 {
+			// An empty fourth column would be read as one group named "".
+			fmt.Fprintf(&tokens, "%s,%s,%d\n", token, id.User, 1000+i)
+		} else {
+			fmt.Fprintf(&tokens, "%s,%s,%d,\"%s\"\n", token, id.User, 1000+i, strings.Join(groups, ","))
+		}
 		cfg := clientcmdapi.NewConfig()
 		cfg.Clusters["local"] = &clientcmdapi.Cluster{Server: server, CertificateAuthorityData: caPEM}
 		cfg.AuthInfos[id.User] = &clientcmdapi.AuthInfo{Token: token}

@@ -1,0 +1,230 @@
+#!/usr/bin/env bash
+# real-node.sh up|down: a real Kubernetes node beside the kubelet stand-ins: the upstream kubelet of the
+# control plane's release, containerd 2.x (CDI on), runc and the CNI bridge, all built by build-node.sh.
+# Everything it owns lives under $RUN_DIR/real-node/: containerd's root, state and socket, the kubelet's
+# --root-dir (plugins/, plugins_registry/), the CDI spec dir, the CNI config, pod logs.
+#
+# up (from up.sh, once the control plane runs): starts containerd and the kubelet as processes of the run
+# dir (start_proc, so proc.sh and make down know them), imports the pause, busybox and tessera images, waits
+# for the Node to be Ready, removes the not-ready taint (no node-lifecycle controller runs here) and labels
+# and taints it as a GPU node (nvidia.com/gpu.present=true, nvidia.com/gpu=present:NoSchedule, as GKE taints
+# GPU nodes), so the chart's DaemonSets land on it and pods of the stand-in scenarios do not.
+# down (from down.sh, before the processes are stopped): removes every pod sandbox through the CRI, stops
+# leftover shims of this containerd, unmounts what containerd and the kubelet mounted under $RUN_DIR, and
+# removes the bridge and the iptables chain.
+#
+# Pods reach the API server as in-cluster clients do: kubelet gives them KUBERNETES_SERVICE_HOST=10.0.0.1
+# (the `kubernetes` Service) and no kube-proxy runs, so a DNAT rule on the node's bridge sends 10.0.0.1:443
+# to the API server on 127.0.0.1 (route_localnet on that bridge only; the serving certificate names 10.0.0.1).
+#
+# Variables: REAL_NODE_NAME (real-node), REAL_NODE_BRIDGE (tessera0), REAL_NODE_SUBNET (10.99.0.0/24),
+# REAL_NODE_KUBELET_PORT (10350), REAL_NODE_HEALTHZ_PORT (10348), TESSERA_IMAGE (target/image/tessera.tar).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+NODE_BIN="${NODE_BIN_DIR:-$E2E_DIR/bin/node}"
+RN_NAME="${REAL_NODE_NAME:-real-node}"
+RN_DIR="$RUN_DIR/real-node"
+RN_BRIDGE="${REAL_NODE_BRIDGE:-tessera0}"
+RN_SUBNET="${REAL_NODE_SUBNET:-10.99.0.0/24}"
+RN_GATEWAY="${RN_SUBNET%.*}.1"
+RN_KUBELET_PORT="${REAL_NODE_KUBELET_PORT:-10350}"
+RN_HEALTHZ_PORT="${REAL_NODE_HEALTHZ_PORT:-10348}"
+RN_CHAIN="TESSERA-APISERVER-$API_PORT"
+CONTAINERD_SOCK="$RN_DIR/containerd/containerd.sock"
+TESSERA_IMAGE="${TESSERA_IMAGE:-$CARGO_TARGET/image/tessera.tar}"
+SANDBOX_IMAGE="registry.k8s.io/pause:3.10-tessera"
+
+ctr_() { "$NODE_BIN/ctr" --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
+crictl_() { "$NODE_BIN/crictl" --runtime-endpoint "unix://$CONTAINERD_SOCK" --timeout 20s "$@"; }
+kubectl_() { "$BIN_DIR/kubectl" --kubeconfig "$ADMIN_KUBECONFIG" "$@"; }
+
+write_configs() {
+  mkdir -p "$RN_DIR"/{containerd,kubelet,cdi,cni/net.d,pod-logs,volume-plugins,runc}
+  cat > "$RN_DIR/containerd.toml" <<EOF
+# containerd for the e2e real node (e2e/scripts/real-node.sh); every path under the run dir.
+version = 3
+root = "$RN_DIR/containerd/root"
+state = "$RN_DIR/containerd/state"
+imports = []
+
+[grpc]
+  address = "$CONTAINERD_SOCK"
+
+[ttrpc]
+  address = "$CONTAINERD_SOCK.ttrpc"
+
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = "$SANDBOX_IMAGE"
+
+[plugins.'io.containerd.cri.v1.runtime']
+  # containerd 2.x always reads CDI specs (the 1.7 enable_cdi key is gone); the plugin writes them here.
+  cdi_spec_dirs = ["$RN_DIR/cdi"]
+  # The session lacks CAP_SYS_RESOURCE: runc could not lower the sandbox's oom_score_adj below its own.
+  restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = "runc"
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        BinaryName = "$NODE_BIN/runc"
+        Root = "$RN_DIR/runc"
+        SystemdCgroup = false
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["$NODE_BIN/cni"]
+    conf_dir = "$RN_DIR/cni/net.d"
+
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+
+[plugins.'io.containerd.internal.v1.opt']
+  path = "$RN_DIR/containerd/opt"
+
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+EOF
+  # No masquerade and no port maps: pods talk only to the API server through the DNAT below.
+  cat > "$RN_DIR/cni/net.d/10-tessera.conflist" <<EOF
+{
+  "cniVersion": "1.0.0",
+  "name": "tessera-e2e",
+  "plugins": [
+    {"type": "bridge", "bridge": "$RN_BRIDGE", "isGateway": true, "ipMasq": false,
+     "ipam": {"type": "host-local", "ranges": [[{"subnet": "$RN_SUBNET", "gateway": "$RN_GATEWAY"}]],
+              "routes": [{"dst": "0.0.0.0/0"}], "dataDir": "$RN_DIR/cni/ipam"}},
+    {"type": "loopback"}
+  ]
+}
+EOF
+  local gates=""
+  [[ -n "$FEATURE_GATES" ]] && gates="featureGates: {$(echo "$FEATURE_GATES" | sed 's/=/: /g')}"
+  # Ports away from the defaults (10250, 10248), bound to 127.0.0.1; cgroup v1 hosts allowed
+  # (failCgroupV1, KEP-5573); no image GC or disk eviction, which would remove the imported images on a
+  # busy shared disk.
+  cat > "$RN_DIR/kubelet-config.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: 127.0.0.1
+port: $RN_KUBELET_PORT
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $RN_HEALTHZ_PORT
+containerRuntimeEndpoint: unix://$CONTAINERD_SOCK
+cgroupDriver: cgroupfs
+failCgroupV1: false
+failSwapOn: false
+podLogsDir: $RN_DIR/pod-logs
+volumePluginDir: $RN_DIR/volume-plugins
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+authorization:
+  mode: Webhook
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard: {memory.available: "100Mi"}
+registerWithTaints:
+  - {key: nvidia.com/gpu, value: present, effect: NoSchedule}
+$gates
+EOF
+}
+
+# The bridge exists before the first pod, so route_localnet can be set on it alone.
+setup_network() {
+  if ! ip link show "$RN_BRIDGE" >/dev/null 2>&1; then
+    ip link add "$RN_BRIDGE" type bridge
+    ip addr add "$RN_GATEWAY/${RN_SUBNET#*/}" dev "$RN_BRIDGE"
+  fi
+  ip link set "$RN_BRIDGE" up
+  sysctl -qw "net.ipv4.conf.$RN_BRIDGE.route_localnet=1"
+  iptables -t nat -N "$RN_CHAIN" 2>/dev/null || iptables -t nat -F "$RN_CHAIN"
+  iptables -t nat -A "$RN_CHAIN" -i "$RN_BRIDGE" -d 10.0.0.1/32 -p tcp --dport 443 \
+    -j DNAT --to-destination "127.0.0.1:$API_PORT"
+  iptables -t nat -C PREROUTING -j "$RN_CHAIN" 2>/dev/null || iptables -t nat -A PREROUTING -j "$RN_CHAIN"
+}
+
+teardown_network() {
+  if iptables -t nat -S "$RN_CHAIN" >/dev/null 2>&1; then
+    while iptables -t nat -D PREROUTING -j "$RN_CHAIN" 2>/dev/null; do :; done
+    iptables -t nat -F "$RN_CHAIN"
+    iptables -t nat -X "$RN_CHAIN"
+  fi
+  if ip link show "$RN_BRIDGE" >/dev/null 2>&1; then ip link delete "$RN_BRIDGE"; fi
+}
+
+up() {
+  command -v iptables >/dev/null || die "iptables missing: run e2e/scripts/node-packages.sh --install"
+  for b in containerd containerd-shim-runc-v2 ctr crictl runc cni/bridge; do
+    [[ -x "$NODE_BIN/$b" ]] || die "$NODE_BIN/$b missing: run e2e/scripts/build-node.sh (make build-node)"
+  done
+  [[ -x "$BIN_DIR/kubelet" ]] || die "$BIN_DIR/kubelet missing: run e2e/scripts/build-node.sh"
+  for p in "$RN_KUBELET_PORT" "$RN_HEALTHZ_PORT"; do
+    port_in_use "$p" && die "port $p on 127.0.0.1 is in use; set REAL_NODE_KUBELET_PORT / REAL_NODE_HEALTHZ_PORT"
+  done
+  write_configs
+  setup_network
+
+  step "real node $RN_NAME: containerd $("$NODE_BIN/containerd" --version | awk '{print $3}') (CDI specs in $RN_DIR/cdi)"
+  # The shim and runc are found on PATH; nothing else of the host's is used.
+  write_proc containerd-real PATH="$NODE_BIN:/usr/sbin:/usr/bin:/sbin:/bin" -- "$NODE_BIN/containerd" \
+    --config "$RN_DIR/containerd.toml" --log-level warn
+  start_proc containerd-real
+  for _ in $(seq 1 60); do [[ -S "$CONTAINERD_SOCK" ]] && ctr_ version >/dev/null 2>&1 && break; sleep 0.5; done
+  ctr_ version >/dev/null 2>&1 || die "containerd did not start" "$LOG_DIR/containerd-real.log"
+
+  local images=("$NODE_BIN/images/pause.tar" "$NODE_BIN/images/busybox.tar")
+  [[ -f "$TESSERA_IMAGE" ]] && images+=("$TESSERA_IMAGE")
+  for img in "${images[@]}"; do
+    ctr_ images import "$img" > "$LOG_DIR/real-node-import.log" 2>&1 \
+      || die "importing $img into containerd failed" "$LOG_DIR/real-node-import.log"
+  done
+  step "real node $RN_NAME: images imported: $(ctr_ images ls -q | grep -v '^sha256:' | tr '\n' ' ')"
+
+  step "real node $RN_NAME: kubelet $("$BIN_DIR/kubelet" --version | awk '{print $2}') (root dir $RN_DIR/kubelet)"
+  write_proc "kubelet-$RN_NAME" -- "$BIN_DIR/kubelet" \
+    --config "$RN_DIR/kubelet-config.yaml" --kubeconfig "$PKI_DIR/kubelet-$RN_NAME.kubeconfig" \
+    --root-dir "$RN_DIR/kubelet" --cert-dir "$RN_DIR/kubelet/pki" --hostname-override "$RN_NAME" \
+    --node-labels "nvidia.com/gpu.present=true" --v 1
+  start_proc "kubelet-$RN_NAME"
+  # kubectl wait fails at once while the Node does not exist yet.
+  for _ in $(seq 1 60); do kubectl_ get node "$RN_NAME" > /dev/null 2>&1 && break; sleep 1; done
+  kubectl_ wait --for=condition=Ready "node/$RN_NAME" --timeout 120s > /dev/null 2>&1 \
+    || die "real node $RN_NAME did not become Ready" "$LOG_DIR/kubelet-$RN_NAME.log"
+  # TaintNodesByCondition admission gave the new Node not-ready; only the node-lifecycle controller
+  # (not run here) would take it off.
+  kubectl_ taint nodes "$RN_NAME" node.kubernetes.io/not-ready:NoSchedule- > /dev/null 2>&1 || true
+  step "real node $RN_NAME: Ready ($(kubectl_ get node "$RN_NAME" -o jsonpath='{.spec.taints[*].key}') taint kept)"
+}
+
+down() {
+  [[ -d "$RN_DIR" ]] || return 0
+  if pid_of containerd-real >/dev/null; then
+    # The kubelet would restart what is removed here.
+    stop_proc "kubelet-$RN_NAME"
+    crictl_ rmp --all --force > /dev/null 2>&1 || echo "warning: crictl rmp failed; killing shims instead" >&2
+  fi
+  stop_proc containerd-real
+  # Shims outlive containerd by design; these are ours when they name our socket.
+  local pids
+  pids="$(ps -eo pid=,args= | awk -v a="$CONTAINERD_SOCK" '$2 ~ /containerd-shim-runc-v2$/ && index($0, a) {print $1}')"
+  if [[ -n "$pids" ]]; then
+    echo "stopping leftover shims of the real node: $pids"
+    kill -KILL $pids 2>/dev/null || true
+    sleep 0.5
+  fi
+  # Deepest first: overlay rootfs, netns, shm and the kubelet's volume mounts.
+  findmnt -rn -o TARGET | awk -v d="$RUN_DIR/" 'index($0, d) == 1' | sort -r | while read -r m; do
+    umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || echo "warning: cannot unmount $m" >&2
+  done
+  teardown_network
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  *) echo "usage: $0 up|down" >&2; exit 2 ;;
+esac
