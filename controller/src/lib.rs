@@ -22,6 +22,7 @@ pub mod features;
 pub mod fixtures;
 pub mod leader;
 pub mod liveness;
+pub mod metrics;
 pub mod policy;
 pub mod pool;
 pub mod pool_diff;

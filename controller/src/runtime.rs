@@ -93,24 +93,29 @@ fn post_params() -> PostParams {
 
 impl ClusterApi for KubeApi {
     async fn create_slice(&self, slice: &ResourceSlice) -> Result<(), ApiError> {
-        self.slices
-            .create(&post_params(), slice)
-            .await
+        let created = self.slices.create(&post_params(), slice).await;
+        crate::metrics::metrics()
+            .wrote("create", created)
             .map(|_| ())
             .map_err(Into::into)
     }
 
     async fn replace_slice(&self, slice: &ResourceSlice) -> Result<(), ApiError> {
         let name = slice.metadata.name.clone().unwrap_or_default();
-        self.slices
-            .replace(&name, &post_params(), slice)
-            .await
+        let replaced = self.slices.replace(&name, &post_params(), slice).await;
+        crate::metrics::metrics()
+            .wrote("update", replaced)
             .map(|_| ())
             .map_err(Into::into)
     }
 
     async fn delete_slice(&self, name: &str) -> Result<(), ApiError> {
-        match self.slices.delete(name, &DeleteParams::default()).await {
+        let deleted = self.slices.delete(name, &DeleteParams::default()).await;
+        let deleted = match deleted {
+            Err(kube::Error::Api(s)) if s.is_not_found() => return Ok(()),
+            other => crate::metrics::metrics().wrote("delete", other),
+        };
+        match deleted {
             Ok(_) => Ok(()),
             Err(kube::Error::Api(s)) if s.is_not_found() => Ok(()),
             Err(e) => Err(e.into()),
@@ -119,9 +124,12 @@ impl ClusterApi for KubeApi {
 
     async fn patch_policy_status(&self, name: &str, status: &GpuPolicyStatus) -> Result<(), ApiError> {
         let patch = Patch::Merge(serde_json::json!({ "status": status }));
-        self.policies
+        let patched = self
+            .policies
             .patch_status(name, &PatchParams::default(), &patch)
-            .await
+            .await;
+        crate::metrics::metrics()
+            .wrote("patch_policy_status", patched)
             .map(|_| ())
             .map_err(Into::into)
     }
@@ -429,8 +437,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("failed to listen for health probes on {addr} (--health-addr)"))?;
-        tracing::info!(%addr, "health probes: GET /livez, /readyz");
-        tokio::spawn(tessera_api::health::serve(listener, health_checks(views.clone())));
+        tracing::info!(%addr, "health probes and metrics: GET /livez, /readyz, /metrics");
+        tokio::spawn(tessera_api::health::serve_with_metrics(
+            listener,
+            health_checks(views.clone()),
+            Some(std::sync::Arc::new(|| crate::metrics::metrics().render())),
+        ));
     }
     let wc = watcher::Config::default;
     tokio::spawn(mirror(
@@ -536,7 +548,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         let snap = stores.snapshot();
         let was_lost = replica.reconciler.liveness.view_lost();
-        match replica.tick(&lease, &api, &snap, &Utc::now, Instant::now()).await {
+        let round = Instant::now();
+        let ticked = replica.tick(&lease, &api, &snap, &Utc::now, Instant::now()).await;
+        crate::metrics::metrics().reconciled(round.elapsed(), ticked.is_ok());
+        crate::metrics::metrics().set_leader(matches!(ticked, Ok(Some(_))));
+        match ticked {
             Ok(Some(decision)) => {
                 if !was_leader {
                     tracing::info!("became leader");

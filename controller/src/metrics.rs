@@ -1,0 +1,173 @@
+//! The controller's Prometheus metrics, served on `--health-addr` as `GET /metrics`.
+//!
+//! | Metric | Labels | What |
+//! |---|---|---|
+//! | `tessera_controller_reconcile_duration_seconds` | `result` (`success`, `error`) | histogram of one round: lease, render, writes |
+//! | `tessera_controller_slice_writes_total` | `operation` (`create`, `update`, `delete`) | ResourceSlice writes the API server accepted |
+//! | `tessera_controller_api_errors_total` | `operation` (the above, `patch_policy_status`) | writes it refused or that failed |
+//! | `tessera_controller_leader` | | 1 while this replica holds the Lease and publishes |
+//!
+//! The registry is process-wide ([`metrics`]), so the kube-rs layer records with one line per call site.
+
+use std::{
+    sync::{LazyLock, Mutex},
+    time::Duration,
+};
+
+use prometheus_client::{
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::{Registry, Unit},
+};
+use tessera_api::metrics::duration_buckets;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// The controller's metrics and the registry they render from.
+pub struct ControllerMetrics {
+    registry: Mutex<Registry>,
+    reconciles: Family<Labels, Histogram, fn() -> Histogram>,
+    writes: Family<Labels, Counter>,
+    api_errors: Family<Labels, Counter>,
+    leader: Gauge,
+}
+
+static METRICS: LazyLock<ControllerMetrics> = LazyLock::new(ControllerMetrics::new);
+
+/// The process's metrics.
+pub fn metrics() -> &'static ControllerMetrics {
+    &METRICS
+}
+
+fn new_histogram() -> Histogram {
+    Histogram::new(duration_buckets())
+}
+
+impl ControllerMetrics {
+    fn new() -> Self {
+        let mut registry = Registry::with_prefix("tessera_controller");
+        let reconciles = Family::new_with_constructor(new_histogram as fn() -> Histogram);
+        registry.register_with_unit(
+            "reconcile_duration",
+            "Time of one reconcile round (lease renewal, rendering and the ResourceSlice writes).",
+            Unit::Seconds,
+            reconciles.clone(),
+        );
+        let writes = Family::<Labels, Counter>::default();
+        registry.register(
+            "slice_writes",
+            "ResourceSlice creates, updates and deletes the API server accepted.",
+            writes.clone(),
+        );
+        let api_errors = Family::<Labels, Counter>::default();
+        registry.register(
+            "api_errors",
+            "Writes to the API server that failed, by operation.",
+            api_errors.clone(),
+        );
+        let leader = Gauge::default();
+        registry.register(
+            "leader",
+            "1 while this replica holds the leader Lease and publishes, else 0.",
+            leader.clone(),
+        );
+        Self {
+            registry: Mutex::new(registry),
+            reconciles,
+            writes,
+            api_errors,
+            leader,
+        }
+    }
+
+    /// Records one reconcile round.
+    pub fn reconciled(&self, took: Duration, ok: bool) {
+        let result = if ok { "success" } else { "error" };
+        self.reconciles
+            .get_or_create(&vec![("result", result.to_string())])
+            .observe(took.as_secs_f64());
+    }
+
+    /// Records the outcome of one write (`create`, `update`, `delete`, `patch_policy_status`); passes the
+    /// result through.
+    pub fn wrote<T, E>(&self, operation: &'static str, result: Result<T, E>) -> Result<T, E> {
+        let labels = vec![("operation", operation.to_string())];
+        match &result {
+            Ok(_) if operation != "patch_policy_status" => {
+                self.writes.get_or_create(&labels).inc();
+            }
+            Ok(_) => {}
+            Err(_) => {
+                self.api_errors.get_or_create(&labels).inc();
+            }
+        }
+        result
+    }
+
+    /// Whether this replica leads now.
+    pub fn set_leader(&self, leading: bool) {
+        self.leader.set(i64::from(leading));
+    }
+
+    /// The metrics as OpenMetrics text.
+    pub fn render(&self) -> String {
+        tessera_api::metrics::render(&self.registry.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_errors_rounds_and_leadership_render_with_their_names_and_labels() {
+        let m = ControllerMetrics::new();
+        m.reconciled(Duration::from_millis(30), true);
+        let _ = m.wrote::<(), ()>("create", Ok(()));
+        let _ = m.wrote::<(), ()>("create", Ok(()));
+        let _ = m.wrote::<(), ()>("delete", Err(()));
+        let _ = m.wrote::<(), ()>("patch_policy_status", Ok(()));
+        m.set_leader(true);
+
+        let text = m.render();
+        let parsed = tessera_api::metrics::exposition::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let value = |name, labels: &[(&str, &str)]| {
+            let found = parsed.find(name, labels);
+            assert_eq!(found.len(), 1, "{name} {labels:?} in\n{text}");
+            found[0].value
+        };
+        assert_eq!(
+            value(
+                "tessera_controller_slice_writes_total",
+                &[("operation", "create")]
+            ),
+            2.0
+        );
+        assert!(
+            parsed
+                .find(
+                    "tessera_controller_slice_writes_total",
+                    &[("operation", "patch_policy_status")]
+                )
+                .is_empty()
+        );
+        assert_eq!(
+            value("tessera_controller_api_errors_total", &[("operation", "delete")]),
+            1.0
+        );
+        assert_eq!(
+            value(
+                "tessera_controller_reconcile_duration_seconds_count",
+                &[("result", "success")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            value(
+                "tessera_controller_reconcile_duration_seconds_bucket",
+                &[("result", "success"), ("le", "0.032")]
+            ),
+            1.0
+        );
+        assert_eq!(value("tessera_controller_leader", &[]), 1.0);
+    }
+}
