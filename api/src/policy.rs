@@ -174,7 +174,7 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
             _ => {
                 return Err(format!(
                     "{s:?} has the unit {c:?}; use h, m or s, e.g. 60s or 1m30s"
-                ))
+                ));
             }
         };
         if digits.is_empty() && c == 's' && last_unit == 60 {

@@ -21,6 +21,7 @@ use crate::{
     driver_root::{DriverFiles, DriverRoot},
     error::{Error, Result},
     gpu::{GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend},
+    health::{Health, service::HealthService},
     inventory::InventoryPublisher,
     preparers::{self, SharedPreparer},
     registration::RegistrationState,
@@ -101,6 +102,11 @@ pub struct Args {
     #[arg(long, env = "TESSERA_HEALTH_ADDR", value_parser = tessera_api::health::parse_listen_addr)]
     health_addr: Option<std::net::SocketAddr>,
 
+    /// XIDs to treat as harmless on top of NVIDIA's application XIDs (13, 31, 43, 45, 68, 109), e.g.
+    /// `94,119`; an XID listed here never makes a GPU unhealthy.
+    #[arg(long, env = "TESSERA_IGNORED_XIDS", value_delimiter = ',')]
+    ignored_xids: Vec<u32>,
+
     /// Seconds between NodeInventory heartbeats (the controller's timeout defaults to 40).
     #[arg(long, env = "TESSERA_HEARTBEAT_INTERVAL", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     heartbeat_interval: u64,
@@ -128,6 +134,98 @@ enum Command {
     /// Run the node's MPS supervisor: owns the MPS control daemons so they outlive plugin restarts (its
     /// own container; see the README).
     MpsSupervisor(MpsSupervisorArgs),
+    /// Make a simulated GPU sick or well again (an XID, a double-bit ECC error, a lost GPU, a recovery);
+    /// the running plugin notices within about a second.
+    Simulate(SimulateArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct SimulateArgs {
+    #[command(subcommand)]
+    action: SimulateAction,
+
+    /// State directory of the simulated node (the plugin's `--state-dir`).
+    #[arg(
+        long,
+        env = "TESSERA_STATE_DIR",
+        default_value = "/var/lib/tessera",
+        global = true
+    )]
+    state_dir: PathBuf,
+
+    /// Node file of the simulated node (the plugin's), to check the GPU index.
+    #[arg(long, env = "TESSERA_SIMULATED_NODE_FILE", global = true)]
+    simulated_node_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+enum SimulateAction {
+    /// A critical-error event with this XID (an application XID such as 13 leaves the GPU healthy).
+    InjectXid {
+        #[arg(long)]
+        gpu: u32,
+        #[arg(long)]
+        xid: u32,
+        /// Attribute the event to this GPU instance (a MIG device), as NVML's `gpuInstanceId`.
+        #[arg(long)]
+        gpu_instance: Option<u32>,
+    },
+    /// A double-bit ECC error event.
+    InjectEcc {
+        #[arg(long)]
+        gpu: u32,
+        #[arg(long)]
+        gpu_instance: Option<u32>,
+    },
+    /// The GPU falls off the bus (`NVML_ERROR_GPU_IS_LOST`).
+    LoseGpu {
+        #[arg(long)]
+        gpu: u32,
+    },
+    /// The GPU was reset and works again: every fault of it is cleared.
+    Recover {
+        #[arg(long)]
+        gpu: u32,
+    },
+    /// Print the faults in effect as JSON.
+    Show,
+}
+
+impl SimulateArgs {
+    fn run(self) -> Result<()> {
+        use crate::gpu::simulated_health::{Fault, FaultKind, SimulatedHealth};
+        let Self {
+            action,
+            state_dir,
+            simulated_node_file,
+        } = self;
+        let file = simulated_node_file.ok_or(Error::MissingSimulatedNodeFile)?;
+        let node = crate::gpu::simulated::NodeSpec::from_file(&file)
+            .map_err(|source| Error::SimulateFault { source })?;
+        let faults = SimulatedHealth::new(&state_dir, node.gpus.iter().map(|g| g.count).sum());
+        let fault = |gpu, gpu_instance, kind, xid| Fault {
+            gpu,
+            gpu_instance,
+            kind,
+            xid,
+        };
+        let done = match action {
+            SimulateAction::InjectXid {
+                gpu,
+                xid,
+                gpu_instance,
+            } => faults.inject(fault(gpu, gpu_instance, FaultKind::Xid, Some(xid))),
+            SimulateAction::InjectEcc { gpu, gpu_instance } => {
+                faults.inject(fault(gpu, gpu_instance, FaultKind::DoubleBitEcc, None))
+            }
+            SimulateAction::LoseGpu { gpu } => faults.inject(fault(gpu, None, FaultKind::Lost, None)),
+            SimulateAction::Recover { gpu } => faults.recover(gpu),
+            SimulateAction::Show => faults.faults().map(|f| {
+                println!("{}", serde_json::to_string_pretty(&f).unwrap_or_default());
+            }),
+        };
+        done.map_err(|source| Error::SimulateFault { source })
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -286,12 +384,14 @@ impl Args {
             heartbeat_interval,
             health_addr,
             boot_id_file,
+            ignored_xids,
             log_format: _,
         } = self;
         match command {
             Some(Command::Discover(args)) => return args.run(),
             Some(Command::MpsControlSim(args)) => return args.run(),
             Some(Command::MpsSupervisor(args)) => return args.run(),
+            Some(Command::Simulate(args)) => return args.run(),
             None => {}
         }
         let node_name = node_name.ok_or(Error::MissingNodeName)?;
@@ -341,10 +441,14 @@ impl Args {
             info!(socket = %path.display(), "cleaned up after a plugin instance that was killed");
         }
         let (gate_tx, gate) = driver::StateGate::closed(StateLock::path_in(&state_dir));
+        // Served from the start like the DRA service; it reports devices once the state is owned.
+        let health = Health::new(std::iter::empty());
+        let health_service = HealthService::new(health.clone(), node_name.clone());
         let serving = {
             let (paths, mut stopped) = (paths.clone(), stop_rx.clone());
+            let health_service = health_service.clone();
             tokio::spawn(async move {
-                driver::serve_gated(&paths, gate, registration_tx, async move {
+                driver::serve_gated(&paths, gate, registration_tx, Some(health_service), async move {
                     let _ = stopped.wait_for(|s| *s).await;
                 })
                 .await
@@ -367,6 +471,9 @@ impl Args {
                     kubeconfig,
                     heartbeat_interval,
                     boot_id_file,
+                    health,
+                    health_service,
+                    ignored_xids,
                 };
                 setup.take_over(gate_tx, registration_rx, stop_rx.clone()).await
             }
@@ -438,6 +545,9 @@ struct NodeSetup {
     kubeconfig: Option<PathBuf>,
     heartbeat_interval: u64,
     boot_id_file: PathBuf,
+    health: Arc<Health>,
+    health_service: HealthService,
+    ignored_xids: Vec<u32>,
 }
 
 impl NodeSetup {
@@ -459,8 +569,12 @@ impl NodeSetup {
             kubeconfig,
             heartbeat_interval,
             boot_id_file,
+            health,
+            health_service,
+            ignored_xids,
         } = self;
         let gpu_backend = backend.open(&node_name, &state_dir)?;
+        let health_state_dir = state_dir.clone();
         let discovered = gpu_backend.discover().map_err(|source| Error::Discover {
             backend: gpu_backend.name(),
             source,
@@ -531,6 +645,12 @@ impl NodeSetup {
         info!(?recovery, "loaded the checkpoint");
 
         gate.send_replace(Some(state.clone()));
+        health.set_gpus(spec.gpus.iter().map(|g| g.index));
+        health_service.set_devices(reported_devices(state.clone()));
+        let gpu_count = spec.gpus.iter().map(|g| g.index + 1).max().unwrap_or(0);
+        let source = backend.health_source(&health_state_dir, gpu_count, ignored_xids)?;
+        crate::health::spawn_monitor(source, health.clone(), mig_map(state.clone()), stop_rx.clone())
+            .map_err(Error::HealthMonitor)?;
         let publisher = InventoryPublisher::new(
             client,
             spec,
@@ -540,11 +660,45 @@ impl NodeSetup {
         .with_problem_source({
             let state = state.clone();
             Arc::new(move || state.problems())
-        });
+        })
+        .with_health(health);
         let publisher = tokio::spawn(publisher.run(stop_rx.clone()));
         let reconcile = tokio::spawn(state.reconcile_periodically(RECONCILE_INTERVAL, stop_rx));
         Ok(vec![publisher, reconcile])
     }
+}
+
+/// The devices kubelet may ask the health of: every whole GPU and every device of a prepared claim.
+fn reported_devices(state: Arc<NodeState>) -> crate::health::service::DeviceList {
+    Arc::new(move || {
+        let mut names: Vec<String> = state.gpus().map(|g| format!("gpu-{}", g.index)).collect();
+        for claim in state.checkpoint().claims.values() {
+            if claim.phase == crate::checkpoint::Phase::PrepareCompleted {
+                names.extend(claim.devices.iter().map(|d| d.device.clone()));
+            }
+        }
+        names
+    })
+}
+
+/// The MIG device behind a GPU instance, from the prepared claims: NVML attributes a MIG device's events
+/// to its parent GPU and GPU-instance id.
+fn mig_map(state: Arc<NodeState>) -> crate::health::MigMap {
+    Arc::new(move |gpu, gpu_instance| {
+        state.checkpoint().claims.values().find_map(|claim| {
+            claim.devices.iter().find_map(|d| match &d.detail {
+                crate::checkpoint::DeviceDetail::Mig(m)
+                    if m.gpu == gpu && m.gpu_instance == Some(gpu_instance) =>
+                {
+                    Some(tessera_api::inventory::MigDeviceRef {
+                        profile: m.profile.clone(),
+                        start: m.placement.start,
+                    })
+                }
+                _ => None,
+            })
+        })
+    })
 }
 
 /// Live while the runtime answers; ready once kubelet has registered the plugin, so a rolling update
@@ -661,6 +815,32 @@ impl BackendArgs {
                 }
             }
         })
+    }
+
+    /// Where device health comes from: the simulated fault file, or NVML's events and probe.
+    fn health_source(
+        &self,
+        state_dir: &Path,
+        gpu_count: u32,
+        ignored_xids: Vec<u32>,
+    ) -> Result<Box<dyn crate::health::HealthSource>> {
+        match self.backend {
+            BackendKind::Simulated => Ok(Box::new(crate::health::sources::SimulatedSource::new(
+                crate::gpu::simulated_health::SimulatedHealth::new(state_dir, gpu_count),
+                ignored_xids,
+            ))),
+            BackendKind::Nvml => {
+                let backend = NvmlBackend::new(&self.driver_root).map_err(|source| Error::OpenBackend {
+                    backend: format!("nvml events (driver root {})", self.driver_root.display()),
+                    source,
+                })?;
+                Ok(Box::new(crate::health::sources::NvmlSource::new(
+                    Arc::new(backend),
+                    gpu_count,
+                    ignored_xids,
+                )))
+            }
+        }
     }
 
     fn open(&self, node_name: &str, state_dir: &Path) -> Result<Arc<dyn GpuBackend>> {

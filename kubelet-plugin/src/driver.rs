@@ -23,6 +23,7 @@ use tracing::{info, warn};
 
 use crate::{
     error::{ClaimError, Error, Result},
+    health::service::HealthService,
     registration::{RegistrationService, RegistrationState},
     state::{ClaimRef, NodeState, PreparedDevice},
 };
@@ -240,7 +241,7 @@ pub async fn serve(
     registration: watch::Sender<RegistrationState>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
-    serve_gated(paths, StateGate::open(state), registration, shutdown).await
+    serve_gated(paths, StateGate::open(state), registration, None, shutdown).await
 }
 
 /// [`serve`] with a state that may not be owned yet: calls wait at the gate (see [`StateGate`]). On
@@ -250,6 +251,7 @@ pub async fn serve_gated(
     paths: &SocketPaths,
     state: StateGate,
     registration: watch::Sender<RegistrationState>,
+    health: Option<HealthService>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -266,6 +268,9 @@ pub async fn serve_gated(
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(DraV1beta1 {
             v1: DraV1 { state },
         }))
+        // The health stream shares the DRA socket, as kubelet expects.
+        .add_optional_service(health.clone().map(crate::health::service::v1_server))
+        .add_optional_service(health.clone().map(crate::health::service::v1alpha1_server))
         .serve_with_incoming_shutdown(dra_incoming, stopped(stop_rx.clone()));
     let dra = tokio::spawn(dra);
 
@@ -279,11 +284,14 @@ pub async fn serve_gated(
         }
     };
     let reg = Server::builder()
-        .add_service(RegistrationServer::new(RegistrationService::new(
-            DRIVER_NAME,
-            &paths.dra,
-            registration,
-        )))
+        .add_service(RegistrationServer::new({
+            let service = RegistrationService::new(DRIVER_NAME, &paths.dra, registration);
+            if health.is_some() {
+                service.with_health()
+            } else {
+                service
+            }
+        }))
         .serve_with_incoming_shutdown(reg_incoming, stopped(stop_rx));
     let reg = tokio::spawn(reg);
     info!(registration = %paths.registration.display(), dra = %paths.dra.display(), "serving kubelet");

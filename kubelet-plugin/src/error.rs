@@ -28,6 +28,15 @@ pub enum Error {
         "the simulated backend needs a node file: set --simulated-node-file (TESSERA_SIMULATED_NODE_FILE)"
     )]
     MissingSimulatedNodeFile,
+    /// `simulate`: reading the node file or changing the simulated faults failed.
+    #[error("failed to change the simulated GPU faults: {source}")]
+    SimulateFault {
+        #[source]
+        source: GpuError,
+    },
+    /// The thread that watches device health could not be started.
+    #[error("failed to start the device health monitor thread: {0}")]
+    HealthMonitor(#[source] io::Error),
     /// The simulated MPS control daemon failed to start or serve.
     #[error("failed to run the simulated MPS control daemon: {source}")]
     MpsControlSim {

@@ -158,6 +158,7 @@ pub struct InventoryPublisher {
     heartbeat: Duration,
     registration: watch::Receiver<RegistrationState>,
     problems: Option<Problems>,
+    health: Option<std::sync::Arc<crate::health::Health>>,
 }
 
 impl InventoryPublisher {
@@ -173,7 +174,15 @@ impl InventoryPublisher {
             heartbeat,
             registration,
             problems: None,
+            health: None,
         }
+    }
+
+    /// Publishes `health` in `status.health`, and publishes at once whenever it changes (the controller
+    /// taints a sick GPU's devices from it).
+    pub fn with_health(mut self, health: std::sync::Arc<crate::health::Health>) -> Self {
+        self.health = Some(health);
+        self
     }
 
     /// Reports `problems()` in every status message (see [`with_problems`]).
@@ -188,6 +197,7 @@ impl InventoryPublisher {
         let name = self.spec.node_name.clone();
         let mut spec_published = false;
         let mut backoff = Backoff::default();
+        let mut health_changes = self.health.as_ref().map(|h| h.subscribe());
         loop {
             let attempt = tokio::time::timeout(ATTEMPT_TIMEOUT, async {
                 if !spec_published {
@@ -197,7 +207,10 @@ impl InventoryPublisher {
                 let registration = self.registration.borrow_and_update().clone();
                 let status = inventory_status(&self.spec, &registration, Timestamp::now());
                 let problems = self.problems.as_ref().map(|p| p()).unwrap_or_default();
-                let status = with_problems(status, &problems);
+                let mut status = with_problems(status, &problems);
+                if let Some(health) = &self.health {
+                    status.health = health.status();
+                }
                 self.publish_status(&api, &status).await?;
                 debug!(ready = status.ready, "heartbeat published");
                 Ok::<_, kube::Error>(())
@@ -223,6 +236,12 @@ impl InventoryPublisher {
                 _ = tokio::time::sleep(delay) => {}
                 // A dropped sender means registration can no longer change; the heartbeat timer still runs.
                 Ok(()) = self.registration.changed() => {}
+                Some(Ok(())) = async {
+                    match health_changes.as_mut() {
+                        Some(rx) => Some(rx.changed().await),
+                        None => std::future::pending().await,
+                    }
+                } => {}
                 _ = stop.wait_for(|s| *s) => break,
             }
         }

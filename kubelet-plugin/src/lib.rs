@@ -26,6 +26,7 @@ pub mod driver_root;
 pub mod edits;
 pub mod error;
 pub mod gpu;
+pub mod health;
 pub mod inventory;
 pub mod mig;
 pub mod mig_records;

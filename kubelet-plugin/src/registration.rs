@@ -7,7 +7,8 @@
 use std::path::Path;
 
 use tessera_proto::{
-    DRA_PLUGIN_TYPE, DRA_PLUGIN_V1_SERVICE, DRA_PLUGIN_V1BETA1_SERVICE,
+    DRA_HEALTH_V1_SERVICE, DRA_HEALTH_V1ALPHA1_SERVICE, DRA_PLUGIN_TYPE, DRA_PLUGIN_V1_SERVICE,
+    DRA_PLUGIN_V1BETA1_SERVICE,
     pluginregistration::{
         InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
         registration_server::Registration,
@@ -48,6 +49,17 @@ impl RegistrationService {
             ],
         };
         Self { info, state }
+    }
+
+    /// Also announces the `DRAResourceHealth` service served on the DRA socket, v1 first: a 1.37 kubelet
+    /// opens the health stream only for a version listed here (`pickHealthService` in kubelet's
+    /// `pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go`); a 1.36 kubelet tries v1alpha1 regardless.
+    pub fn with_health(mut self) -> Self {
+        self.info.supported_versions.extend([
+            DRA_HEALTH_V1_SERVICE.to_string(),
+            DRA_HEALTH_V1ALPHA1_SERVICE.to_string(),
+        ]);
+        self
     }
 }
 

@@ -10,8 +10,10 @@
 
 pub mod models;
 pub mod nvml;
+pub mod nvml_events;
 mod nvml_raw;
 pub mod simulated;
+pub mod simulated_health;
 
 use tessera_api::{GpuInfo, MigPlacement};
 

@@ -291,6 +291,11 @@ impl NvmlBackend {
         })
     }
 
+    /// The NVML handle, for the event set of [`super::nvml_events`].
+    pub(super) fn nvml(&self) -> &Nvml {
+        &self.nvml
+    }
+
     fn device(&self, gpu: u32) -> Result<Device<'_>> {
         self.nvml.device_by_index(gpu).map_err(|e| match e {
             NvmlError::InvalidArg => GpuError::NotFound(format!("GPU {gpu}")),

@@ -1,0 +1,220 @@
+//! Faults of simulated GPUs: what NVML's events and probe would report about sick hardware.
+//!
+//! Kept in `<state dir>/simulated-health.json` next to the simulated hardware state, written the same way
+//! (under an exclusive `flock` of `simulated-health.lock`, temp file, fsync, rename), so an injected fault
+//! survives a plugin restart as a broken GPU would, and an injection from another process (the
+//! `simulate` subcommand, a test) never tears the file. A file of its own rather than a field of
+//! `simulated-gpus.json`: faults are not NVML state the backend's calls change, and the running plugin
+//! polls this file every second without taking the hardware lock its prepares need.
+//!
+//! ```json
+//! {"version": 1, "faults": [{"gpu": 3, "kind": "Xid", "xid": 79}, {"gpu": 5, "kind": "Lost"}]}
+//! ```
+
+use std::{
+    fs::{self, File, OpenOptions},
+    io::Write,
+    path::{Path, PathBuf},
+};
+
+use serde::{Deserialize, Serialize};
+
+use super::{GpuError, Result};
+
+/// The fault file in the state directory.
+pub const HEALTH_FILE: &str = "simulated-health.json";
+const LOCK_FILE: &str = "simulated-health.lock";
+const VERSION: u32 = 1;
+
+/// What went wrong with a simulated GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FaultKind {
+    /// An `nvmlEventTypeXidCriticalError` event carrying `xid`.
+    Xid,
+    /// An `nvmlEventTypeDoubleBitEccError` event.
+    DoubleBitEcc,
+    /// `NVML_ERROR_GPU_IS_LOST` from the event wait and every probe.
+    Lost,
+}
+
+/// One injected fault.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Fault {
+    pub gpu: u32,
+    /// The GPU instance an event is attributed to (a MIG device's), as NVML's `gpuInstanceId`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_instance: Option<u32>,
+    pub kind: FaultKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xid: Option<u32>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FaultFile {
+    version: u32,
+    #[serde(default)]
+    faults: Vec<Fault>,
+}
+
+/// The fault file of one simulated node.
+#[derive(Clone, Debug)]
+pub struct SimulatedHealth {
+    dir: PathBuf,
+    gpu_count: u32,
+}
+
+impl SimulatedHealth {
+    /// The faults of a node with `gpu_count` GPUs whose state lives in `state_dir`.
+    pub fn new(state_dir: &Path, gpu_count: u32) -> Self {
+        Self {
+            dir: state_dir.to_path_buf(),
+            gpu_count,
+        }
+    }
+
+    /// Path of the fault file.
+    pub fn file(&self) -> PathBuf {
+        self.dir.join(HEALTH_FILE)
+    }
+
+    fn err(&self, reason: String) -> GpuError {
+        GpuError::SimulatedState {
+            path: self.file().display().to_string(),
+            reason,
+        }
+    }
+
+    /// Every fault in effect (none when the file does not exist).
+    pub fn faults(&self) -> Result<Vec<Fault>> {
+        match fs::read(self.file()) {
+            Ok(bytes) => {
+                let file: FaultFile = serde_json::from_slice(&bytes).map_err(|e| {
+                    self.err(format!(
+                        "the file is corrupt ({e}); delete it to make every simulated GPU healthy"
+                    ))
+                })?;
+                if file.version != VERSION {
+                    return Err(self.err(format!(
+                        "version {} is not the supported version {VERSION}; delete the file",
+                        file.version
+                    )));
+                }
+                Ok(file.faults)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(vec![]),
+            Err(e) => Err(self.err(e.to_string())),
+        }
+    }
+
+    fn check_gpu(&self, gpu: u32) -> Result<()> {
+        if gpu < self.gpu_count {
+            Ok(())
+        } else {
+            Err(GpuError::NotFound(format!(
+                "GPU {gpu}: the simulated node has GPUs 0 to {}",
+                self.gpu_count.saturating_sub(1)
+            )))
+        }
+    }
+
+    /// Adds a fault (a second identical one is not added twice).
+    pub fn inject(&self, fault: Fault) -> Result<()> {
+        self.check_gpu(fault.gpu)?;
+        if fault.kind == FaultKind::Xid && fault.xid.is_none() {
+            return Err(GpuError::InvalidArgument(
+                "an XID fault needs its XID number (--xid)".into(),
+            ));
+        }
+        self.update(|faults| {
+            if !faults.contains(&fault) {
+                faults.push(fault);
+            }
+        })
+    }
+
+    /// Clears every fault of `gpu`: the GPU was reset and works again.
+    pub fn recover(&self, gpu: u32) -> Result<()> {
+        self.check_gpu(gpu)?;
+        self.update(|faults| faults.retain(|f| f.gpu != gpu))
+    }
+
+    fn update(&self, change: impl FnOnce(&mut Vec<Fault>)) -> Result<()> {
+        fs::create_dir_all(&self.dir)
+            .map_err(|e| self.err(format!("cannot create the state directory: {e}")))?;
+        let lock_path = self.dir.join(LOCK_FILE);
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| self.err(format!("cannot open {}: {e}", lock_path.display())))?;
+        lock.lock()
+            .map_err(|e| self.err(format!("cannot lock {}: {e}", lock_path.display())))?;
+        let mut faults = self.faults()?;
+        change(&mut faults);
+        let json = serde_json::to_vec_pretty(&FaultFile {
+            version: VERSION,
+            faults,
+        })
+        .map_err(|e| self.err(e.to_string()))?;
+        let tmp = self.dir.join(format!("{HEALTH_FILE}.tmp"));
+        let write = || -> std::io::Result<()> {
+            let mut f = File::create(&tmp)?;
+            f.write_all(&json)?;
+            f.sync_data()?;
+            drop(f);
+            fs::rename(&tmp, self.file())
+        };
+        write().map_err(|e| self.err(format!("cannot write the faults: {e}")))
+        // The flock goes with `lock`.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn xid(gpu: u32, xid: u32) -> Fault {
+        Fault {
+            gpu,
+            gpu_instance: None,
+            kind: FaultKind::Xid,
+            xid: Some(xid),
+        }
+    }
+
+    #[test]
+    fn injected_faults_persist_until_the_gpu_recovers() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = SimulatedHealth::new(dir.path(), 4);
+        assert!(h.faults().unwrap().is_empty());
+        h.inject(xid(3, 79)).unwrap();
+        h.inject(xid(3, 79)).unwrap();
+        h.inject(Fault {
+            gpu: 1,
+            gpu_instance: None,
+            kind: FaultKind::Lost,
+            xid: None,
+        })
+        .unwrap();
+        let reopened = SimulatedHealth::new(dir.path(), 4);
+        assert_eq!(reopened.faults().unwrap().len(), 2);
+        reopened.recover(3).unwrap();
+        assert_eq!(h.faults().unwrap().iter().map(|f| f.gpu).collect::<Vec<_>>(), [1]);
+    }
+
+    #[test]
+    fn a_gpu_the_node_lacks_and_an_xid_without_number_are_refused_with_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = SimulatedHealth::new(dir.path(), 2);
+        let e = h.inject(xid(7, 79)).unwrap_err().to_string();
+        assert!(e.contains("GPUs 0 to 1"), "{e}");
+        let mut no_number = xid(0, 0);
+        no_number.xid = None;
+        assert!(h.inject(no_number).unwrap_err().to_string().contains("--xid"));
+        fs::write(h.file(), "{").unwrap();
+        assert!(h.faults().unwrap_err().to_string().contains("delete it"));
+    }
+}
