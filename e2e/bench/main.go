@@ -295,8 +295,11 @@ func policyByName(name, dir string) (PolicySpec, error) {
 		return PolicySpec{Name: name, PolicyFile: filepath.Join(dir, "mig.yaml"), Style: StyleMIG}, nil
 	case "shares":
 		return PolicySpec{Name: name, PolicyFile: filepath.Join(dir, "shares.yaml"), Style: StyleShares}, nil
+	case "mig-1g":
+		// Dynamic MIG with one profile: how the scheduler's cost per MIG pod follows the devices per node.
+		return PolicySpec{Name: name, PolicyFile: filepath.Join(dir, "mig-1g.yaml"), Style: StyleMIG}, nil
 	case "default":
 		return PolicySpec{Name: name, Style: StyleAuto}, nil
 	}
-	return PolicySpec{}, fmt.Errorf("failed to read -policies: unknown policy %q (want whole, mig, shares, default)", name)
+	return PolicySpec{}, fmt.Errorf("failed to read -policies: unknown policy %q (want whole, mig, mig-1g, shares, default)", name)
 }
