@@ -189,6 +189,8 @@ enum SimulateAction {
     },
     /// Print the faults in effect as JSON.
     Show,
+    /// Set a synthetic load on a device (utilization and memory, for the per-claim usage metrics).
+    Load(crate::gpu::simulated_load::LoadArgs),
 }
 
 impl SimulateArgs {
@@ -199,6 +201,11 @@ impl SimulateArgs {
             state_dir,
             simulated_node_file,
         } = self;
+        if let SimulateAction::Load(load) = action {
+            return load
+                .run(&state_dir)
+                .map_err(|source| Error::SimulateLoad { source });
+        }
         let file = simulated_node_file.ok_or(Error::MissingSimulatedNodeFile)?;
         let node = crate::gpu::simulated::NodeSpec::from_file(&file)
             .map_err(|source| Error::SimulateFault { source })?;
@@ -223,6 +230,7 @@ impl SimulateArgs {
             SimulateAction::Show => faults.faults().map(|f| {
                 println!("{}", serde_json::to_string_pretty(&f).unwrap_or_default());
             }),
+            SimulateAction::Load(_) => unreachable!("handled above"),
         };
         done.map_err(|source| Error::SimulateFault { source })
     }
@@ -419,10 +427,11 @@ impl Args {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .map_err(|source| Error::BindHealth { addr, source })?;
-            info!(%addr, "health probes: GET /livez, /readyz");
-            tokio::spawn(tessera_api::health::serve(
+            info!(%addr, "health probes and metrics: GET /livez, /readyz, /metrics");
+            tokio::spawn(tessera_api::health::serve_with_metrics(
                 listener,
                 health_checks(registration_rx.clone()),
+                Some(Arc::new(|| crate::metrics::metrics().render())),
             ));
         }
 
@@ -625,6 +634,8 @@ impl NodeSetup {
                  set --driver-root to the directory that holds the driver (e.g. /run/nvidia/driver)");
         }
         let shared = Arc::new(SharedPreparer::new(Arc::new(sharer), files));
+        let mps_daemons = MpsManager::new(&state_dir, backend.mps_launcher(mps_supervisor_socket.clone())?);
+        let usage_backend = gpu_backend.clone();
         let state = NodeState::new(
             StateConfig {
                 node_name: node_name.clone(),
@@ -647,6 +658,10 @@ impl NodeSetup {
         gate.send_replace(Some(state.clone()));
         health.set_gpus(spec.gpus.iter().map(|g| g.index));
         health_service.set_devices(reported_devices(state.clone()));
+        crate::metrics::metrics().register_node(
+            crate::metrics::NodeCollector::new(state.clone(), usage_backend, Some(mps_daemons))
+                .with_health(health.clone()),
+        );
         let gpu_count = spec.gpus.iter().map(|g| g.index + 1).max().unwrap_or(0);
         let source = backend.health_source(&health_state_dir, gpu_count, ignored_xids)?;
         crate::health::spawn_monitor(source, health.clone(), mig_map(state.clone()), stop_rx.clone())

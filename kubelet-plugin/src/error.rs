@@ -34,6 +34,12 @@ pub enum Error {
         #[source]
         source: GpuError,
     },
+    /// `simulate load`: the synthetic load could not be set.
+    #[error("failed to set the simulated GPU load: {source}")]
+    SimulateLoad {
+        #[source]
+        source: GpuError,
+    },
     /// The thread that watches device health could not be started.
     #[error("failed to start the device health monitor thread: {0}")]
     HealthMonitor(#[source] io::Error),

@@ -28,6 +28,7 @@ pub mod error;
 pub mod gpu;
 pub mod health;
 pub mod inventory;
+pub mod metrics;
 pub mod mig;
 pub mod mig_records;
 pub mod preparers;

@@ -247,8 +247,10 @@ pub fn prepare_mig(
         }
     }
 
-    let gi = backend
-        .create_gpu_instance(index, prof.profile_id, placement)
+    let gi = crate::metrics::metrics()
+        .mig_operation("create_gpu_instance", || {
+            backend.create_gpu_instance(index, prof.profile_id, placement)
+        })
         .map_err(|source| {
             undo_mode(MigError::CreateGpuInstance {
                 gpu: index,
@@ -274,8 +276,10 @@ fn finish(
     placement: MigPlacement,
     gi: u32,
 ) -> Result<MigDevice> {
-    let ci = backend
-        .create_compute_instance(gpu, gi)
+    let ci = crate::metrics::metrics()
+        .mig_operation("create_compute_instance", || {
+            backend.create_compute_instance(gpu, gi)
+        })
         .map_err(|source| MigError::CreateComputeInstance {
             gpu,
             gpu_instance: gi,
@@ -349,7 +353,9 @@ pub fn destroy_recorded(
 }
 
 fn destroy_ci(backend: &dyn GpuBackend, gpu: u32, gi: u32, ci: u32) -> Result<()> {
-    match backend.destroy_compute_instance(gpu, gi, ci) {
+    match crate::metrics::metrics().mig_operation("destroy_compute_instance", || {
+        backend.destroy_compute_instance(gpu, gi, ci)
+    }) {
         Ok(()) | Err(GpuError::NotFound(_) | GpuError::NotSupported(_)) => Ok(()),
         Err(source) => Err(MigError::DestroyComputeInstance {
             gpu,
@@ -361,7 +367,9 @@ fn destroy_ci(backend: &dyn GpuBackend, gpu: u32, gi: u32, ci: u32) -> Result<()
 }
 
 fn destroy_gi(backend: &dyn GpuBackend, gpu: u32, gi: u32) -> Result<()> {
-    match backend.destroy_gpu_instance(gpu, gi) {
+    match crate::metrics::metrics()
+        .mig_operation("destroy_gpu_instance", || backend.destroy_gpu_instance(gpu, gi))
+    {
         Ok(()) | Err(GpuError::NotFound(_) | GpuError::NotSupported(_)) => {
             info!(gpu, gpu_instance = gi, "destroyed GPU instance");
             Ok(())

@@ -548,6 +548,7 @@ impl NodeState {
                 Some((key, c))
             })
             .collect();
+        crate::metrics::metrics().observe_claims(by_key.values(), &self.checkpoint());
 
         let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         if pending.adopt {
@@ -874,7 +875,13 @@ impl NodeState {
         self: &Arc<Self>,
         claims: &[ClaimRef],
     ) -> Vec<(ClaimRef, Result<Vec<PreparedDevice>, ClaimError>)> {
-        let results = futures::future::join_all(claims.iter().map(|c| self.prepare(c))).await;
+        let m = crate::metrics::metrics();
+        let results = futures::future::join_all(
+            claims
+                .iter()
+                .map(|c| m.claim_operation("prepare", self.prepare(c))),
+        )
+        .await;
         claims.iter().cloned().zip(results).collect()
     }
 
@@ -883,7 +890,13 @@ impl NodeState {
         self: &Arc<Self>,
         claims: &[ClaimRef],
     ) -> Vec<(ClaimRef, Result<(), ClaimError>)> {
-        let results = futures::future::join_all(claims.iter().map(|c| self.unprepare(c))).await;
+        let m = crate::metrics::metrics();
+        let results = futures::future::join_all(
+            claims
+                .iter()
+                .map(|c| m.claim_operation("unprepare", self.unprepare(c))),
+        )
+        .await;
         claims.iter().cloned().zip(results).collect()
     }
 
@@ -1000,6 +1013,7 @@ impl NodeState {
                 namespace: claim.namespace.clone(),
                 name: claim.name.clone(),
             })?;
+        crate::metrics::metrics().observe_claim(&rc);
         self.plan_claim(claim, &rc)
     }
 

@@ -14,6 +14,8 @@ pub mod nvml_events;
 mod nvml_raw;
 pub mod simulated;
 pub mod simulated_health;
+pub mod simulated_load;
+pub mod usage;
 
 use tessera_api::{GpuInfo, MigPlacement};
 
@@ -251,6 +253,10 @@ pub trait GpuBackend: Send + Sync + 'static {
 
     /// PIDs of processes running on the GPU, or on one MIG instance of it.
     fn processes(&self, gpu: u32, mig: Option<(u32, u32)>) -> Result<Vec<u32>>;
+
+    /// Utilization and memory of the GPU or MIG device, with its processes and whose claim each belongs to
+    /// (see [`usage`]); read on every metrics scrape.
+    fn usage(&self, query: &usage::UsageQuery<'_>) -> Result<usage::DeviceUsage>;
 }
 
 #[cfg(test)]

@@ -716,6 +716,10 @@ impl GpuBackend for NvmlBackend {
     }
 
     /// Needs hardware. On a MIG-enabled GPU the parent's process list carries each process's GI and CI ids.
+    fn usage(&self, query: &super::usage::UsageQuery<'_>) -> Result<super::usage::DeviceUsage> {
+        self.device_usage(query)
+    }
+
     fn processes(&self, gpu: u32, mig: Option<(u32, u32)>) -> Result<Vec<u32>> {
         let device = self.device(gpu)?;
         let ctx = format!("list processes on GPU {gpu}");
@@ -738,6 +742,67 @@ impl GpuBackend for NvmlBackend {
         pids.sort_unstable();
         pids.dedup();
         Ok(pids)
+    }
+}
+
+// === impl NvmlBackend: usage ===
+
+impl NvmlBackend {
+    /// Whole GPU: `nvmlDeviceGetUtilizationRates` and `nvmlDeviceGetMemoryInfo`. MIG device: the memory of
+    /// the processes NVML places on its GPU and compute instance, and no utilization (NVML reports none on
+    /// MIG-enabled GPUs). Processes: `nvmlDeviceGetComputeRunningProcesses` (memory) joined with
+    /// `nvmlDeviceGetProcessUtilization` (SM percent, samples since one second ago), each process's owner
+    /// from its environment.
+    fn device_usage(&self, query: &super::usage::UsageQuery<'_>) -> Result<super::usage::DeviceUsage> {
+        use super::usage::{DeviceUsage, ProcessUsage, owner_of_pid};
+        use nvml_wrapper::enums::device::UsedGpuMemory;
+
+        let device = self.device(query.gpu)?;
+        let ctx = format!("read the usage of GPU {}", query.gpu);
+        let procs = device
+            .running_compute_processes()
+            .map_err(|e| wrapper_error("nvmlDeviceGetComputeRunningProcesses_v3", e, &ctx))?;
+        let since = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| (d.as_micros() as u64).saturating_sub(1_000_000))
+            .unwrap_or_default();
+        // NOT_FOUND: no process ran in the window; NOT_SUPPORTED: MIG mode or an old GPU.
+        let samples = device.process_utilization_stats(since).unwrap_or_default();
+        let proc_root = std::path::Path::new("/proc");
+        let processes: Vec<ProcessUsage> = procs
+            .into_iter()
+            .filter(|p| match query.mig {
+                None => true,
+                Some((gi, ci)) => p.gpu_instance_id == Some(gi) && p.compute_instance_id == Some(ci),
+            })
+            .map(|p| ProcessUsage {
+                pid: p.pid,
+                sm_percent: samples.iter().filter(|s| s.pid == p.pid).map(|s| s.sm_util).max(),
+                memory_used_bytes: match p.used_gpu_memory {
+                    UsedGpuMemory::Used(bytes) => Some(bytes),
+                    UsedGpuMemory::Unavailable => None,
+                },
+                owner: owner_of_pid(proc_root, p.pid),
+            })
+            .collect();
+        if query.mig.is_some() {
+            return Ok(DeviceUsage {
+                utilization_percent: None,
+                memory_used_bytes: Some(processes.iter().filter_map(|p| p.memory_used_bytes).sum()),
+                processes,
+            });
+        }
+        let utilization = device
+            .utilization_rates()
+            .map_err(|e| wrapper_error("nvmlDeviceGetUtilizationRates", e, &ctx))?;
+        let memory = device
+            .memory_info()
+            .map_err(|e| wrapper_error("nvmlDeviceGetMemoryInfo", e, &ctx))?;
+        Ok(DeviceUsage {
+            utilization_percent: Some(utilization.gpu),
+            memory_used_bytes: Some(memory.used),
+            processes,
+        })
     }
 }
 

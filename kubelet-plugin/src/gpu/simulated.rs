@@ -973,6 +973,11 @@ impl GpuBackend for SimulatedBackend {
         canned_char_device(path)
     }
 
+    fn usage(&self, query: &super::usage::UsageQuery<'_>) -> Result<super::usage::DeviceUsage> {
+        self.sim_gpu(query.gpu)?;
+        super::simulated_load::usage(&self.state_dir, query)
+    }
+
     fn processes(&self, gpu: u32, mig: Option<(u32, u32)>) -> Result<Vec<u32>> {
         self.read(|state| {
             let g = gpu_state(state, gpu)?;

@@ -1,0 +1,561 @@
+//! The plugin's Prometheus metrics, served on `--health-addr` as `GET /metrics`.
+//!
+//! | Metric | Labels | What |
+//! |---|---|---|
+//! | `tessera_plugin_claim_operations_total` | `operation` (`prepare`, `unprepare`), `result` (`success`, `error`) | claims kubelet asked for |
+//! | `tessera_plugin_claim_errors_total` | `operation`, `reason` (the error's kind, e.g. `claim_not_found`) | failures by reason |
+//! | `tessera_plugin_claim_operation_duration_seconds` | `operation` | histogram, per claim |
+//! | `tessera_plugin_mig_operation_duration_seconds` | `operation` (`create_gpu_instance`, `create_compute_instance`, `destroy_compute_instance`, `destroy_gpu_instance`) | histogram of the NVML calls |
+//! | `tessera_plugin_prepared_claims` | | claims prepared on the node |
+//! | `tessera_plugin_prepared_devices` | `kind` (`gpu`, `mig`, `shared`) | devices of those claims |
+//! | `tessera_plugin_mps_daemons` | | MPS control daemons answering |
+//! | `tessera_claim_gpu_utilization_ratio` | `namespace`, `pod`, `claim`, `request`, `device` | 0–1 of the device the claim runs on |
+//! | `tessera_claim_gpu_memory_used_bytes` | the same | memory the claim's processes use |
+//!
+//! The per-claim gauges are read from the GPU backend on every scrape ([`GpuBackend::usage`]): a whole GPU
+//! or MIG device reports its own usage (MIG: memory only, NVML has no utilization there), a share the sum
+//! of its own processes. `pod` is the pod (or pods, comma-separated) in the claim's `status.reservedFor`,
+//! learned from the claim the plugin already reads at prepare and from the claim list of every reconcile
+//! (a minute apart, and at start): no request of its own reaches the API server.
+//!
+//! The registry is process-wide ([`metrics`]), so call sites across the state machine record with one line
+//! instead of each constructor taking a handle.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    future::Future,
+    sync::{Arc, LazyLock, Mutex},
+    time::Instant,
+};
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric},
+    metrics::{counter::Counter, family::Family, gauge::ConstGauge, histogram::Histogram},
+    registry::{Registry, Unit},
+};
+use tessera_api::metrics::duration_buckets;
+
+use crate::{
+    checkpoint::{Checkpoint, DeviceDetail, Phase},
+    gpu::{
+        GpuBackend,
+        usage::{DeviceUsage, UsageQuery},
+    },
+    sharing::mps::MpsManager,
+    state::NodeState,
+};
+
+type Labels = Vec<(&'static str, String)>;
+type Histograms = Family<Labels, Histogram, fn() -> Histogram>;
+
+fn new_histogram() -> Histogram {
+    Histogram::new(duration_buckets())
+}
+
+/// The plugin's metrics and the registry they render from.
+pub struct PluginMetrics {
+    registry: Mutex<Registry>,
+    operations: Family<Labels, Counter>,
+    errors: Family<Labels, Counter>,
+    durations: Histograms,
+    mig: Histograms,
+    /// Pods reserving each claim, by claim UID (see the module comment).
+    pods: Mutex<HashMap<String, Vec<String>>>,
+}
+
+static METRICS: LazyLock<PluginMetrics> = LazyLock::new(PluginMetrics::new);
+
+/// The process's metrics.
+pub fn metrics() -> &'static PluginMetrics {
+    &METRICS
+}
+
+/// The error's kind as a label value: its variant name in snake case (`ClaimNotFound { .. }` becomes
+/// `claim_not_found`), so every error enum gets a bounded label without a list to keep in step.
+pub fn reason_label(error: &impl std::fmt::Debug) -> String {
+    let debug = format!("{error:?}");
+    let variant = debug
+        .split(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+        .next()
+        .unwrap_or_default();
+    let mut label = String::with_capacity(variant.len() + 4);
+    for (i, c) in variant.chars().enumerate() {
+        if c.is_ascii_uppercase() {
+            if i > 0 {
+                label.push('_');
+            }
+            label.push(c.to_ascii_lowercase());
+        } else {
+            label.push(c);
+        }
+    }
+    label
+}
+
+impl PluginMetrics {
+    fn new() -> Self {
+        // Collectors sit at the root, unprefixed, so the per-claim gauges can be named apart from the rest.
+        let mut root = Registry::default();
+        let registry = root.sub_registry_with_prefix("tessera_plugin");
+        let operations = Family::<Labels, Counter>::default();
+        registry.register(
+            "claim_operations",
+            "Claims kubelet asked the plugin to prepare or unprepare, by result.",
+            operations.clone(),
+        );
+        let errors = Family::<Labels, Counter>::default();
+        registry.register(
+            "claim_errors",
+            "Failed claim prepares and unprepares, by the kind of error.",
+            errors.clone(),
+        );
+        let durations = Histograms::new_with_constructor(new_histogram as fn() -> Histogram);
+        registry.register_with_unit(
+            "claim_operation_duration",
+            "Time to prepare or unprepare one claim.",
+            Unit::Seconds,
+            durations.clone(),
+        );
+        let mig = Histograms::new_with_constructor(new_histogram as fn() -> Histogram);
+        registry.register_with_unit(
+            "mig_operation_duration",
+            "Time of the NVML calls that create and destroy MIG devices.",
+            Unit::Seconds,
+            mig.clone(),
+        );
+        Self {
+            registry: Mutex::new(root),
+            operations,
+            errors,
+            durations,
+            mig,
+            pods: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Runs one claim operation (`prepare`, `unprepare`), counting its result and timing it.
+    pub async fn claim_operation<T, E: std::fmt::Debug>(
+        &self,
+        operation: &'static str,
+        run: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, E> {
+        let started = Instant::now();
+        let result = run.await;
+        self.durations
+            .get_or_create(&vec![("operation", operation.to_string())])
+            .observe(started.elapsed().as_secs_f64());
+        let outcome = if result.is_ok() { "success" } else { "error" };
+        self.operations
+            .get_or_create(&vec![
+                ("operation", operation.to_string()),
+                ("result", outcome.to_string()),
+            ])
+            .inc();
+        if let Err(e) = &result {
+            self.errors
+                .get_or_create(&vec![
+                    ("operation", operation.to_string()),
+                    ("reason", reason_label(e)),
+                ])
+                .inc();
+        }
+        result
+    }
+
+    /// Runs one MIG backend call, timing it.
+    pub fn mig_operation<T>(&self, operation: &'static str, run: impl FnOnce() -> T) -> T {
+        let started = Instant::now();
+        let result = run();
+        self.mig
+            .get_or_create(&vec![("operation", operation.to_string())])
+            .observe(started.elapsed().as_secs_f64());
+        result
+    }
+
+    /// Remembers which pods reserve `claim`, for the `pod` label of its usage.
+    pub fn observe_claim(&self, claim: &ResourceClaim) {
+        let Some(uid) = claim.metadata.uid.clone() else {
+            return;
+        };
+        let pods: Vec<String> = claim
+            .status
+            .iter()
+            .flat_map(|s| s.reserved_for.iter().flatten())
+            .filter(|r| r.resource == "pods")
+            .map(|r| r.name.clone())
+            .collect();
+        self.pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(uid, pods);
+    }
+
+    /// [`Self::observe_claim`] for the claims of a list that `checkpoint` holds; the others are not
+    /// remembered, so a cluster's worth of claims never sits in the plugin's memory.
+    pub fn observe_claims<'a>(
+        &self,
+        claims: impl IntoIterator<Item = &'a ResourceClaim>,
+        checkpoint: &Checkpoint,
+    ) {
+        for claim in claims {
+            if claim
+                .metadata
+                .uid
+                .as_ref()
+                .is_some_and(|uid| checkpoint.claims.contains_key(uid))
+            {
+                self.observe_claim(claim);
+            }
+        }
+    }
+
+    fn pods_of(&self, uid: &str) -> String {
+        self.pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(uid)
+            .map(|pods| pods.join(","))
+            .unwrap_or_default()
+    }
+
+    fn forget_claims_not_in(&self, checkpoint: &Checkpoint) {
+        self.pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|uid, _| checkpoint.claims.contains_key(uid));
+    }
+
+    /// Adds the node's gauges, read on every scrape.
+    pub fn register_node(&self, node: NodeCollector) {
+        self.registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .register_collector(Box::new(node));
+    }
+
+    /// The metrics as OpenMetrics text.
+    pub fn render(&self) -> String {
+        tessera_api::metrics::render(&self.registry.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// The node's gauges: prepared claims and devices, MPS daemons, and per-claim GPU usage.
+pub struct NodeCollector {
+    state: Arc<NodeState>,
+    backend: Arc<dyn GpuBackend>,
+    mps: Option<MpsManager>,
+    health: Option<Arc<crate::health::Health>>,
+}
+
+impl std::fmt::Debug for NodeCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeCollector")
+            .field("backend", &self.backend.name())
+            .finish_non_exhaustive()
+    }
+}
+
+impl NodeCollector {
+    /// `mps` counts the node's MPS daemons (`None` leaves that gauge out).
+    pub fn new(state: Arc<NodeState>, backend: Arc<dyn GpuBackend>, mps: Option<MpsManager>) -> Self {
+        Self {
+            state,
+            backend,
+            mps,
+            health: None,
+        }
+    }
+
+    /// Adds `tessera_plugin_device_healthy` from the device health model.
+    pub fn with_health(mut self, health: Arc<crate::health::Health>) -> Self {
+        self.health = Some(health);
+        self
+    }
+}
+
+/// One claim device's usage, ready to be a sample.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClaimUsage {
+    pub namespace: String,
+    pub pod: String,
+    pub claim: String,
+    pub request: String,
+    pub device: String,
+    pub utilization_ratio: Option<f64>,
+    pub memory_used_bytes: Option<u64>,
+}
+
+impl ClaimUsage {
+    fn labels(&self) -> Labels {
+        vec![
+            ("namespace", self.namespace.clone()),
+            ("pod", self.pod.clone()),
+            ("claim", self.claim.clone()),
+            ("request", self.request.clone()),
+            ("device", self.device.clone()),
+        ]
+    }
+}
+
+/// The usage of every device of every prepared claim in `checkpoint` (see the module comment for how usage
+/// is attributed). A device whose usage cannot be read is left out, and logged.
+pub fn claim_usage(
+    checkpoint: &Checkpoint,
+    backend: &dyn GpuBackend,
+    pods_of: impl Fn(&str) -> String,
+) -> Vec<ClaimUsage> {
+    /// GPU, MIG ids and device name: what one backend read answers.
+    type Target = (u32, Option<(u32, u32)>, String);
+    let mut read: BTreeMap<Target, Option<DeviceUsage>> = BTreeMap::new();
+    let mut out = Vec::new();
+    for record in checkpoint
+        .claims
+        .values()
+        .filter(|r| r.phase == Phase::PrepareCompleted)
+    {
+        let claim_key = format!("{}/{}", record.namespace, record.name);
+        for device in &record.devices {
+            let (gpu, mig, shared) = match &device.detail {
+                DeviceDetail::Gpu { gpu, .. } => (*gpu, None, false),
+                DeviceDetail::Mig(m) => match (m.gpu_instance, m.compute_instance) {
+                    (Some(gi), Some(ci)) => (m.gpu, Some((gi, ci)), false),
+                    _ => continue,
+                },
+                DeviceDetail::Shared(s) => {
+                    let mig = s
+                        .mig
+                        .as_ref()
+                        .and_then(|m| Some((m.gpu_instance?, m.compute_instance?)));
+                    (s.gpu, mig, true)
+                }
+            };
+            // Several shares of one device are read once per scrape.
+            let usage = read
+                .entry((gpu, mig, device.device.clone()))
+                .or_insert_with(|| {
+                    let query = UsageQuery {
+                        gpu,
+                        mig,
+                        device: &device.device,
+                    };
+                    backend
+                        .usage(&query)
+                        .inspect_err(|e| {
+                            tracing::debug!(device = %device.device, error = %e, "cannot read the device's usage")
+                        })
+                        .ok()
+                })
+                .clone();
+            let Some(usage) = usage else { continue };
+            let (utilization_ratio, memory_used_bytes) = if shared {
+                let own: Vec<_> = usage
+                    .processes
+                    .iter()
+                    .filter(|p| {
+                        p.owner
+                            .as_ref()
+                            .is_some_and(|o| o.claim == claim_key && o.device == device.device)
+                    })
+                    .collect();
+                (
+                    usage.utilization_percent.map(|_| {
+                        own.iter().filter_map(|p| p.sm_percent).sum::<u32>().min(100) as f64 / 100.0
+                    }),
+                    Some(own.iter().filter_map(|p| p.memory_used_bytes).sum()),
+                )
+            } else {
+                (
+                    usage.utilization_percent.map(|p| p as f64 / 100.0),
+                    usage.memory_used_bytes,
+                )
+            };
+            out.push(ClaimUsage {
+                namespace: record.namespace.clone(),
+                pod: pods_of(&record.uid),
+                claim: record.name.clone(),
+                request: device.request.clone(),
+                device: device.device.clone(),
+                utilization_ratio,
+                memory_used_bytes,
+            });
+        }
+    }
+    out
+}
+
+/// One sample per device the health model knows: `device` as published (`gpu-1`, `gpu-0-mig-3g.40gb-4`).
+fn device_health(status: &[tessera_api::inventory::DeviceHealth]) -> Vec<(Labels, f64)> {
+    status
+        .iter()
+        .map(|d| {
+            let device = match &d.mig {
+                Some(m) => format!("gpu-{}-mig-{}-{}", d.gpu, m.profile, m.start),
+                None => format!("gpu-{}", d.gpu),
+            };
+            let reason = d.reason.as_ref().map(reason_label).unwrap_or_default();
+            let healthy = d.state == tessera_api::inventory::HealthState::Healthy;
+            (
+                vec![("device", device), ("reason", reason)],
+                if healthy { 1.0 } else { 0.0 },
+            )
+        })
+        .collect()
+}
+
+fn gauge(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    samples: &[(Labels, f64)],
+) -> Result<(), std::fmt::Error> {
+    let mut metric = encoder.encode_descriptor(name, help, unit, ConstGauge::new(0.0).metric_type())?;
+    for (labels, value) in samples {
+        ConstGauge::new(*value).encode(metric.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for NodeCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let checkpoint = self.state.checkpoint();
+        let completed: Vec<_> = checkpoint
+            .claims
+            .values()
+            .filter(|r| r.phase == Phase::PrepareCompleted)
+            .collect();
+        gauge(
+            &mut encoder,
+            "tessera_plugin_prepared_claims",
+            "Claims prepared on this node.",
+            None,
+            &[(vec![], completed.len() as f64)],
+        )?;
+        let mut kinds = BTreeMap::from([("gpu", 0u32), ("mig", 0), ("shared", 0)]);
+        for device in completed.iter().flat_map(|r| &r.devices) {
+            let kind = match device.detail {
+                DeviceDetail::Gpu { .. } => "gpu",
+                DeviceDetail::Mig(_) => "mig",
+                DeviceDetail::Shared(_) => "shared",
+            };
+            *kinds.entry(kind).or_default() += 1;
+        }
+        let by_kind: Vec<(Labels, f64)> = kinds
+            .into_iter()
+            .map(|(kind, n)| (vec![("kind", kind.to_string())], n as f64))
+            .collect();
+        gauge(
+            &mut encoder,
+            "tessera_plugin_prepared_devices",
+            "Devices of the claims prepared on this node, by kind.",
+            None,
+            &by_kind,
+        )?;
+        if let Some(mps) = &self.mps {
+            gauge(
+                &mut encoder,
+                "tessera_plugin_mps_daemons",
+                "MPS control daemons on this node that answer a query.",
+                None,
+                &[(vec![], mps.running().len() as f64)],
+            )?;
+        }
+
+        if let Some(health) = &self.health {
+            gauge(
+                &mut encoder,
+                "tessera_plugin_device_healthy",
+                "1 while a GPU or MIG device is healthy, 0 while unhealthy (reason: xid, double_bit_ecc, gpu_lost).",
+                None,
+                &device_health(&health.status()),
+            )?;
+        }
+
+        let m = metrics();
+        m.forget_claims_not_in(&checkpoint);
+        let usage = claim_usage(&checkpoint, self.backend.as_ref(), |uid| m.pods_of(uid));
+        // The per-claim gauges are the autoscaling signal: named without the plugin prefix, like the
+        // container metrics (`container_*`) users already query.
+        let claims = &mut encoder;
+        let utilization: Vec<(Labels, f64)> = usage
+            .iter()
+            .filter_map(|u| Some((u.labels(), u.utilization_ratio?)))
+            .collect();
+        gauge(
+            claims,
+            "tessera_claim_gpu_utilization_ratio",
+            "GPU utilization of a claim's device, 0 to 1 of the device (a share: its own processes' SM use).",
+            None,
+            &utilization,
+        )?;
+        let memory: Vec<(Labels, f64)> = usage
+            .iter()
+            .filter_map(|u| Some((u.labels(), u.memory_used_bytes? as f64)))
+            .collect();
+        gauge(
+            claims,
+            "tessera_claim_gpu_memory_used",
+            "GPU memory a claim's processes use on its device.",
+            Some(&Unit::Bytes),
+            &memory,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ClaimError;
+
+    #[test]
+    fn an_error_is_labelled_by_its_kind_in_snake_case() {
+        let e = ClaimError::ClaimNotFound {
+            namespace: "a".into(),
+            name: "b".into(),
+        };
+        assert_eq!(reason_label(&e), "claim_not_found");
+        assert_eq!(reason_label(&std::io::ErrorKind::NotFound), "not_found");
+    }
+
+    #[tokio::test]
+    async fn claim_operations_are_counted_by_result_and_reason_and_timed() {
+        let m = PluginMetrics::new();
+        let _: Result<(), ClaimError> = m.claim_operation("prepare", async { Ok(()) }).await;
+        let _: Result<(), ClaimError> = m
+            .claim_operation("prepare", async {
+                Err(ClaimError::ClaimNotFound {
+                    namespace: "a".into(),
+                    name: "b".into(),
+                })
+            })
+            .await;
+        m.mig_operation("create_gpu_instance", || ());
+        let text = m.render();
+        let parsed = tessera_api::metrics::exposition::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let ops = |result| {
+            parsed.find(
+                "tessera_plugin_claim_operations_total",
+                &[("operation", "prepare"), ("result", result)],
+            )[0]
+            .value
+        };
+        assert_eq!((ops("success"), ops("error")), (1.0, 1.0), "{text}");
+        let errors = parsed.find(
+            "tessera_plugin_claim_errors_total",
+            &[("operation", "prepare"), ("reason", "claim_not_found")],
+        );
+        assert_eq!(errors[0].value, 1.0, "{text}");
+        let count = parsed.find(
+            "tessera_plugin_claim_operation_duration_seconds_count",
+            &[("operation", "prepare")],
+        );
+        assert_eq!(count[0].value, 2.0, "{text}");
+        let mig = parsed.find(
+            "tessera_plugin_mig_operation_duration_seconds_count",
+            &[("operation", "create_gpu_instance")],
+        );
+        assert_eq!(mig[0].value, 1.0, "{text}");
+    }
+}
