@@ -47,6 +47,8 @@ pub const REASON_CEL_RUNTIME_ERROR: &str = "CelRuntimeError";
 pub const REASON_SELECTS_NOTHING: &str = "SelectsNothing";
 /// `Valid=False`: a rule names no model or several, or its model's parameters are unusable.
 pub const REASON_INVALID_MODEL: &str = "InvalidModel";
+/// `Valid=False`: `spec.health` is unusable (e.g. a `quietPeriod` that is not a duration).
+pub const REASON_INVALID_HEALTH: &str = "InvalidHealth";
 
 /// Ordered rules that choose a device model per GPU.
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -542,6 +542,50 @@ pub fn share_slots(
     }
 }
 
+/// [`publish`], then the health taints of `taints` on the devices they target (see [`crate::health`]).
+/// Where the API server has no device taints, a tainted GPU is left out, and so is a tainted MIG device
+/// with its shares: the only way left to keep new claims off them.
+pub fn publish_with_health(
+    node: &NodeInventorySpec,
+    gpu: &GpuInfo,
+    model: &Model,
+    features: ApiFeatures,
+    taints: &crate::health::NodeTaints,
+) -> GpuDevices {
+    use crate::health::Target;
+    let mut out = publish(node, gpu, model, features);
+    let for_gpu = taints.get(&Target::Gpu(gpu.index));
+    let for_device = |d: &Device| -> Vec<DeviceTaint> {
+        let mut all: Vec<DeviceTaint> = for_gpu.cloned().unwrap_or_default();
+        if let Ok(DeviceName::Mig { profile, start, .. } | DeviceName::SharedMig { profile, start, .. }) =
+            d.name.parse::<DeviceName>()
+        {
+            let mig = tessera_api::inventory::MigDeviceRef { profile, start };
+            all.extend(
+                taints
+                    .get(&Target::Mig(gpu.index, mig))
+                    .cloned()
+                    .unwrap_or_default(),
+            );
+        }
+        all
+    };
+    if !features.taints {
+        if for_gpu.is_some() {
+            return GpuDevices::default();
+        }
+        out.devices.retain(|d| for_device(d).is_empty());
+        return out;
+    }
+    for d in &mut out.devices {
+        let extra = for_device(d);
+        if !extra.is_empty() {
+            d.taints.get_or_insert_with(Vec::new).extend(extra);
+        }
+    }
+    out
+}
+
 /// The whole-GPU device as selectors see it (policy rules are evaluated against it).
 pub fn selector_view(node: &NodeInventorySpec, gpu: &GpuInfo) -> Device {
     whole_device(node, gpu)

@@ -83,6 +83,10 @@ impl CompiledPolicy {
 
     /// Compiles the selectors and checks each rule's model parameters.
     pub fn compile(spec: &GpuPolicySpec, cel: &CelEnv) -> Result<Self, PolicyProblem> {
+        crate::health::HealthConfig::of_spec(spec).map_err(|message| PolicyProblem {
+            reason: api::REASON_INVALID_HEALTH,
+            message,
+        })?;
         let mut rules = vec![];
         for rule in &spec.rules {
             let name = rule.name.clone();

@@ -22,8 +22,9 @@ use sha2::{Digest, Sha256};
 use tessera_api::{DRIVER_NAME, NodeInventorySpec};
 
 use crate::{
-    devices::{GpuDevices, Model, publish},
+    devices::{GpuDevices, Model, publish_with_health},
     features::ApiFeatures,
+    health::NodeTaints,
 };
 
 /// Annotation holding the content hash of a slice.
@@ -84,10 +85,21 @@ pub fn node_slices(
     models: &dyn Fn(u32) -> Model,
     features: ApiFeatures,
 ) -> Vec<ResourceSlice> {
+    node_slices_with_health(node, inventory, models, features, &NodeTaints::new())
+}
+
+/// [`node_slices`] with the health taints of the node's devices (see [`crate::health`]).
+pub fn node_slices_with_health(
+    node: &NodeRef,
+    inventory: &NodeInventorySpec,
+    models: &dyn Fn(u32) -> Model,
+    features: ApiFeatures,
+    taints: &NodeTaints,
+) -> Vec<ResourceSlice> {
     let per_gpu: Vec<GpuDevices> = inventory
         .gpus
         .iter()
-        .map(|gpu| publish(inventory, gpu, &models(gpu.index), features))
+        .map(|gpu| publish_with_health(inventory, gpu, &models(gpu.index), features, taints))
         .collect();
     let counter_sets: Vec<CounterSet> = per_gpu.iter().filter_map(|g| g.counter_set.clone()).collect();
     let mut device_groups: Vec<Vec<Device>> = vec![];

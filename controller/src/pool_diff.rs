@@ -21,9 +21,10 @@ use tessera_api::{DRIVER_NAME, NodeInventory, NodeInventorySpec};
 use crate::{
     devices::Model,
     features::ApiFeatures,
+    health::NodeTaints,
     liveness::Verdict,
     policy::Assignments,
-    pool::{CONTENT_HASH_ANNOTATION, NodeRef, node_slices},
+    pool::{CONTENT_HASH_ANNOTATION, NodeRef, node_slices_with_health},
 };
 
 /// Writes that bring the cluster to the desired pools.
@@ -225,6 +226,8 @@ pub struct Inputs<'a, 'v> {
     pub features: ApiFeatures,
     /// What [`crate::liveness`] says of a node's pool.
     pub verdict: &'v dyn Fn(&str) -> Verdict,
+    /// The health taints of a node's devices ([`crate::health`]).
+    pub health: &'v dyn Fn(&str) -> NodeTaints,
 }
 
 /// The pools to leave as they are: those of existing nodes (with slices or an inventory) whose verdict is
@@ -258,7 +261,8 @@ pub fn desired_pools(inputs: &Inputs<'_, '_>) -> DesiredPools {
                 .cloned()
                 .unwrap_or(Model::Default)
         };
-        let slices = node_slices(node, &inv.spec, &models, inputs.features);
+        let slices =
+            node_slices_with_health(node, &inv.spec, &models, inputs.features, &(inputs.health)(name));
         if !slices.is_empty() {
             pools.insert(name.clone(), slices);
         }
@@ -293,7 +297,7 @@ impl SpecVersion {
     }
 }
 
-/// Everything [`node_slices`] reads for one node.
+/// Everything [`crate::pool::node_slices`] reads for one node.
 #[derive(Clone, Debug, PartialEq)]
 struct RenderKey {
     node: NodeRef,
@@ -301,6 +305,8 @@ struct RenderKey {
     /// The model of each GPU, in inventory order.
     models: Vec<Model>,
     features: ApiFeatures,
+    /// Health taints change without the spec's generation (they come from the status).
+    health: NodeTaints,
 }
 
 /// Per node: the key a pool was last rendered under and what [`diff`] needs of the result. Unchanged
@@ -313,7 +319,7 @@ pub struct RenderCache {
 }
 
 impl RenderCache {
-    /// How many times a node's slices were rendered ([`node_slices`]) since the cache was made.
+    /// How many times a node's slices were rendered ([`crate::pool::node_slices`]) since the cache was made.
     pub fn renders(&self) -> u64 {
         self.renders
     }
@@ -324,7 +330,7 @@ impl RenderCache {
     }
 }
 
-/// [`node_slices`] for `key`, counted in `renders`.
+/// [`crate::pool::node_slices`] for `key`, counted in `renders`.
 fn render(key: &RenderKey, inventory: &NodeInventorySpec, renders: &mut u64) -> Vec<ResourceSlice> {
     *renders += 1;
     let models = |index: u32| {
@@ -335,7 +341,7 @@ fn render(key: &RenderKey, inventory: &NodeInventorySpec, renders: &mut u64) -> 
             .and_then(|i| key.models.get(i).cloned())
             .unwrap_or(Model::Default)
     };
-    node_slices(&key.node, inventory, &models, key.features)
+    node_slices_with_health(&key.node, inventory, &models, key.features, &key.health)
 }
 
 /// [`diff`] of [`desired_pools`] against `existing`, one pool at a time, rendering a node's slices only
@@ -348,6 +354,7 @@ pub struct PoolCursor<'a> {
     existing: BTreeMap<&'a str, Vec<&'a ResourceSlice>>,
     assignments: &'a Assignments,
     features: ApiFeatures,
+    health: BTreeMap<&'a str, NodeTaints>,
     desired: BTreeSet<String>,
 }
 
@@ -388,11 +395,13 @@ impl<'a> PoolCursor<'a> {
             .into_iter()
             .map(|p| (p, publishing.get(p).copied()))
             .collect();
+        let health = publishing.keys().map(|n| (*n, (inputs.health)(n))).collect();
         Self {
             pools: pools.into_iter(),
             existing,
             assignments: inputs.assignments,
             features: inputs.features,
+            health,
             desired: BTreeSet::new(),
         }
     }
@@ -425,6 +434,7 @@ impl<'a> PoolCursor<'a> {
                 })
                 .collect(),
             features: self.features,
+            health: self.health.get(pool).cloned().unwrap_or_default(),
         };
         let RenderCache { entries, renders } = cache;
         // A render made to learn the hashes is kept for the writes, so a changed pool renders once.

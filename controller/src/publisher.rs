@@ -29,6 +29,7 @@ use tessera_api::{
 use crate::{
     cel::CelEnv,
     features::ApiFeatures,
+    health::{HealthConfig, HealthTracker},
     leader::{LeaderElector, LeaseStore},
     liveness::{Liveness, View},
     policy::{Assignments, CompiledPolicy, PolicyProblem, valid_condition},
@@ -139,6 +140,8 @@ pub struct Reconciler {
     last_valid: Option<CompiledPolicy>,
     generations: Generations,
     renders: RenderCache,
+    /// The health taints in force, with their quiet periods ([`crate::health`]).
+    pub health: HealthTracker,
 }
 
 impl Reconciler {
@@ -150,6 +153,7 @@ impl Reconciler {
             last_valid: None,
             generations: Generations::new(),
             renders: RenderCache::default(),
+            health: HealthTracker::default(),
         }
     }
 
@@ -163,6 +167,12 @@ impl Reconciler {
     pub fn observe(&mut self, snap: &Snapshot, mono: Instant) {
         self.liveness
             .observe(&snap.inventories, snap.inventory_view, mono);
+        // An invalid `spec.health` keeps the settings in force (the policy's condition says why).
+        let config = match &snap.policy {
+            Some(p) => HealthConfig::of_spec(&p.spec).unwrap_or(self.health.config()),
+            None => HealthConfig::default(),
+        };
+        self.health.observe(&snap.inventories, config, mono);
     }
 
     fn assignments(&mut self, snap: &Snapshot) -> (Option<Assignments>, Option<PolicyProblem>) {
@@ -237,12 +247,15 @@ impl Reconciler {
     ) -> (BTreeSet<String>, PoolCursor<'a>) {
         let liveness = &self.liveness;
         let verdict = move |node: &str| liveness.verdict(node, mono);
+        let tracker = &self.health;
+        let health = move |node: &str| tracker.taints(node);
         let inputs = Inputs {
             inventories: &snap.inventories,
             nodes: &snap.nodes,
             assignments,
             features: self.features,
             verdict: &verdict,
+            health: &health,
         };
         let held = held_pools(&inputs, &snap.slices);
         let cursor = PoolCursor::new(&inputs, &snap.slices, &held, &mut self.renders);

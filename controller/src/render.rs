@@ -10,8 +10,9 @@ use tessera_api::{NodeInventory, NodeInventorySpec, policy::GpuPolicy};
 use crate::{
     cel::CelEnv,
     features::ApiFeatures,
+    health::{HealthConfig, HealthTracker},
     policy::{CompiledPolicy, PolicyProblem},
-    pool::{NodeRef, node_slices},
+    pool::{NodeRef, node_slices_with_health},
     pool_diff::{Generations, diff},
 };
 
@@ -73,7 +74,8 @@ pub fn parse_policy(path: &str, text: &str) -> Result<GpuPolicy, RenderError> {
 }
 
 /// The slices for `inventories` under `policy` (built-in default without one), as first published
-/// (generation 1). Readiness and heartbeats are ignored: every inventory is rendered.
+/// (generation 1). Readiness and heartbeats are ignored: every inventory is rendered, with the health
+/// taints its status reports now (no quiet period).
 pub fn render(
     inventories: &[NodeInventory],
     policy: Option<&GpuPolicy>,
@@ -85,6 +87,13 @@ pub fn render(
         None => CompiledPolicy::builtin(),
     };
     let assignments = compiled.assign(&cel, inventories.iter().map(|i| &i.spec), true)?;
+    // `compile` above already refused a policy whose health settings are unusable.
+    let health = HealthTracker::snapshot(
+        inventories,
+        policy
+            .and_then(|p| HealthConfig::of_spec(&p.spec).ok())
+            .unwrap_or_default(),
+    );
     let mut desired = BTreeMap::new();
     for inv in inventories {
         let node = NodeRef {
@@ -99,7 +108,7 @@ pub fn render(
         };
         desired.insert(
             node.name.clone(),
-            node_slices(&node, &inv.spec, &models, features),
+            node_slices_with_health(&node, &inv.spec, &models, features, &health.taints(&node.name)),
         );
     }
     Ok(diff(&desired, &[], &Default::default(), &mut Generations::new()).creates)

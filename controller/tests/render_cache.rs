@@ -361,6 +361,7 @@ async fn the_cached_diff_plans_the_writes_that_rendering_every_pool_plans() {
             assignments: &assignments,
             features,
             verdict: &verdict,
+            health: &|_: &str| Default::default(),
         };
         let existing = cached(&api);
         let held_now = held_pools(&inputs, &existing);
