@@ -453,7 +453,7 @@ impl Args {
         // Served from the start like the DRA service; it reports devices once the state is owned.
         let health = Health::new(std::iter::empty());
         let health_service = HealthService::new(health.clone(), node_name.clone());
-        let serving = {
+        let mut serving = {
             let (paths, mut stopped) = (paths.clone(), stop_rx.clone());
             let health_service = health_service.clone();
             tokio::spawn(async move {
@@ -465,7 +465,11 @@ impl Args {
         };
         if pod_uid.is_some() {
             wait_for_fixed_name_instance(&paths, stop_rx.clone()).await;
-            lock = StateLock::acquire(&state_dir, &holder, stop_rx.clone()).await?;
+            // A socket that cannot be bound ends the serving task: report it now, not after a handover.
+            tokio::select! {
+                acquired = StateLock::acquire(&state_dir, &holder, stop_rx.clone()) => lock = acquired?,
+                served = &mut serving => return served.unwrap_or(Ok(())),
+            }
         }
 
         let owned = match lock {

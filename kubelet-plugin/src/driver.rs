@@ -62,6 +62,23 @@ pub fn rolling_registration_socket_name(registry_dir: &Path, pod_uid: &str) -> S
     candidates.into_iter().find(fits).unwrap_or(last)
 }
 
+/// File name of the DRA socket of the instance in pod `pod_uid`: `dra-<pod uid>.sock` as the Go helper
+/// names it (`"dra" + uidPart + ".sock"`, same file), or, where that path would not fit, the pod UID's
+/// hash as in [`rolling_registration_socket_name`] (`dra-<base64url(SHA-256(pod uid)[..8])>.sock`): the
+/// helper has no such fallback, but this driver's plugin directory is its own, so nothing else reads the
+/// name, and kubelet learns it from `GetInfo`.
+pub fn rolling_dra_socket_name(plugin_dir: &Path, pod_uid: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let full = format!("dra-{pod_uid}.sock");
+    if plugin_dir.join(&full).as_os_str().len() <= MAX_SOCKET_PATH {
+        return full;
+    }
+    format!(
+        "dra-{}.sock",
+        base64_url(&Sha256::digest(pod_uid.as_bytes())[..8])
+    )
+}
+
 /// Unpadded base64url (RFC 4648 section 5), Go's `base64.RawURLEncoding`.
 fn base64_url(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
@@ -111,7 +128,7 @@ impl SocketPaths {
             },
             Some(uid) => Self {
                 registration: registry_dir.join(rolling_registration_socket_name(&registry_dir, uid)),
-                dra: plugin_dir.join(format!("dra-{uid}.sock")),
+                dra: plugin_dir.join(rolling_dra_socket_name(&plugin_dir, uid)),
             },
         }
     }
@@ -537,6 +554,14 @@ mod tests {
         let driver_hash = rolling_registration_socket_name(&dir_of_len(71), UID);
         assert_eq!(driver_hash, "dra-Jf7lat0I86K2flxRVcHiNg-reg.sock");
         assert!(dir_of_len(71).join(&driver_hash).as_os_str().len() <= MAX_SOCKET_PATH);
+        assert_eq!(
+            rolling_dra_socket_name(&dir_of_len(80), UID),
+            "dra-EPelJdOvFx8.sock"
+        );
+        assert_eq!(
+            rolling_dra_socket_name(Path::new("/p"), UID),
+            format!("dra-{UID}.sock")
+        );
     }
 
     #[test]
