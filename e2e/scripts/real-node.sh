@@ -182,6 +182,14 @@ up() {
     ctr_ images import "$img" > "$LOG_DIR/real-node-import.log" 2>&1 \
       || die "importing $img into containerd failed" "$LOG_DIR/real-node-import.log"
   done
+  # The CRI resolves a short name (the chart's `tessera:<version>`) as docker.io/library/...; ctr imports it
+  # under the name in the archive, so the image gets the long name too.
+  local ref
+  for ref in $(ctr_ images ls -q | grep -v '^sha256:'); do
+    if [[ "${ref%%/*}" != *.* && "$ref" != */* ]]; then
+      ctr_ images tag --force "$ref" "docker.io/library/$ref" > /dev/null
+    fi
+  done
   step "real node $RN_NAME: images imported: $(ctr_ images ls -q | grep -v '^sha256:' | tr '\n' ' ')"
 
   step "real node $RN_NAME: kubelet $("$BIN_DIR/kubelet" --version | awk '{print $2}') (root dir $RN_DIR/kubelet)"

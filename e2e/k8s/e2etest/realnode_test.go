@@ -1,0 +1,618 @@
+package e2etest
+
+// Scenarios on the real node (e2e/scripts/real-node.sh): the upstream kubelet, containerd 2.x with CDI, runc
+// and the CNI bridge. tessera is installed there with its Helm chart (simulated backend, the image imported
+// into containerd), and workload pods run real busybox containers whose own output says what they got.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	authenticationv1 "k8s.io/api/authentication/v1"
+	v1 "k8s.io/api/core/v1"
+	resourcev1 "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
+)
+
+const (
+	// The workload image real-node.sh imports (e2e/images/node_images.py): a static busybox.
+	busyboxImage = "tessera.dev/e2e/busybox:1"
+	realNodeGPUs = 6
+	// NVIDIA's character device major for /dev/nvidia<minor> and /dev/nvidiactl (minor 255), fixed by the
+	// kernel driver (NVIDIA's driver README, "Device files"; nvidia-container-toolkit's nvcdi uses it too).
+	nvidiaMajor = 195
+)
+
+// realNodeEnv is where the real node keeps what the chart's host paths point at.
+type realNodeEnv struct {
+	name     string
+	dir      string // $RUN_DIR/real-node
+	stateDir string // the chart's stateDir: checkpoint, simulated GPUs, MPS pipe dirs
+	cdiDir   string
+}
+
+func realNode(t *testing.T) realNodeEnv {
+	t.Helper()
+	if os.Getenv("REAL_NODE") != "1" {
+		t.Fatal("these scenarios need the real node: run them through `make e2e` (REAL_NODE=1, its default) or `make up REAL_NODE=1`")
+	}
+	dir := filepath.Join(e.runDir, "real-node")
+	return realNodeEnv{name: getenv("REAL_NODE_NAME", "real-node"), dir: dir, stateDir: filepath.Join(dir, "tessera"), cdiDir: filepath.Join(dir, "cdi")}
+}
+
+// chartValues are the --set values for the real node: simulated GPUs, the image real-node.sh imported
+// (never pulled), the kubelet's own root dir, and the cluster's existing DeviceClasses and GpuPolicy kept.
+func (rn realNodeEnv) chartValues(extra ...string) []string {
+	return append([]string{
+		"backend=simulated",
+		"image.pullPolicy=Never",
+		"simulated.gpus[0].model=H100-SXM5-80GB",
+		fmt.Sprintf("simulated.gpus[0].count=%d", realNodeGPUs),
+		"kubeletDir=" + filepath.Join(rn.dir, "kubelet"),
+		"cdiDir=" + rn.cdiDir,
+		"stateDir=" + rn.stateDir,
+		"deviceClasses.create=false",
+		"gpuPolicy.create=false",
+		// The stand-ins run no containers: the controller's replicas must land on the real node.
+		`controller.nodeSelector.kubernetes\.io/hostname=` + rn.name,
+		"controller.tolerations[0].key=nvidia.com/gpu",
+		"controller.tolerations[0].operator=Exists",
+		"controller.tolerations[0].effect=NoSchedule",
+	}, extra...)
+}
+
+func helmRun(t *testing.T, args ...string) string {
+	t.Helper()
+	args = append(args, "--kubeconfig", filepath.Join(e.runDir, "pki", "admin.kubeconfig"))
+	var out bytes.Buffer
+	cmd := exec.Command(helmBinary(t), args...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("helm %s: %v\n%s", strings.Join(args, " "), err, out.String())
+	}
+	return out.String()
+}
+
+func helmSetArgs(values []string) []string {
+	var args []string
+	for _, v := range values {
+		args = append(args, "--set", v)
+	}
+	return args
+}
+
+// installChart installs the chart on the real node for the test and uninstalls it afterwards. The host
+// controller `make up` runs is stopped meanwhile: the chart's controllers take the same Lease.
+func installChart(t *testing.T, rn realNodeEnv) {
+	t.Helper()
+	proc(t, "stop", "controller")
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		cmd := exec.Command(helmBinary(t), "uninstall", "tessera", "--namespace", chartNamespace, "--wait", "--timeout", "90s",
+			"--kubeconfig", filepath.Join(e.runDir, "pki", "admin.kubeconfig"))
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("helm uninstall: %v\n%s", err, out)
+		}
+		// Without its plugin the node must not offer devices to the scenarios that follow.
+		_ = e.dyn.Resource(inventoryGVR).Delete(ctx, rn.name, metav1.DeleteOptions{})
+		_ = e.client.ResourceV1().ResourceSlices().DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{FieldSelector: "spec.nodeName=" + rn.name})
+		proc(t, "start", "controller")
+	})
+	helmRun(t, append([]string{"install", "tessera", chartDir(), "--namespace", chartNamespace}, helmSetArgs(rn.chartValues())...)...)
+}
+
+func waitFor(t *testing.T, what string, timeout time.Duration, cond func(ctx context.Context) (bool, string)) {
+	t.Helper()
+	ctx := ctxFor(t, timeout+10*time.Second)
+	var last string
+	err := wait.PollUntilContextTimeout(ctx, time.Second, timeout, true, func(ctx context.Context) (bool, error) {
+		ok, why := cond(ctx)
+		last = why
+		return ok, nil
+	})
+	if err != nil {
+		t.Fatalf("%s: not within %s (last: %s)", what, timeout, last)
+	}
+}
+
+func podsOf(ctx context.Context, component string) ([]v1.Pod, error) {
+	list, err := e.client.CoreV1().Pods(chartNamespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=" + component})
+	if err != nil {
+		return nil, err
+	}
+	return list.Items, nil
+}
+
+func readyPods(pods []v1.Pod) (ready int, states []string) {
+	for _, p := range pods {
+		ok := p.DeletionTimestamp == nil && p.Status.Phase == v1.PodRunning
+		for _, c := range p.Status.Conditions {
+			if c.Type == v1.PodReady && c.Status != v1.ConditionTrue {
+				ok = false
+			}
+		}
+		if ok {
+			ready++
+		}
+		states = append(states, fmt.Sprintf("%s on %q: %s", p.Name, p.Spec.NodeName, p.Status.Phase))
+	}
+	return ready, states
+}
+
+// --- workload pods ------------------------------------------------------------------------------
+
+// inside is what a workload's check container prints about itself: `dev <path> <major>,<minor>` per
+// device node, `file <path>` per driver file found, `env K=V`, `smi <line>` of nvidia-smi -L, `pipe <entry>`
+// of the MPS pipe directory. It writes that to its termination message, which the API server returns.
+const inside = `exec > /dev/termination-log 2>&1
+for f in /dev/nvidia* /dev/nvidia-caps/*; do [ -c "$f" ] && ls -l "$f" | awk '{print "dev", $NF, $5 $6}'; done
+for f in /usr/lib/x86_64-linux-gnu/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 /usr/bin/nvidia-smi; do
+  [ -f "$f" ] && echo "file $f"
+done
+env | grep -E '^(NVIDIA_VISIBLE_DEVICES|TESSERA_|CUDA_MPS_)' | sed 's/^/env /'
+nvidia-smi -L 2>&1 | sed 's/^/smi /'
+if [ -n "$CUDA_MPS_PIPE_DIRECTORY" ]; then ls "$CUDA_MPS_PIPE_DIRECTORY" | sed 's/^/pipe /'; fi
+exit 0`
+
+// workload is a pod on the real node whose init container prints what it sees (inside) and whose main
+// container keeps the claim in use until the pod is deleted.
+type workload struct{ pod *v1.Pod }
+
+func workloadPod(ns, name, node string) *workload {
+	ctr := func(name string, cmd string) v1.Container {
+		return v1.Container{
+			Name: name, Image: busyboxImage, ImagePullPolicy: v1.PullNever, Command: []string{"sh", "-c", cmd},
+			Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
+		}
+	}
+	return &workload{pod: &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: v1.PodSpec{
+			NodeSelector:                  map[string]string{"kubernetes.io/hostname": node},
+			Tolerations:                   []v1.Toleration{{Key: "nvidia.com/gpu", Operator: v1.TolerationOpExists, Effect: v1.TaintEffectNoSchedule}},
+			InitContainers:                []v1.Container{ctr("inside", inside)},
+			Containers:                    []v1.Container{ctr("hold", "exec sleep 3600")},
+			TerminationGracePeriodSeconds: ptr.To[int64](1),
+		},
+	}}
+}
+
+func (w *workload) withClaimFrom(template string) *workload {
+	w.pod.Spec.ResourceClaims = []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To(template)}}
+	return w
+}
+
+func (w *workload) create(t *testing.T) *v1.Pod {
+	t.Helper()
+	p, err := e.client.CoreV1().Pods(w.pod.Namespace).Create(ctxFor(t, 30*time.Second), w.pod, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create pod %s/%s: %v", w.pod.Namespace, w.pod.Name, err)
+	}
+	return p
+}
+
+// seen parses the check container's termination message.
+type seen struct {
+	devices map[string]string // path → "major,minor"
+	files   map[string]bool
+	env     map[string]string
+	smi     string
+	pipe    []string
+	raw     string
+}
+
+func insideView(t *testing.T, p *v1.Pod) seen {
+	t.Helper()
+	var msg string
+	for _, s := range p.Status.InitContainerStatuses {
+		if s.Name == "inside" && s.State.Terminated != nil {
+			msg = s.State.Terminated.Message
+		}
+	}
+	if msg == "" {
+		t.Fatalf("pod %s: the check container left no termination message (statuses %+v)", p.Name, p.Status.InitContainerStatuses)
+	}
+	v := seen{devices: map[string]string{}, files: map[string]bool{}, env: map[string]string{}, raw: msg}
+	for _, line := range strings.Split(msg, "\n") {
+		kind, rest, _ := strings.Cut(line, " ")
+		switch kind {
+		case "dev":
+			if path, mm, ok := strings.Cut(rest, " "); ok {
+				v.devices[path] = mm
+			}
+		case "file":
+			v.files[rest] = true
+		case "env":
+			if k, val, ok := strings.Cut(rest, "="); ok {
+				v.env[k] = val
+			}
+		case "smi":
+			v.smi += rest + "\n"
+		case "pipe":
+			v.pipe = append(v.pipe, rest)
+		}
+	}
+	return v
+}
+
+// realAllocations returns the pod's claim and the tessera devices allocated to it.
+func realAllocations(t *testing.T, p *v1.Pod) (*resourcev1.ResourceClaim, []resourcev1.DeviceRequestAllocationResult) {
+	t.Helper()
+	if len(p.Status.ResourceClaimStatuses) == 0 || p.Status.ResourceClaimStatuses[0].ResourceClaimName == nil {
+		t.Fatalf("pod %s has no generated claim", p.Name)
+	}
+	c, err := e.client.ResourceV1().ResourceClaims(p.Namespace).Get(ctxFor(t, 30*time.Second), *p.Status.ResourceClaimStatuses[0].ResourceClaimName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatalf("claim of %s: %v", p.Name, err)
+	}
+	if c.Status.Allocation == nil {
+		t.Fatalf("claim %s of running pod %s is not allocated", c.Name, p.Name)
+	}
+	var out []resourcev1.DeviceRequestAllocationResult
+	for _, r := range c.Status.Allocation.Devices.Results {
+		if r.Driver == driver {
+			out = append(out, r)
+		}
+	}
+	return c, out
+}
+
+var migDevice = regexp.MustCompile(`-mig-`)
+
+// checkInside asserts, from the container's own output, what every allocated device must give it.
+func checkInside(t *testing.T, p *v1.Pod, v seen, devices []resourcev1.DeviceRequestAllocationResult) {
+	t.Helper()
+	fail := func(format string, args ...any) {
+		t.Errorf("pod %s: "+format+"\n--- the container printed:\n%s", append([]any{p.Name}, append(args, v.raw)...)...)
+	}
+	if v.env["NVIDIA_VISIBLE_DEVICES"] != "void" {
+		fail("NVIDIA_VISIBLE_DEVICES=%q, want void", v.env["NVIDIA_VISIBLE_DEVICES"])
+	}
+	if got := v.devices["/dev/nvidiactl"]; got != fmt.Sprintf("%d,255", nvidiaMajor) {
+		fail("/dev/nvidiactl is %q, want %d,255", got, nvidiaMajor)
+	}
+	if _, ok := v.devices["/dev/nvidia-uvm"]; !ok {
+		fail("no /dev/nvidia-uvm")
+	}
+	for _, f := range []string{"/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1", "/usr/bin/nvidia-smi"} {
+		if !v.files[f] {
+			fail("driver file %s is not mounted", f)
+		}
+	}
+	for _, r := range devices {
+		d := sliceDevice(t, p.Spec.NodeName, r.Device)
+		minor := attr(d, "minor").IntValue
+		if minor == nil {
+			t.Fatalf("device %s has no minor attribute", r.Device)
+		}
+		node := fmt.Sprintf("/dev/nvidia%d", *minor)
+		if got := v.devices[node]; got != fmt.Sprintf("%d,%d", nvidiaMajor, *minor) {
+			fail("%s (device %s) is %q, want %d,%d", node, r.Device, got, nvidiaMajor, *minor)
+		}
+		uuid := attr(d, "uuid").StringValue
+		got := v.env[uuidEnvKey(r.Device)]
+		if migDevice.MatchString(r.Device) {
+			// A dynamic MIG device's slice names its parent GPU; the instance and its MIG- UUID exist only
+			// once prepare created them.
+			if !strings.HasPrefix(got, "MIG-") {
+				fail("%s=%q, want the created instance's MIG- UUID", uuidEnvKey(r.Device), got)
+			}
+			if !hasPrefix(keys(v.devices), "/dev/nvidia-caps/nvidia-cap") {
+				fail("MIG device %s: no /dev/nvidia-caps/nvidia-cap* node", r.Device)
+			}
+			continue
+		}
+		if uuid == nil || got != *uuid {
+			fail("%s=%q, want the slice's uuid %v", uuidEnvKey(r.Device), got, ptr.Deref(uuid, "<none>"))
+		}
+		if uuid != nil && !strings.Contains(v.smi, *uuid) {
+			fail("nvidia-smi -L does not list %s (%s)", r.Device, *uuid)
+		}
+	}
+	if len(v.smi) == 0 || !strings.Contains(v.smi, "GPU 0:") {
+		fail("nvidia-smi -L printed nothing usable")
+	}
+}
+
+func keys(m map[string]string) []string {
+	var out []string
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
+}
+
+// --- node-side state ----------------------------------------------------------------------------
+
+func (rn realNodeEnv) cdiSpecsFor(t *testing.T, uid types.UID) []string {
+	t.Helper()
+	entries, err := os.ReadDir(rn.cdiDir)
+	if err != nil {
+		t.Fatalf("read %s: %v", rn.cdiDir, err)
+	}
+	var out []string
+	for _, en := range entries {
+		if data, err := os.ReadFile(filepath.Join(rn.cdiDir, en.Name())); err == nil && strings.Contains(string(data), string(uid)) {
+			out = append(out, en.Name())
+		}
+	}
+	return out
+}
+
+// mpsServes dials the simulated MPS control daemon's socket for a shared GPU (gpu-1-shared → gpu-1):
+// the same socket the clients' CUDA_MPS_PIPE_DIRECTORY holds.
+func (rn realNodeEnv) mpsServes(device string) bool {
+	gpu := strings.TrimSuffix(device, "-shared")
+	conn, err := net.DialTimeout("unix", filepath.Join(rn.stateDir, "mps", gpu, "pipe", "control"), 2*time.Second)
+	if err != nil {
+		return false
+	}
+	conn.Close()
+	return true
+}
+
+func (rn realNodeEnv) migInstanceAt(t *testing.T, device string) bool {
+	t.Helper()
+	m := migDeviceName.FindStringSubmatch(device)
+	if m == nil {
+		t.Fatalf("%s is not a MIG device name", device)
+	}
+	var gpu, start int
+	fmt.Sscan(m[1], &gpu)
+	fmt.Sscan(m[3], &start)
+	path := filepath.Join(rn.stateDir, "simulated-gpus.json")
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("read %s: %v", path, err)
+	}
+	var state struct {
+		GPUs []struct {
+			GPUInstances []simGPUInstance `json:"gpuInstances"`
+		} `json:"gpus"`
+	}
+	if err := json.Unmarshal(data, &state); err != nil {
+		t.Fatalf("parse %s: %v", path, err)
+	}
+	if gpu >= len(state.GPUs) {
+		t.Fatalf("%s has %d GPUs, want index %d", path, len(state.GPUs), gpu)
+	}
+	for _, gi := range state.GPUs[gpu].GPUInstances {
+		if gi.Placement.Start == start {
+			return true
+		}
+	}
+	return false
+}
+
+// --- tokens -------------------------------------------------------------------------------------
+
+// podBoundClient is a client with the token kubelet would mount into the pod: a TokenRequest for the pod's
+// ServiceAccount bound to the pod (and through it to its node: authentication.kubernetes.io/node-name).
+func podBoundClient(t *testing.T, p v1.Pod) (kubernetes.Interface, dynamic.Interface) {
+	t.Helper()
+	tr := &authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{
+		ExpirationSeconds: ptr.To[int64](600),
+		BoundObjectRef:    &authenticationv1.BoundObjectReference{Kind: "Pod", APIVersion: "v1", Name: p.Name, UID: p.UID},
+	}}
+	tok, err := e.client.CoreV1().ServiceAccounts(p.Namespace).CreateToken(ctxFor(t, 30*time.Second), p.Spec.ServiceAccountName, tr, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("TokenRequest for %s bound to pod %s: %v", p.Spec.ServiceAccountName, p.Name, err)
+	}
+	cfg := rest.AnonymousClientConfig(e.cfg)
+	cfg.BearerToken = tok.Status.Token
+	c, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, d
+}
+
+func expectForbidden(t *testing.T, what string, err error, mention string) {
+	t.Helper()
+	switch {
+	case err == nil:
+		t.Errorf("%s was allowed; it must be denied", what)
+	case !apierrors.IsForbidden(err) && !apierrors.IsInvalid(err):
+		t.Errorf("%s: want Forbidden, got %v", what, err)
+	case mention != "" && !strings.Contains(err.Error(), mention):
+		t.Errorf("%s: denied, but the reason %q does not mention %q", what, err.Error(), mention)
+	default:
+		t.Logf("%s: denied: %v", what, err)
+	}
+}
+
+// --- the scenario -------------------------------------------------------------------------------
+
+func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing.T) {
+	rn := realNode(t)
+	start := time.Now()
+	installChart(t, rn)
+
+	ok := t.Run("the plugin registers with the real kubelet and the leader of two controllers publishes the node", func(t *testing.T) {
+		waitFor(t, "plugin pod Ready on "+rn.name, 3*time.Minute, func(ctx context.Context) (bool, string) {
+			pods, err := podsOf(ctx, "kubelet-plugin")
+			if err != nil {
+				return false, err.Error()
+			}
+			n, states := readyPods(pods)
+			return n == 1 && len(pods) == 1 && pods[0].Spec.NodeName == rn.name, strings.Join(states, "; ")
+		})
+		waitFor(t, "NodeInventory "+rn.name+" ready", time.Minute, func(ctx context.Context) (bool, string) {
+			hb, ready := heartbeat(t, rn.name)
+			return ready, "lastHeartbeatTime " + hb
+		})
+		var controllers []v1.Pod
+		waitFor(t, "two controller replicas Running on "+rn.name, 2*time.Minute, func(ctx context.Context) (bool, string) {
+			pods, err := podsOf(ctx, "controller")
+			if err != nil {
+				return false, err.Error()
+			}
+			controllers = pods
+			n, states := readyPods(pods)
+			return n == 2 && len(pods) == 2, strings.Join(states, "; ")
+		})
+		waitFor(t, "one controller holds the Lease", time.Minute, func(ctx context.Context) (bool, string) {
+			l, err := e.client.CoordinationV1().Leases(chartNamespace).Get(ctx, "tessera-controller", metav1.GetOptions{})
+			if err != nil {
+				return false, err.Error()
+			}
+			holder := ptr.Deref(l.Spec.HolderIdentity, "")
+			return holder == controllers[0].Name || holder == controllers[1].Name, "holder " + holder
+		})
+		waitFor(t, "ResourceSlices for "+rn.name, 2*time.Minute, func(ctx context.Context) (bool, string) {
+			n := countDevices(t, rn.name, wholeGPUName)
+			return n == realNodeGPUs-1, fmt.Sprintf("%d whole GPUs published (GPU 1 is shared under the e2e policy)", n)
+		})
+	})
+	if !ok {
+		return
+	}
+	t.Logf("chart installed, plugin registered, slices published in %s", time.Since(start).Round(time.Second))
+
+	ns := namespace(t, "real-node")
+	claimTemplate(t, ns, "whole", gpuClass(t))
+	claimTemplate(t, ns, "mig", mig3gClass(t))
+	claimTemplate(t, ns, "share", sharedClass(t), capacity(map[string]string{"memory": "10Gi", "compute": "25"}))
+	claimTemplate(t, ns, "two", gpuClass(t), count(2))
+	type running struct {
+		pod     *v1.Pod
+		claim   *resourcev1.ResourceClaim
+		devices []resourcev1.DeviceRequestAllocationResult
+	}
+	pods := map[string]*running{}
+
+	ok = t.Run("whole, MIG, share and two-GPU containers see every allocated device, the driver files and the MPS pipe", func(t *testing.T) {
+		for _, name := range []string{"whole", "mig", "share", "two"} {
+			workloadPod(ns, name, rn.name).withClaimFrom(name).create(t)
+		}
+		for _, name := range []string{"whole", "mig", "share", "two"} {
+			p := waitRunning(t, ns, name, 3*time.Minute)
+			claim, devices := realAllocations(t, p)
+			pods[name] = &running{pod: p, claim: claim, devices: devices}
+			v := insideView(t, p)
+			checkInside(t, p, v, devices)
+			switch name {
+			case "two":
+				if len(devices) != 2 {
+					t.Errorf("two: %d devices allocated, want 2", len(devices))
+				}
+			case "mig":
+				if !mig3gName.MatchString(devices[0].Device) {
+					t.Errorf("mig: got %s, want a 3g MIG device", devices[0].Device)
+				}
+			case "share":
+				if v.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "25" {
+					t.Errorf("share: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%q, want 25\n%s", v.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"], v.raw)
+				}
+				if got := mpsLimitBytes(v.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]); got != 10<<30 {
+					t.Errorf("share: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=%q, want 10GiB\n%s", v.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], v.raw)
+				}
+				if v.env["CUDA_MPS_PIPE_DIRECTORY"] == "" || !contains(v.pipe, "control") {
+					t.Errorf("share: pipe directory %q lists %v, want the daemon's control socket\n%s", v.env["CUDA_MPS_PIPE_DIRECTORY"], v.pipe, v.raw)
+				}
+				if !rn.mpsServes(devices[0].Device) {
+					t.Errorf("share: no MPS control daemon serves %s", devices[0].Device)
+				}
+			}
+			if files := rn.cdiSpecsFor(t, claim.UID); len(files) == 0 {
+				t.Errorf("%s: no CDI spec for claim %s in %s", name, claim.UID, rn.cdiDir)
+			}
+		}
+	})
+	if !ok {
+		return
+	}
+
+	t.Run("deleting the pods unprepares: no CDI spec, MIG instance or MPS daemon is left", func(t *testing.T) {
+		for name := range pods {
+			deletePod(t, ns, name)
+		}
+		for name, r := range pods {
+			waitGone(t, ns, name, 2*time.Minute)
+			waitFor(t, name+"'s CDI spec removed", time.Minute, func(ctx context.Context) (bool, string) {
+				files := rn.cdiSpecsFor(t, r.claim.UID)
+				return len(files) == 0, fmt.Sprintf("left: %v", files)
+			})
+			for _, d := range r.devices {
+				switch {
+				case migDeviceName.MatchString(d.Device) && !strings.HasSuffix(d.Device, "-shared"):
+					if rn.migInstanceAt(t, d.Device) {
+						t.Errorf("%s: the MIG instance of %s is still there", name, d.Device)
+					}
+				case strings.HasSuffix(d.Device, "-shared"):
+					waitFor(t, "the MPS daemon of "+d.Device+" stopped", time.Minute, func(ctx context.Context) (bool, string) {
+						return !rn.mpsServes(d.Device), "its control socket still answers"
+					})
+				}
+			}
+		}
+	})
+
+	t.Run("with pod-bound tokens the plugin cannot write another node's inventory or any slice, nor the controller read Secrets", func(t *testing.T) {
+		ctx := ctxFor(t, time.Minute)
+		plugins, err := podsOf(ctx, "kubelet-plugin")
+		if err != nil || len(plugins) != 1 {
+			t.Fatalf("plugin pods: %v (%d)", err, len(plugins))
+		}
+		pc, pd := podBoundClient(t, plugins[0])
+		// The token works: its own node's inventory is readable.
+		if _, err := pd.Resource(inventoryGVR).Get(ctx, rn.name, metav1.GetOptions{}); err != nil {
+			t.Fatalf("the plugin's token cannot read its own NodeInventory: %v", err)
+		}
+		other := e.nodes[0]
+		patch := []byte(`{"metadata":{"labels":{"e2e.tessera.dev/forged":"true"}}}`)
+		_, err = pd.Resource(inventoryGVR).Patch(ctx, other, types.MergePatchType, patch, metav1.PatchOptions{})
+		expectForbidden(t, "the plugin on "+rn.name+" patching NodeInventory "+other, err, "its own node")
+		_, err = pd.Resource(inventoryGVR).Patch(ctx, other, types.MergePatchType, []byte(`{"status":{"ready":false}}`), metav1.PatchOptions{}, "status")
+		expectForbidden(t, "the plugin on "+rn.name+" patching NodeInventory "+other+"/status", err, "its own node")
+		slice := &resourcev1.ResourceSlice{
+			ObjectMeta: metav1.ObjectMeta{Name: "forged-" + rn.name},
+			Spec: resourcev1.ResourceSliceSpec{Driver: driver, NodeName: ptr.To(rn.name),
+				Pool: resourcev1.ResourcePool{Name: rn.name, ResourceSliceCount: 1}},
+		}
+		_, err = pc.ResourceV1().ResourceSlices().Create(ctx, slice, metav1.CreateOptions{})
+		expectForbidden(t, "the plugin creating a ResourceSlice for its own node", err, "")
+		existing, lerr := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + rn.name})
+		if lerr != nil || len(existing.Items) == 0 {
+			t.Fatalf("slices of %s: %v", rn.name, lerr)
+		}
+		err = pc.ResourceV1().ResourceSlices().Delete(ctx, existing.Items[0].Name, metav1.DeleteOptions{})
+		expectForbidden(t, "the plugin deleting its node's ResourceSlice", err, "")
+
+		controllers, err := podsOf(ctx, "controller")
+		if err != nil || len(controllers) == 0 {
+			t.Fatalf("controller pods: %v", err)
+		}
+		cc, _ := podBoundClient(t, controllers[0])
+		if _, err := cc.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{Limit: 1}); err != nil {
+			t.Fatalf("the controller's token cannot list ResourceSlices: %v", err)
+		}
+		_, err = cc.CoreV1().Secrets(chartNamespace).List(ctx, metav1.ListOptions{})
+		expectForbidden(t, "the controller listing Secrets in "+chartNamespace, err, "secrets")
+		_, err = cc.CoreV1().Secrets("kube-system").Get(ctx, "anything", metav1.GetOptions{})
+		expectForbidden(t, "the controller reading a Secret in kube-system", err, "secrets")
+	})
+	t.Logf("real-node scenario: %s", time.Since(start).Round(time.Second))
+}
