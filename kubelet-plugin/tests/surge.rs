@@ -454,3 +454,26 @@ async fn a_killed_instances_sockets_are_removed_by_the_next_one_and_a_live_ones_
     assert!(live.paths.registration.exists() && Path::new(&live_endpoint).exists());
     assert!(next.paths.registration.exists());
 }
+
+#[test]
+fn a_pod_uid_that_could_leave_the_socket_directory_is_refused_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["--node-name", NODE, "--pod-uid", "../../etc/x"])
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .env_remove("POD_UID")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("invalid --pod-uid / POD_UID \"../../etc/x\""),
+        "{stderr}"
+    );
+    assert!(stderr.contains("metadata.uid"), "{stderr}");
+    assert!(
+        !dir.path().join("state").exists(),
+        "the plugin touched the node before refusing"
+    );
+}
