@@ -36,3 +36,14 @@ Checks what the schema cannot say, failing with the value to change.
 {{- fail (printf "kubeletPlugin.heartbeatInterval (%v s) must be below controller.heartbeatTimeout (%v s), or every node's pool is withdrawn between heartbeats" .Values.kubeletPlugin.heartbeatInterval .Values.controller.heartbeatTimeout) }}
 {{- end }}
 {{- end }}
+
+{{/* prometheus.io annotations for a pod serving /metrics on its health port: (list .Values.metrics port). */}}
+{{- define "tessera.scrapeAnnotations" -}}
+{{- $metrics := index . 0 -}}
+{{- $port := index . 1 -}}
+{{- if and $metrics.podAnnotations $port -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ $port | quote }}
+prometheus.io/path: /metrics
+{{- end -}}
+{{- end }}
