@@ -1,8 +1,10 @@
 //! kubelet plugin registration: the `Registration` service kubelet finds in its registry directory.
 //!
-//! kubelet watches `<registry dir>`, dials `gpu.tessera.dev-reg.sock`, calls `GetInfo` to learn the DRA
-//! endpoint and API versions, then reports the outcome with `NotifyRegistrationStatus`. The outcome is
-//! published on a watch channel; the inventory publisher reports the node ready only once registered.
+//! kubelet watches `<registry dir>`, dials `gpu.tessera.dev-reg.sock` (in a pod, a name of the pod's own:
+//! [`crate::driver::SocketPaths::for_pod`]), calls `GetInfo` to learn the DRA endpoint and API versions,
+//! then reports the outcome with `NotifyRegistrationStatus`. The outcome is published on a watch channel;
+//! the inventory publisher reports the node ready only once registered. Every instance registers under the
+//! driver name, which is how kubelet knows two pods of a rolling update are one driver.
 
 use std::path::Path;
 

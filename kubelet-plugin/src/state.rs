@@ -26,7 +26,8 @@
 //! Concurrency: claims on different GPUs prepare in parallel; only claims sharing a GPU wait for each
 //! other. The checkpoint is one file; its writes (a few KiB and one fsync) run on blocking threads and are
 //! group-committed, so concurrent prepares share one write instead of queueing for one each
-//! (`state/journal.rs`).
+//! (`state/journal.rs`). All of it is one process's: across processes (the two pods of a rolling update)
+//! only the holder of the state directory's lock ([`StateLock`]) loads and changes the node state.
 
 mod handover;
 mod journal;
