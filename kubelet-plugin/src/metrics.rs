@@ -476,38 +476,181 @@ impl Collector for NodeCollector {
         let m = metrics();
         m.forget_claims_not_in(&checkpoint);
         let usage = claim_usage(&checkpoint, self.backend.as_ref(), |uid| m.pods_of(uid));
-        // The per-claim gauges are the autoscaling signal: named without the plugin prefix, like the
-        // container metrics (`container_*`) users already query.
-        let claims = &mut encoder;
-        let utilization: Vec<(Labels, f64)> = usage
-            .iter()
-            .filter_map(|u| Some((u.labels(), u.utilization_ratio?)))
-            .collect();
-        gauge(
-            claims,
-            "tessera_claim_gpu_utilization_ratio",
-            "GPU utilization of a claim's device, 0 to 1 of the device (a share: its own processes' SM use).",
-            None,
-            &utilization,
-        )?;
-        let memory: Vec<(Labels, f64)> = usage
-            .iter()
-            .filter_map(|u| Some((u.labels(), u.memory_used_bytes? as f64)))
-            .collect();
-        gauge(
-            claims,
-            "tessera_claim_gpu_memory_used",
-            "GPU memory a claim's processes use on its device.",
-            Some(&Unit::Bytes),
-            &memory,
-        )
+        encode_claim_usage(&mut encoder, &usage)
     }
+}
+
+/// The per-claim gauges: the autoscaling signal, named without the plugin prefix like the container
+/// metrics (`container_*`) users already query.
+fn encode_claim_usage(
+    claims: &mut DescriptorEncoder<'_>,
+    usage: &[ClaimUsage],
+) -> Result<(), std::fmt::Error> {
+    let utilization: Vec<(Labels, f64)> = usage
+        .iter()
+        .filter_map(|u| Some((u.labels(), u.utilization_ratio?)))
+        .collect();
+    gauge(
+        claims,
+        "tessera_claim_gpu_utilization_ratio",
+        "GPU utilization of a claim's device, 0 to 1 of the device (a share: its own processes' SM use).",
+        None,
+        &utilization,
+    )?;
+    let memory: Vec<(Labels, f64)> = usage
+        .iter()
+        .filter_map(|u| Some((u.labels(), u.memory_used_bytes? as f64)))
+        .collect();
+    gauge(
+        claims,
+        "tessera_claim_gpu_memory_used",
+        "GPU memory a claim's processes use on its device.",
+        Some(&Unit::Bytes),
+        &memory,
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::ClaimError;
+    use crate::{
+        checkpoint::{ClaimRecord, DeviceRecord},
+        error::ClaimError,
+        gpu::{
+            simulated::{NodeSpec, SimulatedBackend},
+            simulated_load::{self, LoadEntry},
+        },
+    };
+
+    /// A prepared claim of `devices` (`(request, device, detail)`), as the checkpoint records it.
+    fn prepared(
+        uid: &str,
+        namespace: &str,
+        name: &str,
+        devices: Vec<(&str, &str, DeviceDetail)>,
+    ) -> ClaimRecord {
+        ClaimRecord {
+            uid: uid.into(),
+            namespace: namespace.into(),
+            name: name.into(),
+            phase: Phase::PrepareCompleted,
+            devices: devices
+                .into_iter()
+                .map(|(request, device, detail)| DeviceRecord {
+                    request: request.into(),
+                    pool: "node-a".into(),
+                    device: device.into(),
+                    share_id: None,
+                    cdi_device_ids: vec![],
+                    detail,
+                })
+                .collect(),
+            recovery_error: None,
+        }
+    }
+
+    fn share_of(gpu: u32) -> DeviceDetail {
+        DeviceDetail::Shared(
+            serde_json::from_value(serde_json::json!({"gpu": gpu, "strategy": "MPS"})).unwrap(),
+        )
+    }
+
+    fn load(device: &str, claim: Option<&str>, util: u32, memory_bytes: u64) -> LoadEntry {
+        LoadEntry {
+            device: device.into(),
+            claim: claim.map(Into::into),
+            utilization_percent: util,
+            memory_bytes,
+        }
+    }
+
+    #[test]
+    fn a_whole_gpu_reports_its_own_use_and_each_share_only_its_processes() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = SimulatedBackend::from_spec(
+            "node-a",
+            &NodeSpec::default().with_gpus("H100-SXM5-80GB", 2),
+            dir.path(),
+        )
+        .unwrap();
+        simulated_load::set(dir.path(), load("gpu-0", None, 60, 20 << 30)).unwrap();
+        simulated_load::set(dir.path(), load("gpu-1-shared", Some("team/a"), 30, 4 << 30)).unwrap();
+        simulated_load::set(dir.path(), load("gpu-1-shared", Some("team/b"), 15, 2 << 30)).unwrap();
+        let mut checkpoint = Checkpoint::default();
+        for record in [
+            prepared(
+                "u0",
+                "team",
+                "whole",
+                vec![(
+                    "gpu",
+                    "gpu-0",
+                    DeviceDetail::Gpu {
+                        gpu: 0,
+                        uuid: "GPU-0".into(),
+                        minor: 0,
+                    },
+                )],
+            ),
+            prepared("ua", "team", "a", vec![("gpu", "gpu-1-shared", share_of(1))]),
+            prepared("ub", "team", "b", vec![("gpu", "gpu-1-shared", share_of(1))]),
+        ] {
+            checkpoint.claims.insert(record.uid.clone(), record);
+        }
+        let usage = claim_usage(&checkpoint, &backend, |uid| format!("pod-of-{uid}"));
+
+        let of = |claim: &str| usage.iter().find(|u| u.claim == claim).unwrap();
+        assert_eq!(of("whole").utilization_ratio, Some(0.6));
+        assert_eq!(of("whole").memory_used_bytes, Some(20 << 30));
+        assert_eq!(of("a").utilization_ratio, Some(0.3));
+        assert_eq!(of("a").memory_used_bytes, Some(4 << 30));
+        assert_eq!(of("b").utilization_ratio, Some(0.15));
+        assert_eq!(of("b").pod, "pod-of-ub");
+    }
+
+    #[test]
+    fn per_claim_gauges_render_with_the_labels_an_autoscaler_selects_by() {
+        #[derive(Debug)]
+        struct Fixed(Vec<ClaimUsage>);
+        impl Collector for Fixed {
+            fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+                encode_claim_usage(&mut encoder, &self.0)
+            }
+        }
+        let usage = ClaimUsage {
+            namespace: "team".into(),
+            pod: "app-0".into(),
+            claim: "app-0-gpu-x1".into(),
+            request: "gpu".into(),
+            device: "gpu-1-shared".into(),
+            utilization_ratio: Some(0.4),
+            memory_used_bytes: Some(6 << 30),
+        };
+        let mig = ClaimUsage {
+            device: "gpu-0-mig-3g.40gb-4".into(),
+            utilization_ratio: None,
+            ..usage.clone()
+        };
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(Fixed(vec![usage, mig])));
+        let text = tessera_api::metrics::render(&registry);
+        let parsed = tessera_api::metrics::exposition::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+
+        let labels = [
+            ("namespace", "team"),
+            ("pod", "app-0"),
+            ("claim", "app-0-gpu-x1"),
+            ("request", "gpu"),
+        ];
+        let util = parsed.find("tessera_claim_gpu_utilization_ratio", &labels);
+        assert_eq!(util.len(), 1, "a MIG device has no utilization series:\n{text}");
+        assert_eq!(util[0].labels["device"], "gpu-1-shared");
+        assert_eq!(util[0].value, 0.4);
+        let memory = parsed.find("tessera_claim_gpu_memory_used_bytes", &labels);
+        assert_eq!(memory.len(), 2, "{text}");
+        assert_eq!(parsed.types["tessera_claim_gpu_utilization_ratio"], "gauge");
+        assert_eq!(parsed.types["tessera_claim_gpu_memory_used_bytes"], "gauge");
+    }
 
     #[test]
     fn an_error_is_labelled_by_its_kind_in_snake_case() {
