@@ -204,6 +204,7 @@ func run(ctx context.Context, o options) error {
 		return fmt.Errorf("failed to start the DRA manager: %w", err)
 	}
 	k.dra = manager
+	go k.watchHealth(ctx)
 
 	plugins := pluginmanager.NewPluginManager(o.registryDir, recorder)
 	plugins.AddHandler(registerapi.DRAPlugin, manager.GetWatcherHandler())
@@ -478,6 +479,7 @@ func (k *kubelet) start(ctx context.Context, pod *v1.Pod) error {
 			return nil
 		}
 		setRunning(current)
+		k.setResourceHealth(ctx, current, &current.Status)
 		_, err = k.client.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, current, metav1.UpdateOptions{})
 		return err
 	})
