@@ -45,29 +45,30 @@ fn new_histogram() -> Histogram {
 impl ControllerMetrics {
     fn new() -> Self {
         let mut registry = Registry::with_prefix("tessera_controller");
+        // Help texts without a final period: prometheus-client adds one to what it registers.
         let reconciles = Family::new_with_constructor(new_histogram as fn() -> Histogram);
         registry.register_with_unit(
             "reconcile_duration",
-            "Time of one reconcile round (lease renewal, rendering and the ResourceSlice writes).",
+            "Time of one reconcile round (lease renewal, rendering and the ResourceSlice writes)",
             Unit::Seconds,
             reconciles.clone(),
         );
         let writes = Family::<Labels, Counter>::default();
         registry.register(
             "slice_writes",
-            "ResourceSlice creates, updates and deletes the API server accepted.",
+            "ResourceSlice creates, updates and deletes the API server accepted",
             writes.clone(),
         );
         let api_errors = Family::<Labels, Counter>::default();
         registry.register(
             "api_errors",
-            "Writes to the API server that failed, by operation.",
+            "Writes to the API server that failed, by operation",
             api_errors.clone(),
         );
         let leader = Gauge::default();
         registry.register(
             "leader",
-            "1 while this replica holds the leader Lease and publishes, else 0.",
+            "1 while this replica holds the leader Lease and publishes, else 0",
             leader.clone(),
         );
         Self {

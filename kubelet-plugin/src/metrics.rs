@@ -100,28 +100,29 @@ impl PluginMetrics {
         let mut root = Registry::default();
         let registry = root.sub_registry_with_prefix("tessera_plugin");
         let operations = Family::<Labels, Counter>::default();
+        // Help texts without a final period: prometheus-client adds one to what it registers.
         registry.register(
             "claim_operations",
-            "Claims kubelet asked the plugin to prepare or unprepare, by result.",
+            "Claims kubelet asked the plugin to prepare or unprepare, by result",
             operations.clone(),
         );
         let errors = Family::<Labels, Counter>::default();
         registry.register(
             "claim_errors",
-            "Failed claim prepares and unprepares, by the kind of error.",
+            "Failed claim prepares and unprepares, by the kind of error",
             errors.clone(),
         );
         let durations = Histograms::new_with_constructor(new_histogram as fn() -> Histogram);
         registry.register_with_unit(
             "claim_operation_duration",
-            "Time to prepare or unprepare one claim.",
+            "Time to prepare or unprepare one claim",
             Unit::Seconds,
             durations.clone(),
         );
         let mig = Histograms::new_with_constructor(new_histogram as fn() -> Histogram);
         registry.register_with_unit(
             "mig_operation_duration",
-            "Time of the NVML calls that create and destroy MIG devices.",
+            "Time of the NVML calls that create and destroy MIG devices",
             Unit::Seconds,
             mig.clone(),
         );

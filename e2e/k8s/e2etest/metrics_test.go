@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -49,21 +50,34 @@ func pluginLaunch(t *testing.T, node string) (bin, metricsURL string) {
 	return b[1], "http://" + strings.Trim(addr[1], `'"`) + "/metrics"
 }
 
-// promcheck builds e2e/bin/promcheck when missing and evaluates query after scraping every target.
-func promcheck(t *testing.T, targets []string, query string) promResult {
+// promcheckBin builds e2e/bin/promcheck (once per run; go's cache makes an unchanged build a no-op).
+func promcheckBin(t *testing.T) string {
 	t.Helper()
-	bin := filepath.Join(e.repoRoot, "e2e", "bin", "promcheck")
-	if _, err := os.Stat(bin); err != nil {
+	promcheckBuild.Do(func() {
 		out, err := exec.Command(filepath.Join(e.repoRoot, "e2e", "scripts", "build-promcheck.sh")).CombinedOutput()
 		if err != nil {
-			t.Fatalf("build promcheck: %v\n%s", err, out)
+			promcheckErr = fmt.Errorf("build promcheck: %v\n%s", err, out)
 		}
+	})
+	if promcheckErr != nil {
+		t.Fatal(promcheckErr)
 	}
+	return filepath.Join(e.repoRoot, "e2e", "bin", "promcheck")
+}
+
+var (
+	promcheckBuild sync.Once
+	promcheckErr   error
+)
+
+// promcheck evaluates query after scraping every target.
+func promcheck(t *testing.T, targets []string, query string) promResult {
+	t.Helper()
 	args := []string{"--scrapes", "2", "--interval", "500ms", "--query", query}
 	for _, target := range targets {
 		args = append(args, "--target", target)
 	}
-	out, err := exec.Command(bin, args...).Output()
+	out, err := exec.Command(promcheckBin(t), args...).Output()
 	if err != nil {
 		stderr := ""
 		if ee, ok := err.(*exec.ExitError); ok {
@@ -182,6 +196,16 @@ func TestMetricsGiveEachClaimsGPUUseAndTheAutoscalingExampleScalesOnIt(t *testin
 					t.Errorf("%s of %s = %v, want %v", name, s.Metric["pod"], s.Value, value)
 				}
 			}
+		}
+	})
+
+	t.Run("every plugin's metric names, labels and help pass promlint", func(t *testing.T) {
+		args := []string{"--lint"}
+		for _, target := range targets {
+			args = append(args, "--target", target)
+		}
+		if out, err := exec.Command(promcheckBin(t), args...).CombinedOutput(); err != nil {
+			t.Fatalf("promlint (what promtool check metrics runs) found problems: %v\n%s", err, out)
 		}
 	})
 

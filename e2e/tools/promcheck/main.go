@@ -8,6 +8,11 @@
 //
 // Each target gets the labels job="tessera" and instance="<host:port>", as a scrape config would give it.
 // A target whose exposition does not parse fails the run, naming the target and the parser's error.
+//
+//	promcheck --lint --target URL ...
+//
+// instead runs promlint (what `promtool check metrics` runs) on each target's metric names, labels and help,
+// printing every problem and failing if there is one.
 package main
 
 import (
@@ -24,6 +29,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil/promlint"
 	"github.com/prometheus/prometheus/model/labels"
 	"github.com/prometheus/prometheus/model/textparse"
 	"github.com/prometheus/prometheus/promql"
@@ -58,10 +64,33 @@ func main() {
 	query := flag.String("query", "", "PromQL expression evaluated at the time of the last scrape")
 	scrapes := flag.Int("scrapes", 2, "scrapes of every target")
 	interval := flag.Duration("interval", time.Second, "time between scrapes")
+	lintOnly := flag.Bool("lint", false, "lint the targets' metrics (promlint) instead of querying")
 	flag.Parse()
-	if len(tgts) == 0 || *query == "" {
-		fmt.Fprintln(os.Stderr, "usage: promcheck --target URL [--target URL ...] --query PROMQL")
+	if len(tgts) == 0 || (*query == "") == !*lintOnly {
+		fmt.Fprintln(os.Stderr, "usage: promcheck --target URL [--target URL ...] (--query PROMQL | --lint)")
 		os.Exit(2)
+	}
+	if *lintOnly {
+		failed := false
+		for _, target := range tgts {
+			body, contentType, err := fetch(context.Background(), target)
+			if err == nil {
+				var problems []promlint.Problem
+				problems, err = lint(body, contentType)
+				if len(problems) > 0 {
+					fmt.Print(formatProblems(target, problems))
+					failed = true
+				}
+			}
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "promcheck: lint %s: %v\n", target, err)
+				failed = true
+			}
+		}
+		if failed {
+			os.Exit(1)
+		}
+		return
 	}
 	report, err := run(context.Background(), tgts, *query, *scrapes, *interval)
 	if err != nil {
@@ -133,30 +162,38 @@ func run(ctx context.Context, tgts []string, query string, scrapes int, interval
 	return report, nil
 }
 
+// fetch GETs one target as the scrape loop does: its body and Content-Type.
+func fetch(ctx context.Context, target string) ([]byte, string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, target, nil)
+	if err != nil {
+		return nil, "", err
+	}
+	req.Header.Set("Accept", acceptHeader)
+	resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
+	if err != nil {
+		return nil, "", err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, "", err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, "", fmt.Errorf("HTTP %d: %s", resp.StatusCode, strings.TrimSpace(string(body)))
+	}
+	return body, resp.Header.Get("Content-Type"), nil
+}
+
 // scrape fetches one target and appends its float samples at time at, the way the scrape loop does.
 func scrape(ctx context.Context, db *tsdb.DB, target string, at time.Time) (int, error) {
 	u, err := url.Parse(target)
 	if err != nil {
 		return 0, err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, target, nil)
+	body, contentType, err := fetch(ctx, target)
 	if err != nil {
 		return 0, err
 	}
-	req.Header.Set("Accept", acceptHeader)
-	resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	if resp.StatusCode != http.StatusOK {
-		return 0, fmt.Errorf("HTTP %d: %s", resp.StatusCode, strings.TrimSpace(string(body)))
-	}
-	contentType := resp.Header.Get("Content-Type")
 	p, err := textparse.New(body, contentType, labels.NewSymbolTable(), textparse.ParserOptions{})
 	if err != nil {
 		return 0, fmt.Errorf("content type %q: %w", contentType, err)
