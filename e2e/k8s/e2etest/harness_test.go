@@ -150,6 +150,15 @@ func namespace(t *testing.T, name string) string {
 		t.Fatalf("create namespace %s: %v", name, err)
 	}
 	t.Cleanup(func() { deleteNamespace(t, name) })
+	// ServiceAccount admission refuses pods until kube-controller-manager has created the namespace's
+	// `default` ServiceAccount, as on any cluster; wait for it rather than retry every create.
+	err = wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		_, err := e.client.CoreV1().ServiceAccounts(name).Get(ctx, "default", metav1.GetOptions{})
+		return err == nil, nil
+	})
+	if err != nil {
+		t.Fatalf("namespace %s has no default ServiceAccount after a minute (is kube-controller-manager's serviceaccount-controller running?): %v", name, err)
+	}
 	return name
 }
 
