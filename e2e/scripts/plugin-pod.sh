@@ -14,11 +14,12 @@ usage() { echo "usage: $0 start NODE NAME POD_UID HEALTH_PORT" >&2; exit 2; }
 [[ "$name" =~ ^plugin-[A-Za-z0-9.-]+$ ]] || { echo "NAME must start with plugin-: $name" >&2; exit 2; }
 src="$PROC_DIR/plugin-$node.sh"
 [[ -f "$src" ]] || { echo "no launch script $src: is the cluster up (make up)?" >&2; exit 1; }
+# After the node's own exports (which may set a health address too) and before its exec line, so these win.
 {
-  head -n 1 "$src"
+  sed '$d' "$src"
   printf 'export POD_UID=%q\n' "$uid"
   printf 'export TESSERA_HEALTH_ADDR=%q\n' "127.0.0.1:$port"
-  tail -n +2 "$src"
+  tail -n 1 "$src"
 } > "$PROC_DIR/$name.sh"
 chmod +x "$PROC_DIR/$name.sh"
 start_proc "$name"
