@@ -17,19 +17,24 @@
 # (the `kubernetes` Service) and no kube-proxy runs, so a DNAT rule on the node's bridge sends 10.0.0.1:443
 # to the API server on 127.0.0.1 (route_localnet on that bridge only; the serving certificate names 10.0.0.1).
 #
-# Variables: REAL_NODE_NAME (real-node), REAL_NODE_BRIDGE (tessera0), REAL_NODE_SUBNET (10.99.0.0/24),
-# REAL_NODE_KUBELET_PORT (10350), REAL_NODE_HEALTHZ_PORT (10348), TESSERA_IMAGE (target/image/tessera.tar).
+# Clusters of other run dirs may run a real node at the same time: the bridge, subnet, kubelet ports, iptables
+# chain and the kubelet's cgroup root are all derived from API_PORT, so two of them never share one.
+# Variables: REAL_NODE_NAME (real-node), REAL_NODE_BRIDGE (tsr<API_PORT>), REAL_NODE_SUBNET
+# (10.99.<API_PORT mod 256>.0/24), REAL_NODE_KUBELET_PORT (API_PORT+10), REAL_NODE_HEALTHZ_PORT (API_PORT+11),
+# TESSERA_IMAGE (target/image/tessera.tar).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 NODE_BIN="${NODE_BIN_DIR:-$E2E_DIR/bin/node}"
 RN_NAME="${REAL_NODE_NAME:-real-node}"
 RN_DIR="$RUN_DIR/real-node"
-RN_BRIDGE="${REAL_NODE_BRIDGE:-tessera0}"
-RN_SUBNET="${REAL_NODE_SUBNET:-10.99.0.0/24}"
+RN_BRIDGE="${REAL_NODE_BRIDGE:-tsr$API_PORT}"
+RN_SUBNET="${REAL_NODE_SUBNET:-10.99.$((API_PORT % 256)).0/24}"
 RN_GATEWAY="${RN_SUBNET%.*}.1"
-RN_KUBELET_PORT="${REAL_NODE_KUBELET_PORT:-10350}"
-RN_HEALTHZ_PORT="${REAL_NODE_HEALTHZ_PORT:-10348}"
+RN_KUBELET_PORT="${REAL_NODE_KUBELET_PORT:-$((API_PORT + 10))}"
+RN_HEALTHZ_PORT="${REAL_NODE_HEALTHZ_PORT:-$((API_PORT + 11))}"
+# The kubelet removes pod cgroups it does not know under its root: each real node needs a root of its own.
+RN_CGROUP="tessera-e2e-$API_PORT"
 RN_CHAIN="TESSERA-APISERVER-$API_PORT"
 CONTAINERD_SOCK="$RN_DIR/containerd/containerd.sock"
 TESSERA_IMAGE="${TESSERA_IMAGE:-$CARGO_TARGET/image/tessera.tar}"
@@ -115,6 +120,7 @@ healthzBindAddress: 127.0.0.1
 healthzPort: $RN_HEALTHZ_PORT
 containerRuntimeEndpoint: unix://$CONTAINERD_SOCK
 cgroupDriver: cgroupfs
+cgroupRoot: /$RN_CGROUP
 failCgroupV1: false
 failSwapOn: false
 podLogsDir: $RN_DIR/pod-logs
@@ -131,6 +137,27 @@ registerWithTaints:
   - {key: nvidia.com/gpu, value: present, effect: NoSchedule}
 $gates
 EOF
+}
+
+# The kubelet requires its cgroup root to exist in every hierarchy (cgroup v1 here: one per controller).
+cgroup_dirs() {
+  local d
+  for d in /sys/fs/cgroup/*/; do
+    [[ -d "$d" && -w "$d" ]] && echo "${d%/}/$RN_CGROUP"
+  done
+}
+
+setup_cgroups() {
+  local d
+  for d in $(cgroup_dirs); do mkdir -p "$d"; done
+}
+
+# Deepest first; only empty cgroups can be removed, and every process in them is gone by now.
+teardown_cgroups() {
+  local d
+  for d in $(cgroup_dirs); do
+    [[ -d "$d" ]] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
+  done
 }
 
 # The bridge exists before the first pod, so route_localnet can be set on it alone.
@@ -166,6 +193,7 @@ up() {
     port_in_use "$p" && die "port $p on 127.0.0.1 is in use; set REAL_NODE_KUBELET_PORT / REAL_NODE_HEALTHZ_PORT"
   done
   write_configs
+  setup_cgroups
   setup_network
 
   step "real node $RN_NAME: containerd $("$NODE_BIN/containerd" --version | awk '{print $3}') (CDI specs in $RN_DIR/cdi)"
@@ -186,7 +214,7 @@ up() {
   # under the name in the archive, so the image gets the long name too.
   local ref
   for ref in $(ctr_ images ls -q | grep -v '^sha256:'); do
-    if [[ "${ref%%/*}" != *.* && "$ref" != */* ]]; then
+    if [[ "$ref" != */* ]]; then
       ctr_ images tag --force "$ref" "docker.io/library/$ref" > /dev/null
     fi
   done
@@ -229,6 +257,7 @@ down() {
     umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || echo "warning: cannot unmount $m" >&2
   done
   teardown_network
+  teardown_cgroups
 }
 
 case "${1:-}" in
