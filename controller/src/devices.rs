@@ -579,8 +579,15 @@ pub fn publish_with_health(
     }
     for d in &mut out.devices {
         let extra = for_device(d);
-        if !extra.is_empty() {
-            d.taints.get_or_insert_with(Vec::new).extend(extra);
+        if extra.is_empty() {
+            continue;
+        }
+        let taints = d.taints.get_or_insert_with(Vec::new);
+        // One taint per key: the GPU's comes first and stands for a MIG device's failure of the same kind.
+        for t in extra {
+            if !taints.iter().any(|have| have.key == t.key) {
+                taints.push(t);
+            }
         }
     }
     out

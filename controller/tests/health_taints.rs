@@ -248,3 +248,28 @@ async fn a_quiet_period_that_is_not_a_duration_makes_the_policy_invalid_naming_t
         "{problem}"
     );
 }
+
+#[tokio::test]
+async fn a_device_carries_one_taint_per_key_when_its_gpu_and_the_mig_device_both_failed() {
+    let mut cluster = Cluster::new();
+    let api = InMemoryApi::default();
+    let mut r = reconciler(&cluster, &api, ApiFeatures::ALL);
+    let mut mig = sick(1, HealthReason::Xid, Some(94));
+    mig.mig = Some(MigDeviceRef {
+        profile: "3g.71gb".into(),
+        start: 4,
+    });
+    cluster.health = vec![sick(1, HealthReason::Xid, Some(79)), mig];
+    step(1, &mut r, &mut cluster, &api).await;
+    let device = devices(&api)
+        .into_iter()
+        .find(|d| d.name == "gpu-1-mig-3g-71gb-4")
+        .unwrap();
+    let taints = device.taints.unwrap();
+    assert_eq!(taints.len(), 1, "{taints:?}");
+    assert_eq!(
+        taints[0].value.as_deref(),
+        Some("79"),
+        "the GPU's taint stands for both"
+    );
+}
