@@ -200,6 +200,14 @@ func (w *workload) withClaimFrom(template string) *workload {
 	return w
 }
 
+// reporting makes the holding container print, every second, the device nodes and MPS pipe entries it
+// still sees, so a check after a plugin roll reads what the running container sees then.
+func (w *workload) reporting() *workload {
+	w.pod.Spec.Containers[0].Command = []string{"sh", "-c",
+		`while true; do echo "sees $(ls /dev/nvidia* /dev/nvidia-caps/* /tmp/nvidia-mps 2>/dev/null | tr '\n' ' ')"; sleep 1; done`}
+	return w
+}
+
 func (w *workload) create(t *testing.T) *v1.Pod {
 	t.Helper()
 	p, err := e.client.CoreV1().Pods(w.pod.Namespace).Create(ctxFor(t, 30*time.Second), w.pod, metav1.CreateOptions{})
@@ -341,6 +349,40 @@ func keys(m map[string]string) []string {
 }
 
 // --- node-side state ----------------------------------------------------------------------------
+
+// lastReport is the newest "sees ..." line the pod's holding container wrote, read from the log file the
+// kubelet keeps for it (the API server cannot reach this kubelet's log endpoint: see e2e/README.md).
+func (rn realNodeEnv) lastReport(t *testing.T, p *v1.Pod) (string, time.Time) {
+	t.Helper()
+	path := filepath.Join(rn.dir, "pod-logs", fmt.Sprintf("%s_%s_%s", p.Namespace, p.Name, p.UID), "hold", "0.log")
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("the holding container's log: %v", err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(data)), "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		// CRI log format: <RFC3339Nano> <stream> <F|P> <text>
+		f := strings.SplitN(lines[i], " ", 4)
+		if len(f) == 4 && strings.HasPrefix(f[3], "sees ") {
+			ts, _ := time.Parse(time.RFC3339Nano, f[0])
+			return f[3], ts
+		}
+	}
+	t.Fatalf("%s has no report line:\n%s", path, data)
+	return "", time.Time{}
+}
+
+// mpsDaemonPID is the pid file of the MPS control daemon of a shared GPU (in the supervisor's PID
+// namespace): the same value before and after means the same daemon.
+func (rn realNodeEnv) mpsDaemonPID(t *testing.T, device string) string {
+	t.Helper()
+	gpu := strings.TrimSuffix(device, "-shared")
+	data, err := os.ReadFile(filepath.Join(rn.stateDir, "mps", gpu, "pipe", "nvidia-cuda-mps-control.pid"))
+	if err != nil {
+		t.Fatalf("MPS daemon of %s: %v", device, err)
+	}
+	return strings.TrimSpace(string(data))
+}
 
 func (rn realNodeEnv) cdiSpecsFor(t *testing.T, uid types.UID) []string {
 	t.Helper()
@@ -613,6 +655,117 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 		expectForbidden(t, "the controller listing Secrets in "+chartNamespace, err, "secrets")
 		_, err = cc.CoreV1().Secrets("kube-system").Get(ctx, "anything", metav1.GetOptions{})
 		expectForbidden(t, "the controller reading a Secret in kube-system", err, "secrets")
+	})
+	t.Run("a helm upgrade rolls the plugin while a share and a MIG pod run; both keep their devices and MPS daemon, and a new claim prepares", func(t *testing.T) {
+		ctx := ctxFor(t, 5*time.Minute)
+		share := workloadPod(ns, "share-roll", rn.name).withClaimFrom("share").reporting().create(t)
+		mig := workloadPod(ns, "mig-roll", rn.name).withClaimFrom("mig").reporting().create(t)
+		share, mig = waitRunning(t, ns, share.Name, 3*time.Minute), waitRunning(t, ns, mig.Name, 3*time.Minute)
+		shareClaim, shareDevices := realAllocations(t, share)
+		migClaim, migDevices := realAllocations(t, mig)
+		daemon := rn.mpsDaemonPID(t, shareDevices[0].Device)
+		before, err := podsOf(ctx, "kubelet-plugin")
+		if err != nil || len(before) != 1 {
+			t.Fatalf("plugin pods before the roll: %v (%d)", err, len(before))
+		}
+		seenBefore := map[string]string{}
+		for _, p := range []*v1.Pod{share, mig} {
+			seenBefore[p.Name], _ = rn.lastReport(t, p)
+		}
+
+		// A changed pod template (the plugin's log level) is what any upgrade of the plugin rolls on.
+		rolled := time.Now()
+		helmRun(t, append([]string{"upgrade", "tessera", chartDir(), "--namespace", chartNamespace},
+			helmSetArgs(rn.chartValues("kubeletPlugin.logLevel=debug"))...)...)
+		waitFor(t, "the plugin DaemonSet rolled to a new, Ready pod", 3*time.Minute, func(ctx context.Context) (bool, string) {
+			pods, err := podsOf(ctx, "kubelet-plugin")
+			if err != nil {
+				return false, err.Error()
+			}
+			n, states := readyPods(pods)
+			return n == 1 && len(pods) == 1 && pods[0].Name != before[0].Name, strings.Join(states, "; ")
+		})
+		waitFreshHeartbeat(t, rn.name, rolled, time.Minute)
+
+		for _, p := range []*v1.Pod{share, mig} {
+			now, err := e.client.CoreV1().Pods(ns).Get(ctx, p.Name, metav1.GetOptions{})
+			if err != nil {
+				t.Fatalf("pod %s after the roll: %v", p.Name, err)
+			}
+			if now.Status.Phase != v1.PodRunning || now.Status.ContainerStatuses[0].RestartCount != 0 {
+				t.Errorf("pod %s after the roll: phase %s, restarts %d; want Running, 0", p.Name, now.Status.Phase, now.Status.ContainerStatuses[0].RestartCount)
+			}
+			// A report written after the roll, by the same container, seeing the same devices.
+			waitFor(t, p.Name+" reports after the roll", 30*time.Second, func(context.Context) (bool, string) {
+				_, ts := rn.lastReport(t, p)
+				return ts.After(time.Now().Add(-2 * time.Second)), "last report " + ts.String()
+			})
+			if got, _ := rn.lastReport(t, p); got != seenBefore[p.Name] {
+				t.Errorf("pod %s sees other devices after the roll:\nbefore: %s\nafter:  %s", p.Name, seenBefore[p.Name], got)
+			}
+		}
+		if got := rn.mpsDaemonPID(t, shareDevices[0].Device); got != daemon || !rn.mpsServes(shareDevices[0].Device) {
+			t.Errorf("MPS daemon of %s: pid %s before the roll, %s after (serving: %v); want the same daemon serving",
+				shareDevices[0].Device, daemon, got, rn.mpsServes(shareDevices[0].Device))
+		}
+		if !rn.migInstanceAt(t, migDevices[0].Device) {
+			t.Errorf("the MIG instance of %s is gone after the roll", migDevices[0].Device)
+		}
+		for _, c := range []*resourcev1.ResourceClaim{shareClaim, migClaim} {
+			if len(rn.cdiSpecsFor(t, c.UID)) == 0 {
+				t.Errorf("claim %s lost its CDI spec in the roll", c.Name)
+			}
+		}
+
+		after := workloadPod(ns, "whole-after-roll", rn.name).withClaimFrom("whole").create(t)
+		after = waitRunning(t, ns, after.Name, 2*time.Minute)
+		_, devices := realAllocations(t, after)
+		checkInside(t, after, insideView(t, after), devices)
+	})
+	t.Run("a plugin pod deleted while an MPS client runs is replaced, and the client keeps its server", func(t *testing.T) {
+		ctx := ctxFor(t, 3*time.Minute)
+		share, err := e.client.CoreV1().Pods(ns).Get(ctx, "share-roll", metav1.GetOptions{})
+		if err != nil {
+			t.Fatalf("the share pod of the roll: %v", err)
+		}
+		_, devices := realAllocations(t, share)
+		daemon := rn.mpsDaemonPID(t, devices[0].Device)
+		report, _ := rn.lastReport(t, share)
+		plugins, err := podsOf(ctx, "kubelet-plugin")
+		if err != nil || len(plugins) != 1 {
+			t.Fatalf("plugin pods: %v (%d)", err, len(plugins))
+		}
+		deleted := time.Now()
+		if err := e.client.CoreV1().Pods(chartNamespace).Delete(ctx, plugins[0].Name, metav1.DeleteOptions{}); err != nil {
+			t.Fatalf("delete plugin pod %s: %v", plugins[0].Name, err)
+		}
+		waitFor(t, "a new plugin pod Ready", 2*time.Minute, func(ctx context.Context) (bool, string) {
+			pods, err := podsOf(ctx, "kubelet-plugin")
+			if err != nil {
+				return false, err.Error()
+			}
+			n, states := readyPods(pods)
+			return n == 1 && len(pods) == 1 && pods[0].Name != plugins[0].Name, strings.Join(states, "; ")
+		})
+		waitFreshHeartbeat(t, rn.name, deleted, time.Minute)
+		now, err := e.client.CoreV1().Pods(ns).Get(ctx, share.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatalf("share pod after the plugin's restart: %v", err)
+		}
+		if now.Status.Phase != v1.PodRunning || now.Status.ContainerStatuses[0].RestartCount != 0 {
+			t.Errorf("share pod after the plugin's restart: phase %s, restarts %d; want Running, 0", now.Status.Phase, now.Status.ContainerStatuses[0].RestartCount)
+		}
+		waitFor(t, "the share pod reports after the restart", 30*time.Second, func(context.Context) (bool, string) {
+			_, ts := rn.lastReport(t, share)
+			return ts.After(time.Now().Add(-2 * time.Second)), "last report " + ts.String()
+		})
+		if got, _ := rn.lastReport(t, share); got != report {
+			t.Errorf("the share pod sees other devices after the plugin's restart:\nbefore: %s\nafter:  %s", report, got)
+		}
+		if got := rn.mpsDaemonPID(t, devices[0].Device); got != daemon || !rn.mpsServes(devices[0].Device) {
+			t.Errorf("MPS daemon of %s: pid %s before the plugin's restart, %s after (serving: %v); want the same daemon serving",
+				devices[0].Device, daemon, got, rn.mpsServes(devices[0].Device))
+		}
 	})
 	t.Logf("real-node scenario: %s", time.Since(start).Round(time.Second))
 }
