@@ -209,3 +209,46 @@ async fn a_1_36_kubelet_gets_the_same_stream_on_the_v1alpha1_path() {
     assert!(found.last_updated_time > 0);
     plugin.stop.send_replace(true);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_device_of_a_newly_prepared_claim_is_sent_without_waiting_for_the_resend() {
+    let node = TestNode::with_gpus(2);
+    let paths = SocketPaths::new(
+        &node.dir.path().join("plugins_registry"),
+        &node.dir.path().join("plugins"),
+    );
+    let health = Health::new(0..2);
+    let service = HealthService::new(health, NODE);
+    let devices = Arc::new(std::sync::Mutex::new(vec!["gpu-0".to_string()]));
+    let listed = devices.clone();
+    service.set_devices(Arc::new(move || listed.lock().unwrap().clone()));
+    let (reg_tx, _registration) = watch::channel(RegistrationState::Pending);
+    let (stop, mut stopped) = watch::channel(false);
+    let (serve_paths, state) = (paths.clone(), node.state());
+    tokio::spawn(async move {
+        serve_gated(
+            &serve_paths,
+            StateGate::open(state),
+            reg_tx,
+            Some(service),
+            async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            },
+        )
+        .await
+    });
+    wait_for_socket(&paths.registration).await;
+    let mut client = v1::dra_resource_health_client::DraResourceHealthClient::new(dial(&paths.dra).await);
+    let mut stream = client
+        .node_watch_resources(v1::NodeWatchResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let first = next_change(&mut stream, &vec![], Duration::from_secs(5)).await;
+    assert_eq!(first.len(), 1);
+    devices.lock().unwrap().push("gpu-1-shared".into());
+    // Well inside the 10 s resend: the list is compared every second.
+    let second = next_change(&mut stream, &first, Duration::from_secs(4)).await;
+    assert_eq!(second[1], ("gpu-1-shared".into(), true, String::new()));
+    stop.send_replace(true);
+}

@@ -3,7 +3,8 @@
 //! `NodeWatchResources` streams the complete list of the node's devices that kubelet may know (every whole
 //! GPU and every device of a prepared claim) with their health: at once, on every change and every
 //! [`RESEND_EVERY`]. kubelet matches the entries by pool and device name to the claims of its pods and
-//! writes `status.containerStatuses[].allocatedResourcesStatus`; an entry not renewed within
+//! writes `status.containerStatuses[].allocatedResourcesStatus`. A device that joins the list (a claim was
+//! just prepared) is sent within [`DEVICES_CHECK_EVERY`]. An entry not renewed within
 //! [`HEALTH_TIMEOUT_SECONDS`] becomes `Unknown` there (kubelet `pkg/kubelet/cm/dra/healthinfo.go`).
 //! A 1.37 kubelet opens the stream only because registration lists the service
 //! ([`crate::registration`]).
@@ -24,6 +25,16 @@ use super::Health;
 
 /// How often the full list is sent again without a change, well inside [`HEALTH_TIMEOUT_SECONDS`].
 pub const RESEND_EVERY: Duration = Duration::from_secs(10);
+
+/// How often the list of reported devices is compared with the last one sent.
+pub const DEVICES_CHECK_EVERY: Duration = Duration::from_secs(1);
+
+fn same_but_time(a: &[Entry], b: &[Entry]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            (&x.pool, &x.device, x.healthy, &x.message) == (&y.pool, &y.device, y.healthy, &y.message)
+        })
+}
 
 /// `health_check_timeout_seconds` of every entry: three resends may be missed before kubelet says Unknown.
 pub const HEALTH_TIMEOUT_SECONDS: i64 = 30;
@@ -105,13 +116,23 @@ impl HealthService {
         let this = self.clone();
         let mut changes = self.health.subscribe();
         tokio::spawn(async move {
+            // What was sent last, without the timestamps: a newly prepared claim's devices are sent within
+            // a [`DEVICES_CHECK_EVERY`], so kubelet knows their health before the next resend.
+            let mut sent: Option<Vec<Entry>> = None;
+            let mut sent_at = tokio::time::Instant::now();
             loop {
-                if tx.send(Ok(convert(this.report()))).await.is_err() {
-                    return;
+                let report = this.report();
+                let unchanged = sent.as_ref().is_some_and(|s| same_but_time(s, &report));
+                if !unchanged || sent_at.elapsed() >= RESEND_EVERY {
+                    sent = Some(report.clone());
+                    sent_at = tokio::time::Instant::now();
+                    if tx.send(Ok(convert(report))).await.is_err() {
+                        return;
+                    }
                 }
                 tokio::select! {
                     changed = changes.changed() => if changed.is_err() { return },
-                    _ = tokio::time::sleep(RESEND_EVERY) => {}
+                    _ = tokio::time::sleep(DEVICES_CHECK_EVERY) => {}
                     _ = tx.closed() => return,
                 }
             }
