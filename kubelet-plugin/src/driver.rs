@@ -176,11 +176,19 @@ pub fn remove_stale_sockets(own: &SocketPaths) -> Vec<PathBuf> {
     candidates.extend(ours_in(own.dra.parent(), |name| {
         name.starts_with("dra") && name.ends_with(".sock")
     }));
+    let refused = |path: &Path| {
+        matches!(std::os::unix::net::UnixStream::connect(path),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused)
+    };
     let mut removed = Vec::new();
     for path in candidates {
-        match std::os::unix::net::UnixStream::connect(&path) {
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
-            _ => continue,
+        // Asked twice: an instance starting this very moment has bound its socket but may not listen yet.
+        if !refused(&path) {
+            continue;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        if !refused(&path) {
+            continue;
         }
         match std::fs::remove_file(&path) {
             Ok(()) => {

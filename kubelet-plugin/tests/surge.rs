@@ -164,6 +164,7 @@ struct PluginBuilder<'a> {
     node_dir: &'a Path,
     api: &'a ApiServer,
     pod_uid: &'a str,
+    log: Option<PathBuf>,
 }
 
 fn plugin<'a>(node_dir: &'a Path, api: &'a ApiServer) -> PluginBuilder<'a> {
@@ -171,12 +172,19 @@ fn plugin<'a>(node_dir: &'a Path, api: &'a ApiServer) -> PluginBuilder<'a> {
         node_dir,
         api,
         pod_uid: OLD_POD,
+        log: None,
     }
 }
 
 impl PluginBuilder<'_> {
     fn in_pod(mut self, pod_uid: &'static str) -> Self {
         self.pod_uid = pod_uid;
+        self
+    }
+
+    /// Its log (stderr) goes to `path`, for a test that waits for what the plugin says it does.
+    fn logging_to(mut self, path: PathBuf) -> Self {
+        self.log = Some(path);
         self
     }
 
@@ -225,7 +233,10 @@ impl PluginBuilder<'_> {
             .env("POD_UID", self.pod_uid)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(match &self.log {
+                Some(path) => Stdio::from(std::fs::File::create(path).unwrap()),
+                None => Stdio::null(),
+            })
             .spawn()
             .unwrap();
         let paths = SocketPaths::for_pod(&d.join("registry"), &d.join("plugins"), Some(self.pod_uid));
@@ -303,6 +314,20 @@ async fn prepare(endpoint: String, c: v1::Claim) -> String {
         .unwrap()
         .into_inner();
     response.claims[&uid].error.clone()
+}
+
+/// Waits until the plugin's log at `path` says `text`.
+async fn logged(path: &Path, text: &str) {
+    for _ in 0..600 {
+        if std::fs::read_to_string(path).is_ok_and(|l| l.contains(text)) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "the plugin never logged {text:?}:\n{}",
+        std::fs::read_to_string(path).unwrap_or_default()
+    );
 }
 
 fn checkpoint_claims(node_dir: &Path) -> Vec<String> {
@@ -476,4 +501,49 @@ fn a_pod_uid_that_could_leave_the_socket_directory_is_refused_naming_the_flag() 
         !dir.path().join("state").exists(),
         "the plugin touched the node before refusing"
     );
+}
+
+/// A plugin from before per-pod socket names serves on the fixed name and takes no state lock; here its
+/// socket is a listener the test holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_from_before_per_pod_names_is_waited_for_although_it_holds_no_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let c = in_use("after-upgrade", "gpu-5");
+    let api = ApiServer::start().await.with(c.clone());
+    let legacy_socket = d.join("registry/gpu.tessera.dev-reg.sock");
+    std::fs::create_dir_all(legacy_socket.parent().unwrap()).unwrap();
+    let legacy = std::os::unix::net::UnixListener::bind(&legacy_socket).unwrap();
+
+    let log = d.join("new.log");
+    let new = plugin(d, &api)
+        .in_pod(NEW_POD)
+        .logging_to(log.clone())
+        .start()
+        .await;
+    let endpoint = new.register().await;
+    let call = tokio::spawn(prepare(endpoint, kubelet_claim(&c)));
+    logged(
+        &log,
+        "a plugin instance without per-pod socket names serves on this node",
+    )
+    .await;
+    assert!(
+        !call.is_finished(),
+        "the new instance answered while the old one still served"
+    );
+    assert!(
+        !d.join("state/checkpoint.json").exists(),
+        "the new instance loaded the node state while the old one still served"
+    );
+    assert!(
+        legacy_socket.exists(),
+        "the live old instance's socket was removed"
+    );
+
+    // The old instance exits: its shutdown removes its socket.
+    drop(legacy);
+    std::fs::remove_file(&legacy_socket).unwrap();
+    assert_eq!(call.await.unwrap(), "");
+    assert_eq!(checkpoint_claims(d), vec![c.metadata.uid.clone().unwrap()]);
 }
