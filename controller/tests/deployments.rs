@@ -198,7 +198,7 @@ fn the_examples_select_the_intended_devices() {
 #[test]
 fn the_policy_examples_are_valid_for_the_simulated_nodes() {
     let invs: Vec<_> = nodes().into_iter().map(|(_, i)| i).collect();
-    for file in ["mixed", "all-whole", "shared-mps", "static-mig"] {
+    for file in ["mixed", "all-whole", "shared-mps", "static-mig", "lean-mig"] {
         let policy: GpuPolicy =
             serde_norway::from_str(&read(&format!("deployments/policies/{file}.yaml"))).unwrap();
         assert_eq!(policy.metadata.name.as_deref(), Some("default"));
@@ -207,4 +207,28 @@ fn the_policy_examples_are_valid_for_the_simulated_nodes() {
             assert!(!slices.is_empty(), "{file}");
         }
     }
+}
+
+#[test]
+fn the_lean_mig_preset_halves_an_h100_nodes_devices_and_keeps_the_small_profiles_and_the_whole_gpu() {
+    let lean: GpuPolicy = serde_norway::from_str(&read("deployments/policies/lean-mig.yaml")).unwrap();
+    let slices = render(&[h100_node()], Some(&lean), ApiFeatures::ALL).unwrap();
+    let every = render(&[h100_node()], None, ApiFeatures::ALL).unwrap();
+    let profiles = |slices: &[k8s_openapi::api::resource::v1::ResourceSlice]| {
+        let mut seen: Vec<String> = devices(slices)
+            .iter()
+            .map(|d| match d.attributes.as_ref().and_then(|a| a.get("profile")) {
+                Some(v) => v.string.clone().unwrap_or_default(),
+                None => "whole".into(),
+            })
+            .collect();
+        seen.sort();
+        seen.dedup();
+        seen
+    };
+    assert_eq!(devices(&every).len(), 208, "the built-in default: every placement of every profile");
+    assert_eq!(devices(&slices).len(), 104, "8 × (7 × 1g + 3 × 2g + 2 × 3g + whole)");
+    assert_eq!(profiles(&slices), ["1g.10gb", "2g.20gb", "3g.40gb", "whole"]);
+    let without = render(&[h100_node()], Some(&lean), ApiFeatures::NONE).unwrap();
+    assert_eq!(devices(&without).len(), 8, "whole GPUs where partitionable devices are missing");
 }

@@ -26,7 +26,7 @@ files=()
 for v in $versions; do
   echo "==== Kubernetes $v ===="
   K8S_VERSION="$v" "$here/bench-scheduler.sh" \
-    -controller "$repo/target/debug/tessera-controller" -plugin "$repo/target/debug/tessera-kubelet-plugin" \
+    -controller "${CONTROLLER_BIN:-$repo/target/debug/tessera-controller}" -plugin "${PLUGIN_BIN:-$repo/target/debug/tessera-kubelet-plugin}" \
     -policies "${RATE_POLICIES:-whole,mig,shares}" -out "$out_dir/$v" \
     -rate-nodes "${RATE_NODES:-100,300,1000}" -rate-mig-max-nodes "${RATE_MIG_MAX_NODES:-300}" \
     -rate-time-box "${RATE_TIME_BOX:-60s}" \
