@@ -298,8 +298,11 @@ func policyByName(name, dir string) (PolicySpec, error) {
 	case "mig-1g":
 		// Dynamic MIG with one profile: how the scheduler's cost per MIG pod follows the devices per node.
 		return PolicySpec{Name: name, PolicyFile: filepath.Join(dir, "mig-1g.yaml"), Style: StyleMIG}, nil
+	case "lean-mig":
+		// The chart's lean-mig preset (a link to deployments/policies/lean-mig.yaml).
+		return PolicySpec{Name: name, PolicyFile: filepath.Join(dir, "lean-mig.yaml"), Style: StyleMIG}, nil
 	case "default":
 		return PolicySpec{Name: name, Style: StyleAuto}, nil
 	}
-	return PolicySpec{}, fmt.Errorf("failed to read -policies: unknown policy %q (want whole, mig, mig-1g, shares, default)", name)
+	return PolicySpec{}, fmt.Errorf("failed to read -policies: unknown policy %q (want whole, mig, mig-1g, lean-mig, shares, default)", name)
 }
