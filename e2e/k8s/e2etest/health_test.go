@@ -21,6 +21,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 )
@@ -256,5 +257,77 @@ func TestASickGPUsHealthTaintsItsDevicesShowsInThePodAndIsAvoidedUntilItRecovers
 	}
 	if _, err := e.client.CoreV1().Pods(ns).Get(ctxFor(t, 30*time.Second), "newcomer", metav1.GetOptions{}); err != nil {
 		t.Errorf("the pod on the healthy GPU %d: %v", other, err)
+	}
+}
+
+var deviceTaintRuleGVR = schema.GroupVersionResource{Group: "resource.k8s.io", Version: "v1", Resource: "devicetaintrules"}
+
+// An admin's DeviceTaintRule (resource.k8s.io/v1 since 1.37) and tessera's health taints keep claims off
+// their devices side by side: the controller neither copies the rule's taint into its slices nor removes
+// it, and the scheduler honours both. On 1.36 the rule is v1beta2 and off by default, which is asserted
+// instead (tessera's own taints are then the only ones).
+func TestAnAdminsDeviceTaintRuleWorksBesideHealthTaints(t *testing.T) {
+	resources, err := e.client.Discovery().ServerResourcesForGroupVersion("resource.k8s.io/v1")
+	if err != nil {
+		t.Fatalf("discover resource.k8s.io/v1: %v", err)
+	}
+	served := false
+	for _, r := range resources.APIResources {
+		served = served || r.Name == "devicetaintrules"
+	}
+	version, err := e.client.Discovery().ServerVersion()
+	if err != nil {
+		t.Fatalf("server version: %v", err)
+	}
+	if version.Minor == "36" {
+		if served {
+			t.Fatalf("Kubernetes 1.36 serves DeviceTaintRule in resource.k8s.io/v1; the README says v1beta2, off by default")
+		}
+		t.Logf("Kubernetes %s: no v1 DeviceTaintRule; health taints are the only device taints", version.GitVersion)
+		return
+	}
+	if !served {
+		t.Fatalf("Kubernetes %s does not serve DeviceTaintRule in resource.k8s.io/v1", version.GitVersion)
+	}
+
+	ns := namespace(t, "e2e-health-rule")
+	node := e.nodes[len(e.nodes)-1]
+	const ruled, sick, free = 5, 6, 7
+	withQuietPeriod(t, testQuietPeriod)
+	t.Cleanup(func() {
+		simulate(t, node, "recover", "--gpu", fmt.Sprint(sick))
+		waitTaints(t, node, sick, xidTaint, false, testQuietPeriod+30*time.Second)
+	})
+	rules := e.dyn.Resource(deviceTaintRuleGVR)
+	rule := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule",
+		"metadata": map[string]any{"name": "e2e-maintenance"},
+		"spec": map[string]any{
+			"deviceSelector": map[string]any{"driver": driver, "pool": node, "device": fmt.Sprintf("gpu-%d", ruled)},
+			"taint":          map[string]any{"key": "example.com/maintenance", "value": "planned", "effect": "NoSchedule"},
+		},
+	}}
+	if _, err := rules.Create(ctxFor(t, 30*time.Second), rule, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create DeviceTaintRule: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := rules.Delete(context.Background(), "e2e-maintenance", metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			t.Errorf("delete DeviceTaintRule: %v", err)
+		}
+	})
+
+	simulate(t, node, "inject-xid", "--gpu", fmt.Sprint(sick), "--xid", "94")
+	took, _ := waitTaints(t, node, sick, xidTaint, true, taintDeadline)
+	t.Logf("XID on GPU %d tainted in %s beside the admin's rule on GPU %d", sick, took.Round(time.Millisecond), ruled)
+
+	claimTemplate(t, ns, "gpu-5-6-or-7", gpuClass(t), selector(fmt.Sprintf(`device.attributes[%q].index in [%d, %d, %d]`, driver, ruled, sick, free)))
+	p := waitRunning(t, ns, pod(t, ns, "avoids-both", "gpu-5-6-or-7", node).Name, 2*time.Minute)
+	if got := allocations(t, p)[0].result.Device; got != fmt.Sprintf("gpu-%d", free) {
+		t.Errorf("claim got %s; want gpu-%d, the one neither the admin's rule nor a health taint covers", got, free)
+	}
+	for _, taint := range sliceDevice(t, node, fmt.Sprintf("gpu-%d", ruled)).Taints {
+		if taint.Key == "example.com/maintenance" {
+			t.Errorf("the controller wrote the admin's rule into its slice: %+v", taint)
+		}
 	}
 }
