@@ -43,6 +43,9 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   fi
   [[ -x "$PLUGIN_BIN" ]] || die "$PLUGIN_BIN missing after cargo build"
   [[ -x "$CONTROLLER_BIN" ]] || die "$CONTROLLER_BIN missing after cargo build"
+  # The host controller and plugins run with the chart's own roles (rendered by helm), not system:masters.
+  step "build: helm, for the chart's RBAC (log: $LOG_DIR/build-helm.log)"
+  "$E2E_DIR/scripts/build-helm.sh" > "$LOG_DIR/build-helm.log" 2>&1 || die "helm build failed" "$LOG_DIR/build-helm.log"
 fi
 
 REAL_NODE="${REAL_NODE:-0}"
@@ -59,10 +62,16 @@ if [[ "$REAL_NODE" == 1 ]]; then
 fi
 
 step "pki: CA, serving cert, service-account keys, tokens, kubeconfigs in $PKI_DIR"
-ids="admin=admin,scheduler=system:kube-scheduler,controller-manager=system:kube-controller-manager,controller=tessera-controller"
+# tessera's own identities get no group ("user@"): the chart's roles, bound below, are all they may do.
+# With SKIP_DRIVER=1 nothing binds them, and whoever starts plugins there keeps system:masters.
+tessera_groups="@"
+[[ "${SKIP_DRIVER:-0}" == 1 ]] && tessera_groups=""
+ids="admin=admin,scheduler=system:kube-scheduler,controller-manager=system:kube-controller-manager,controller=tessera-controller$tessera_groups"
+plugin_users=()
 for i in $(seq 0 $((NODES - 1))); do
   n="$(node_name "$i")"
-  ids+=",kubelet-$n=system:node:$n,plugin-$n=tessera-plugin-$n"
+  ids+=",kubelet-$n=system:node:$n,plugin-$n=tessera-plugin-$n$tessera_groups"
+  plugin_users+=("tessera-plugin-$n")
 done
 # The real node's kubelet is a node and nothing more (Node authorizer, NodeRestriction).
 [[ "$REAL_NODE" == 1 ]] && ids+=",kubelet-${REAL_NODE_NAME:-real-node}=system:node:${REAL_NODE_NAME:-real-node}@system:nodes"
@@ -144,6 +153,16 @@ if [[ ${#manifests[@]} -gt 0 ]]; then
 fi
 printf 'apiVersion: v1\nkind: Namespace\nmetadata:\n  name: tessera-system\n' > "$RUN_DIR/namespace.yaml"
 clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "$RUN_DIR/namespace.yaml" > /dev/null || die "creating namespace tessera-system failed"
+if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
+  step "RBAC: the chart's roles (renamed e2e-host-*) for the host controller and plugins"
+  "$E2E_DIR/bin/helm" template tessera "$REPO_ROOT/deployments/helm/tessera" --namespace tessera-system \
+    --show-only templates/rbac.yaml > "$RUN_DIR/chart-rbac.yaml" 2> "$LOG_DIR/host-rbac.log" \
+    || die "helm template of the chart's RBAC failed" "$LOG_DIR/host-rbac.log"
+  plugins_csv="$(IFS=,; echo "${plugin_users[*]}")"
+  clusterctl host-rbac --kubeconfig "$ADMIN_KUBECONFIG" --namespace tessera-system --controller tessera-controller \
+    --plugins "$plugins_csv" "$RUN_DIR/chart-rbac.yaml" >> "$LOG_DIR/host-rbac.log" 2>&1 \
+    || die "binding the chart's roles to the host identities failed" "$LOG_DIR/host-rbac.log"
+fi
 
 for i in $(seq 0 $((NODES - 1))); do
   n="$(node_name "$i")"; d="$(node_dir "$n")"

@@ -33,6 +33,8 @@ commands:
   wait-inventory --kubeconfig K --node N              (NodeInventory ready)
   wait-slices    --kubeconfig K --node N              (ResourceSlices of gpu.tessera.dev for the node)
   apply          --kubeconfig K [--namespace default] PATH...
+  host-rbac      --kubeconfig K --namespace NS --controller USER [--plugins U,...] FILE
+                 (the chart's roles from FILE, helm template output, bound to make up's host processes)
   report         --kubeconfig K [--wait 120s]`
 
 func main() {
@@ -57,6 +59,8 @@ func run(ctx context.Context, cmd string, args []string) error {
 	url := fs.String("url", "", "URL to poll")
 	namespace := fs.String("namespace", "default", "namespace for namespaced objects without one")
 	waitFor := fs.Duration("wait", 0, "wait this long for pods to settle before reporting")
+	controllerUser := fs.String("controller", "", "the host controller's user (host-rbac)")
+	pluginUsers := fs.String("plugins", "", "the host plugins' users, comma-separated (host-rbac)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -228,6 +232,39 @@ func run(ctx context.Context, cmd string, args []string) error {
 			return err
 		}
 		fmt.Printf("%d objects from %d files\n", len(objs), len(files))
+		return nil
+	case "host-rbac":
+		cfg, _, err := client()
+		if err != nil {
+			return err
+		}
+		if *controllerUser == "" || fs.NArg() != 1 {
+			return fmt.Errorf("needs --controller USER and one file of rendered chart RBAC\n%s", usage)
+		}
+		data, err := os.ReadFile(fs.Arg(0))
+		if err != nil {
+			return err
+		}
+		chart, err := cluster.Decode(data)
+		if err != nil {
+			return fmt.Errorf("%s: %w", fs.Arg(0), err)
+		}
+		var plugins []string
+		if *pluginUsers != "" {
+			plugins = strings.Split(*pluginUsers, ",")
+		}
+		objs, err := cluster.HostRBAC(chart, *namespace, *controllerUser, plugins)
+		if err != nil {
+			return err
+		}
+		a, err := cluster.NewApplier(cfg)
+		if err != nil {
+			return err
+		}
+		if err := a.Apply(ctx, objs, *namespace); err != nil {
+			return err
+		}
+		fmt.Printf("%d objects: the chart's roles bound to %s and %d plugin(s)\n", len(objs), *controllerUser, len(plugins))
 		return nil
 	case "report":
 		_, c, err := client()
