@@ -331,3 +331,60 @@ func TestAnAdminsDeviceTaintRuleWorksBesideHealthTaints(t *testing.T) {
 		}
 	}
 }
+
+// An XID attributed to one MIG device (NVML reports it on the parent GPU with the GPU-instance id; the
+// simulated backend takes the same id) taints only that placement, and only its pod reads Unhealthy: the
+// plugin maps the GPU instance to the MIG device through the claim it prepared there.
+func TestAMigDevicesXidTaintsOnlyThatPlacementAndItsPodsHealth(t *testing.T) {
+	ns := namespace(t, "e2e-health-mig")
+	node := e.nodes[0]
+	const gpu = 5
+	withQuietPeriod(t, testQuietPeriod)
+	t.Cleanup(func() {
+		simulate(t, node, "recover", "--gpu", fmt.Sprint(gpu))
+		waitTaints(t, node, gpu, xidTaint, false, testQuietPeriod+30*time.Second)
+	})
+	claimTemplate(t, ns, "mig-on-5", mig3gClass(t), selector(fmt.Sprintf(`device.attributes[%q].index == %d`, driver, gpu)))
+	sickPod := waitRunning(t, ns, pod(t, ns, "sick", "mig-on-5", node).Name, 2*time.Minute)
+	wellPod := waitRunning(t, ns, pod(t, ns, "well", "mig-on-5", node).Name, 2*time.Minute)
+	sickDevice := allocations(t, sickPod)[0].result.Device
+	wellDevice := allocations(t, wellPod)[0].result.Device
+	placement := sliceDevice(t, node, sickDevice).Attributes["placementStart"].IntValue
+	if placement == nil {
+		t.Fatalf("%s has no placementStart attribute", sickDevice)
+	}
+	start := int(*placement)
+	gi, ok := simulatedGPUInstance(t, node, gpu, start)
+	if !ok {
+		t.Fatalf("no GPU instance at memory slice %d of GPU %d for %s", start, gpu, sickDevice)
+	}
+
+	simulate(t, node, "inject-xid", "--gpu", fmt.Sprint(gpu), "--gpu-instance", fmt.Sprint(gi.ID), "--xid", "94")
+	injected := time.Now()
+	deadline := injected.Add(taintDeadline)
+	var taints map[string]*resourcev1.DeviceTaint
+	for {
+		taints = gpuTaints(t, node, gpu, xidTaint)
+		if taints[sickDevice] != nil || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if taints[sickDevice] == nil {
+		t.Fatalf("%s (GPU instance %d) not tainted %s within %s", sickDevice, gi.ID, xidTaint, taintDeadline)
+	}
+	t.Logf("XID 94 on GPU instance %d: %s tainted %s after the injection", gi.ID, sickDevice, time.Since(injected).Round(time.Millisecond))
+	for d, taint := range taints {
+		if d != sickDevice && taint != nil {
+			t.Errorf("device %s is tainted too (%+v); only %s should be", d, taint, sickDevice)
+		}
+	}
+	waitResourceHealth(t, ns, "sick", v1.ResourceHealthStatusUnhealthy, 30*time.Second)
+	p, err := e.client.CoreV1().Pods(ns).Get(ctxFor(t, 30*time.Second), "well", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h := resourceHealth(p); len(h) != 1 || h[0].Health != v1.ResourceHealthStatusHealthy {
+		t.Errorf("pod on %s (same GPU, other GPU instance) reads %+v, want Healthy", wellDevice, h)
+	}
+}
