@@ -214,3 +214,60 @@ impl HealthSource for NvmlSource {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::nvml_events::RawEvent;
+
+    fn event(event_type: u64, data: u64, gpu_instance: Option<u32>) -> RawEvent {
+        RawEvent {
+            gpu: 2,
+            event_type,
+            data,
+            gpu_instance,
+        }
+    }
+
+    #[test]
+    fn a_critical_xid_event_keeps_its_number_and_gpu_instance() {
+        use crate::health::xid::EVENT_XID_CRITICAL;
+        let f = failure_of_event(&event(EVENT_XID_CRITICAL, 79, Some(3)), &[]).unwrap();
+        assert_eq!(
+            (f.gpu, f.gpu_instance, f.reason, f.xid),
+            (2, Some(3), HealthReason::Xid, Some(79))
+        );
+        assert_eq!(f.message, "critical XID 79 on GPU 2");
+        assert_eq!(failure_of_event(&event(EVENT_XID_CRITICAL, 43, None), &[]), None);
+        assert_eq!(
+            failure_of_event(&event(EVENT_XID_CRITICAL, 79, None), &[79]),
+            None
+        );
+    }
+
+    #[test]
+    fn an_ecc_event_is_a_double_bit_failure_and_a_single_bit_one_is_none() {
+        use crate::health::xid::{EVENT_DOUBLE_BIT_ECC, EVENT_SINGLE_BIT_ECC};
+        let f = failure_of_event(&event(EVENT_DOUBLE_BIT_ECC, 0, None), &[]).unwrap();
+        assert_eq!((f.reason, f.xid), (HealthReason::DoubleBitEcc, None));
+        assert_eq!(failure_of_event(&event(EVENT_SINGLE_BIT_ECC, 0, None), &[]), None);
+    }
+
+    #[test]
+    fn simulated_faults_map_like_the_events_they_stand_for() {
+        let lost = Fault {
+            gpu: 1,
+            gpu_instance: None,
+            kind: FaultKind::Lost,
+            xid: None,
+        };
+        assert_eq!(failure_of(&lost, &[]).unwrap().reason, HealthReason::GpuLost);
+        let app = Fault {
+            gpu: 1,
+            gpu_instance: None,
+            kind: FaultKind::Xid,
+            xid: Some(13),
+        };
+        assert_eq!(failure_of(&app, &[]), None);
+    }
+}
