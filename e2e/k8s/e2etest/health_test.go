@@ -387,4 +387,15 @@ func TestAMigDevicesXidTaintsOnlyThatPlacementAndItsPodsHealth(t *testing.T) {
 	if h := resourceHealth(p); len(h) != 1 || h[0].Health != v1.ResourceHealthStatusHealthy {
 		t.Errorf("pod on %s (same GPU, other GPU instance) reads %+v, want Healthy", wellDevice, h)
 	}
+
+	// The fault is hardware state: a restarted plugin reports it again. Had it forgotten it, the taint
+	// would go one quiet period after the new plugin's first report.
+	restarted := time.Now()
+	proc(t, "restart", "plugin-"+node)
+	waitFreshHeartbeat(t, node, restarted, time.Minute)
+	time.Sleep(testQuietPeriod + 2*time.Second)
+	if gpuTaints(t, node, gpu, xidTaint)[sickDevice] == nil {
+		t.Errorf("%s lost its taint after a plugin restart: the injected fault did not persist", sickDevice)
+	}
+	waitResourceHealth(t, ns, "sick", v1.ResourceHealthStatusUnhealthy, 30*time.Second)
 }
