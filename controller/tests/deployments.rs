@@ -226,9 +226,21 @@ fn the_lean_mig_preset_halves_an_h100_nodes_devices_and_keeps_the_small_profiles
         seen.dedup();
         seen
     };
-    assert_eq!(devices(&every).len(), 208, "the built-in default: every placement of every profile");
-    assert_eq!(devices(&slices).len(), 104, "8 × (7 × 1g + 3 × 2g + 2 × 3g + whole)");
+    assert_eq!(
+        devices(&every).len(),
+        208,
+        "the built-in default: every placement of every profile"
+    );
+    assert_eq!(
+        devices(&slices).len(),
+        104,
+        "8 × (7 × 1g + 3 × 2g + 2 × 3g + whole)"
+    );
     assert_eq!(profiles(&slices), ["1g.10gb", "2g.20gb", "3g.40gb", "whole"]);
     let without = render(&[h100_node()], Some(&lean), ApiFeatures::NONE).unwrap();
-    assert_eq!(devices(&without).len(), 8, "whole GPUs where partitionable devices are missing");
+    assert_eq!(
+        devices(&without).len(),
+        8,
+        "whole GPUs where partitionable devices are missing"
+    );
 }
