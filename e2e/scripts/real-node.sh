@@ -160,8 +160,10 @@ teardown_cgroups() {
   done
 }
 
-# The bridge exists before the first pod, so route_localnet can be set on it alone.
+# The bridge exists before the first pod, so route_localnet can be set on it alone. The CNI bridge plugin
+# (isGateway) turns on net.ipv4.ip_forward; its value before is kept to put back at down.
 setup_network() {
+  [[ -f "$RN_DIR/ip_forward.before" ]] || cat /proc/sys/net/ipv4/ip_forward > "$RN_DIR/ip_forward.before"
   if ! ip link show "$RN_BRIDGE" >/dev/null 2>&1; then
     ip link add "$RN_BRIDGE" type bridge
     ip addr add "$RN_GATEWAY/${RN_SUBNET#*/}" dev "$RN_BRIDGE"
@@ -181,6 +183,10 @@ teardown_network() {
     iptables -t nat -X "$RN_CHAIN"
   fi
   if ip link show "$RN_BRIDGE" >/dev/null 2>&1; then ip link delete "$RN_BRIDGE"; fi
+  # Only the last real node on the host puts it back: another one's pods still route through it.
+  if [[ -f "$RN_DIR/ip_forward.before" ]] && ! ip -br link show type bridge | grep -q '^tsr'; then
+    sysctl -qw "net.ipv4.ip_forward=$(cat "$RN_DIR/ip_forward.before")"
+  fi
 }
 
 up() {
