@@ -285,8 +285,7 @@ fn an_mps_control_command_that_hangs_is_killed_after_its_timeout() {
     let dir = tempfile::tempdir().unwrap();
     // NVIDIA's tool as a hung daemon leaves it: it never answers. `exec` so the kill reaches the sleeper.
     let tool = dir.path().join("nvidia-cuda-mps-control");
-    std::fs::write(&tool, "#!/bin/sh\nexec sleep 30\n").unwrap();
-    std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    write_tool(&tool, "#!/bin/sh\nexec sleep 30\n");
     let mps = MpsManager::new(
         dir.path(),
         Launcher::Nvidia {
@@ -349,6 +348,21 @@ fn discover_cdi_prints_the_spec_a_claim_would_get_and_names_the_gpus_it_leaves_o
     );
 }
 
+/// Writes an executable `script` at `path` without this process ever holding it open for writing: another
+/// test thread forking a child at that moment would inherit the descriptor until its exec, and running the
+/// tool then fails with ETXTBSY ("Text file busy"). `cp` writes it in a process of its own instead.
+fn write_tool(path: &Path, script: &str) {
+    let source = path.with_extension("source");
+    std::fs::write(&source, script).unwrap();
+    let copied = std::process::Command::new("cp")
+        .arg(&source)
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(copied.success(), "cp {} {}", source.display(), path.display());
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+}
+
 /// A GPU Operator style driver root (tools and libraries not on the plugin's own paths) whose
 /// `nvidia-cuda-mps-control` is `script`, and an [`MpsManager`] launching it.
 struct FakeControlTool {
@@ -364,8 +378,7 @@ impl FakeControlTool {
         std::fs::create_dir_all(&bin).unwrap();
         std::fs::create_dir_all(root.path().join("usr/lib/x86_64-linux-gnu")).unwrap();
         let tool = bin.join("nvidia-cuda-mps-control");
-        std::fs::write(&tool, script).unwrap();
-        std::fs::set_permissions(&tool, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        write_tool(&tool, script);
         let state = tempfile::tempdir().unwrap();
         let mps = MpsManager::new(
             state.path(),

@@ -78,10 +78,12 @@ impl TestNode {
 }
 
 /// A gRPC channel over a unix socket, the way kubelet dials plugins.
-/// Retries for a while, because a test may dial while the plugin is still replacing a stale socket.
+/// Retries for a while (up to 30 s: a plugin process started by a test may take seconds to bind on a
+/// loaded 2-core machine), because a test may dial while the plugin is still starting or replacing a
+/// stale socket.
 pub async fn dial(path: &Path) -> Channel {
     let mut last = None;
-    for _ in 0..100 {
+    for _ in 0..600 {
         let path = path.to_path_buf();
         // The URI is required by the API but ignored: the connector below always opens the unix socket.
         let connected =
