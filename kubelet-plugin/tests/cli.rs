@@ -20,32 +20,8 @@ fn node_file(dir: &Path) -> std::path::PathBuf {
 /// The plugin for node `node-a` with the simulated backend and every directory under `d`, pointed at
 /// an API server address nothing listens on.
 fn plugin_in(d: &Path) -> Command {
-    let kubeconfig = d.join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n\
-         users: [{name: u, user: {token: t}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\n\
-         current-context: x\n",
-    )
-    .unwrap();
     std::fs::write(d.join("boot_id"), "boot-1\n").unwrap();
-    let mut cmd = Command::new(BIN);
-    cmd.args(["--node-name", "node-a", "--backend", "simulated"])
-        .arg("--simulated-node-file")
-        .arg(node_file(d))
-        .arg("--state-dir")
-        .arg(d.join("state"))
-        .arg("--kubelet-registry-dir")
-        .arg(d.join("registry"))
-        .arg("--kubelet-plugins-dir")
-        .arg(d.join("plugins"))
-        .arg("--cdi-dir")
-        .arg(d.join("cdi"))
-        .arg("--boot-id-file")
-        .arg(d.join("boot_id"))
-        .arg("--kubeconfig")
-        .arg(kubeconfig);
-    cmd
+    common::plugin_command(d, "node-a", &node_file(d), "https://127.0.0.1:1")
 }
 
 #[test]

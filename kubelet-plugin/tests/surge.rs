@@ -196,40 +196,8 @@ impl PluginBuilder<'_> {
             "gpus:\n  - model: H100-SXM5-80GB\n    count: 8\n",
         )
         .unwrap();
-        let kubeconfig = d.join("kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters: [{{name: c, cluster: {{server: '{}'}}}}]\n\
-                 users: [{{name: u, user: {{token: t}}}}]\ncontexts: [{{name: x, context: {{cluster: c, user: u}}}}]\n\
-                 current-context: x\n",
-                self.api.url
-            ),
-        )
-        .unwrap();
-        let child = Command::new(BIN)
-            .args([
-                "--node-name",
-                NODE,
-                "--backend",
-                "simulated",
-                "--heartbeat-interval",
-                "60",
-            ])
-            .arg("--simulated-node-file")
-            .arg(d.join("node.yaml"))
-            .arg("--state-dir")
-            .arg(d.join("state"))
-            .arg("--kubelet-registry-dir")
-            .arg(d.join("registry"))
-            .arg("--kubelet-plugins-dir")
-            .arg(d.join("plugins"))
-            .arg("--cdi-dir")
-            .arg(d.join("cdi"))
-            .arg("--boot-id-file")
-            .arg(d.join("boot_id"))
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
+        let child = common::plugin_command(d, NODE, &d.join("node.yaml"), &self.api.url)
+            .args(["--heartbeat-interval", "60"])
             .env("POD_UID", self.pod_uid)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())

@@ -142,3 +142,36 @@ pub fn real_plugin(
         .with_orphan_sweep(Arc::new(move |gpus| sweep.stop_orphaned_daemons(gpus)));
     (state, sharer)
 }
+
+/// The plugin binary for `node` on the simulated backend (`node_file`) with every directory under `d`
+/// (state, registry, plugins, cdi, boot_id) and a kubeconfig for `server` written there: how the process
+/// tests start it. Callers add their own flags and environment.
+pub fn plugin_command(d: &Path, node: &str, node_file: &Path, server: &str) -> std::process::Command {
+    let kubeconfig = d.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters: [{{name: c, cluster: {{server: '{server}'}}}}]\n\
+             users: [{{name: u, user: {{token: t}}}}]\ncontexts: [{{name: x, context: {{cluster: c, user: u}}}}]\n\
+             current-context: x\n"
+        ),
+    )
+    .unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
+    cmd.args(["--node-name", node, "--backend", "simulated"])
+        .arg("--simulated-node-file")
+        .arg(node_file)
+        .arg("--state-dir")
+        .arg(d.join("state"))
+        .arg("--kubelet-registry-dir")
+        .arg(d.join("registry"))
+        .arg("--kubelet-plugins-dir")
+        .arg(d.join("plugins"))
+        .arg("--cdi-dir")
+        .arg(d.join("cdi"))
+        .arg("--boot-id-file")
+        .arg(d.join("boot_id"))
+        .arg("--kubeconfig")
+        .arg(kubeconfig);
+    cmd
+}
