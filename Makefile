@@ -31,8 +31,12 @@ lint: ## rustfmt and clippy, as CI would want them
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-up: ## Local Kubernetes 1.37 cluster without Docker + tessera (NODES=2 GPUS=8 MODEL=H100-SXM5-80GB; K8S_VERSION=1.36 for 1.36.5); see e2e/README.md
-	e2e/scripts/up.sh
+# As root (these machines, CI), tessera is installed the way users install it: `helm install` of the chart
+# onto a real node (upstream kubelet + containerd), beside the stand-in nodes. Without root, or with
+# INSTALL=host, the controller runs as a host process and no real node comes up.
+INSTALL ?= $(if $(filter 0,$(shell id -u)),chart,host)
+up: ## Local Kubernetes 1.37 cluster without Docker + tessera, installed by its Helm chart onto a real node as root (INSTALL=host: host processes; NODES=2 GPUS=8 MODEL=H100-SXM5-80GB; K8S_VERSION=1.36); see e2e/README.md
+	INSTALL=$(INSTALL) e2e/scripts/up.sh
 
 down: ## Stop everything `make up` started and remove its state (logs stay in .run/logs)
 	e2e/scripts/down.sh

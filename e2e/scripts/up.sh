@@ -4,7 +4,10 @@
 # plugin on the simulated backend), tessera's controller, CRDs, DeviceClasses and the examples.
 # Variables: NODES GPUS MODEL (node shape), SKIP_EXAMPLES=1, SKIP_DRIVER=1 (control plane and nodes
 # only), RUN_DIR, *_PORT, FEATURE_GATES, RUNTIME_CONFIG, SCHEDULER_ARGS (extra kube-scheduler flags),
-# REAL_NODE=1 (also a real node: kubelet + containerd + runc, e2e/scripts/real-node.sh; make e2e sets it).
+# REAL_NODE=1 (also a real node: kubelet + containerd + runc, e2e/scripts/real-node.sh; make e2e sets it),
+# INSTALL=host|chart (host, the default here: the controller runs as a host process; chart: the real node
+# comes up and tessera's controller and the real node's plugin are installed by `helm install` of
+# deployments/helm/tessera, as on a cluster; `make up` picks chart when run as root).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$REPO_ROOT"
@@ -48,7 +51,16 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   "$E2E_DIR/scripts/build-helm.sh" > "$LOG_DIR/build-helm.log" 2>&1 || die "helm build failed" "$LOG_DIR/build-helm.log"
 fi
 
-REAL_NODE="${REAL_NODE:-0}"
+INSTALL="${INSTALL:-host}"
+case "$INSTALL" in
+  host) REAL_NODE="${REAL_NODE:-0}" ;;
+  chart)
+    [[ "${SKIP_DRIVER:-0}" == 1 ]] && die "INSTALL=chart installs tessera; it cannot be combined with SKIP_DRIVER=1"
+    [[ "${REAL_NODE:-1}" == 1 ]] || die "INSTALL=chart needs the real node the chart's pods run on; leave REAL_NODE unset (or 1)"
+    [[ "$(id -u)" == 0 ]] || die "INSTALL=chart runs a real kubelet and containerd, which need root; run as root or use INSTALL=host"
+    REAL_NODE=1 ;;
+  *) die "INSTALL=$INSTALL: use host (tessera's controller as a host process) or chart (helm install onto the real node)" ;;
+esac
 if [[ "$REAL_NODE" == 1 ]]; then
   step "build: real node (kubelet, containerd, runc, CNI, images; log: $LOG_DIR/build-node.log)"
   "$E2E_DIR/scripts/build-node.sh" > "$LOG_DIR/build-node.log" 2>&1 || die "real node build failed" "$LOG_DIR/build-node.log"
@@ -60,6 +72,26 @@ if [[ "$REAL_NODE" == 1 ]]; then
       || die "image build failed" "$LOG_DIR/build-image.log"
   fi
 fi
+
+# install_chart: `helm install` of deployments/helm/tessera onto the real node, the way a platform team
+# installs it: the image the real node imported (never pulled), simulated GPUs, the real kubelet's
+# directories, the DeviceClasses and GpuPolicy this script applied kept as they are. The stand-in nodes keep
+# their host plugins (they run no containers); the chart's controller publishes for every node.
+install_chart() {
+  local rn="${REAL_NODE_NAME:-real-node}" rnd="$RUN_DIR/real-node"
+  step "helm install tessera (deployments/helm/tessera, simulated backend) onto $rn (log: $LOG_DIR/helm-install.log)"
+  "$E2E_DIR/bin/helm" install tessera "$REPO_ROOT/deployments/helm/tessera" --namespace tessera-system \
+    --kubeconfig "$ADMIN_KUBECONFIG" --wait --timeout 240s \
+    --set backend=simulated --set image.pullPolicy=Never \
+    --set "simulated.gpus[0].model=$MODEL" --set "simulated.gpus[0].count=$GPUS" \
+    --set "kubeletDir=$rnd/kubelet" --set "cdiDir=$rnd/cdi" --set "stateDir=$rnd/tessera" \
+    --set deviceClasses.create=false --set gpuPolicy.create=false \
+    --set "controller.nodeSelector.kubernetes\.io/hostname=$rn" \
+    --set 'controller.tolerations[0].key=nvidia.com/gpu' --set 'controller.tolerations[0].operator=Exists' \
+    --set 'controller.tolerations[0].effect=NoSchedule' \
+    > "$LOG_DIR/helm-install.log" 2>&1 || die "helm install of the chart failed" "$LOG_DIR/helm-install.log"
+  sed 's/^/    /' "$LOG_DIR/helm-install.log" | grep -E 'STATUS|REVISION' || true
+}
 
 step "pki: CA, serving cert, service-account keys, tokens, kubeconfigs in $PKI_DIR"
 # tessera's own identities get no group ("user@"): the chart's roles, bound below, are all they may do.
@@ -210,12 +242,19 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
     [[ $ready == 1 ]] || die "plugin on $n did not report a ready NodeInventory within 90s" "$LOG_DIR/plugin-$n.log"
   done
 
-  step "tessera-controller"
   write_proc controller KUBECONFIG="$PKI_DIR/controller.kubeconfig" RUST_LOG="${RUST_LOG:-info}" -- "$CONTROLLER_BIN" \
     --kubeconfig "$PKI_DIR/controller.kubeconfig"
-  start_proc controller
-  for i in $(seq 0 $((NODES - 1))); do
-    n="$(node_name "$i")"
+  published=()
+  if [[ "$INSTALL" == chart ]]; then
+    "$E2E_DIR/scripts/real-node.sh" up || die "the real node did not come up"
+    install_chart
+    published=("${REAL_NODE_NAME:-real-node}")
+  else
+    step "tessera-controller"
+    start_proc controller
+  fi
+  for i in $(seq 0 $((NODES - 1))); do published+=("$(node_name "$i")"); done
+  for n in "${published[@]}"; do
     out="$(clusterctl wait-slices --kubeconfig "$ADMIN_KUBECONFIG" --node "$n" --timeout 90s)" \
       || die "no ResourceSlices for $n from the controller" "$LOG_DIR/controller.log"
     step "node $n: ResourceSlices published ($out)"
@@ -230,7 +269,7 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   fi
 fi
 
-if [[ "$REAL_NODE" == 1 ]]; then
+if [[ "$REAL_NODE" == 1 && "$INSTALL" != chart ]]; then
   "$E2E_DIR/scripts/real-node.sh" up || die "the real node did not come up"
 fi
 
