@@ -7,21 +7,21 @@
   the e2e workload pods run (`imagePullPolicy: Never`).
 
 Each is one layer; containerd's `ctr images import` reads the `io.containerd.image.name` annotation. The
-layer tar, gzip and digests come from e2e/tools/image/oci_image.py's helpers, so both are deterministic.
+gzip, digests and the OCI layout come from e2e/tools/image/oci_image.py's helpers, so both are
+deterministic.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import os
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "image"))
-from oci_image import MEDIA_CONFIG, MEDIA_LAYER, MEDIA_MANIFEST, canonical_json, gzip_bytes, sha256  # noqa: E402
+from oci_image import canonical_json, gzip_bytes, sha256, write_oci_layout  # noqa: E402
 
 PAUSE_REF = "registry.k8s.io/pause:3.10-tessera"
 BUSYBOX_REF = "tessera.dev/e2e/busybox:1"
@@ -56,39 +56,14 @@ def archive(out: Path, ref: str, layer_tar: bytes, config: dict) -> None:
             "rootfs": {"type": "layers", "diff_ids": [sha256(layer_tar)]},
         }
     )
-    manifest = canonical_json(
-        {
-            "schemaVersion": 2,
-            "mediaType": MEDIA_MANIFEST,
-            "config": {"mediaType": MEDIA_CONFIG, "digest": sha256(image_config), "size": len(image_config)},
-            "layers": [{"mediaType": MEDIA_LAYER, "digest": sha256(layer_gz), "size": len(layer_gz)}],
-        }
+    # ctr names the imported image after io.containerd.image.name (the OCI ref.name alone is only a tag).
+    write_oci_layout(
+        out,
+        layer_gz,
+        image_config,
+        manifest_annotations={},
+        index_annotations={"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref},
     )
-    index = canonical_json(
-        {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.index.v1+json",
-            "manifests": [
-                {
-                    "mediaType": MEDIA_MANIFEST,
-                    "digest": sha256(manifest),
-                    "size": len(manifest),
-                    "platform": {"architecture": "amd64", "os": "linux"},
-                    # ctr names the imported image after this one (the OCI ref.name alone is only a tag).
-                    "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref},
-                }
-            ],
-        }
-    )
-    members = [("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'), ("index.json", index)]
-    members += [(f"blobs/sha256/{sha256(b).split(':')[1]}", b) for b in (layer_gz, image_config, manifest)]
-    tmp = out.with_name(out.name + ".tmp")
-    with tarfile.open(tmp, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
-    os.replace(tmp, out)
 
 
 def applets(busybox: Path) -> list[str]:

@@ -160,19 +160,23 @@ def image_config(layer_diff_id: str, entrypoint: str, version: str, created: str
     }
 
 
-def build_archive(binaries: list[Path], out: Path, ref: str, version: str, mtime: int, source: str) -> dict:
-    """Writes the OCI layout tarball to `out`; returns sizes and digests."""
-    created = "1970-01-01T00:00:00Z" if mtime == 0 else _rfc3339(mtime)
-    layer = layer_tar(build_rootfs(binaries), mtime)
-    layer_gz = gzip_bytes(layer)
-    config = canonical_json(image_config(sha256(layer), "tessera-controller", version, created, source))
+def write_oci_layout(
+    out: Path,
+    layer_gz: bytes,
+    config: bytes,
+    manifest_annotations: dict[str, str],
+    index_annotations: dict[str, str],
+    mtime: int = 0,
+) -> str:
+    """Writes a one-layer, amd64 OCI image layout as a tarball at `out` (atomically); returns the manifest's
+    digest. Shared by tessera's image and the real node's pause and busybox images."""
     manifest = canonical_json(
         {
             "schemaVersion": 2,
             "mediaType": MEDIA_MANIFEST,
             "config": {"mediaType": MEDIA_CONFIG, "digest": sha256(config), "size": len(config)},
             "layers": [{"mediaType": MEDIA_LAYER, "digest": sha256(layer_gz), "size": len(layer_gz)}],
-            "annotations": {"org.opencontainers.image.version": version},
+            **({"annotations": manifest_annotations} if manifest_annotations else {}),
         }
     )
     index = canonical_json(
@@ -185,7 +189,7 @@ def build_archive(binaries: list[Path], out: Path, ref: str, version: str, mtime
                     "digest": sha256(manifest),
                     "size": len(manifest),
                     "platform": {"architecture": "amd64", "os": "linux"},
-                    "annotations": {"org.opencontainers.image.ref.name": ref},
+                    "annotations": index_annotations,
                 }
             ],
         }
@@ -206,12 +210,29 @@ def build_archive(binaries: list[Path], out: Path, ref: str, version: str, mtime
             tar.addfile(info, io.BytesIO(data))
     # A reader never sees half an archive under the final name.
     os.replace(tmp, out)
+    return sha256(manifest)
+
+
+def build_archive(binaries: list[Path], out: Path, ref: str, version: str, mtime: int, source: str) -> dict:
+    """Writes the OCI layout tarball to `out`; returns sizes and digests."""
+    created = "1970-01-01T00:00:00Z" if mtime == 0 else _rfc3339(mtime)
+    layer = layer_tar(build_rootfs(binaries), mtime)
+    layer_gz = gzip_bytes(layer)
+    config = canonical_json(image_config(sha256(layer), "tessera-controller", version, created, source))
+    manifest = write_oci_layout(
+        out,
+        layer_gz,
+        config,
+        manifest_annotations={"org.opencontainers.image.version": version},
+        index_annotations={"org.opencontainers.image.ref.name": ref},
+        mtime=mtime,
+    )
     return {
         "archive": str(out),
         "archive_bytes": out.stat().st_size,
         "layer_bytes": len(layer),
         "layer_gzip_bytes": len(layer_gz),
-        "manifest_digest": sha256(manifest),
+        "manifest_digest": manifest,
     }
 
 
