@@ -7,7 +7,6 @@ package e2etest
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"net"
 	"os"
@@ -420,28 +419,8 @@ func (rn realNodeEnv) migInstanceAt(t *testing.T, device string) bool {
 	var gpu, start int
 	fmt.Sscan(m[1], &gpu)
 	fmt.Sscan(m[3], &start)
-	path := filepath.Join(rn.stateDir, "simulated-gpus.json")
-	data, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("read %s: %v", path, err)
-	}
-	var state struct {
-		GPUs []struct {
-			GPUInstances []simGPUInstance `json:"gpuInstances"`
-		} `json:"gpus"`
-	}
-	if err := json.Unmarshal(data, &state); err != nil {
-		t.Fatalf("parse %s: %v", path, err)
-	}
-	if gpu >= len(state.GPUs) {
-		t.Fatalf("%s has %d GPUs, want index %d", path, len(state.GPUs), gpu)
-	}
-	for _, gi := range state.GPUs[gpu].GPUInstances {
-		if gi.Placement.Start == start {
-			return true
-		}
-	}
-	return false
+	_, ok := simulatedGPUInstanceIn(t, filepath.Join(rn.stateDir, "simulated-gpus.json"), gpu, start)
+	return ok
 }
 
 // --- tokens -------------------------------------------------------------------------------------
