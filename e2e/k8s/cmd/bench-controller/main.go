@@ -42,6 +42,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/util/retry"
 
 	"tessera.dev/e2e/internal/procstat"
 )
@@ -467,15 +468,21 @@ func (b *bench) heartbeats(ctx context.Context, names []string) {
 }
 
 func (b *bench) dropLastGPU(ctx context.Context, name string) error {
-	inv, err := b.dyn.Resource(inventoryGVR).Get(ctx, name, metav1.GetOptions{})
-	if err != nil {
-		return fmt.Errorf("failed to get NodeInventory %s: %w", name, err)
-	}
-	gpus, _, _ := unstructured.NestedSlice(inv.Object, "spec", "gpus")
-	if err := unstructured.SetNestedSlice(inv.Object, gpus[:len(gpus)-1], "spec", "gpus"); err != nil {
+	// The heartbeat loop writes the same object's status meanwhile, so a read-modify-write can meet a newer
+	// resourceVersion: read again and retry, as any client of a live object does.
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		inv, err := b.dyn.Resource(inventoryGVR).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return fmt.Errorf("failed to get NodeInventory %s: %w", name, err)
+		}
+		gpus, _, _ := unstructured.NestedSlice(inv.Object, "spec", "gpus")
+		if err := unstructured.SetNestedSlice(inv.Object, gpus[:len(gpus)-1], "spec", "gpus"); err != nil {
+			return err
+		}
+		_, err = b.dyn.Resource(inventoryGVR).Update(ctx, inv, metav1.UpdateOptions{})
 		return err
-	}
-	if _, err := b.dyn.Resource(inventoryGVR).Update(ctx, inv, metav1.UpdateOptions{}); err != nil {
+	})
+	if err != nil {
 		return fmt.Errorf("failed to update NodeInventory %s: %w", name, err)
 	}
 	return nil
