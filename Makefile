@@ -36,6 +36,7 @@ lint: ## rustfmt and clippy, as CI would want them
 # INSTALL=host, the controller runs as a host process and no real node comes up.
 INSTALL ?= $(if $(filter 0,$(shell id -u)),chart,host)
 up: ## Local Kubernetes 1.37 cluster without Docker + tessera, installed by its Helm chart onto a real node as root (INSTALL=host: host processes; NODES=2 GPUS=8 MODEL=H100-SXM5-80GB; K8S_VERSION=1.36); see e2e/README.md
+	@if [ "$(INSTALL)" = chart ]; then e2e/scripts/node-packages.sh --install; fi
 	INSTALL=$(INSTALL) e2e/scripts/up.sh
 
 down: ## Stop everything `make up` started and remove its state (logs stay in .run/logs)
@@ -46,7 +47,8 @@ down: ## Stop everything `make up` started and remove its state (logs stay in .r
 build-node: ## Build the real node's kubelet, containerd, runc, CNI plugins and images (cached; e2e/bin/node)
 	e2e/scripts/build-node.sh
 
-e2e: ## End-to-end scenarios on a fresh local cluster (builds control plane, harness and Rust binaries)
+e2e: ## End-to-end scenarios on a fresh local cluster with a real node (builds control plane, node, harness and Rust binaries)
+	e2e/scripts/node-packages.sh --install
 	e2e/scripts/e2e.sh
 
 # Fault suite (issue 16): plugin kill -9 in prepare/unprepare, foreign-boot and corrupted checkpoints with
