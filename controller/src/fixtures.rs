@@ -11,7 +11,7 @@ use chrono::{DateTime, Utc};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use tessera_api::{
     GpuInfo, MigPlacement, MigProfileInfo, NodeInventory, NodeInventorySpec,
-    inventory::{MigInfo, NodeInventoryStatus},
+    inventory::{DeviceHealth, HealthReason, HealthState, MigInfo, NodeInventoryStatus},
 };
 
 /// GPU models with published MIG tables.
@@ -261,6 +261,18 @@ pub fn node(name: &str) -> NodeBuilder {
         gpus: vec![],
         ready: true,
         heartbeat: Some(fixed_time()),
+    }
+}
+
+/// The health entry a plugin reports for GPU `gpu` failing with `reason` (and the XID, for an XID).
+pub fn sick(gpu: u32, reason: HealthReason, xid: Option<u32>) -> DeviceHealth {
+    DeviceHealth {
+        gpu,
+        state: HealthState::Unhealthy,
+        reason: Some(reason),
+        xid,
+        message: Some("injected".into()),
+        ..Default::default()
     }
 }
 

@@ -195,17 +195,7 @@ mod tests {
     use tessera_api::{inventory::NodeInventoryStatus, policy::TaintEffect};
 
     use super::*;
-    use crate::fixtures::{GpuModel, node};
-
-    fn sick(gpu: u32, reason: HealthReason, xid: Option<u32>) -> DeviceHealth {
-        DeviceHealth {
-            gpu,
-            state: HealthState::Unhealthy,
-            reason: Some(reason),
-            xid,
-            ..Default::default()
-        }
-    }
+    use crate::fixtures::{GpuModel, node, sick};
 
     fn reporting(health: Vec<DeviceHealth>) -> NodeInventory {
         let mut inv = node("node-a").gpus(GpuModel::H200, 2).build();

@@ -11,12 +11,12 @@ use k8s_openapi::{
 };
 use tessera_api::{
     NodeInventory,
-    inventory::{DeviceHealth, HealthReason, HealthState, MigDeviceRef},
+    inventory::{DeviceHealth, HealthReason, MigDeviceRef},
     policy::GpuPolicy,
 };
 use tessera_controller::{
     features::ApiFeatures,
-    fixtures::{GpuModel, fixed_time, node},
+    fixtures::{GpuModel, fixed_time, node, sick},
     liveness::{Liveness, View},
     pool::NodeRef,
     publisher::{InMemoryApi, Reconciler, Snapshot},
@@ -75,17 +75,6 @@ impl Cluster {
             policy: self.policy.clone(),
             slices: api.slices(),
         }
-    }
-}
-
-fn sick(gpu: u32, reason: HealthReason, xid: Option<u32>) -> DeviceHealth {
-    DeviceHealth {
-        gpu,
-        state: HealthState::Unhealthy,
-        reason: Some(reason),
-        xid,
-        message: Some("injected".into()),
-        ..Default::default()
     }
 }
 

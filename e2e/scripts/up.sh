@@ -213,14 +213,13 @@ for i in $(seq 0 $((NODES - 1))); do
 
   if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
     step "node $n: tessera-kubelet-plugin (simulated, $GPUS x $MODEL)"
-    write_proc "plugin-$n" KUBECONFIG="$PKI_DIR/plugin-$n.kubeconfig" RUST_LOG="${RUST_LOG:-info}" -- "$PLUGIN_BIN" \
+    # Probes and /metrics on METRICS_BASE_PORT (API_PORT+1000; +100 is the scheduler benchmark's API server)
+    # + the node's index; plugin-pod.sh's surge instance exports its own address after these.
+    write_proc "plugin-$n" KUBECONFIG="$PKI_DIR/plugin-$n.kubeconfig" RUST_LOG="${RUST_LOG:-info}" \
+      TESSERA_HEALTH_ADDR="127.0.0.1:$(( ${METRICS_BASE_PORT:-$((API_PORT + 1000))} + i ))" -- "$PLUGIN_BIN" \
       --node-name "$n" --backend simulated --simulated-node-file "$d/node.yaml" \
       --state-dir "$d/plugin-state" --kubelet-registry-dir "$d/registry" --kubelet-plugins-dir "$d/plugins" \
       --cdi-dir "$d/cdi" --boot-id-file "$d/boot_id" --kubeconfig "$PKI_DIR/plugin-$n.kubeconfig"
-    # Probes and /metrics on METRICS_BASE_PORT (API_PORT+1000; +100 is the scheduler benchmark's API server) + the node's index, as a default that
-    # plugin-pod.sh's surge instance, which exports its own address first, overrides.
-    sed -i "2i export TESSERA_HEALTH_ADDR=\"\${TESSERA_HEALTH_ADDR:-127.0.0.1:$(( ${METRICS_BASE_PORT:-$((API_PORT + 1000))} + i ))}\"" \
-      "$PROC_DIR/plugin-$n.sh"
     start_proc "plugin-$n"
   fi
 done

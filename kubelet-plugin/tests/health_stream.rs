@@ -70,11 +70,21 @@ async fn start(node: &TestNode) -> Plugin {
         stopped.clone(),
     )
     .unwrap();
+    serve(node, &paths, service, stopped).await;
+    Plugin { paths, faults, stop }
+}
+
+/// Serves the DRA socket of `node` with `service` as its health service until `stopped` turns true; returns
+/// once the registration socket is there.
+async fn serve(
+    node: &TestNode,
+    paths: &SocketPaths,
+    service: HealthService,
+    mut stopped: watch::Receiver<bool>,
+) {
     let (reg_tx, _registration) = watch::channel(RegistrationState::Pending);
-    let serve_paths = paths.clone();
-    let state = node.state();
+    let (serve_paths, state) = (paths.clone(), node.state());
     tokio::spawn(async move {
-        let mut stopped = stopped;
         serve_gated(
             &serve_paths,
             StateGate::open(state),
@@ -87,7 +97,6 @@ async fn start(node: &TestNode) -> Plugin {
         .await
     });
     wait_for_socket(&paths.registration).await;
-    Plugin { paths, faults, stop }
 }
 
 /// The next response on `stream` that differs from `last`, within `limit`.
@@ -222,22 +231,8 @@ async fn a_device_of_a_newly_prepared_claim_is_sent_without_waiting_for_the_rese
     let devices = Arc::new(std::sync::Mutex::new(vec!["gpu-0".to_string()]));
     let listed = devices.clone();
     service.set_devices(Arc::new(move || listed.lock().unwrap().clone()));
-    let (reg_tx, _registration) = watch::channel(RegistrationState::Pending);
-    let (stop, mut stopped) = watch::channel(false);
-    let (serve_paths, state) = (paths.clone(), node.state());
-    tokio::spawn(async move {
-        serve_gated(
-            &serve_paths,
-            StateGate::open(state),
-            reg_tx,
-            Some(service),
-            async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            },
-        )
-        .await
-    });
-    wait_for_socket(&paths.registration).await;
+    let (stop, stopped) = watch::channel(false);
+    serve(&node, &paths, service, stopped).await;
     let mut client = v1::dra_resource_health_client::DraResourceHealthClient::new(dial(&paths.dra).await);
     let mut stream = client
         .node_watch_resources(v1::NodeWatchResourcesRequest {})

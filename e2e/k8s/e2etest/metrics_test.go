@@ -30,7 +30,7 @@ type promResult struct {
 }
 
 var (
-	healthAddrArg = regexp.MustCompile(`TESSERA_HEALTH_ADDR:-([0-9.:]+)\}`)
+	healthAddrArg = regexp.MustCompile(`export TESSERA_HEALTH_ADDR=([0-9.:]+)`)
 	pluginBinArg  = regexp.MustCompile(`exec (\S*tessera-kubelet-plugin)`)
 )
 
@@ -45,7 +45,7 @@ func pluginLaunch(t *testing.T, node string) (bin, metricsURL string) {
 	addr := healthAddrArg.FindStringSubmatch(string(script))
 	b := pluginBinArg.FindStringSubmatch(string(script))
 	if addr == nil || b == nil {
-		t.Fatalf("the plugin on %s has no TESSERA_HEALTH_ADDR default (e2e/scripts/up.sh sets it):\n%s", node, script)
+		t.Fatalf("the plugin on %s has no TESSERA_HEALTH_ADDR (e2e/scripts/up.sh sets it):\n%s", node, script)
 	}
 	return b[1], "http://" + addr[1] + "/metrics"
 }

@@ -15,6 +15,7 @@ mod nvml_raw;
 pub mod simulated;
 pub mod simulated_health;
 pub mod simulated_load;
+pub mod state_file;
 pub mod usage;
 
 use tessera_api::{GpuInfo, MigPlacement};

@@ -12,14 +12,13 @@
 //! ```
 
 use std::{
-    fs::{self, File, OpenOptions},
-    io::Write,
+    fs,
     path::{Path, PathBuf},
 };
 
 use serde::{Deserialize, Serialize};
 
-use super::{GpuError, Result};
+use super::{GpuError, Result, state_file};
 
 /// The fault file in the state directory.
 pub const HEALTH_FILE: &str = "simulated-health.json";
@@ -141,34 +140,15 @@ impl SimulatedHealth {
     }
 
     fn update(&self, change: impl FnOnce(&mut Vec<Fault>)) -> Result<()> {
-        fs::create_dir_all(&self.dir)
-            .map_err(|e| self.err(format!("cannot create the state directory: {e}")))?;
-        let lock_path = self.dir.join(LOCK_FILE);
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|e| self.err(format!("cannot open {}: {e}", lock_path.display())))?;
-        lock.lock()
-            .map_err(|e| self.err(format!("cannot lock {}: {e}", lock_path.display())))?;
-        let mut faults = self.faults()?;
-        change(&mut faults);
-        let json = serde_json::to_vec_pretty(&FaultFile {
-            version: VERSION,
-            faults,
-        })
-        .map_err(|e| self.err(e.to_string()))?;
-        let tmp = self.dir.join(format!("{HEALTH_FILE}.tmp"));
-        let write = || -> std::io::Result<()> {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&json)?;
-            f.sync_data()?;
-            drop(f);
-            fs::rename(&tmp, self.file())
+        let read = || {
+            Ok(FaultFile {
+                version: VERSION,
+                faults: self.faults()?,
+            })
         };
-        write().map_err(|e| self.err(format!("cannot write the faults: {e}")))
-        // The flock goes with `lock`.
+        state_file::update(&self.dir, LOCK_FILE, HEALTH_FILE, read, |file| {
+            change(&mut file.faults)
+        })
     }
 }
 

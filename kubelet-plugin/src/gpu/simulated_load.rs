@@ -4,19 +4,16 @@
 //! Loads live in `<state dir>/simulated-load.json`, next to the simulated hardware state and like it
 //! surviving a plugin restart, one entry per device (and claim, for shares). Each entry stands for one
 //! process on the device, whose environment names the claim and device as a prepared container's would.
-//! The file has a lock of its own: load changes must not wait behind, or block, MIG operations.
+//! The file has a lock of its own (`state_file`): load changes must not wait behind, or block, MIG
+//! operations.
 
-use std::{
-    fs::{self, File, OpenOptions},
-    io::Write,
-    path::{Path, PathBuf},
-};
+use std::{fs, path::Path};
 
 use serde::{Deserialize, Serialize};
 use tessera_api::DeviceName;
 
 use super::{
-    GpuError, Result,
+    GpuError, Result, state_file,
     usage::{DeviceUsage, ProcessOwner, ProcessUsage, UsageQuery},
 };
 
@@ -52,19 +49,6 @@ fn state_err(path: &Path, reason: impl std::fmt::Display) -> GpuError {
     }
 }
 
-fn locked(state_dir: &Path) -> Result<File> {
-    fs::create_dir_all(state_dir).map_err(|e| state_err(state_dir, e))?;
-    let path = state_dir.join(LOCK_FILE);
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(|e| state_err(&path, e))?;
-    file.lock().map_err(|e| state_err(&path, e))?;
-    Ok(file)
-}
-
 fn read(path: &Path) -> Result<LoadFile> {
     match fs::read(path) {
         Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
@@ -76,14 +60,6 @@ fn read(path: &Path) -> Result<LoadFile> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(LoadFile::default()),
         Err(e) => Err(state_err(path, e)),
     }
-}
-
-fn write(path: &Path, file: &LoadFile) -> Result<()> {
-    let tmp: PathBuf = path.with_extension("json.tmp");
-    let bytes = serde_json::to_vec_pretty(file).map_err(|e| state_err(path, e))?;
-    let mut out = File::create(&tmp).map_err(|e| state_err(&tmp, e))?;
-    out.write_all(&bytes).map_err(|e| state_err(&tmp, e))?;
-    fs::rename(&tmp, path).map_err(|e| state_err(path, e))
 }
 
 /// Sets the load of `entry.device` (and `entry.claim`), replacing what was set for the same pair.
@@ -98,27 +74,28 @@ pub fn set(state_dir: &Path, entry: LoadEntry) -> Result<()> {
             entry.utilization_percent
         )));
     }
-    let _lock = locked(state_dir)?;
-    let path = state_dir.join(LOAD_FILE);
-    let mut file = read(&path)?;
-    file.loads
-        .retain(|l| !(l.device == entry.device && l.claim == entry.claim));
-    file.loads.push(entry);
-    write(&path, &file)
+    update(state_dir, |file| {
+        file.loads
+            .retain(|l| !(l.device == entry.device && l.claim == entry.claim));
+        file.loads.push(entry);
+    })
 }
 
 /// Removes every load of `device`, or all loads when `None`.
 pub fn clear(state_dir: &Path, device: Option<&str>) -> Result<()> {
-    let _lock = locked(state_dir)?;
-    let path = state_dir.join(LOAD_FILE);
-    let mut file = read(&path)?;
-    file.loads.retain(|l| device.is_some_and(|d| l.device != d));
-    write(&path, &file)
+    update(state_dir, |file| {
+        file.loads.retain(|l| device.is_some_and(|d| l.device != d))
+    })
+}
+
+fn update(state_dir: &Path, change: impl FnOnce(&mut LoadFile)) -> Result<()> {
+    let current = || read(&state_dir.join(LOAD_FILE));
+    state_file::update(state_dir, LOCK_FILE, LOAD_FILE, current, change)
 }
 
 /// Every load set, in the order they were set.
 pub fn list(state_dir: &Path) -> Result<Vec<LoadEntry>> {
-    let _lock = locked(state_dir)?;
+    let _lock = state_file::lock(state_dir, LOCK_FILE)?;
     Ok(read(&state_dir.join(LOAD_FILE))?.loads)
 }
 
