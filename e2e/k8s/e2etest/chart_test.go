@@ -12,6 +12,7 @@ import (
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 
@@ -135,7 +136,7 @@ func TestTheChartRendersObjectsTheAPIServerAcceptsForBothBackends(t *testing.T) 
 			kinds := kindsOf(objs)
 			want := map[string]int{
 				"CustomResourceDefinition": 2, "ServiceAccount": 2, "ClusterRole": 2, "ClusterRoleBinding": 2,
-				"Role": 1, "RoleBinding": 1, "ValidatingAdmissionPolicy": 1, "ValidatingAdmissionPolicyBinding": 1,
+				"Role": 2, "RoleBinding": 2, "ValidatingAdmissionPolicy": 2, "ValidatingAdmissionPolicyBinding": 2,
 				"Deployment": 1, "PodDisruptionBudget": 1, "DaemonSet": 2, "GpuPolicy": 1,
 			}
 			for kind, n := range want {
@@ -226,6 +227,70 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 		t.Errorf("controller: %d replicas, container security %+v, pod security %+v; want 2, read-only root, non-root",
 			*controller.Spec.Replicas, sc, controller.Spec.Template.Spec.SecurityContext)
 	}
+}
+
+// The heartbeat Leases: the plugins renew theirs in the namespace the controller watches and read the
+// controller's leader Lease by its name, so both components must get the same namespace and lease name; the
+// plugin may write Leases there (patch: server-side apply), the controller may list and watch them.
+func TestTheChartsPluginsHeartbeatWhereTheControllerWatches(t *testing.T) {
+	objs := renderChart(t, helmBinary(t), "backend=simulated")
+	plugin := daemonSet(t, objs, "tessera-kubelet-plugin")
+	var controller appsv1.Deployment
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(findObject(t, objs, "Deployment", "tessera-controller").Object, &controller); err != nil {
+		t.Fatal(err)
+	}
+	pluginEnv, controllerEnv := envSources(plugin.Spec.Template.Spec.Containers[0]), envSources(controller.Spec.Template.Spec.Containers[0])
+	for _, k := range []string{"TESSERA_LEASE_NAMESPACE", "TESSERA_LEASE_NAME"} {
+		if pluginEnv[k] == "" || pluginEnv[k] != controllerEnv[k] {
+			t.Errorf("%s: plugin %q, controller %q; want one value in both", k, pluginEnv[k], controllerEnv[k])
+		}
+	}
+	if got := pluginEnv["TESSERA_LEASE_NAMESPACE"]; got != "field metadata.namespace" {
+		t.Errorf("plugin TESSERA_LEASE_NAMESPACE from %q, want the release namespace (field metadata.namespace)", got)
+	}
+
+	role := findObject(t, objs, "Role", "tessera-kubelet-plugin-leases")
+	if role.GetNamespace() != chartNamespace || strings.Join(leaseVerbs(role), ",") != "get,create,patch,update" {
+		t.Errorf("plugin lease Role in %q with lease verbs %v, want get,create,patch,update in %s", role.GetNamespace(), leaseVerbs(role), chartNamespace)
+	}
+	binding := findObject(t, objs, "RoleBinding", "tessera-kubelet-plugin-leases")
+	subjects, _, _ := unstructured.NestedSlice(binding.Object, "subjects")
+	if len(subjects) != 1 || subjects[0].(map[string]any)["name"] != "tessera-kubelet-plugin" {
+		t.Errorf("plugin lease RoleBinding subjects %v, want the plugin's ServiceAccount only", subjects)
+	}
+	leader := findObject(t, objs, "Role", "tessera-controller-leader-election")
+	if got := leaseVerbs(leader); !contains(got, "list") || !contains(got, "watch") {
+		t.Errorf("controller lease verbs %v, want list and watch (it watches the plugins' heartbeat Leases)", got)
+	}
+	findObject(t, objs, "ValidatingAdmissionPolicy", "tessera-node-lease-own-node")
+	findObject(t, objs, "ValidatingAdmissionPolicyBinding", "tessera-node-lease-own-node")
+}
+
+// envSources is each variable's value, or "field <path>" for one the downward API fills in.
+func envSources(c corev1.Container) map[string]string {
+	env := map[string]string{}
+	for _, v := range c.Env {
+		env[v.Name] = v.Value
+		if v.ValueFrom != nil && v.ValueFrom.FieldRef != nil {
+			env[v.Name] = "field " + v.ValueFrom.FieldRef.FieldPath
+		}
+	}
+	return env
+}
+
+// leaseVerbs are the verbs a Role's rules grant on coordination.k8s.io leases.
+func leaseVerbs(role *unstructured.Unstructured) []string {
+	rules, _, _ := unstructured.NestedSlice(role.Object, "rules")
+	var verbs []string
+	for _, r := range rules {
+		m := r.(map[string]any)
+		if fmt.Sprint(m["apiGroups"]) == "[coordination.k8s.io]" && fmt.Sprint(m["resources"]) == "[leases]" {
+			for _, v := range m["verbs"].([]any) {
+				verbs = append(verbs, v.(string))
+			}
+		}
+	}
+	return verbs
 }
 
 // Values the chart cannot honour fail at `helm template`/`helm install` time, naming the value.

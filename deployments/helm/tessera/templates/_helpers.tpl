@@ -17,6 +17,14 @@ app.kubernetes.io/component: {{ . }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end }}
 
+{{/*
+The controller's leader Lease (in the release namespace): the controller holds it, and the plugins read its
+annotation to learn whether the leader watches their heartbeat Leases, so both must be given one name.
+*/}}
+{{- define "tessera.leaderLease" -}}
+tessera-controller
+{{- end }}
+
 {{/* The ServiceAccount user names the admission policy matches. */}}
 {{- define "tessera.pluginUser" -}}
 system:serviceaccount:{{ .Release.Namespace }}:tessera-kubelet-plugin
