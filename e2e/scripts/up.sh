@@ -11,6 +11,10 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$REPO_ROOT"
+# tessera's namespace: the chart's release namespace, and the lease namespace the host controller and
+# plugins are given, so the controller's leader Lease, the plugins' heartbeat Leases and the Roles that
+# allow both all live in one place.
+TESSERA_NAMESPACE=tessera-system
 
 if [[ -d "$PID_DIR" ]]; then
   for f in "$PID_DIR"/*.pid; do
@@ -80,7 +84,7 @@ fi
 install_chart() {
   local rn="${REAL_NODE_NAME:-real-node}" rnd="$RUN_DIR/real-node"
   step "helm install tessera (deployments/helm/tessera, simulated backend) onto $rn (log: $LOG_DIR/helm-install.log)"
-  "$E2E_DIR/bin/helm" install tessera "$REPO_ROOT/deployments/helm/tessera" --namespace tessera-system \
+  "$E2E_DIR/bin/helm" install tessera "$REPO_ROOT/deployments/helm/tessera" --namespace "$TESSERA_NAMESPACE" \
     --kubeconfig "$ADMIN_KUBECONFIG" --wait --timeout 240s \
     --set backend=simulated --set image.pullPolicy=Never \
     --set "simulated.gpus[0].model=$MODEL" --set "simulated.gpus[0].count=$GPUS" \
@@ -183,15 +187,15 @@ if [[ ${#manifests[@]} -gt 0 ]]; then
   clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "${manifests[@]}" > "$LOG_DIR/apply-deployments.log" 2>&1 \
     || die "applying CRDs/DeviceClasses failed" "$LOG_DIR/apply-deployments.log"
 fi
-printf 'apiVersion: v1\nkind: Namespace\nmetadata:\n  name: tessera-system\n' > "$RUN_DIR/namespace.yaml"
-clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "$RUN_DIR/namespace.yaml" > /dev/null || die "creating namespace tessera-system failed"
+printf 'apiVersion: v1\nkind: Namespace\nmetadata:\n  name: %s\n' "$TESSERA_NAMESPACE" > "$RUN_DIR/namespace.yaml"
+clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "$RUN_DIR/namespace.yaml" > /dev/null || die "creating namespace $TESSERA_NAMESPACE failed"
 if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   step "RBAC: the chart's roles (renamed e2e-host-*) for the host controller and plugins"
-  "$E2E_DIR/bin/helm" template tessera "$REPO_ROOT/deployments/helm/tessera" --namespace tessera-system \
+  "$E2E_DIR/bin/helm" template tessera "$REPO_ROOT/deployments/helm/tessera" --namespace "$TESSERA_NAMESPACE" \
     --show-only templates/rbac.yaml > "$RUN_DIR/chart-rbac.yaml" 2> "$LOG_DIR/host-rbac.log" \
     || die "helm template of the chart's RBAC failed" "$LOG_DIR/host-rbac.log"
   plugins_csv="$(IFS=,; echo "${plugin_users[*]}")"
-  clusterctl host-rbac --kubeconfig "$ADMIN_KUBECONFIG" --namespace tessera-system --controller tessera-controller \
+  clusterctl host-rbac --kubeconfig "$ADMIN_KUBECONFIG" --namespace "$TESSERA_NAMESPACE" --controller tessera-controller \
     --plugins "$plugins_csv" "$RUN_DIR/chart-rbac.yaml" >> "$LOG_DIR/host-rbac.log" 2>&1 \
     || die "binding the chart's roles to the host identities failed" "$LOG_DIR/host-rbac.log"
 fi
@@ -215,7 +219,7 @@ for i in $(seq 0 $((NODES - 1))); do
     step "node $n: tessera-kubelet-plugin (simulated, $GPUS x $MODEL)"
     # Probes and /metrics on METRICS_BASE_PORT (API_PORT+1000; +100 is the scheduler benchmark's API server)
     # + the node's index; plugin-pod.sh's surge instance exports its own address after these.
-    write_proc "plugin-$n" KUBECONFIG="$PKI_DIR/plugin-$n.kubeconfig" RUST_LOG="${RUST_LOG:-info}" \
+    write_proc "plugin-$n" KUBECONFIG="$PKI_DIR/plugin-$n.kubeconfig" RUST_LOG="${RUST_LOG:-info}" TESSERA_LEASE_NAMESPACE="$TESSERA_NAMESPACE" \
       TESSERA_HEALTH_ADDR="127.0.0.1:$(( ${METRICS_BASE_PORT:-$((API_PORT + 1000))} + i ))" -- "$PLUGIN_BIN" \
       --node-name "$n" --backend simulated --simulated-node-file "$d/node.yaml" \
       --state-dir "$d/plugin-state" --kubelet-registry-dir "$d/registry" --kubelet-plugins-dir "$d/plugins" \
@@ -241,7 +245,7 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
     [[ $ready == 1 ]] || die "plugin on $n did not report a ready NodeInventory within 90s" "$LOG_DIR/plugin-$n.log"
   done
 
-  write_proc controller KUBECONFIG="$PKI_DIR/controller.kubeconfig" RUST_LOG="${RUST_LOG:-info}" -- "$CONTROLLER_BIN" \
+  write_proc controller KUBECONFIG="$PKI_DIR/controller.kubeconfig" RUST_LOG="${RUST_LOG:-info}" TESSERA_LEASE_NAMESPACE="$TESSERA_NAMESPACE" -- "$CONTROLLER_BIN" \
     --kubeconfig "$PKI_DIR/controller.kubeconfig"
   published=()
   if [[ "$INSTALL" == chart ]]; then

@@ -12,14 +12,17 @@ const HostRolePrefix = "e2e-host-"
 
 // The chart's roles (deployments/helm/tessera/templates/rbac.yaml) the host processes are bound to.
 const (
-	chartPluginRole     = "tessera-kubelet-plugin"
-	chartControllerRole = "tessera-controller"
-	chartLeaderRole     = "tessera-controller-leader-election"
+	chartPluginRole      = "tessera-kubelet-plugin"
+	chartPluginLeaseRole = "tessera-kubelet-plugin-leases"
+	chartControllerRole  = "tessera-controller"
+	chartLeaderRole      = "tessera-controller-leader-election"
 )
 
 // HostRBAC turns the chart's rendered RBAC into what `make up`'s host processes run with: the chart's
-// ClusterRoles and leader-election Role under HostRolePrefix names, bound to the controller's user and to
-// each stand-in plugin's user. Their tokens carry no group, so these roles are all they may do.
+// ClusterRoles and its Roles in the release namespace (the controller's leader election, the plugins'
+// heartbeat Leases) under HostRolePrefix names, bound to the controller's user and to each stand-in
+// plugin's user. Their tokens carry no group, so these roles are all they may do. namespace must be the
+// one the host controller and plugins are given as their lease namespace.
 func HostRBAC(chart []*unstructured.Unstructured, namespace, controllerUser string, pluginUsers []string) ([]*unstructured.Unstructured, error) {
 	roles := map[string]*unstructured.Unstructured{}
 	for _, o := range chart {
@@ -61,6 +64,9 @@ func HostRBAC(chart []*unstructured.Unstructured, namespace, controllerUser stri
 	}
 	if len(pluginUsers) > 0 {
 		if err := bind("ClusterRole", chartPluginRole, pluginUsers); err != nil {
+			return nil, err
+		}
+		if err := bind("Role", chartPluginLeaseRole, pluginUsers); err != nil {
 			return nil, err
 		}
 	}

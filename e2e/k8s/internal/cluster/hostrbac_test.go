@@ -47,6 +47,9 @@ func TestTheHostIdentitiesGetTheChartsRolesUnderTheirOwnNames(t *testing.T) {
 		if !strings.HasPrefix(o.GetName(), HostRolePrefix) {
 			t.Errorf("%s %s is not under the %s prefix", o.GetKind(), o.GetName(), HostRolePrefix)
 		}
+		if k := o.GetKind(); (k == "Role" || k == "RoleBinding") && o.GetNamespace() != "tessera-system" {
+			t.Errorf("%s %s in namespace %q, want the lease namespace tessera-system", k, o.GetName(), o.GetNamespace())
+		}
 		switch o.GetKind() {
 		case "ClusterRole", "Role":
 			// The chart's rules, unchanged: the host processes may do exactly what the chart's pods may.
@@ -66,6 +69,7 @@ func TestTheHostIdentitiesGetTheChartsRolesUnderTheirOwnNames(t *testing.T) {
 	}
 	want := map[string]string{
 		HostRolePrefix + "tessera-kubelet-plugin":             "tessera-plugin-a,tessera-plugin-b",
+		HostRolePrefix + "tessera-kubelet-plugin-leases":      "tessera-plugin-a,tessera-plugin-b",
 		HostRolePrefix + "tessera-controller":                 "tessera-controller",
 		HostRolePrefix + "tessera-controller-leader-election": "tessera-controller",
 	}
