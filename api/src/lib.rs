@@ -14,6 +14,7 @@ pub mod attributes;
 pub mod config;
 pub mod device_name;
 pub mod health;
+pub mod heartbeat;
 pub mod inventory;
 pub mod metrics;
 pub mod policy;

@@ -11,8 +11,11 @@
 //!   both believe they lead. Writes check [`LeaderElector::is_leader`] right before each call.
 //! * Every lease write carries the `resourceVersion` it read; a concurrent change fails with a conflict
 //!   and the replica does not lead that round.
+//! * Every write as holder names the holder in [`READS_NODE_LEASES_ANNOTATION`]: this controller judges
+//!   nodes by their heartbeat Leases, so plugins may stop rewriting their NodeInventory status every
+//!   heartbeat ([`tessera_api::heartbeat`]).
 
-use std::sync::Mutex;
+use std::{collections::BTreeMap, sync::Mutex};
 
 use crate::time::to_k8s_time;
 use chrono::{DateTime, Utc};
@@ -20,6 +23,7 @@ use k8s_openapi::{
     api::coordination::v1::{Lease, LeaseSpec},
     apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta},
 };
+use tessera_api::heartbeat::READS_NODE_LEASES_ANNOTATION;
 
 /// Why a lease read or write failed.
 #[derive(Debug, thiserror::Error)]
@@ -91,6 +95,13 @@ impl LeaderElector {
         }
     }
 
+    /// `annotations` with this replica named as a leader that reads node Leases.
+    fn annotated(&self, annotations: Option<BTreeMap<String, String>>) -> BTreeMap<String, String> {
+        let mut annotations = annotations.unwrap_or_default();
+        annotations.insert(READS_NODE_LEASES_ANNOTATION.into(), self.identity.clone());
+        annotations
+    }
+
     /// Acquires or renews the lease (skipping the API call while a renewal is fresh) and says whether
     /// this replica leads now.
     pub async fn try_acquire_or_renew<S: LeaseStore>(&mut self, store: &S, now: DateTime<Utc>) -> bool {
@@ -152,6 +163,7 @@ impl LeaderElector {
                 metadata: ObjectMeta {
                     name: Some(self.lease_name.clone()),
                     namespace: Some(self.lease_namespace.clone()),
+                    annotations: Some(self.annotated(None)),
                     ..Default::default()
                 },
                 spec: Some(self.spec(now, None, 0)),
@@ -179,6 +191,7 @@ impl LeaderElector {
         };
         let mut updated = lease;
         updated.spec = Some(new_spec);
+        updated.metadata.annotations = Some(self.annotated(updated.metadata.annotations.take()));
         match store.replace(&updated).await {
             Ok(stored) => {
                 self.observed = stored.spec.map(|s| (s, now));

@@ -1,7 +1,10 @@
 //! Whether a node's plugin is alive, judged only from what this controller could observe.
 //!
 //! A heartbeat counts as renewed when the controller sees its value change, timed by the controller's
-//! own monotonic clock; the plugin's timestamp is never compared with the controller's clock (the two
+//! own monotonic clock. A node has two heartbeat values, either of which renews it: its node Lease's
+//! `renewTime` (what current plugins renew every interval) and its NodeInventory's `lastHeartbeatTime`
+//! (what plugins of older versions renew, and current ones while an older controller leads; see
+//! [`tessera_api::heartbeat`]); the plugin's timestamp is never compared with the controller's clock (the two
 //! may disagree, and a cache that stopped updating makes every heartbeat look old). Time during which
 //! the controller's view of the NodeInventories was lost (watch failed, not yet re-listed) does not
 //! count towards a node's staleness, and nothing is withdrawn while the view is lost.
@@ -50,10 +53,13 @@ pub enum Verdict {
     Withdraw,
 }
 
+/// A node's heartbeat values: the inventory's and the node Lease's (compared for equality only).
+type Marker = (Option<String>, Option<String>);
+
 #[derive(Clone, Debug)]
 struct Seen {
-    /// The heartbeat value last seen (compared for equality only).
-    marker: Option<String>,
+    /// The heartbeat values last seen.
+    marker: Marker,
     ready: bool,
     /// When the controller last saw the heartbeat change; for a node first seen in a list, when it was
     /// first seen.
@@ -76,7 +82,7 @@ pub struct Liveness {
     list: Option<u64>,
 }
 
-fn marker(inv: &NodeInventory) -> Option<String> {
+fn inventory_marker(inv: &NodeInventory) -> Option<String> {
     let time = inv.status.as_ref()?.last_heartbeat_time.as_ref()?;
     serde_json::to_string(time).ok()
 }
@@ -102,8 +108,15 @@ impl Liveness {
         }
     }
 
-    /// Records what a snapshot shows at `now` (the controller's monotonic clock).
-    pub fn observe(&mut self, inventories: &[NodeInventory], view: View, now: Instant) {
+    /// Records what a snapshot shows at `now` (the controller's monotonic clock): the inventories and
+    /// each node's Lease renew time (by node name), both as current as `view`.
+    pub fn observe(
+        &mut self,
+        inventories: &[NodeInventory],
+        leases: &BTreeMap<String, String>,
+        view: View,
+        now: Instant,
+    ) {
         let list = match view {
             View::Lost { since } => {
                 self.lost_since = Some(self.lost_since.map_or(since, |s| s.min(since)));
@@ -123,7 +136,8 @@ impl Liveness {
         let mut present = BTreeMap::new();
         for inv in inventories {
             let name = inv.spec.node_name.clone();
-            let (marker, ready) = (marker(inv), is_ready(inv));
+            let marker = (inventory_marker(inv), leases.get(&name).cloned());
+            let ready = is_ready(inv);
             let seen = match self.nodes.remove(&name) {
                 None => Seen {
                     marker,
@@ -202,6 +216,10 @@ mod tests {
         ]
     }
 
+    fn no_leases() -> BTreeMap<String, String> {
+        BTreeMap::new()
+    }
+
     fn secs(s: u64) -> Duration {
         Duration::from_secs(s)
     }
@@ -209,9 +227,10 @@ mod tests {
     /// A liveness that has seen node `a` renew once at `t0 + 1 s`.
     fn live(t0: Instant) -> Liveness {
         let mut l = Liveness::new(TIMEOUT, GRACE);
-        l.observe(&beat(fixed_time()), View::Synced { list: 1 }, t0);
+        l.observe(&beat(fixed_time()), &no_leases(), View::Synced { list: 1 }, t0);
         l.observe(
             &beat(fixed_time() + chrono::Duration::seconds(10)),
+            &no_leases(),
             View::Synced { list: 1 },
             t0 + secs(1),
         );
@@ -224,9 +243,10 @@ mod tests {
         let mut l = Liveness::new(TIMEOUT, GRACE);
         // A timestamp an hour in the past (skewed plugin clock) that keeps changing is live.
         let old = fixed_time() - chrono::Duration::hours(1);
-        l.observe(&beat(old), View::Synced { list: 1 }, t0);
+        l.observe(&beat(old), &no_leases(), View::Synced { list: 1 }, t0);
         l.observe(
             &beat(old + chrono::Duration::seconds(10)),
+            &no_leases(),
             View::Synced { list: 1 },
             t0 + secs(10),
         );
@@ -242,6 +262,7 @@ mod tests {
         // The watch breaks 10 s after the last renewal; the API server is away for 60 s.
         l.observe(
             &beat(fixed_time()),
+            &no_leases(),
             View::Lost { since: t0 + secs(11) },
             t0 + secs(12),
         );
@@ -252,7 +273,7 @@ mod tests {
         );
         // Re-listed at t0+71 s with the same (stale) heartbeat: 10 s of observed age so far, 30 s left.
         let stale = beat(fixed_time() + chrono::Duration::seconds(10));
-        l.observe(&stale, View::Synced { list: 2 }, t0 + secs(71));
+        l.observe(&stale, &no_leases(), View::Synced { list: 2 }, t0 + secs(71));
         assert_eq!(l.verdict("a", t0 + secs(71)), Verdict::Publish);
         assert_eq!(l.verdict("a", t0 + secs(100)), Verdict::Publish);
         assert_eq!(l.verdict("a", t0 + secs(101)), Verdict::Withdraw);
@@ -262,9 +283,15 @@ mod tests {
     fn a_heartbeat_that_changed_during_the_outage_is_a_renewal_seen_at_the_relist() {
         let t0 = Instant::now();
         let mut l = live(t0);
-        l.observe(&[], View::Lost { since: t0 + secs(5) }, t0 + secs(6));
+        l.observe(
+            &[],
+            &no_leases(),
+            View::Lost { since: t0 + secs(5) },
+            t0 + secs(6),
+        );
         l.observe(
             &beat(fixed_time() + chrono::Duration::seconds(90)),
+            &no_leases(),
             View::Synced { list: 2 },
             t0 + secs(95),
         );
@@ -283,18 +310,19 @@ mod tests {
                 .not_ready()
                 .build(),
         ];
-        l.observe(&not_ready, View::Synced { list: 1 }, t0 + secs(2));
+        l.observe(&not_ready, &no_leases(), View::Synced { list: 1 }, t0 + secs(2));
         assert_eq!(l.verdict("a", t0 + secs(2)), Verdict::Hold);
         assert_eq!(l.verdict("a", t0 + secs(31)), Verdict::Hold);
         // Registered again: publishing resumes.
         l.observe(
             &beat(fixed_time() + chrono::Duration::seconds(30)),
+            &no_leases(),
             View::Synced { list: 1 },
             t0 + secs(4),
         );
         assert_eq!(l.verdict("a", t0 + secs(4)), Verdict::Publish);
         // Not ready for longer than the grace: withdrawn even while heartbeating.
-        l.observe(&not_ready, View::Synced { list: 1 }, t0 + secs(5));
+        l.observe(&not_ready, &no_leases(), View::Synced { list: 1 }, t0 + secs(5));
         let renewed = vec![
             node("a")
                 .gpus(GpuModel::H100Sxm5_80gb, 1)
@@ -302,7 +330,7 @@ mod tests {
                 .not_ready()
                 .build(),
         ];
-        l.observe(&renewed, View::Synced { list: 1 }, t0 + secs(30));
+        l.observe(&renewed, &no_leases(), View::Synced { list: 1 }, t0 + secs(30));
         assert_eq!(l.verdict("a", t0 + secs(34)), Verdict::Hold);
         assert_eq!(l.verdict("a", t0 + secs(35)), Verdict::Withdraw);
     }
@@ -311,14 +339,69 @@ mod tests {
     fn a_node_first_seen_in_a_list_is_held_until_its_heartbeat_changes_or_the_timeout_passes() {
         let t0 = Instant::now();
         let mut l = Liveness::new(TIMEOUT, GRACE);
-        l.observe(&beat(fixed_time()), View::Synced { list: 1 }, t0);
+        l.observe(&beat(fixed_time()), &no_leases(), View::Synced { list: 1 }, t0);
         assert_eq!(l.verdict("a", t0 + secs(39)), Verdict::Hold);
         assert_eq!(l.verdict("a", t0 + secs(40)), Verdict::Withdraw);
         // A node that appears while watching was just written: live at once.
         let mut both = beat(fixed_time());
         both.push(node("b").gpus(GpuModel::H200, 1).build());
-        l.observe(&both, View::Synced { list: 1 }, t0 + secs(41));
+        l.observe(&both, &no_leases(), View::Synced { list: 1 }, t0 + secs(41));
         assert_eq!(l.verdict("b", t0 + secs(41)), Verdict::Publish);
         assert_eq!(l.verdict("gone", t0), Verdict::Withdraw);
+    }
+
+    fn lease(renewed: &str) -> BTreeMap<String, String> {
+        [("a".to_string(), renewed.to_string())].into()
+    }
+
+    #[test]
+    fn a_node_whose_lease_renews_is_alive_while_its_inventory_heartbeat_stands_still() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(TIMEOUT, GRACE);
+        let inventory = beat(fixed_time());
+        l.observe(&inventory, &lease("r1"), View::Synced { list: 1 }, t0);
+        for i in 1..=10u64 {
+            let renewed = format!("r{}", i + 1);
+            l.observe(
+                &inventory,
+                &lease(&renewed),
+                View::Synced { list: 1 },
+                t0 + secs(10 * i),
+            );
+        }
+        assert_eq!(l.verdict("a", t0 + secs(139)), Verdict::Publish);
+        // The Lease stops renewing: withdrawn one timeout after its last renewal was seen.
+        assert_eq!(l.verdict("a", t0 + secs(140)), Verdict::Withdraw);
+    }
+
+    #[test]
+    fn either_heartbeat_renews_a_node_so_old_and_new_plugins_mix_during_an_upgrade() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(TIMEOUT, GRACE);
+        l.observe(&beat(fixed_time()), &no_leases(), View::Synced { list: 1 }, t0);
+        // An old plugin: the inventory heartbeat changes, there is no Lease.
+        let later = beat(fixed_time() + chrono::Duration::seconds(10));
+        l.observe(&later, &no_leases(), View::Synced { list: 1 }, t0 + secs(10));
+        assert_eq!(l.verdict("a", t0 + secs(49)), Verdict::Publish);
+        // Upgraded: the new plugin's Lease appears and renews; the inventory heartbeat stops changing.
+        l.observe(&later, &lease("r1"), View::Synced { list: 1 }, t0 + secs(45));
+        l.observe(&later, &lease("r2"), View::Synced { list: 1 }, t0 + secs(55));
+        assert_eq!(l.verdict("a", t0 + secs(94)), Verdict::Publish);
+        assert_eq!(l.verdict("a", t0 + secs(95)), Verdict::Withdraw);
+    }
+
+    #[test]
+    fn a_lease_seen_first_in_a_list_holds_the_pool_until_it_renews() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(TIMEOUT, GRACE);
+        l.observe(&beat(fixed_time()), &lease("r1"), View::Synced { list: 1 }, t0);
+        assert_eq!(l.verdict("a", t0 + secs(5)), Verdict::Hold);
+        l.observe(
+            &beat(fixed_time()),
+            &lease("r2"),
+            View::Synced { list: 1 },
+            t0 + secs(10),
+        );
+        assert_eq!(l.verdict("a", t0 + secs(10)), Verdict::Publish);
     }
 }

@@ -105,7 +105,9 @@ impl<S: LeaseStore> WriteGate for LeaseGate<'_, S> {
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     pub inventories: Vec<NodeInventory>,
-    /// How current `inventories` is.
+    /// The `renewTime` of each node's heartbeat Lease, by node name.
+    pub node_leases: BTreeMap<String, String>,
+    /// How current `inventories` and `node_leases` are.
     pub inventory_view: View,
     pub nodes: BTreeMap<String, NodeRef>,
     /// The policy named `default`, if any.
@@ -166,7 +168,7 @@ impl Reconciler {
     /// a replica may observe before it knows whether it leads.
     pub fn observe(&mut self, snap: &Snapshot, mono: Instant) {
         self.liveness
-            .observe(&snap.inventories, snap.inventory_view, mono);
+            .observe(&snap.inventories, &snap.node_leases, snap.inventory_view, mono);
         // An invalid `spec.health` keeps the settings in force (the policy's condition says why).
         let config = match &snap.policy {
             Some(p) => HealthConfig::of_spec(&p.spec).unwrap_or(self.health.config()),

@@ -7,7 +7,9 @@
 //!
 //! Events from any watch (inventories, nodes, the policy, this driver's slices) wake the loop after a
 //! short debounce; a timer wakes it every lease-renew interval so stale heartbeats are noticed and the
-//! lease is renewed. Because the slice watch is one of the inputs, slices kubelet deletes (plugin
+//! lease is renewed. The node heartbeat Leases are watched too but wake nothing: a renewal changes no
+//! pool, and the timer's next tick (at most 2 s later) sees it, where a wake per renewal would run a
+//! reconcile of every node for each of them. Because the slice watch is one of the inputs, slices kubelet deletes (plugin
 //! deregistration, kubelet start) are republished on the next tick. After writing, the loop waits until
 //! the slice cache shows its own writes, so a stale cache never triggers a second round of writes.
 
@@ -34,6 +36,7 @@ use kube::{
 };
 use tessera_api::{
     DRIVER_NAME, NodeInventory,
+    heartbeat::{HEARTBEAT_LABEL, HEARTBEAT_LABEL_VALUE, node_of_lease},
     policy::{DEFAULT_POLICY_NAME, GpuPolicy, GpuPolicyStatus},
 };
 use tokio::sync::Notify;
@@ -207,8 +210,10 @@ struct Stores {
     nodes: Store<PartialObjectMeta<Node>>,
     policies: Store<GpuPolicy>,
     slices: Store<ResourceSlice>,
+    node_leases: Store<Lease>,
     inventory_view: ViewCell,
     node_view: ViewCell,
+    lease_view: ViewCell,
 }
 
 /// The [`View`] of one watched kind, written by its [`mirror`] task.
@@ -239,7 +244,8 @@ impl ViewCell {
 }
 
 /// The inventories' view as liveness needs it: lost while either the inventories or the Nodes are
-/// (a pool's fate depends on both), numbered by the inventories' lists.
+/// (a pool's fate depends on both; the node Leases' view is combined the same way), numbered by the
+/// inventories' lists.
 fn combined_view(inventories: View, nodes: View) -> View {
     match (inventories, nodes) {
         (View::Lost { since: a }, View::Lost { since: b }) => View::Lost { since: a.min(b) },
@@ -251,7 +257,10 @@ fn combined_view(inventories: View, nodes: View) -> View {
 impl Stores {
     fn snapshot(&self) -> Snapshot {
         // Views first: a view read as synced was synced before the copies below were taken.
-        let inventory_view = combined_view(self.inventory_view.get(), self.node_view.get());
+        let inventory_view = combined_view(
+            combined_view(self.inventory_view.get(), self.node_view.get()),
+            self.lease_view.get(),
+        );
         let nodes: BTreeMap<String, NodeRef> = self
             .nodes
             .state()
@@ -267,8 +276,19 @@ impl Stores {
                 ))
             })
             .collect();
+        let node_leases = self
+            .node_leases
+            .state()
+            .iter()
+            .filter_map(|l| {
+                let node = node_of_lease(l.metadata.name.as_deref()?)?;
+                let renewed = l.spec.as_ref()?.renew_time.as_ref()?;
+                Some((node.to_string(), serde_json::to_string(renewed).ok()?))
+            })
+            .collect();
         Snapshot {
             inventories: self.inventories.state().iter().map(|i| (**i).clone()).collect(),
+            node_leases,
             inventory_view,
             nodes,
             policy: self
@@ -308,9 +328,9 @@ impl Stores {
 /// Live while the runtime answers (a long first publish must not get the controller restarted); ready
 /// once every watched kind has been listed since start, so a rolling update waits for a replica that can
 /// take over.
-fn health_checks(views: [ViewCell; 4]) -> tessera_api::health::Checks {
-    const KINDS: [&str; 4] = ["NodeInventory", "Node", "GpuPolicy", "ResourceSlice"];
-    let listed = std::sync::Mutex::new([false; 4]);
+fn health_checks(views: [ViewCell; 5]) -> tessera_api::health::Checks {
+    const KINDS: [&str; 5] = ["NodeInventory", "Node", "GpuPolicy", "ResourceSlice", "Lease"];
+    let listed = std::sync::Mutex::new([false; 5]);
     tessera_api::health::Checks {
         live: Arc::new(|| Ok(())),
         ready: Arc::new(move || {
@@ -349,7 +369,7 @@ fn jittered(d: Duration) -> Duration {
 }
 
 /// Keeps `writer`'s store in step with the objects `api` lists and watches, and `view` with how current
-/// it is; wakes `wake` on every change. A failed watch is started over with a fresh list instead of
+/// it is; wakes `wake` (when given) on every change. A failed watch is started over with a fresh list instead of
 /// resumed, so "synced" always means "listed since the failure".
 pub async fn mirror<K>(
     kind: &'static str,
@@ -358,7 +378,7 @@ pub async fn mirror<K>(
     config: watcher::Config,
     trim: fn(&mut K),
     view: ViewCell,
-    wake: Arc<Notify>,
+    wake: Option<Arc<Notify>>,
 ) where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Eq + std::hash::Hash + Clone + Default,
@@ -383,11 +403,11 @@ pub async fn mirror<K>(
                 Err(e) => {
                     view.lose(Instant::now());
                     tracing::warn!(kind, error = %e, retry_in = ?backoff, "watch failed; listing again");
-                    wake.notify_one();
+                    wake.iter().for_each(|w| w.notify_one());
                     break;
                 }
             }
-            wake.notify_one();
+            wake.iter().for_each(|w| w.notify_one());
         }
         tokio::time::sleep(jittered(backoff)).await;
         backoff = (backoff * 2).min(RELIST_MAX_BACKOFF);
@@ -431,8 +451,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (node_reader, node_writer) = reflector::store();
     let (pol_reader, pol_writer) = reflector::store();
     let (slice_reader, slice_writer) = reflector::store();
+    let (lease_reader, lease_writer) = reflector::store();
     let started = Instant::now();
-    let views = [(); 4].map(|()| ViewCell::new(started));
+    let views = [(); 5].map(|()| ViewCell::new(started));
     if let Some(addr) = health_addr {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -452,7 +473,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         wc(),
         drop_managed_fields,
         views[0].clone(),
-        Arc::clone(&notify),
+        Some(Arc::clone(&notify)),
     ));
     tokio::spawn(mirror(
         "Node",
@@ -461,7 +482,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         wc(),
         drop_managed_fields,
         views[1].clone(),
-        Arc::clone(&notify),
+        Some(Arc::clone(&notify)),
     ));
     tokio::spawn(mirror(
         "GpuPolicy",
@@ -470,7 +491,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         wc().fields(&format!("metadata.name={DEFAULT_POLICY_NAME}")),
         drop_managed_fields,
         views[2].clone(),
-        Arc::clone(&notify),
+        Some(Arc::clone(&notify)),
     ));
     tokio::spawn(mirror(
         "ResourceSlice",
@@ -479,15 +500,26 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         wc().fields(&format!("spec.driver={DRIVER_NAME}")),
         trim_to_what_diff_reads,
         views[3].clone(),
-        Arc::clone(&notify),
+        Some(Arc::clone(&notify)),
+    ));
+    tokio::spawn(mirror(
+        "Lease",
+        lease_writer,
+        Api::<Lease>::namespaced(client.clone(), &lease_namespace),
+        wc().labels(&format!("{HEARTBEAT_LABEL}={HEARTBEAT_LABEL_VALUE}")),
+        drop_managed_fields,
+        views[4].clone(),
+        None,
     ));
     let stores = Stores {
         inventories: inv_reader,
         nodes: node_reader,
         policies: pol_reader,
         slices: slice_reader,
+        node_leases: lease_reader,
         inventory_view: views[0].clone(),
         node_view: views[1].clone(),
+        lease_view: views[4].clone(),
     };
     for (what, ready) in [
         (
@@ -497,6 +529,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         ("Nodes", stores.nodes.wait_until_ready().await.is_ok()),
         ("GpuPolicies", stores.policies.wait_until_ready().await.is_ok()),
         ("ResourceSlices", stores.slices.wait_until_ready().await.is_ok()),
+        (
+            "node heartbeat Leases",
+            stores.node_leases.wait_until_ready().await.is_ok(),
+        ),
     ] {
         anyhow::ensure!(
             ready,
@@ -658,20 +694,25 @@ mod tests {
     #[test]
     fn the_controller_is_ready_once_every_kind_was_listed_and_stays_ready_through_a_relist() {
         let t0 = Instant::now();
-        let views = [(); 4].map(|()| ViewCell::new(t0));
+        let views = [(); 5].map(|()| ViewCell::new(t0));
         let checks = health_checks(views.clone());
         assert_eq!(
             (checks.ready)().unwrap_err(),
-            "not listed from the API server yet: NodeInventory, Node, GpuPolicy, ResourceSlice"
+            "not listed from the API server yet: NodeInventory, Node, GpuPolicy, ResourceSlice, Lease"
         );
         views[0].set(View::Synced { list: 1 });
         views[2].set(View::Synced { list: 1 });
         assert_eq!(
             (checks.ready)().unwrap_err(),
-            "not listed from the API server yet: Node, ResourceSlice"
+            "not listed from the API server yet: Node, ResourceSlice, Lease"
         );
         views[1].set(View::Synced { list: 1 });
         views[3].set(View::Synced { list: 1 });
+        assert_eq!(
+            (checks.ready)().unwrap_err(),
+            "not listed from the API server yet: Lease"
+        );
+        views[4].set(View::Synced { list: 1 });
         assert_eq!((checks.ready)(), Ok(()));
         // An API server restart loses every watch; the replica was ready and liveness holds the pools.
         views.iter().for_each(|v| v.lose(t0 + Duration::from_secs(5)));

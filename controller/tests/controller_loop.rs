@@ -4,7 +4,7 @@
 mod support;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     sync::{
         Mutex,
         atomic::{AtomicUsize, Ordering},
@@ -53,6 +53,8 @@ struct Cluster {
     view: View,
     /// How far each plugin's clock is off the controller's.
     skew: BTreeMap<String, Duration>,
+    /// Nodes whose plugin heartbeats through its node Lease: their inventory heartbeat stands still.
+    on_leases: BTreeSet<String>,
 }
 
 impl Cluster {
@@ -69,6 +71,7 @@ impl Cluster {
             silent: BTreeMap::new(),
             view: View::Synced { list: 1 },
             skew: BTreeMap::new(),
+            on_leases: BTreeSet::new(),
         }
     }
 
@@ -100,12 +103,23 @@ impl Cluster {
                     .unwrap_or(self.elapsed);
                 let skew = self.skew.get(&inv.spec.node_name).copied().unwrap_or_default();
                 let at = fixed_time() + Duration::seconds(second as i64) + skew;
-                inv.status.as_mut().unwrap().last_heartbeat_time = Some(Time(to_k8s_time(at)));
+                let on_lease = self.on_leases.contains(&inv.spec.node_name);
+                let inventory_beat = if on_lease { fixed_time() } else { at };
+                inv.status.as_mut().unwrap().last_heartbeat_time = Some(Time(to_k8s_time(inventory_beat)));
                 inv
+            })
+            .collect();
+        let node_leases = self
+            .on_leases
+            .iter()
+            .map(|n| {
+                let second = self.silent.get(n).copied().unwrap_or(self.elapsed);
+                (n.clone(), format!("renewed at second {second}"))
             })
             .collect();
         Snapshot {
             inventories,
+            node_leases,
             inventory_view: self.view,
             nodes: self
                 .nodes
@@ -295,6 +309,34 @@ async fn a_heartbeat_unchanged_for_the_timeout_or_a_plugin_not_ready_past_the_gr
         "withdrawn after 30 s not ready"
     );
     assert_eq!(pools(&api).keys().collect::<Vec<_>>(), ["node-b"]);
+}
+
+#[tokio::test]
+async fn nodes_heartbeating_through_their_leases_stay_published_and_a_silent_lease_withdraws_its_pool() {
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
+    assert_eq!(step(&mut r, &mut cluster, &api).await, 12, "both published");
+    // Upgraded plugins: the Leases renew, the inventories' heartbeat stops changing.
+    cluster.on_leases = ["node-a".to_string(), "node-b".to_string()].into();
+    assert_eq!(
+        steps(60, &mut r, &mut cluster, &api).await,
+        0,
+        "a minute on Leases alone: nothing withdrawn, nothing rewritten"
+    );
+    cluster.silence("node-b");
+    assert_eq!(steps(39, &mut r, &mut cluster, &api).await, 0);
+    assert_eq!(
+        step(&mut r, &mut cluster, &api).await,
+        3,
+        "40 s without a renewal: withdrawn"
+    );
+    assert_eq!(pools(&api).keys().collect::<Vec<_>>(), ["node-a"]);
+    cluster.silent.clear();
+    assert_eq!(
+        step(&mut r, &mut cluster, &api).await,
+        3,
+        "a renewed Lease republishes"
+    );
 }
 
 /// Issue 16 items 1 and 2: the controller judged heartbeats by wall-clock age from a cache that had not

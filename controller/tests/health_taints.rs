@@ -63,6 +63,7 @@ impl Cluster {
         status.health = self.health.clone();
         Snapshot {
             inventories: vec![inv],
+            node_leases: Default::default(),
             inventory_view: View::Synced { list: 1 },
             nodes: [(
                 "node-a".to_string(),

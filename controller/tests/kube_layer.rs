@@ -171,6 +171,7 @@ async fn a_reconcile_through_kube_creates_slices_and_patches_the_policy_status()
     .unwrap();
     let snap = Snapshot {
         inventories: vec![node("n1").gpus(GpuModel::H100Sxm5_80gb, 2).build()],
+        node_leases: Default::default(),
         inventory_view: Default::default(),
         nodes: [(
             "n1".to_string(),
@@ -255,7 +256,7 @@ async fn a_failed_watch_loses_the_view_until_a_fresh_list_completes() {
         kube::runtime::watcher::Config::default(),
         tessera_controller::runtime::drop_managed_fields,
         view.clone(),
-        Arc::new(tokio::sync::Notify::new()),
+        Some(Arc::new(tokio::sync::Notify::new())),
     ));
     let mut views = vec![];
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -2,7 +2,7 @@
 //! its next attempt instead of waiting out the lease duration.
 
 use chrono::{DateTime, Duration, TimeZone, Utc};
-use tessera_controller::leader::{InMemoryLease, LeaderElector};
+use tessera_controller::leader::{InMemoryLease, LeaderElector, LeaseStore};
 
 fn t0() -> DateTime<Utc> {
     Utc.with_ymd_and_hms(2026, 12, 1, 9, 0, 0).unwrap()
@@ -55,4 +55,38 @@ async fn a_replica_that_crashes_is_replaced_only_after_the_lease_duration() {
     assert!(!b.try_acquire_or_renew(&lease, t0() + Duration::seconds(1)).await);
     assert!(!b.try_acquire_or_renew(&lease, t0() + Duration::seconds(15)).await);
     assert!(b.try_acquire_or_renew(&lease, t0() + Duration::seconds(16)).await);
+}
+
+#[tokio::test]
+async fn the_leader_tells_plugins_it_reads_node_leases_and_a_released_or_copied_claim_does_not_count() {
+    use tessera_api::heartbeat::{READS_NODE_LEASES_ANNOTATION, leader_reads_node_leases};
+    let lease = InMemoryLease::default();
+    let (mut a, mut b) = (elector("a"), elector("b"));
+    assert!(a.try_acquire_or_renew(&lease, t0()).await);
+    let stored = lease.get().await.unwrap().unwrap();
+    assert!(leader_reads_node_leases(&stored), "created by a");
+    assert!(a.try_acquire_or_renew(&lease, t0() + Duration::seconds(3)).await);
+    assert!(
+        leader_reads_node_leases(&lease.get().await.unwrap().unwrap()),
+        "renewed by a"
+    );
+
+    assert!(a.release(&lease, t0() + Duration::seconds(4)).await);
+    assert!(
+        !leader_reads_node_leases(&lease.get().await.unwrap().unwrap()),
+        "nobody leads"
+    );
+    assert!(b.try_acquire_or_renew(&lease, t0() + Duration::seconds(5)).await);
+    let taken = lease.get().await.unwrap().unwrap();
+    assert!(leader_reads_node_leases(&taken));
+    assert_eq!(
+        taken.metadata.annotations.unwrap()[READS_NODE_LEASES_ANNOTATION],
+        "b"
+    );
+
+    // An older controller takes over by replacing the spec of the object it read, annotation and all.
+    let mut old = lease.get().await.unwrap().unwrap();
+    old.spec.as_mut().unwrap().holder_identity = Some("old-version".into());
+    lease.replace(&old).await.unwrap();
+    assert!(!leader_reads_node_leases(&lease.get().await.unwrap().unwrap()));
 }

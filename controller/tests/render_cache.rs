@@ -100,6 +100,7 @@ impl World {
     fn snapshot(&self, api: &InMemoryApi) -> Snapshot {
         Snapshot {
             inventories: self.beating(),
+            node_leases: Default::default(),
             inventory_view: View::Synced { list: 1 },
             nodes: self.node_refs(),
             policy: self.policy.clone(),

@@ -22,7 +22,7 @@ use crate::{
     error::{Error, Result},
     gpu::{GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend},
     health::{Health, service::HealthService},
-    inventory::InventoryPublisher,
+    inventory::{InventoryPublisher, LeaseConfig},
     preparers::{self, SharedPreparer},
     registration::RegistrationState,
     sharing::{
@@ -107,9 +107,19 @@ pub struct Args {
     #[arg(long, env = "TESSERA_IGNORED_XIDS", value_delimiter = ',')]
     ignored_xids: Vec<u32>,
 
-    /// Seconds between NodeInventory heartbeats (the controller's timeout defaults to 40).
+    /// Seconds between heartbeats, each a renewal of the node's Lease (the controller's timeout defaults
+    /// to 40).
     #[arg(long, env = "TESSERA_HEARTBEAT_INTERVAL", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     heartbeat_interval: u64,
+
+    /// Namespace of the node's heartbeat Lease: the controller's lease namespace (the chart's release
+    /// namespace).
+    #[arg(long, env = "TESSERA_LEASE_NAMESPACE", default_value = "tessera-system")]
+    lease_namespace: String,
+
+    /// Name of the controller's leader-election Lease, read to learn whether the leader reads node Leases.
+    #[arg(long, env = "TESSERA_LEASE_NAME", default_value = "tessera-controller")]
+    controller_lease: String,
 
     /// File holding the node's boot id; a checkpoint written under another boot id is discarded.
     #[arg(
@@ -390,6 +400,8 @@ impl Args {
             mps_supervisor_socket,
             kubeconfig,
             heartbeat_interval,
+            lease_namespace,
+            controller_lease,
             health_addr,
             boot_id_file,
             ignored_xids,
@@ -483,6 +495,10 @@ impl Args {
                     mps_supervisor_socket,
                     kubeconfig,
                     heartbeat_interval,
+                    leases: LeaseConfig {
+                        namespace: lease_namespace,
+                        controller_lease,
+                    },
                     boot_id_file,
                     health,
                     health_service,
@@ -557,6 +573,7 @@ struct NodeSetup {
     mps_supervisor_socket: Option<PathBuf>,
     kubeconfig: Option<PathBuf>,
     heartbeat_interval: u64,
+    leases: LeaseConfig,
     boot_id_file: PathBuf,
     health: Arc<Health>,
     health_service: HealthService,
@@ -581,6 +598,7 @@ impl NodeSetup {
             mps_supervisor_socket,
             kubeconfig,
             heartbeat_interval,
+            leases,
             boot_id_file,
             health,
             health_service,
@@ -680,7 +698,8 @@ impl NodeSetup {
             let state = state.clone();
             Arc::new(move || state.problems())
         })
-        .with_health(health);
+        .with_health(health)
+        .with_leases(leases);
         let publisher = tokio::spawn(publisher.run(stop_rx.clone()));
         let reconcile = tokio::spawn(state.reconcile_periodically(RECONCILE_INTERVAL, stop_rx));
         Ok(vec![publisher, reconcile])

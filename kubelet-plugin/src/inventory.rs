@@ -1,8 +1,11 @@
-//! Publishes the node's `NodeInventory` and keeps its heartbeat fresh.
+//! Publishes the node's `NodeInventory` and keeps the node's heartbeat fresh.
 //!
 //! The spec (discovered GPUs) is written once with server-side apply, owned by the Node so it goes with it;
-//! the status (`ready`, `lastHeartbeatTime`, `gpuCount`, `message`) every heartbeat interval and whenever
-//! registration with kubelet changes. `ready` is true only while kubelet has the plugin registered.
+//! the status (`ready`, `lastHeartbeatTime`, `gpuCount`, `message`, `health`) whenever it changes. The
+//! heartbeat itself is a small Lease renewed every interval (see [`tessera_api::heartbeat`]); while the
+//! leading controller does not say it reads node Leases (an older version during an upgrade), or the
+//! Lease cannot be written (an older chart's RBAC), the status is rewritten every interval as well, as
+//! before. `ready` is true only while kubelet has the plugin registered.
 //!
 //! Stopping (SIGTERM) writes nothing: a plain restart or a rolling upgrade must not make the controller
 //! withdraw the node's slices, and the controller holds a pool whose plugin is briefly not ready (the
@@ -14,18 +17,25 @@
 //! lands within about 15 s — well inside the controller's 40 s default timeout, even if the server is
 //! only up for short windows. The plugin keeps serving kubelet throughout.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::{
-    api::core::v1::Node,
-    apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time},
+    api::{
+        coordination::v1::{Lease, LeaseSpec},
+        core::v1::Node,
+    },
+    apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference, Time},
     jiff::Timestamp,
 };
 use kube::{
     Api, Resource,
     api::{Patch, PatchParams},
 };
-use tessera_api::{NodeInventory, NodeInventorySpec, inventory::NodeInventoryStatus};
+use tessera_api::{
+    NodeInventory, NodeInventorySpec,
+    heartbeat::{HEARTBEAT_LABEL, HEARTBEAT_LABEL_VALUE, leader_reads_node_leases, node_lease_name},
+    inventory::NodeInventoryStatus,
+};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
@@ -82,21 +92,118 @@ fn jitter() -> f64 {
     (r % 1_000_000) as f64 / 1_000_000.0
 }
 
+/// A reference to the Node `node` with `uid`, so what the plugin writes goes away with its Node.
+fn owned_by_node(node: &str, uid: &str) -> Vec<OwnerReference> {
+    vec![OwnerReference {
+        api_version: <Node as k8s_openapi::Resource>::API_VERSION.to_string(),
+        kind: <Node as k8s_openapi::Resource>::KIND.to_string(),
+        name: node.to_string(),
+        uid: uid.to_string(),
+        ..Default::default()
+    }]
+}
+
 /// The inventory object for `spec`, owned by the Node with `node_uid`.
 pub fn inventory_object(spec: NodeInventorySpec, node_uid: &str) -> NodeInventory {
     let mut inv = NodeInventory::new(&spec.node_name, spec.clone());
     inv.metadata = ObjectMeta {
         name: Some(spec.node_name.clone()),
-        owner_references: Some(vec![OwnerReference {
-            api_version: <Node as k8s_openapi::Resource>::API_VERSION.to_string(),
-            kind: <Node as k8s_openapi::Resource>::KIND.to_string(),
-            name: spec.node_name.clone(),
-            uid: node_uid.to_string(),
-            ..Default::default()
-        }]),
+        owner_references: Some(owned_by_node(&spec.node_name, node_uid)),
         ..Default::default()
     };
     inv
+}
+
+/// Where the node's heartbeat Lease lives and where the controller's leader-election Lease is read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseConfig {
+    /// Namespace of both Leases (the controller's `--lease-namespace`).
+    pub namespace: String,
+    /// Name of the controller's leader-election Lease (its `--lease-name`).
+    pub controller_lease: String,
+}
+
+/// How often the plugin reads the leader-election Lease to learn whether the leader reads node Leases.
+/// A controller of an older version that takes over is noticed within this, and a fresh one holds every
+/// pool for its whole heartbeat timeout (40 s by default) before it withdraws any, so the inventory
+/// heartbeats resume in time.
+pub const LEADER_CHECK_EVERY: Duration = Duration::from_secs(20);
+
+/// The heartbeat Lease of `node` (owned by the Node with `node_uid`, when known), renewed at `now`.
+pub fn node_lease(
+    name: &str,
+    namespace: &str,
+    node: &str,
+    node_uid: Option<&str>,
+    interval: Duration,
+    now: Timestamp,
+) -> Lease {
+    Lease {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            namespace: Some(namespace.to_string()),
+            labels: Some([(HEARTBEAT_LABEL.to_string(), HEARTBEAT_LABEL_VALUE.to_string())].into()),
+            owner_references: node_uid.map(|uid| owned_by_node(node, uid)),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(node.to_string()),
+            // Informational: the controller judges renewals by its own `--heartbeat-timeout`.
+            lease_duration_seconds: Some(
+                i32::try_from(interval.as_secs().saturating_mul(4)).unwrap_or(i32::MAX),
+            ),
+            renew_time: Some(MicroTime(now)),
+            ..Default::default()
+        }),
+    }
+}
+
+/// What the plugin knows about its heartbeat: which writes one round must make.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HeartbeatState {
+    /// The last write of the node's Lease succeeded.
+    pub lease_renewed: bool,
+    /// The last read of the leader-election Lease said the leader reads node Leases.
+    pub leader_reads_leases: bool,
+    /// When the leader-election Lease was last read.
+    pub leader_checked_at: Option<Instant>,
+    /// The status last written, without its heartbeat time.
+    pub written: Option<NodeInventoryStatus>,
+}
+
+/// `status` without its heartbeat time, for comparing what changed.
+fn without_time(status: &NodeInventoryStatus) -> NodeInventoryStatus {
+    NodeInventoryStatus {
+        last_heartbeat_time: None,
+        ..status.clone()
+    }
+}
+
+impl HeartbeatState {
+    /// True when the leader-election Lease should be read (again) at `now`.
+    pub fn leader_check_due(&self, now: Instant) -> bool {
+        self.lease_renewed
+            && self
+                .leader_checked_at
+                .is_none_or(|at| now.saturating_duration_since(at) >= LEADER_CHECK_EVERY)
+    }
+
+    /// True when the round must write `status`: it changed, or the inventory still carries the heartbeat.
+    pub fn status_write_needed(&self, status: &NodeInventoryStatus) -> bool {
+        let lease_heartbeat = self.lease_renewed && self.leader_reads_leases;
+        !lease_heartbeat || self.written.as_ref() != Some(&without_time(status))
+    }
+
+    /// Records a written status.
+    pub fn wrote(&mut self, status: &NodeInventoryStatus) {
+        self.written = Some(without_time(status));
+    }
+}
+
+/// True for an answer that retrying will not change: the Lease is not permitted (an older chart's RBAC)
+/// or its namespace does not exist.
+fn refused(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 403 || s.code == 404)
 }
 
 /// The status to publish for a registration state.
@@ -159,6 +266,8 @@ pub struct InventoryPublisher {
     registration: watch::Receiver<RegistrationState>,
     problems: Option<Problems>,
     health: Option<std::sync::Arc<crate::health::Health>>,
+    leases: Option<LeaseConfig>,
+    node_uid: Option<String>,
 }
 
 impl InventoryPublisher {
@@ -175,7 +284,16 @@ impl InventoryPublisher {
             registration,
             problems: None,
             health: None,
+            leases: None,
+            node_uid: None,
         }
+    }
+
+    /// Heartbeats through a node Lease as configured (see the module docs); without it, through the
+    /// NodeInventory status only.
+    pub fn with_leases(mut self, leases: LeaseConfig) -> Self {
+        self.leases = Some(leases);
+        self
     }
 
     /// Publishes `health` in `status.health`, and publishes at once whenever it changes (the controller
@@ -198,6 +316,7 @@ impl InventoryPublisher {
         let mut spec_published = false;
         let mut backoff = Backoff::default();
         let mut health_changes = self.health.as_ref().map(|h| h.subscribe());
+        let mut beat = HeartbeatState::default();
         loop {
             let attempt = tokio::time::timeout(ATTEMPT_TIMEOUT, async {
                 if !spec_published {
@@ -211,8 +330,12 @@ impl InventoryPublisher {
                 if let Some(health) = &self.health {
                     status.health = health.status();
                 }
-                self.publish_status(&api, &status).await?;
-                debug!(ready = status.ready, "heartbeat published");
+                self.renew_lease(&mut beat).await?;
+                if beat.status_write_needed(&status) {
+                    self.publish_status(&api, &status).await?;
+                    beat.wrote(&status);
+                    debug!(ready = status.ready, "inventory status published");
+                }
                 Ok::<_, kube::Error>(())
             })
             .await;
@@ -248,10 +371,11 @@ impl InventoryPublisher {
         info!(inventory = %name, "stopped heartbeating; the node's slices stay published");
     }
 
-    async fn publish_spec(&self, api: &Api<NodeInventory>) -> Result<(), kube::Error> {
+    async fn publish_spec(&mut self, api: &Api<NodeInventory>) -> Result<(), kube::Error> {
         let nodes: Api<Node> = Api::all(self.client.clone());
         let node = nodes.get(&self.spec.node_name).await?;
         let uid = node.metadata.uid.unwrap_or_default();
+        self.node_uid = Some(uid.clone()).filter(|u| !u.is_empty());
         let inv = inventory_object(self.spec.clone(), &uid);
         api.patch(
             &self.spec.node_name,
@@ -260,6 +384,80 @@ impl InventoryPublisher {
         )
         .await?;
         info!(inventory = %self.spec.node_name, gpus = self.spec.gpus.len(), "published the node inventory");
+        Ok(())
+    }
+
+    /// Renews the node's Lease and, when due, reads whether the leader reads node Leases. A refused Lease
+    /// write leaves the heartbeat to the inventory status; any other failure fails the round (retried).
+    async fn renew_lease(&self, beat: &mut HeartbeatState) -> Result<(), kube::Error> {
+        let Some(cfg) = &self.leases else {
+            return Ok(());
+        };
+        let node = &self.spec.node_name;
+        let Some(name) = node_lease_name(node) else {
+            if beat.written.is_none() {
+                warn!(node = %node, "the node name is too long for a heartbeat Lease name; heartbeating through the NodeInventory");
+            }
+            return Ok(());
+        };
+        let leases: Api<Lease> = Api::namespaced(self.client.clone(), &cfg.namespace);
+        let lease = node_lease(
+            &name,
+            &cfg.namespace,
+            node,
+            self.node_uid.as_deref(),
+            self.heartbeat,
+            Timestamp::now(),
+        );
+        match leases
+            .patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&lease),
+            )
+            .await
+        {
+            Ok(_) => {
+                if !beat.lease_renewed {
+                    info!(lease = %name, namespace = %cfg.namespace, "heartbeating through the node's Lease");
+                }
+                beat.lease_renewed = true;
+            }
+            Err(e) if refused(&e) => {
+                if beat.lease_renewed || beat.written.is_none() {
+                    warn!(lease = %name, namespace = %cfg.namespace, error = %e,
+                        "cannot write the node's heartbeat Lease; heartbeating through the NodeInventory status \
+                         instead. Fix: grant the plugin get, create, patch and update on leases in that namespace \
+                         (the chart's Role does), or set --lease-namespace (TESSERA_LEASE_NAMESPACE) to the \
+                         controller's lease namespace");
+                }
+                beat.lease_renewed = false;
+                beat.leader_reads_leases = false;
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        }
+        let now = Instant::now();
+        if beat.leader_check_due(now) {
+            let reads = match leases.get_opt(&cfg.controller_lease).await {
+                Ok(leader) => leader.as_ref().is_some_and(leader_reads_node_leases),
+                Err(e) if refused(&e) => false,
+                Err(e) => return Err(e),
+            };
+            if reads != beat.leader_reads_leases {
+                info!(
+                    leader_reads_node_leases = reads,
+                    "the leading controller changed; {}",
+                    if reads {
+                        "the inventory status is written only when it changes"
+                    } else {
+                        "the inventory status carries the heartbeat too"
+                    }
+                );
+            }
+            beat.leader_reads_leases = reads;
+            beat.leader_checked_at = Some(now);
+        }
         Ok(())
     }
 
@@ -361,6 +559,80 @@ mod tests {
         assert_eq!(b.next(0.0), INITIAL_BACKOFF, "a success starts over");
         // The invariant the module documents, against the controller's default timeout of 40 s.
         assert!(MAX_BACKOFF + ATTEMPT_TIMEOUT < Duration::from_secs(40) / 2);
+    }
+
+    #[test]
+    fn the_node_lease_is_labelled_for_the_controller_and_owned_by_its_node() {
+        let now = Timestamp::now();
+        let lease = node_lease(
+            "tessera-node-node-a",
+            "tessera-system",
+            "node-a",
+            Some("uid-1"),
+            Duration::from_secs(10),
+            now,
+        );
+        let v = serde_json::to_value(&lease).unwrap();
+        assert_eq!(
+            (v["apiVersion"].as_str(), v["kind"].as_str()),
+            (Some("coordination.k8s.io/v1"), Some("Lease"))
+        );
+        assert_eq!(v["metadata"]["namespace"], "tessera-system");
+        assert_eq!(v["metadata"]["labels"][HEARTBEAT_LABEL], HEARTBEAT_LABEL_VALUE);
+        assert_eq!(v["metadata"]["ownerReferences"][0]["kind"], "Node");
+        assert_eq!(v["metadata"]["ownerReferences"][0]["uid"], "uid-1");
+        assert_eq!(v["spec"]["holderIdentity"], "node-a");
+        assert_eq!(v["spec"]["leaseDurationSeconds"], 40);
+        assert!(v["spec"]["renewTime"].is_string());
+        let unowned = node_lease("l", "ns", "node-a", None, Duration::from_secs(10), now);
+        assert_eq!(unowned.metadata.owner_references, None);
+    }
+
+    #[test]
+    fn the_status_carries_the_heartbeat_until_the_leader_reads_node_leases_then_is_written_on_change_only() {
+        let t0 = Instant::now();
+        let ready = inventory_status(&spec(), &RegistrationState::Registered, Timestamp::now());
+        let mut beat = HeartbeatState::default();
+        assert!(beat.status_write_needed(&ready), "nothing written yet");
+        beat.wrote(&ready);
+        assert!(
+            !beat.leader_check_due(t0),
+            "no Lease renewed yet: nothing to switch to"
+        );
+        beat.lease_renewed = true;
+        assert!(beat.leader_check_due(t0));
+        assert!(
+            beat.status_write_needed(&ready),
+            "an older leader still needs the inventory heartbeat"
+        );
+
+        beat.leader_reads_leases = true;
+        beat.leader_checked_at = Some(t0);
+        let later = inventory_status(&spec(), &RegistrationState::Registered, Timestamp::now());
+        assert!(!beat.status_write_needed(&later), "only the time differs");
+        let mut sick = later.clone();
+        sick.message = Some("checkpoint corrupted".into());
+        assert!(beat.status_write_needed(&sick), "a changed status is written");
+        assert!(!beat.leader_check_due(t0 + LEADER_CHECK_EVERY - Duration::from_secs(1)));
+        assert!(beat.leader_check_due(t0 + LEADER_CHECK_EVERY));
+
+        // The Lease is refused (an older chart's RBAC): back to the inventory heartbeat.
+        beat.lease_renewed = false;
+        assert!(beat.status_write_needed(&later));
+    }
+
+    #[test]
+    fn only_a_forbidden_or_missing_lease_namespace_falls_back_without_retrying() {
+        let status = |code| {
+            kube::Error::Api(Box::new(kube::core::Status {
+                code,
+                ..Default::default()
+            }))
+        };
+        assert!(refused(&status(403)));
+        assert!(refused(&status(404)));
+        assert!(!refused(&status(500)));
+        assert!(!refused(&status(409)));
     }
 
     #[test]

@@ -152,7 +152,7 @@ async fn watch_classes(kubeconfig: Option<&std::path::Path>) -> Result<Arc<Clust
         watcher::Config::default(),
         crate::runtime::drop_managed_fields,
         ViewCell::new(now),
-        wake.clone(),
+        Some(wake.clone()),
     ));
     tokio::spawn(crate::runtime::mirror(
         "ResourceSlice",
@@ -162,7 +162,7 @@ async fn watch_classes(kubeconfig: Option<&std::path::Path>) -> Result<Arc<Clust
         // The webhook judges classes by the devices, so it keeps them.
         crate::runtime::drop_managed_fields,
         ViewCell::new(now),
-        wake.clone(),
+        Some(wake.clone()),
     ));
     let bump = generation.clone();
     tokio::spawn(async move {
