@@ -1,6 +1,7 @@
 // Command bench-controller measures tessera's controller against a real API server at cluster scale: it
 // registers N Nodes with NodeInventories (8 GPUs each, as the simulated plugin discovers them), keeps
-// every heartbeat fresh itself, starts the controller binary and reports how long the controller takes
+// every heartbeat fresh itself the way the plugin does (-heartbeat-object: the node's Lease, or the
+// NodeInventory status as plugins before the Lease heartbeat did), starts the controller binary and reports how long the controller takes
 // to publish every pool, what it writes at steady state, after one node's inventory changes and after a
 // policy change that touches every node, and the peak RSS of the controller and of the API server.
 //
@@ -13,6 +14,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -43,6 +45,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/util/retry"
+	"k8s.io/utils/ptr"
 
 	"tessera.dev/e2e/internal/procstat"
 )
@@ -71,6 +74,9 @@ type options struct {
 	steady            time.Duration
 	settle            time.Duration
 	heartbeatInterval time.Duration
+	heartbeatObject   string
+	leaseNamespace    string
+	leaseName         string
 	timeout           time.Duration
 	out               string
 	logDir            string
@@ -87,12 +93,19 @@ func main() {
 	flag.StringVar(&o.shapes, "shapes", "h100,h200,mix", "node shapes to run, in order (h100, h200, mix)")
 	flag.DurationVar(&o.steady, "steady", 5*time.Minute, "steady-state window in which writes are counted")
 	flag.DurationVar(&o.settle, "settle", 20*time.Second, "how long writes are counted after one node's inventory changes")
-	flag.DurationVar(&o.heartbeatInterval, "heartbeat-interval", 10*time.Second, "how often each NodeInventory heartbeat is renewed (the plugin's default)")
+	flag.DurationVar(&o.heartbeatInterval, "heartbeat-interval", 10*time.Second, "how often each node's heartbeat is renewed (the plugin's default)")
+	flag.StringVar(&o.heartbeatObject, "heartbeat-object", heartbeatLease, "what each heartbeat writes: lease (the node's Lease, as the plugin does) or inventory (the NodeInventory status, as plugins before the Lease heartbeat did)")
+	flag.StringVar(&o.leaseNamespace, "lease-namespace", "tessera-system", "namespace of the controller's leader Lease and the nodes' heartbeat Leases (the controller's --lease-namespace)")
+	flag.StringVar(&o.leaseName, "lease-name", "tessera-controller", "the controller's leader Lease (its --lease-name)")
 	flag.DurationVar(&o.timeout, "timeout", 10*time.Minute, "give up on a phase that has not converged after this long")
 	flag.StringVar(&o.out, "out", "e2e/bench/results/controller.md", "where the table goes")
 	flag.StringVar(&o.logDir, "log-dir", os.TempDir(), "where the controller's log goes")
 	flag.IntVar(&o.workers, "workers", 8, "parallel API calls while creating and cleaning up objects")
 	flag.Parse()
+	if o.heartbeatObject != heartbeatLease && o.heartbeatObject != heartbeatInventory {
+		fmt.Fprintf(os.Stderr, "bench-controller: -heartbeat-object %q: use %s or %s\n", o.heartbeatObject, heartbeatLease, heartbeatInventory)
+		os.Exit(2)
+	}
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer cancel()
 	if err := run(ctx, o); err != nil {
@@ -101,6 +114,23 @@ func main() {
 	}
 }
 
+// The values of -heartbeat-object.
+const (
+	heartbeatLease     = "lease"
+	heartbeatInventory = "inventory"
+)
+
+// What the plugin's Lease heartbeat uses (api/src/heartbeat.rs): the Lease name prefix, its label, the
+// leader Lease's annotation naming a holder that reads node Leases, and the plugin's field manager.
+const (
+	nodeLeasePrefix           = "tessera-node-"
+	heartbeatLabel            = "gpu.tessera.dev/heartbeat"
+	readsNodeLeasesAnnotation = "gpu.tessera.dev/reads-node-leases"
+	pluginFieldManager        = "tessera-kubelet-plugin"
+	// The plugin reads the leader Lease at most this often.
+	leaderLeaseReadInterval = 20 * time.Second
+)
+
 // bench holds the clients and the slice informer every phase reads.
 type bench struct {
 	o       options
@@ -108,6 +138,9 @@ type bench struct {
 	dyn     dynamic.Interface
 	slices  cache.SharedIndexInformer
 	changes sync.Map // pool -> *atomic.Int64: slice adds, updates and deletes seen
+	nodeUID sync.Map // node name -> types.UID, for the heartbeat Lease's ownerReference
+	// Heartbeat requests sent, by kind, for the table.
+	leaseApplies, statusWrites, leaderReads atomic.Int64
 }
 
 // loadAtStart is the machine's load average when the bench started, for the table's header.
@@ -185,6 +218,22 @@ type result struct {
 	policyConverge                time.Duration
 	policyWrites, policyRequests  int64
 	controllerPeak, apiserverPeak int64
+	steadyBeats                   beats
+}
+
+// beats counts the heartbeat requests the simulated plugins sent in a window.
+type beats struct{ leaseApplies, statusWrites, leaderReads int64 }
+
+func (b *bench) beatCount() beats {
+	return beats{b.leaseApplies.Load(), b.statusWrites.Load(), b.leaderReads.Load()}
+}
+
+func (x beats) minus(y beats) beats {
+	return beats{x.leaseApplies - y.leaseApplies, x.statusWrites - y.statusWrites, x.leaderReads - y.leaderReads}
+}
+
+func (x beats) String() string {
+	return fmt.Sprintf("%d Lease applies, %d NodeInventory status writes, %d leader-Lease GETs", x.leaseApplies, x.statusWrites, x.leaderReads)
 }
 
 func (r result) String() string {
@@ -254,6 +303,7 @@ func (b *bench) runShape(ctx context.Context, shape string) (result, error) {
 
 	// 2. Steady state: heartbeats keep arriving, nothing else changes.
 	mark := b.snapshot(ctx)
+	beatsBefore := b.beatCount()
 	if err := procstat.Sleep(ctx, b.o.steady); err != nil {
 		return r, err
 	}
@@ -262,7 +312,8 @@ func (b *bench) runShape(ctx context.Context, shape string) (result, error) {
 	}
 	d := b.since(ctx, mark)
 	r.steadyWrites, r.steadyRequests = d.changes, d.requests
-	fmt.Fprintf(os.Stderr, "    steady state over %s: %d slice changes, %d ResourceSlice write requests\n", b.o.steady, d.changes, d.requests)
+	r.steadyBeats = b.beatCount().minus(beatsBefore)
+	fmt.Fprintf(os.Stderr, "    steady state over %s: %d slice changes, %d ResourceSlice write requests; heartbeats: %s\n", b.o.steady, d.changes, d.requests, r.steadyBeats)
 
 	// 3. One node's inventory changes: its last GPU goes away (a GPU fell off the bus).
 	changed := names[len(names)/2]
@@ -372,6 +423,7 @@ func (b *bench) createNode(ctx context.Context, name string, s inventorySpec) er
 	if err != nil {
 		return fmt.Errorf("failed to create Node %s: %w", name, err)
 	}
+	b.nodeUID.Store(name, node.UID)
 	spec := deepCopy(s.spec)
 	spec["nodeName"] = name
 	for i, g := range spec["gpus"].([]any) {
@@ -422,7 +474,15 @@ func (b *bench) heartbeat(ctx context.Context, inv *unstructured.Unstructured, g
 	return nil
 }
 
-// heartbeats renews every inventory once per -heartbeat-interval, spread evenly over it like 1,000
+// simPlugin is what one simulated plugin remembers between beats: when it last read the leader Lease and
+// whether the leader then said it reads node Leases.
+type simPlugin struct {
+	mu            sync.Mutex
+	leaderReadAt  time.Time
+	leaderReadsUs bool
+}
+
+// heartbeats renews every node's heartbeat once per -heartbeat-interval, spread evenly over it like 1,000
 // independent plugins would be. Beats go to a pool of workers, so a slow API server delays a beat but
 // never stretches the round (a stretched round would let the controller rightly withdraw pools whose
 // heartbeats went stale). A missed beat is retried next round; only a context end stops it.
@@ -430,15 +490,16 @@ func (b *bench) heartbeats(ctx context.Context, names []string) {
 	work := make(chan string, len(names))
 	var failures, late atomic.Int64
 	var wg sync.WaitGroup
+	plugins := make(map[string]*simPlugin, len(names))
+	for _, n := range names {
+		plugins[n] = &simPlugin{}
+	}
 	for range 32 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for name := range work {
-				// One merge patch of the status per beat, as cheap as a heartbeat can be for the API server.
-				patch := fmt.Appendf(nil, `{"status":{"ready":true,"lastHeartbeatTime":%q}}`, time.Now().UTC().Format(time.RFC3339Nano))
-				_, err := b.dyn.Resource(inventoryGVR).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
-				if err != nil && ctx.Err() == nil {
+				if err := b.beat(ctx, name, plugins[name]); err != nil && ctx.Err() == nil {
 					failures.Add(1)
 				}
 			}
@@ -465,6 +526,79 @@ func (b *bench) heartbeats(ctx context.Context, names []string) {
 			late.Add(1)
 		}
 	}
+}
+
+// beat is one heartbeat of one node's plugin. With -heartbeat-object lease it does what the plugin does
+// (kubelet-plugin/src/inventory.rs): a server-side apply of the node's small Lease, a GET of the leader
+// Lease when the last read is leaderLeaseReadInterval old, and the NodeInventory status rewritten too
+// unless that leader said it reads node Leases. With inventory, only the status write, as plugins before
+// the Lease heartbeat did.
+func (b *bench) beat(ctx context.Context, name string, p *simPlugin) error {
+	now := time.Now().UTC()
+	writeStatus := true
+	if b.o.heartbeatObject == heartbeatLease {
+		if err := b.applyNodeLease(ctx, name, now); err != nil {
+			return err
+		}
+		p.mu.Lock()
+		if now.Sub(p.leaderReadAt) >= leaderLeaseReadInterval {
+			p.leaderReadAt = now
+			p.leaderReadsUs = b.leaderReadsNodeLeases(ctx)
+		}
+		writeStatus = !p.leaderReadsUs
+		p.mu.Unlock()
+	}
+	if !writeStatus {
+		return nil
+	}
+	// One merge patch of the status per beat, as cheap as a status heartbeat can be for the API server.
+	patch := fmt.Appendf(nil, `{"status":{"ready":true,"lastHeartbeatTime":%q}}`, now.Format(time.RFC3339Nano))
+	_, err := b.dyn.Resource(inventoryGVR).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
+	b.statusWrites.Add(1)
+	return err
+}
+
+// applyNodeLease renews the Lease tessera-node-<name> as the plugin writes it: server-side apply (which
+// creates it the first time), holder the node, 4 heartbeat intervals long, owned by the Node.
+func (b *bench) applyNodeLease(ctx context.Context, name string, now time.Time) error {
+	uid, _ := b.nodeUID.Load(name)
+	lease := map[string]any{
+		"apiVersion": "coordination.k8s.io/v1",
+		"kind":       "Lease",
+		"metadata": map[string]any{
+			"name":      nodeLeasePrefix + name,
+			"namespace": b.o.leaseNamespace,
+			"labels":    map[string]any{heartbeatLabel: "node"},
+			"ownerReferences": []any{map[string]any{
+				"apiVersion": "v1", "kind": "Node", "name": name, "uid": fmt.Sprint(uid),
+			}},
+		},
+		"spec": map[string]any{
+			"holderIdentity":       name,
+			"leaseDurationSeconds": max(1, int64(4*b.o.heartbeatInterval/time.Second)),
+			// A MicroTime: RFC 3339 with microseconds.
+			"renewTime": now.Format("2006-01-02T15:04:05.000000Z07:00"),
+		},
+	}
+	body, err := json.Marshal(lease)
+	if err != nil {
+		return err
+	}
+	_, err = b.client.CoordinationV1().Leases(b.o.leaseNamespace).Patch(ctx, nodeLeasePrefix+name, types.ApplyPatchType, body,
+		metav1.PatchOptions{FieldManager: pluginFieldManager, Force: ptr.To(true)})
+	b.leaseApplies.Add(1)
+	return err
+}
+
+// leaderReadsNodeLeases reads the controller's leader Lease: true when its annotation names the current,
+// non-empty holder (an older controller taking over keeps the annotation but changes the holder).
+func (b *bench) leaderReadsNodeLeases(ctx context.Context) bool {
+	l, err := b.client.CoordinationV1().Leases(b.o.leaseNamespace).Get(ctx, b.o.leaseName, metav1.GetOptions{})
+	b.leaderReads.Add(1)
+	if err != nil || l.Spec.HolderIdentity == nil || *l.Spec.HolderIdentity == "" {
+		return false
+	}
+	return l.Annotations[readsNodeLeasesAnnotation] == *l.Spec.HolderIdentity
 }
 
 func (b *bench) dropLastGPU(ctx context.Context, name string) error {
@@ -536,9 +670,16 @@ func (b *bench) cleanup(ctx context.Context) error {
 	}
 	// The controller keeps its Lease when it stops; the next shape's controller would wait out the
 	// lease duration before writing anything, which is failover time, not start-up time.
-	err = b.client.CoordinationV1().Leases("tessera-system").Delete(ctx, "tessera-controller", metav1.DeleteOptions{})
+	err = b.client.CoordinationV1().Leases(b.o.leaseNamespace).Delete(ctx, b.o.leaseName, metav1.DeleteOptions{})
 	if err != nil && !apierrors.IsNotFound(err) {
 		return fmt.Errorf("failed to delete the controller's Lease: %w", err)
+	}
+	// The nodes' heartbeat Leases would go with their Nodes through the garbage collector; without waiting
+	// for it, the next shape starts with none.
+	err = b.client.CoordinationV1().Leases(b.o.leaseNamespace).DeleteCollection(ctx, metav1.DeleteOptions{},
+		metav1.ListOptions{LabelSelector: heartbeatLabel + "=node"})
+	if err != nil {
+		return fmt.Errorf("failed to delete the nodes' heartbeat Leases: %w", err)
 	}
 	deadline := time.Now().Add(b.o.timeout)
 	for len(b.pools()) > 0 {
@@ -743,7 +884,7 @@ func (b *bench) startController(ctx context.Context, shape string) (*controller,
 		return nil, fmt.Errorf("failed to create the controller log %s: %w", logPath, err)
 	}
 	cmd := exec.Command(b.o.controller, "--kubeconfig", b.o.kubeconfig)
-	cmd.Env = append(os.Environ(), "RUST_LOG=info")
+	cmd.Env = append(os.Environ(), "RUST_LOG=info", "TESSERA_LEASE_NAMESPACE="+b.o.leaseNamespace, "TESSERA_LEASE_NAME="+b.o.leaseName)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	c := &controller{cmd: cmd, log: logPath, exited: make(chan struct{})}
 	c.started = time.Now()
@@ -843,17 +984,25 @@ func verdict(ok bool) string {
 func markdown(o options, rs []result) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "# Controller at scale: %d GPU nodes on a real kube-apiserver\n\n", o.nodes)
-	fmt.Fprintf(&b, "`e2e/scripts/bench-controller.sh -nodes %d -shapes %s -steady %s` on %d CPUs, %s. "+
-		"Every node is a Node plus the NodeInventory the simulated plugin discovers for its shape, its heartbeat renewed every %s by the bench; "+
+	heartbeat := "a merge patch of its NodeInventory's status per beat (`-heartbeat-object inventory`: the plugins before the Lease heartbeat)"
+	if o.heartbeatObject == heartbeatLease {
+		heartbeat = fmt.Sprintf("a server-side apply of its Lease `%s<node>` in %s per beat, a GET of the leader Lease `%s` at most every %s, "+
+			"and its NodeInventory's status rewritten each beat only until that Lease says the leader reads node Leases (`-heartbeat-object lease`: the plugin's heartbeat)",
+			nodeLeasePrefix, o.leaseNamespace, o.leaseName, leaderLeaseReadInterval)
+	}
+	fmt.Fprintf(&b, "Heartbeat object: **%s**.\n\n", o.heartbeatObject)
+	fmt.Fprintf(&b, "`e2e/scripts/bench-controller.sh -nodes %d -shapes %s -steady %s -heartbeat-interval %s -heartbeat-object %s` on %d CPUs, %s. "+
+		"Every node is a Node plus the NodeInventory the simulated plugin discovers for its shape, its heartbeat renewed every %s by the bench: %s; "+
 		"no GpuPolicy at first (the built-in default: dynamic MIG wherever the GPU can do it). Controller binary `%s`. Load average (1 / 5 / 15 min) at the start %s, at the end %s.\n\n",
-		o.nodes, o.shapes, o.steady, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"), o.heartbeatInterval, o.controller, loadAtStart, procstat.LoadAverage())
-	b.WriteString("| shape (per node) | slices / devices | controller start → every pool published | steady-state writes | one node's inventory changes | policy change → converged | controller peak RSS | kube-apiserver peak RSS |\n")
-	b.WriteString("|---|---|---|---|---|---|---|---|\n")
+		o.nodes, o.shapes, o.steady, o.heartbeatInterval, o.heartbeatObject, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"),
+		o.heartbeatInterval, heartbeat, o.controller, loadAtStart, procstat.LoadAverage())
+	b.WriteString("| shape (per node) | slices / devices | controller start → every pool published | steady-state writes | steady-state heartbeat requests | one node's inventory changes | policy change → converged | controller peak RSS | kube-apiserver peak RSS |\n")
+	b.WriteString("|---|---|---|---|---|---|---|---|---|\n")
 	for _, r := range rs {
-		fmt.Fprintf(&b, "| %s | %d / %d | %.1f s (≤ 60 s %s) | %d slice changes, %d write requests in %s (target 0: %s) | %d slice changes, %d write requests, pools: %s (target: that pool only: %s) | %.1f s (≤ 60 s %s), %d slice changes, %d write requests | %s (≤ 150 MiB %s) | %s |\n",
+		fmt.Fprintf(&b, "| %s | %d / %d | %.1f s (≤ 60 s %s) | %d slice changes, %d write requests in %s (target 0: %s) | %s | %d slice changes, %d write requests, pools: %s (target: that pool only: %s) | %.1f s (≤ 60 s %s), %d slice changes, %d write requests | %s (≤ 150 MiB %s) | %s |\n",
 			r.models, r.slices, r.devices,
 			r.converge.Seconds(), verdict(r.converge <= time.Minute),
-			r.steadyWrites, r.steadyRequests, o.steady, verdict(r.steadyWrites == 0 && r.steadyRequests == 0),
+			r.steadyWrites, r.steadyRequests, o.steady, verdict(r.steadyWrites == 0 && r.steadyRequests == 0), r.steadyBeats,
 			r.changeWrites, r.changeRequests, strings.Join(r.changePools, ", "), verdict(len(r.changePools) == 1),
 			r.policyConverge.Seconds(), verdict(r.policyConverge <= time.Minute), r.policyWrites, r.policyRequests,
 			mib(r.controllerPeak), verdict(r.controllerPeak > 0 && r.controllerPeak <= 150<<20), mib(r.apiserverPeak))
@@ -863,6 +1012,7 @@ func markdown(o options, rs []result) string {
 		"A pool counts as published when it has as many slices of its newest generation as `resourceSliceCount` says. " +
 		"The controller holds a pool until it has seen one heartbeat change, so \"every pool published\" includes up to one heartbeat interval. " +
 		"The inventory change removes the last GPU of one node; its writes are counted for -settle after that pool is republished. The policy change creates GpuPolicy `default` with one `whole` rule (every pool then has one device per GPU); converged when every pool is complete at one device per GPU, its writes counted until -settle after that. " +
+		"\"Steady-state heartbeat requests\" are the bench's own counts of what its simulated plugins sent in the steady window. " +
 		"RSS is VmRSS sampled every 100 ms over the whole run of a shape.\n")
 	return b.String()
 }
