@@ -606,7 +606,9 @@ func heartbeat(t *testing.T, node string) (string, bool) {
 	return hb, ready
 }
 
-// waitFreshHeartbeat waits for a heartbeat newer than `after` with ready=true.
+// waitFreshHeartbeat waits for a ready NodeInventory status written after `after`. A plugin that (re)starts
+// writes its status first thing, so this is how a scenario knows the new process is up; a running plugin
+// whose leader reads node Leases renews only its Lease (waitRenewed).
 func waitFreshHeartbeat(t *testing.T, node string, after time.Time, timeout time.Duration) {
 	t.Helper()
 	ctx := ctxFor(t, timeout+5*time.Second)
@@ -619,5 +621,36 @@ func waitFreshHeartbeat(t *testing.T, node string, after time.Time, timeout time
 	})
 	if err != nil {
 		t.Fatalf("NodeInventory %s: no ready heartbeat after %s within %s (last %q)", node, after.Format(time.RFC3339), timeout, last)
+	}
+}
+
+// leaseNamespace is where the controller's leader Lease and the nodes' heartbeat Leases live: up.sh gives
+// the host controller and plugins the chart's release namespace as their lease namespace.
+const leaseNamespace = chartNamespace
+
+// nodeLeaseRenewed returns the renewTime of the node's heartbeat Lease tessera-node-<node>, zero without one.
+func nodeLeaseRenewed(ctx context.Context, node string) time.Time {
+	l, err := e.client.CoordinationV1().Leases(leaseNamespace).Get(ctx, "tessera-node-"+node, metav1.GetOptions{})
+	if err != nil || l.Spec.RenewTime == nil {
+		return time.Time{}
+	}
+	return l.Spec.RenewTime.Time
+}
+
+// waitRenewed waits until the node's plugin has renewed either heartbeat after `after` (its Lease's
+// renewTime or its inventory's lastHeartbeatTime, as the controller counts them) with a ready inventory.
+func waitRenewed(t *testing.T, node string, after time.Time, timeout time.Duration) {
+	t.Helper()
+	ctx := ctxFor(t, timeout+5*time.Second)
+	var last string
+	err := wait.PollUntilContextTimeout(ctx, time.Second, timeout, true, func(ctx context.Context) (bool, error) {
+		hb, ready := heartbeat(t, node)
+		renewed := nodeLeaseRenewed(ctx, node)
+		last = fmt.Sprintf("lastHeartbeatTime %q, Lease renewTime %s, ready %v", hb, renewed.Format(time.RFC3339Nano), ready)
+		ts, err := time.Parse(time.RFC3339, hb)
+		return ready && ((err == nil && !ts.Before(after.Truncate(time.Second))) || renewed.After(after)), nil
+	})
+	if err != nil {
+		t.Fatalf("node %s: no heartbeat renewed after %s within %s (last: %s)", node, after.Format(time.RFC3339), timeout, last)
 	}
 }

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	authenticationv1 "k8s.io/api/authentication/v1"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	v1 "k8s.io/api/core/v1"
 	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -112,6 +113,7 @@ func installChart(t *testing.T, rn realNodeEnv) {
 		}
 		// Without its plugin the node must not offer devices to the scenarios that follow.
 		_ = e.dyn.Resource(inventoryGVR).Delete(ctx, rn.name, metav1.DeleteOptions{})
+		_ = e.client.CoordinationV1().Leases(chartNamespace).Delete(ctx, "tessera-node-"+rn.name, metav1.DeleteOptions{})
 		_ = e.client.ResourceV1().ResourceSlices().DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{FieldSelector: "spec.nodeName=" + rn.name})
 		proc(t, "start", "controller")
 	})
@@ -510,6 +512,22 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 	if !ok {
 		return
 	}
+
+	t.Run("the plugin pod renews its node's Lease in the release namespace and, under the chart's leader, leaves the NodeInventory unwritten", func(t *testing.T) {
+		var l *coordinationv1.Lease
+		waitFor(t, "kubectl get lease -n "+chartNamespace+" tessera-node-"+rn.name, time.Minute, func(context.Context) (bool, string) {
+			got, err := nodeLease(t, chartNamespace, rn.name)
+			if err != nil {
+				return false, err.Error()
+			}
+			l = got
+			return true, ""
+		})
+		checkNodeLease(t, l, rn.name)
+		waitLeaseRenewed(t, chartNamespace, rn.name, renewTime(l))
+		waitLeaderReadsNodeLeases(t, chartNamespace)
+		checkInventoryLeftAloneWhileTheLeaseRenews(t, chartNamespace, rn.name)
+	})
 	t.Logf("chart installed, plugin registered, slices published in %s", time.Since(start).Round(time.Second))
 
 	ns := namespace(t, "real-node")
@@ -621,6 +639,29 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 		}
 		err = pc.ResourceV1().ResourceSlices().Delete(ctx, existing.Items[0].Name, metav1.DeleteOptions{})
 		expectForbidden(t, "the plugin deleting its node's ResourceSlice", err, "")
+
+		// Leases: the plugin's Role lets it write any Lease in the release namespace; the admission policy
+		// keeps it to tessera-node-<its node>, so it can neither forge another node's heartbeat nor take the
+		// controller's leader Lease. Reading the leader Lease is what it needs get for.
+		leases := pc.CoordinationV1().Leases(chartNamespace)
+		if _, err := leases.Get(ctx, leaderLeaseName, metav1.GetOptions{}); err != nil {
+			t.Errorf("the plugin's token cannot read the leader Lease %s: %v", leaderLeaseName, err)
+		}
+		apply := metav1.PatchOptions{FieldManager: "tessera-kubelet-plugin", Force: ptr.To(true)}
+		forged := func(name string) []byte {
+			return fmt.Appendf(nil, `{"apiVersion":"coordination.k8s.io/v1","kind":"Lease","metadata":{"name":%q,"namespace":%q},`+
+				`"spec":{"holderIdentity":%q,"renewTime":%q}}`, name, chartNamespace, rn.name, time.Now().UTC().Format("2006-01-02T15:04:05.000000Z07:00"))
+		}
+		const rule = "tessera-node-lease-own-node"
+		_, err = leases.Patch(ctx, "tessera-node-forged-node", types.ApplyPatchType, forged("tessera-node-forged-node"), apply)
+		expectForbidden(t, "the plugin on "+rn.name+" creating the Lease of a node it does not run on", err, rule)
+		_, err = leases.Patch(ctx, "tessera-node-"+other, types.ApplyPatchType, forged("tessera-node-"+other), apply)
+		expectForbidden(t, "the plugin on "+rn.name+" renewing the Lease of node "+other, err, rule)
+		_, err = leases.Patch(ctx, leaderLeaseName, types.MergePatchType, []byte(fmt.Sprintf(`{"spec":{"holderIdentity":%q}}`, rn.name)), metav1.PatchOptions{})
+		expectForbidden(t, "the plugin on "+rn.name+" taking the controller's leader Lease", err, rule)
+		if _, err := e.client.CoordinationV1().Leases(chartNamespace).Get(ctx, "tessera-node-forged-node", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+			t.Errorf("Lease tessera-node-forged-node: %v, want NotFound (the denied create left nothing)", err)
+		}
 
 		controllers, err := podsOf(ctx, "controller")
 		if err != nil || len(controllers) == 0 {

@@ -444,7 +444,7 @@ func TestRestartsKeepPodsPreparedAndSlicesStable(t *testing.T) {
 		}
 		back := time.Now()
 		for _, n := range e.nodes {
-			waitFreshHeartbeat(t, n, back, 60*time.Second)
+			waitRenewed(t, n, back, 60*time.Second)
 		}
 		for _, name := range append([]string{"controller"}, pluginNames()...) {
 			if !procAlive(name) {
