@@ -84,7 +84,7 @@ async fn run(nodes: usize, ticks: u32, policy: Option<GpuPolicy>) {
             })
             .collect()
     };
-    let snapshot = |second: i64, slices: &[Arc<ResourceSlice>]| -> Snapshot {
+    let snapshot = |second: i64, slices: &[Arc<ResourceSlice>], policy: &Option<GpuPolicy>| -> Snapshot {
         let at = Time(to_k8s_time(fixed_time() + chrono::Duration::seconds(second)));
         Snapshot {
             inventories: inventories
@@ -106,11 +106,11 @@ async fn run(nodes: usize, ticks: u32, policy: Option<GpuPolicy>) {
         }
     };
     // Listed once, then a heartbeat change: every pool is published.
-    reconciler.observe(&snapshot(0, &[]), start);
+    reconciler.observe(&snapshot(0, &[], &policy), start);
     let first = Instant::now();
     let decision = reconciler
         .reconcile(
-            &snapshot(1, &[]),
+            &snapshot(1, &[], &policy),
             &api,
             Utc::now(),
             start + Duration::from_secs(1),
@@ -124,12 +124,17 @@ async fn run(nodes: usize, ticks: u32, policy: Option<GpuPolicy>) {
         first.elapsed().as_secs_f64() * 1e3
     );
     let slices = cached_slices(&api);
+    // As the policy watch would show it after the first round: with the status the controller wrote.
+    let policy = policy.map(|mut p| {
+        p.status = api.policy_status("default");
+        p
+    });
     let per = |d: Duration| d.as_secs_f64() * 1e3 / f64::from(ticks);
     let (mut build, mut reconcile) = (Duration::ZERO, Duration::ZERO);
     let writes_before = api.writes();
     for t in 0..ticks {
         let t0 = Instant::now();
-        let snap = snapshot(2 + i64::from(t), &slices);
+        let snap = snapshot(2 + i64::from(t), &slices, &policy);
         let t1 = Instant::now();
         reconciler
             .reconcile(
@@ -155,7 +160,7 @@ async fn run(nodes: usize, ticks: u32, policy: Option<GpuPolicy>) {
 
     // The plugins move to Leases: the inventories' heartbeat stands still from here on.
     let offset = 2 + i64::from(ticks);
-    let mut snap = snapshot(offset, &slices);
+    let mut snap = snapshot(offset, &slices, &policy);
     let (mut build, mut reconcile) = (Duration::ZERO, Duration::ZERO);
     let writes_before = api.writes();
     for t in 0..ticks {

@@ -14,7 +14,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::{api::resource::v1::ResourceSlice, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 use sha2::{Digest, Sha256};
 use tessera_api::{DRIVER_NAME, NodeInventory, NodeInventorySpec};
 
@@ -270,9 +270,9 @@ pub fn desired_pools(inputs: &Inputs<'_, '_>) -> DesiredPools {
     pools
 }
 
-/// Identifies the inventory spec a pool was rendered from, without holding the spec.
+/// Identifies the inventory spec a pool was rendered from (or a policy's spec), without holding it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-enum SpecVersion {
+pub enum SpecVersion {
     /// NodeInventory has the status subresource (`deployments/crds/`), so the API server bumps
     /// `metadata.generation` on a spec change and never on the heartbeat (a status write); a recreated
     /// inventory has a new uid. Comparing these is O(1) per node and tick.
@@ -283,8 +283,14 @@ enum SpecVersion {
 }
 
 impl SpecVersion {
-    fn of(inventory: &NodeInventory) -> Self {
-        if let (Some(uid), Some(generation)) = (&inventory.metadata.uid, inventory.metadata.generation) {
+    pub fn of(inventory: &NodeInventory) -> Self {
+        Self::of_object(&inventory.metadata, &inventory.spec)
+    }
+
+    /// The version of an object whose spec changes bump `metadata.generation` (a custom resource with
+    /// the status subresource).
+    pub fn of_object(meta: &ObjectMeta, spec: &impl serde::Serialize) -> Self {
+        if let (Some(uid), Some(generation)) = (&meta.uid, meta.generation) {
             return Self::Generation {
                 uid: uid.clone(),
                 generation,
@@ -292,7 +298,7 @@ impl SpecVersion {
         }
         // Serializing a spec of derived `Serialize` types cannot fail; an empty hash would only cost a
         // re-render.
-        let bytes = serde_json::to_vec(&inventory.spec).unwrap_or_default();
+        let bytes = serde_json::to_vec(spec).unwrap_or_default();
         Self::SpecHash(Sha256::digest(&bytes).into())
     }
 }

@@ -15,7 +15,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    sync::Mutex,
+    sync::{Arc, Mutex},
     time::Instant,
 };
 
@@ -34,7 +34,9 @@ use crate::{
     liveness::{Liveness, View},
     policy::{Assignments, CompiledPolicy, PolicyProblem, valid_condition},
     pool::NodeRef,
-    pool_diff::{Generations, Inputs, Plan, PoolCursor, RenderCache, held_pools, trim_to_what_diff_reads},
+    pool_diff::{
+        Generations, Inputs, Plan, PoolCursor, RenderCache, SpecVersion, held_pools, trim_to_what_diff_reads,
+    },
 };
 
 /// Error of an API call, as the runtime reports it.
@@ -133,6 +135,30 @@ pub struct Decision {
     pub interrupted: bool,
 }
 
+/// What an assignment is computed from: the policy's spec (`None`: the built-in default) and every
+/// inventory's spec, in the snapshot's order.
+#[derive(Clone, Debug, PartialEq)]
+struct AssignedFrom {
+    policy: Option<SpecVersion>,
+    inventories: Vec<(String, SpecVersion)>,
+}
+
+impl AssignedFrom {
+    fn of(snap: &Snapshot) -> Self {
+        Self {
+            policy: snap
+                .policy
+                .as_ref()
+                .map(|p| SpecVersion::of_object(&p.metadata, &p.spec)),
+            inventories: snap
+                .inventories
+                .iter()
+                .map(|i| (i.spec.node_name.clone(), SpecVersion::of(i)))
+                .collect(),
+        }
+    }
+}
+
 /// Turns snapshots into writes, remembering the last valid policy, the pool generations it wrote, what
 /// it saw of each node's heartbeat and what each node's pool was last rendered from.
 pub struct Reconciler {
@@ -142,6 +168,10 @@ pub struct Reconciler {
     last_valid: Option<CompiledPolicy>,
     generations: Generations,
     renders: RenderCache,
+    /// The last valid assignment and what it was computed from.
+    assigned: Option<(AssignedFrom, Arc<Assignments>)>,
+    /// How often the policy was evaluated over every GPU.
+    evaluations: u64,
     /// The health taints in force, with their quiet periods ([`crate::health`]).
     pub health: HealthTracker,
 }
@@ -155,6 +185,8 @@ impl Reconciler {
             last_valid: None,
             generations: Generations::new(),
             renders: RenderCache::default(),
+            assigned: None,
+            evaluations: 0,
             health: HealthTracker::default(),
         }
     }
@@ -162,6 +194,11 @@ impl Reconciler {
     /// The per-node render cache (for tests and metrics: how often pools were rendered).
     pub fn render_cache(&self) -> &RenderCache {
         &self.renders
+    }
+
+    /// How often the policy was evaluated over every GPU (for tests: steady ticks reuse the last result).
+    pub fn policy_evaluations(&self) -> u64 {
+        self.evaluations
     }
 
     /// Records the snapshot's heartbeats at `mono` (the monotonic clock). Idempotent for one snapshot, so
@@ -177,7 +214,27 @@ impl Reconciler {
         self.health.observe(&snap.inventories, config, mono);
     }
 
-    fn assignments(&mut self, snap: &Snapshot) -> (Option<Assignments>, Option<PolicyProblem>) {
+    /// Every GPU's model under the policy. A model depends only on the policy's spec and the inventories'
+    /// specs, so while neither changed (every steady tick) the last valid assignment is reused: compiling
+    /// the policy and evaluating its CEL selectors for every GPU of 1,000 nodes took ~190 ms per tick.
+    fn assignments(&mut self, snap: &Snapshot) -> (Option<Arc<Assignments>>, Option<PolicyProblem>) {
+        let from = AssignedFrom::of(snap);
+        if let Some((key, cached)) = &self.assigned
+            && *key == from
+        {
+            return (Some(Arc::clone(cached)), None);
+        }
+        self.evaluations += 1;
+        let (assignments, problem) = self.assign(snap);
+        let assignments = assignments.map(Arc::new);
+        self.assigned = match (&assignments, &problem) {
+            (Some(a), None) => Some((from, Arc::clone(a))),
+            _ => None,
+        };
+        (assignments, problem)
+    }
+
+    fn assign(&mut self, snap: &Snapshot) -> (Option<Assignments>, Option<PolicyProblem>) {
         let specs = || snap.inventories.iter().map(|i| &i.spec);
         let Some(policy) = &snap.policy else {
             self.last_valid = Some(CompiledPolicy::builtin());
@@ -212,7 +269,7 @@ impl Reconciler {
         snap: &Snapshot,
         now: DateTime<Utc>,
         mono: Instant,
-    ) -> (Decision, Option<Assignments>) {
+    ) -> (Decision, Option<Arc<Assignments>>) {
         self.observe(snap, mono);
         let (assignments, problem) = self.assignments(snap);
         let status = snap.policy.as_ref().and_then(|p| {

@@ -339,6 +339,64 @@ async fn nodes_heartbeating_through_their_leases_stay_published_and_a_silent_lea
     );
 }
 
+#[tokio::test]
+async fn steady_ticks_reuse_the_policys_models_until_the_policy_or_an_inventory_spec_changes() {
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    // As read from the API server: uid and generation, which a spec change bumps.
+    for (i, inv) in cluster.inventories.iter_mut().enumerate() {
+        inv.metadata.uid = Some(format!("inv-{i}"));
+        inv.metadata.generation = Some(1);
+    }
+    let versioned = |rule: &str, generation: i64| {
+        let mut p = support::policy(&format!(
+            "apiVersion: gpu.tessera.dev/v1alpha1\nkind: GpuPolicy\nmetadata: {{name: default}}\n\
+             spec: {{rules: [{rule}]}}\n"
+        ));
+        p.metadata.uid = Some("policy-uid".into());
+        p.metadata.generation = Some(generation);
+        p
+    };
+    cluster.policy = Some(versioned(
+        r#"{name: h100-whole, selector: 'device.attributes["gpu.tessera.dev"].productName.startsWith("NVIDIA H100")', whole: {}}"#,
+        1,
+    ));
+    // The watch shows the status the controller wrote, so steady ticks write nothing.
+    let status_seen = |cluster: &mut Cluster, api: &InMemoryApi| {
+        if let Some(p) = cluster.policy.as_mut() {
+            p.status = api.policy_status("default");
+        }
+    };
+    let mut r = reconciler_for(&cluster, &api);
+    step(&mut r, &mut cluster, &api).await;
+    status_seen(&mut cluster, &api);
+    let after_first = r.policy_evaluations();
+    assert_eq!(steps(10, &mut r, &mut cluster, &api).await, 0);
+    assert_eq!(
+        r.policy_evaluations(),
+        after_first,
+        "nothing changed: no evaluation"
+    );
+
+    cluster.policy = Some(versioned("{name: all-shared, shared: {strategy: MPS}}", 2));
+    assert!(
+        step(&mut r, &mut cluster, &api).await > 0,
+        "a new policy generation rewrites the pools"
+    );
+    status_seen(&mut cluster, &api);
+    assert_eq!(r.policy_evaluations(), after_first + 1);
+
+    cluster.inventories[1] = node("node-b").gpus(GpuModel::H200, 1).build();
+    cluster.inventories[1].metadata.uid = Some("inv-1".into());
+    cluster.inventories[1].metadata.generation = Some(2);
+    assert!(
+        step(&mut r, &mut cluster, &api).await > 0,
+        "the changed node is rewritten"
+    );
+    assert_eq!(r.policy_evaluations(), after_first + 2);
+    assert_eq!(steps(5, &mut r, &mut cluster, &api).await, 0);
+    assert_eq!(r.policy_evaluations(), after_first + 2);
+}
+
 /// Issue 16 items 1 and 2: the controller judged heartbeats by wall-clock age from a cache that had not
 /// caught up after API server restarts, and withdrew healthy nodes' pools (`deletes=9`).
 #[tokio::test]
