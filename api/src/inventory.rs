@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
     status = "NodeInventoryStatus",
     printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.gpuCount"}"#,
     printcolumn = r#"{"name":"Ready","type":"boolean","jsonPath":".status.ready"}"#,
-    printcolumn = r#"{"name":"Heartbeat","type":"date","jsonPath":".status.lastHeartbeatTime"}"#
+    printcolumn = r#"{"name":"Status-Written","type":"date","jsonPath":".status.lastHeartbeatTime"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct NodeInventorySpec {
@@ -50,8 +50,11 @@ pub struct NodeInventoryStatus {
     /// longer than its `--not-ready-grace`.
     #[serde(default)]
     pub ready: bool,
-    /// Refreshed periodically by the plugin. The controller judges it by when it saw the value change, on
-    /// its own clock, so the plugin's clock and API server outages do not make a node look stale.
+    /// When the plugin wrote this status. Plugins heartbeat through their node's Lease
+    /// (`tessera-node-<node>`) and write the status when it changes, or every heartbeat while the leading
+    /// controller does not read node Leases. The controller counts a change of it as a heartbeat, judged
+    /// by when it saw the value change on its own clock, so the plugin's clock and API server outages do
+    /// not make a node look stale.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_heartbeat_time: Option<Time>,
     /// Number of GPUs in `spec.gpus` (for `kubectl get`).
