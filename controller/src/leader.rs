@@ -11,9 +11,11 @@
 //!   both believe they lead. Writes check [`LeaderElector::is_leader`] right before each call.
 //! * Every lease write carries the `resourceVersion` it read; a concurrent change fails with a conflict
 //!   and the replica does not lead that round.
-//! * Every write as holder names the holder in [`READS_NODE_LEASES_ANNOTATION`]: this controller judges
-//!   nodes by their heartbeat Leases, so plugins may stop rewriting their NodeInventory status every
-//!   heartbeat ([`tessera_api::heartbeat`]).
+//! * While the controller can watch the nodes' heartbeat Leases ([`LeaderElector::set_reads_node_leases`]),
+//!   every write as holder names the holder in [`READS_NODE_LEASES_ANNOTATION`], so plugins may stop
+//!   rewriting their NodeInventory status every heartbeat ([`tessera_api::heartbeat`]); while it cannot
+//!   (RBAC without list/watch on leases), the writes drop that annotation and plugins keep the inventory
+//!   heartbeat.
 
 use std::{collections::BTreeMap, sync::Mutex};
 
@@ -54,6 +56,7 @@ pub struct LeaderElector {
     renew_interval: chrono::Duration,
     observed: Option<(LeaseSpec, DateTime<Utc>)>,
     last_renew: Option<DateTime<Utc>>,
+    reads_node_leases: bool,
 }
 
 impl LeaderElector {
@@ -67,7 +70,13 @@ impl LeaderElector {
             renew_interval: chrono::Duration::seconds(2),
             observed: None,
             last_renew: None,
+            reads_node_leases: false,
         }
+    }
+
+    /// Whether this replica's writes tell plugins it reads node Leases (see the module docs); off until set.
+    pub fn set_reads_node_leases(&mut self, reads: bool) {
+        self.reads_node_leases = reads;
     }
 
     pub fn identity(&self) -> &str {
@@ -95,10 +104,15 @@ impl LeaderElector {
         }
     }
 
-    /// `annotations` with this replica named as a leader that reads node Leases.
+    /// `annotations` with this replica named as a leader that reads node Leases, or without that
+    /// annotation while it does not.
     fn annotated(&self, annotations: Option<BTreeMap<String, String>>) -> BTreeMap<String, String> {
         let mut annotations = annotations.unwrap_or_default();
-        annotations.insert(READS_NODE_LEASES_ANNOTATION.into(), self.identity.clone());
+        if self.reads_node_leases {
+            annotations.insert(READS_NODE_LEASES_ANNOTATION.into(), self.identity.clone());
+        } else {
+            annotations.remove(READS_NODE_LEASES_ANNOTATION);
+        }
         annotations
     }
 

@@ -56,6 +56,8 @@ const FIELD_MANAGER: &str = "tessera-controller";
 const DEBOUNCE: Duration = Duration::from_millis(200);
 /// How long to wait for the cache to show the controller's own writes.
 const CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long start-up waits for the first list of the nodes' heartbeat Leases.
+const LEASE_LIST_WAIT: Duration = Duration::from_secs(10);
 /// How often the API server's features are probed again.
 const REPROBE_EVERY: Duration = Duration::from_secs(300);
 /// First delay before listing again after a watch failed.
@@ -223,6 +225,7 @@ struct Stores {
 pub struct ViewCell {
     view: Arc<Mutex<View>>,
     changes: Arc<std::sync::atomic::AtomicU64>,
+    listed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl ViewCell {
@@ -231,6 +234,7 @@ impl ViewCell {
         Self {
             view: Arc::new(Mutex::new(View::Lost { since: now })),
             changes: Arc::default(),
+            listed: Arc::default(),
         }
     }
 
@@ -239,7 +243,15 @@ impl ViewCell {
     }
 
     fn set(&self, view: View) {
+        if let View::Synced { .. } = view {
+            self.listed.store(true, std::sync::atomic::Ordering::Release);
+        }
         *self.view.lock().unwrap_or_else(|e| e.into_inner()) = view;
+    }
+
+    /// True once a list has completed, whatever happened since.
+    pub fn listed_once(&self) -> bool {
+        self.listed.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// How many watch events the store has applied; unchanged means the store is as it was.
@@ -325,10 +337,12 @@ impl Stores {
     /// A snapshot, with the inventories and slices copied only where asked.
     fn snapshot_without(&self, inventories: bool, slices: bool) -> Partial {
         // Views first: a view read as synced was synced before the copies below were taken.
-        let inventory_view = combined_view(
-            combined_view(self.inventory_view.get(), self.node_view.get()),
-            self.lease_view.get(),
-        );
+        // The node Leases count once they could be listed: a controller without list/watch on leases
+        // (RBAC of an older chart) judges nodes by their inventory heartbeats alone, as before them.
+        let mut inventory_view = combined_view(self.inventory_view.get(), self.node_view.get());
+        if self.lease_view.listed_once() {
+            inventory_view = combined_view(inventory_view, self.lease_view.get());
+        }
         let nodes: BTreeMap<String, NodeRef> = self
             .nodes
             .state()
@@ -397,9 +411,9 @@ impl Stores {
 /// Live while the runtime answers (a long first publish must not get the controller restarted); ready
 /// once every watched kind has been listed since start, so a rolling update waits for a replica that can
 /// take over.
-fn health_checks(views: [ViewCell; 5]) -> tessera_api::health::Checks {
-    const KINDS: [&str; 5] = ["NodeInventory", "Node", "GpuPolicy", "ResourceSlice", "Lease"];
-    let listed = std::sync::Mutex::new([false; 5]);
+fn health_checks(views: [ViewCell; 4]) -> tessera_api::health::Checks {
+    const KINDS: [&str; 4] = ["NodeInventory", "Node", "GpuPolicy", "ResourceSlice"];
+    let listed = std::sync::Mutex::new([false; 4]);
     tessera_api::health::Checks {
         live: Arc::new(|| Ok(())),
         ready: Arc::new(move || {
@@ -531,7 +545,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         tracing::info!(%addr, "health probes and metrics: GET /livez, /readyz, /metrics");
         tokio::spawn(tessera_api::health::serve_with_metrics(
             listener,
-            health_checks(views.clone()),
+            // Not the Leases: the controller serves without them (see the Lease wait below).
+            health_checks([0, 1, 2, 3].map(|i| views[i].clone())),
             Some(std::sync::Arc::new(|| crate::metrics::metrics().render())),
         ));
     }
@@ -600,10 +615,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         ("Nodes", stores.nodes.wait_until_ready().await.is_ok()),
         ("GpuPolicies", stores.policies.wait_until_ready().await.is_ok()),
         ("ResourceSlices", stores.slices.wait_until_ready().await.is_ok()),
-        (
-            "node heartbeat Leases",
-            stores.node_leases.wait_until_ready().await.is_ok(),
-        ),
     ] {
         anyhow::ensure!(
             ready,
@@ -611,6 +622,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         );
     }
 
+    // Waited for only so long: without list/watch on leases the controller runs on inventory heartbeats.
+    if tokio::time::timeout(LEASE_LIST_WAIT, stores.node_leases.wait_until_ready())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            namespace = %lease_namespace,
+            "could not list the nodes' heartbeat Leases within {LEASE_LIST_WAIT:?}; judging nodes by their \
+             NodeInventory heartbeats until it can (fix: grant list and watch on leases in that namespace, as \
+             the chart's leader-election Role does)"
+        );
+    }
     let api = KubeApi {
         slices: Api::all(client.clone()),
         policies: Api::all(client.clone()),
@@ -655,6 +678,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         }
         stores.refresh(&mut snap, &mut copied);
+        replica
+            .elector
+            .set_reads_node_leases(matches!(stores.lease_view.get(), View::Synced { .. }));
         let was_lost = replica.reconciler.liveness.view_lost();
         let round = Instant::now();
         let ticked = replica.tick(&lease, &api, &snap, &Utc::now, Instant::now()).await;
@@ -766,30 +792,57 @@ mod tests {
     #[test]
     fn the_controller_is_ready_once_every_kind_was_listed_and_stays_ready_through_a_relist() {
         let t0 = Instant::now();
-        let views = [(); 5].map(|()| ViewCell::new(t0));
+        let views = [(); 4].map(|()| ViewCell::new(t0));
         let checks = health_checks(views.clone());
         assert_eq!(
             (checks.ready)().unwrap_err(),
-            "not listed from the API server yet: NodeInventory, Node, GpuPolicy, ResourceSlice, Lease"
+            "not listed from the API server yet: NodeInventory, Node, GpuPolicy, ResourceSlice"
         );
         views[0].set(View::Synced { list: 1 });
         views[2].set(View::Synced { list: 1 });
         assert_eq!(
             (checks.ready)().unwrap_err(),
-            "not listed from the API server yet: Node, ResourceSlice, Lease"
+            "not listed from the API server yet: Node, ResourceSlice"
         );
         views[1].set(View::Synced { list: 1 });
         views[3].set(View::Synced { list: 1 });
-        assert_eq!(
-            (checks.ready)().unwrap_err(),
-            "not listed from the API server yet: Lease"
-        );
-        views[4].set(View::Synced { list: 1 });
         assert_eq!((checks.ready)(), Ok(()));
         // An API server restart loses every watch; the replica was ready and liveness holds the pools.
         views.iter().for_each(|v| v.lose(t0 + Duration::from_secs(5)));
         assert_eq!((checks.ready)(), Ok(()));
         assert_eq!((checks.live)(), Ok(()));
+    }
+
+    #[test]
+    fn the_node_leases_count_towards_the_view_only_once_they_could_be_listed() {
+        let t0 = Instant::now();
+        let views = [(); 5].map(|()| ViewCell::new(t0));
+        let stores = Stores {
+            inventories: reflector::store().0,
+            nodes: reflector::store().0,
+            policies: reflector::store().0,
+            slices: reflector::store().0,
+            node_leases: reflector::store().0,
+            inventory_view: views[0].clone(),
+            node_view: views[1].clone(),
+            slice_view: views[3].clone(),
+            lease_view: views[4].clone(),
+        };
+        let view = || stores.snapshot_without(false, false).inventory_view;
+        views[0].set(View::Synced { list: 1 });
+        views[1].set(View::Synced { list: 1 });
+        // Never listed (no list/watch on leases): judged on inventory heartbeats, not held forever.
+        assert_eq!(view(), View::Synced { list: 1 });
+        views[4].set(View::Synced { list: 1 });
+        assert_eq!(view(), View::Synced { list: 1 });
+        // Listed once, then lost (an API server restart): nothing is judged until it is back.
+        views[4].lose(t0 + Duration::from_secs(3));
+        assert_eq!(
+            view(),
+            View::Lost {
+                since: t0 + Duration::from_secs(3)
+            }
+        );
     }
 
     #[test]

@@ -62,6 +62,8 @@ async fn the_leader_tells_plugins_it_reads_node_leases_and_a_released_or_copied_
     use tessera_api::heartbeat::{READS_NODE_LEASES_ANNOTATION, leader_reads_node_leases};
     let lease = InMemoryLease::default();
     let (mut a, mut b) = (elector("a"), elector("b"));
+    a.set_reads_node_leases(true);
+    b.set_reads_node_leases(true);
     assert!(a.try_acquire_or_renew(&lease, t0()).await);
     let stored = lease.get().await.unwrap().unwrap();
     assert!(leader_reads_node_leases(&stored), "created by a");
@@ -88,5 +90,25 @@ async fn the_leader_tells_plugins_it_reads_node_leases_and_a_released_or_copied_
     let mut old = lease.get().await.unwrap().unwrap();
     old.spec.as_mut().unwrap().holder_identity = Some("old-version".into());
     lease.replace(&old).await.unwrap();
+    assert!(!leader_reads_node_leases(&lease.get().await.unwrap().unwrap()));
+}
+
+#[tokio::test]
+async fn a_leader_that_cannot_watch_node_leases_takes_its_word_back_so_plugins_keep_the_inventory_heartbeat()
+{
+    use tessera_api::heartbeat::leader_reads_node_leases;
+    let lease = InMemoryLease::default();
+    let mut a = elector("a");
+    assert!(a.try_acquire_or_renew(&lease, t0()).await);
+    assert!(
+        !leader_reads_node_leases(&lease.get().await.unwrap().unwrap()),
+        "not before it watches them"
+    );
+    a.set_reads_node_leases(true);
+    assert!(a.try_acquire_or_renew(&lease, t0() + Duration::seconds(2)).await);
+    assert!(leader_reads_node_leases(&lease.get().await.unwrap().unwrap()));
+    // Its Lease watch is refused or lost: the next renewal drops the annotation.
+    a.set_reads_node_leases(false);
+    assert!(a.try_acquire_or_renew(&lease, t0() + Duration::seconds(4)).await);
     assert!(!leader_reads_node_leases(&lease.get().await.unwrap().unwrap()));
 }
