@@ -129,7 +129,6 @@ async fn run(nodes: usize, ticks: u32, policy: Option<GpuPolicy>) {
         p.status = api.policy_status("default");
         p
     });
-    let per = |d: Duration| d.as_secs_f64() * 1e3 / f64::from(ticks);
     let (mut build, mut reconcile) = (Duration::ZERO, Duration::ZERO);
     let writes_before = api.writes();
     for t in 0..ticks {
@@ -150,12 +149,13 @@ async fn run(nodes: usize, ticks: u32, policy: Option<GpuPolicy>) {
         reconcile += t1.elapsed();
         drop(snap);
     }
-    println!(
-        "inventory heartbeats, steady tick ({ticks} ticks, {} writes): snapshot copy {:.1} ms + reconcile {:.1} ms = {:.1} ms",
+    report(
+        "inventory heartbeats",
+        "snapshot copy",
+        ticks,
         api.writes() - writes_before,
-        per(build),
-        per(reconcile),
-        per(build) + per(reconcile)
+        build,
+        reconcile,
     );
 
     // The plugins move to Leases: the inventories' heartbeat stands still from here on.
@@ -179,9 +179,21 @@ async fn run(nodes: usize, ticks: u32, policy: Option<GpuPolicy>) {
         build += t1 - t0;
         reconcile += t1.elapsed();
     }
-    println!(
-        "Lease heartbeats, steady tick ({ticks} ticks, {} writes): lease map {:.1} ms + reconcile {:.1} ms = {:.1} ms",
+    report(
+        "Lease heartbeats",
+        "lease map",
+        ticks,
         api.writes() - writes_before,
+        build,
+        reconcile,
+    );
+}
+
+/// One line per way of ticking: the mean time of building the snapshot and of reconciling.
+fn report(how: &str, build_is: &str, ticks: u32, writes: usize, build: Duration, reconcile: Duration) {
+    let per = |d: Duration| d.as_secs_f64() * 1e3 / f64::from(ticks);
+    println!(
+        "{how}, steady tick ({ticks} ticks, {writes} writes): {build_is} {:.1} ms + reconcile {:.1} ms = {:.1} ms",
         per(build),
         per(reconcile),
         per(build) + per(reconcile)
