@@ -283,16 +283,6 @@ fn combined_view(inventories: View, nodes: View) -> View {
     }
 }
 
-/// A [`Snapshot`] whose inventories and slices may be left out (`None`: not copied).
-struct Partial {
-    inventories: Option<Vec<NodeInventory>>,
-    node_leases: BTreeMap<String, String>,
-    inventory_view: View,
-    nodes: BTreeMap<String, NodeRef>,
-    policy: Option<GpuPolicy>,
-    slices: Option<Vec<ResourceSlice>>,
-}
-
 /// The change counts of the kinds a [`Snapshot`] copies in full, as of its last refresh.
 #[derive(Debug, Default)]
 struct Copied {
@@ -306,44 +296,19 @@ impl Stores {
     /// last refresh: with heartbeats on node Leases, a steady tick copies neither, where copying and
     /// dropping them was most of a tick's cost.
     fn refresh(&self, snap: &mut Snapshot, copied: &mut Copied) {
-        // Counts first: a store read after its count was read is at least as new as that count.
+        // Counts and views first: a store read after its count was read is at least as new as that count,
+        // and a view read as synced was synced before the copies below were taken.
         let (inventory_changes, slice_changes) = (self.inventory_view.changes(), self.slice_view.changes());
-        let fresh = self.snapshot_without(
-            copied.inventories != Some(inventory_changes),
-            copied.slices != Some(slice_changes),
-        );
-        let Partial {
-            inventories,
-            node_leases,
-            inventory_view,
-            nodes,
-            policy,
-            slices,
-        } = fresh;
-        if let Some(inventories) = inventories {
-            snap.inventories = inventories;
+        snap.inventory_view = self.view();
+        if copied.inventories != Some(inventory_changes) {
+            snap.inventories = self.inventories.state().iter().map(|i| (**i).clone()).collect();
             copied.inventories = Some(inventory_changes);
         }
-        if let Some(slices) = slices {
-            snap.slices = slices;
+        if copied.slices != Some(slice_changes) {
+            snap.slices = self.slices.state().iter().map(|s| (**s).clone()).collect();
             copied.slices = Some(slice_changes);
         }
-        snap.node_leases = node_leases;
-        snap.inventory_view = inventory_view;
-        snap.nodes = nodes;
-        snap.policy = policy;
-    }
-
-    /// A snapshot, with the inventories and slices copied only where asked.
-    fn snapshot_without(&self, inventories: bool, slices: bool) -> Partial {
-        // Views first: a view read as synced was synced before the copies below were taken.
-        // The node Leases count once they could be listed: a controller without list/watch on leases
-        // (RBAC of an older chart) judges nodes by their inventory heartbeats alone, as before them.
-        let mut inventory_view = combined_view(self.inventory_view.get(), self.node_view.get());
-        if self.lease_view.listed_once() {
-            inventory_view = combined_view(inventory_view, self.lease_view.get());
-        }
-        let nodes: BTreeMap<String, NodeRef> = self
+        snap.nodes = self
             .nodes
             .state()
             .iter()
@@ -358,7 +323,7 @@ impl Stores {
                 ))
             })
             .collect();
-        let node_leases = self
+        snap.node_leases = self
             .node_leases
             .state()
             .iter()
@@ -368,19 +333,23 @@ impl Stores {
                 Some((node.to_string(), serde_json::to_string(renewed).ok()?))
             })
             .collect();
-        Partial {
-            inventories: inventories
-                .then(|| self.inventories.state().iter().map(|i| (**i).clone()).collect()),
-            node_leases,
-            inventory_view,
-            nodes,
-            policy: self
-                .policies
-                .state()
-                .iter()
-                .find(|p| p.metadata.name.as_deref() == Some(DEFAULT_POLICY_NAME))
-                .map(|p| (**p).clone()),
-            slices: slices.then(|| self.slices.state().iter().map(|s| (**s).clone()).collect()),
+        snap.policy = self
+            .policies
+            .state()
+            .iter()
+            .find(|p| p.metadata.name.as_deref() == Some(DEFAULT_POLICY_NAME))
+            .map(|p| (**p).clone());
+    }
+
+    /// The view liveness judges by. The node Leases count once they could be listed: a controller
+    /// without list/watch on leases (RBAC of an older chart) judges nodes by their inventory heartbeats
+    /// alone, as before them.
+    fn view(&self) -> View {
+        let view = combined_view(self.inventory_view.get(), self.node_view.get());
+        if self.lease_view.listed_once() {
+            combined_view(view, self.lease_view.get())
+        } else {
+            view
         }
     }
 
@@ -828,7 +797,7 @@ mod tests {
             slice_view: views[3].clone(),
             lease_view: views[4].clone(),
         };
-        let view = || stores.snapshot_without(false, false).inventory_view;
+        let view = || stores.view();
         views[0].set(View::Synced { list: 1 });
         views[1].set(View::Synced { list: 1 });
         // Never listed (no list/watch on leases): judged on inventory heartbeats, not held forever.

@@ -10,7 +10,7 @@ use common::{TestNode, dial, wait_for_socket};
 use tessera_kubelet_plugin::{
     claims::fake::NODE,
     driver::{SocketPaths, StateGate, serve_gated},
-    gpu::simulated_health::{Fault, FaultKind, SimulatedHealth},
+    gpu::simulated_health::{Fault, SimulatedHealth},
     health::{Health, service::HealthService, sources::SimulatedSource, spawn_monitor},
     registration::RegistrationState,
 };
@@ -33,15 +33,6 @@ fn v1_report(r: v1::NodeWatchResourcesResponse) -> Report {
             (id.device_name, healthy, d.message)
         })
         .collect()
-}
-
-fn xid(gpu: u32, xid: u32) -> Fault {
-    Fault {
-        gpu,
-        gpu_instance: None,
-        kind: FaultKind::Xid,
-        xid: Some(xid),
-    }
 }
 
 /// The plugin's sockets with the health service, fed from the simulated fault file of `node`.
@@ -152,7 +143,7 @@ async fn an_injected_xid_makes_the_gpu_and_its_devices_unhealthy_on_the_stream_u
     let first = next_change(&mut stream, &vec![], Duration::from_secs(5)).await;
     assert_eq!(first, healthy);
 
-    plugin.faults.inject(xid(1, 79)).unwrap();
+    plugin.faults.inject(Fault::xid(1, 79)).unwrap();
     let sick = next_change(&mut stream, &first, Duration::from_secs(5)).await;
     let unhealthy: Vec<&str> = sick.iter().filter(|d| !d.1).map(|d| d.0.as_str()).collect();
     assert_eq!(unhealthy, ["gpu-1", "gpu-1-mig-3g-40gb-4"]);
@@ -163,17 +154,9 @@ async fn an_injected_xid_makes_the_gpu_and_its_devices_unhealthy_on_the_stream_u
     assert_eq!(well, healthy);
 
     // An XID declared harmless (`--ignored-xids 94`) and an application XID change nothing.
-    plugin.faults.inject(xid(0, 94)).unwrap();
-    plugin.faults.inject(xid(0, 13)).unwrap();
-    plugin
-        .faults
-        .inject(Fault {
-            gpu: 0,
-            gpu_instance: None,
-            kind: FaultKind::Lost,
-            xid: None,
-        })
-        .unwrap();
+    plugin.faults.inject(Fault::xid(0, 94)).unwrap();
+    plugin.faults.inject(Fault::xid(0, 13)).unwrap();
+    plugin.faults.inject(Fault::lost(0)).unwrap();
     let lost = next_change(&mut stream, &well, Duration::from_secs(5)).await;
     assert_eq!(
         lost[0],
@@ -191,7 +174,7 @@ async fn an_injected_xid_makes_the_gpu_and_its_devices_unhealthy_on_the_stream_u
 async fn a_1_36_kubelet_gets_the_same_stream_on_the_v1alpha1_path() {
     let node = TestNode::with_gpus(2);
     let plugin = start(&node).await;
-    plugin.faults.inject(xid(0, 48)).unwrap();
+    plugin.faults.inject(Fault::xid(0, 48)).unwrap();
     let mut client =
         v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(dial(&plugin.paths.dra).await);
     let mut stream = client

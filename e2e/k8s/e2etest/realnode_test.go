@@ -697,14 +697,7 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 		rolled := time.Now()
 		helmRun(t, append([]string{"upgrade", "tessera", chartDir(), "--namespace", chartNamespace},
 			helmSetArgs(rn.chartValues("kubeletPlugin.logLevel=debug"))...)...)
-		waitFor(t, "the plugin DaemonSet rolled to a new, Ready pod", 3*time.Minute, func(ctx context.Context) (bool, string) {
-			pods, err := podsOf(ctx, "kubelet-plugin")
-			if err != nil {
-				return false, err.Error()
-			}
-			n, states := readyPods(pods)
-			return n == 1 && len(pods) == 1 && pods[0].Name != before[0].Name, strings.Join(states, "; ")
-		})
+		waitPluginPodReplaced(t, "the plugin DaemonSet rolled to a new, Ready pod", before[0].Name, 3*time.Minute)
 		waitFreshHeartbeat(t, rn.name, rolled, time.Minute)
 
 		for _, p := range []*v1.Pod{share, mig} {
@@ -759,14 +752,7 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 		if err := e.client.CoreV1().Pods(chartNamespace).Delete(ctx, plugins[0].Name, metav1.DeleteOptions{}); err != nil {
 			t.Fatalf("delete plugin pod %s: %v", plugins[0].Name, err)
 		}
-		waitFor(t, "a new plugin pod Ready", 2*time.Minute, func(ctx context.Context) (bool, string) {
-			pods, err := podsOf(ctx, "kubelet-plugin")
-			if err != nil {
-				return false, err.Error()
-			}
-			n, states := readyPods(pods)
-			return n == 1 && len(pods) == 1 && pods[0].Name != plugins[0].Name, strings.Join(states, "; ")
-		})
+		waitPluginPodReplaced(t, "a new plugin pod Ready", plugins[0].Name, 2*time.Minute)
 		waitFreshHeartbeat(t, rn.name, deleted, time.Minute)
 		now, err := e.client.CoreV1().Pods(ns).Get(ctx, share.Name, metav1.GetOptions{})
 		if err != nil {
@@ -788,4 +774,17 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 		}
 	})
 	t.Logf("real-node scenario: %s", time.Since(start).Round(time.Second))
+}
+
+// waitPluginPodReplaced waits until the node's only plugin pod is Ready and is not the pod `old`.
+func waitPluginPodReplaced(t *testing.T, what, old string, timeout time.Duration) {
+	t.Helper()
+	waitFor(t, what, timeout, func(ctx context.Context) (bool, string) {
+		pods, err := podsOf(ctx, "kubelet-plugin")
+		if err != nil {
+			return false, err.Error()
+		}
+		n, states := readyPods(pods)
+		return n == 1 && len(pods) == 1 && pods[0].Name != old, strings.Join(states, "; ")
+	})
 }

@@ -49,6 +49,28 @@ pub struct Fault {
     pub xid: Option<u32>,
 }
 
+impl Fault {
+    /// XID `xid` on the whole GPU `gpu`.
+    pub fn xid(gpu: u32, xid: u32) -> Self {
+        Self {
+            gpu,
+            gpu_instance: None,
+            kind: FaultKind::Xid,
+            xid: Some(xid),
+        }
+    }
+
+    /// GPU `gpu` fell off the bus.
+    pub fn lost(gpu: u32) -> Self {
+        Self {
+            gpu,
+            gpu_instance: None,
+            kind: FaultKind::Lost,
+            xid: None,
+        }
+    }
+}
+
 #[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FaultFile {
@@ -156,29 +178,14 @@ impl SimulatedHealth {
 mod tests {
     use super::*;
 
-    fn xid(gpu: u32, xid: u32) -> Fault {
-        Fault {
-            gpu,
-            gpu_instance: None,
-            kind: FaultKind::Xid,
-            xid: Some(xid),
-        }
-    }
-
     #[test]
     fn injected_faults_persist_until_the_gpu_recovers() {
         let dir = tempfile::tempdir().unwrap();
         let h = SimulatedHealth::new(dir.path(), 4);
         assert!(h.faults().unwrap().is_empty());
-        h.inject(xid(3, 79)).unwrap();
-        h.inject(xid(3, 79)).unwrap();
-        h.inject(Fault {
-            gpu: 1,
-            gpu_instance: None,
-            kind: FaultKind::Lost,
-            xid: None,
-        })
-        .unwrap();
+        h.inject(Fault::xid(3, 79)).unwrap();
+        h.inject(Fault::xid(3, 79)).unwrap();
+        h.inject(Fault::lost(1)).unwrap();
         let reopened = SimulatedHealth::new(dir.path(), 4);
         assert_eq!(reopened.faults().unwrap().len(), 2);
         reopened.recover(3).unwrap();
@@ -189,9 +196,9 @@ mod tests {
     fn a_gpu_the_node_lacks_and_an_xid_without_number_are_refused_with_the_fix() {
         let dir = tempfile::tempdir().unwrap();
         let h = SimulatedHealth::new(dir.path(), 2);
-        let e = h.inject(xid(7, 79)).unwrap_err().to_string();
+        let e = h.inject(Fault::xid(7, 79)).unwrap_err().to_string();
         assert!(e.contains("GPUs 0 to 1"), "{e}");
-        let mut no_number = xid(0, 0);
+        let mut no_number = Fault::xid(0, 0);
         no_number.xid = None;
         assert!(h.inject(no_number).unwrap_err().to_string().contains("--xid"));
         fs::write(h.file(), "{").unwrap();

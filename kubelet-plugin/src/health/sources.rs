@@ -255,19 +255,9 @@ mod tests {
 
     #[test]
     fn simulated_faults_map_like_the_events_they_stand_for() {
-        let lost = Fault {
-            gpu: 1,
-            gpu_instance: None,
-            kind: FaultKind::Lost,
-            xid: None,
-        };
+        let lost = Fault::lost(1);
         assert_eq!(failure_of(&lost, &[]).unwrap().reason, HealthReason::GpuLost);
-        let app = Fault {
-            gpu: 1,
-            gpu_instance: None,
-            kind: FaultKind::Xid,
-            xid: Some(13),
-        };
+        let app = Fault::xid(1, 13);
         assert_eq!(failure_of(&app, &[]), None);
     }
 }
