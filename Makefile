@@ -110,6 +110,15 @@ bench-smoke: ## Both benchmarks at a small size (20 claims, 10 nodes) so they ca
 	e2e/scripts/bench-controller.sh -nodes 10 -shapes h100,mix -steady 10s -settle 5s -heartbeat-interval 2s \
 		-timeout 90s -out $(CURDIR)/bench-results/smoke/controller.md
 
+# Read-only GPU check (issue 21) for a node with a real NVIDIA GPU: discovery and the CDI spec through the nvml
+# backend, the MIG UUID check, the NEEDED entries of the real libnvidia-ml.so.1, and the CUDA probe started
+# with the generated spec. Changes no MIG mode, compute mode or time-slice, resets nothing. Output and files
+# in bench-results/gpu-check/ (GPU_CHECK_ROOT=<driver root> to name it; found otherwise).
+.PHONY: gpu-check
+gpu-check: ## Read-only check of the nvml path on a real GPU node (changes no GPU setting); bench-results/gpu-check/
+	cargo build -p tessera-kubelet-plugin
+	e2e/scripts/gpu-check.sh $(GPU_CHECK_ROOT)
+
 # Image and Helm chart (issue 11). `make image` writes target/image/tessera.tar, an OCI image archive
 # (no Docker, no registry) of the release binaries and exactly the libraries they load; the same layout as
 # deployments/container/Dockerfile. `make image-test` also checks its digests and config and runs both

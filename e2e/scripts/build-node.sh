@@ -3,8 +3,9 @@
 #   - kubelet from the e2e/k8s module (the control plane's release, K8S_VERSION picks 1.37 or 1.36) into $BIN_DIR;
 #   - containerd 2.x, containerd-shim-runc-v2, ctr, runc (cgo, seccomp), crictl and the CNI plugins bridge,
 #     host-local, loopback and portmap from e2e/tools/node/go.mod into e2e/bin/node/ (cni/ for the plugins);
-#   - the pause image (Kubernetes' own build/pause/linux/pause.c, gcc -static) and a busybox image (Debian's
-#     busybox-static) as OCI archives in e2e/bin/node/images/, which real-node.sh imports with ctr.
+#   - the pause image (Kubernetes' own build/pause/linux/pause.c, gcc -static), a busybox image (Debian's
+#     busybox-static) and the glibc cuda-probe image (e2e/images/cuda-probe.c, gcc, dynamically linked) as
+#     OCI archives in e2e/bin/node/images/, which real-node.sh imports with ctr.
 # Each part is relinked only when what it is built from changes (module versions, Go, this script).
 # Debian packages it needs (gcc, libseccomp-dev, busybox-static, iptables): e2e/scripts/node-packages.sh.
 set -euo pipefail
@@ -73,13 +74,26 @@ fi
 
 PAUSE_C="$(cd "$K8S_MOD" && GOFLAGS="-mod=mod -modfile=$K8S_MODFILE" go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
 [[ -f "$PAUSE_C" ]] || { echo "error: $PAUSE_C missing (go mod download k8s.io/kubernetes in $K8S_MOD)" >&2; exit 2; }
-# Contents only: the 1.36 and 1.37 modules hold the same pause.c at different paths.
-want="$( { cat "$PAUSE_C" /bin/busybox "$E2E_DIR/images/node_images.py" "$SELF"; gcc --version | head -1; } | sha256sum | cut -d' ' -f1)"
-if stamp_ok images "$want" "$NODE_BIN/images/pause.tar" "$NODE_BIN/images/busybox.tar"; then
-  echo "pause and busybox images up to date in $NODE_BIN/images"
+# The cuda-probe image carries the glibc libraries the simulated driver's files need (their NEEDED entries,
+# read with ldd), besides the probe's own: those built by cargo (up.sh builds them before this script).
+DRIVER_FILES=()
+for f in libnvidia_ml.so libcuda.so nvidia-smi nvidia-cuda-mps-control nvidia-cuda-mps-server; do
+  [[ -f "$CARGO_TARGET/debug/$f" ]] && DRIVER_FILES+=("$CARGO_TARGET/debug/$f")
+done
+# Contents only: the 1.36 and 1.37 modules hold the same pause.c at different paths. The driver files
+# count by the libraries they need, so a Rust rebuild alone rewrites nothing.
+want="$( { cat "$PAUSE_C" /bin/busybox "$E2E_DIR/images/node_images.py" "$E2E_DIR/images/cuda-probe.c" "$SELF"
+  gcc --version | head -1; ldd --version | head -1
+  for f in "${DRIVER_FILES[@]}"; do ldd "$f" | awk '{print $1}'; done; } | sha256sum | cut -d' ' -f1)"
+if stamp_ok images "$want" "$NODE_BIN/images/pause.tar" "$NODE_BIN/images/busybox.tar" "$NODE_BIN/images/cuda-probe.tar"; then
+  echo "pause, busybox and cuda-probe images up to date in $NODE_BIN/images"
 else
   gcc -Os -static -Wall -Werror -DVERSION=tessera-e2e -o "$NODE_BIN/pause" "$PAUSE_C"
-  python3 "$E2E_DIR/images/node_images.py" --pause "$NODE_BIN/pause" --busybox /bin/busybox --out "$NODE_BIN/images"
+  # Dynamically linked against this machine's glibc, as a CUDA application is.
+  gcc -O2 -Wall -Wextra -Werror -o "$NODE_BIN/cuda-probe" "$E2E_DIR/images/cuda-probe.c" -ldl
+  [[ ${#DRIVER_FILES[@]} -gt 0 ]] || echo "warning: no simulated driver files in $CARGO_TARGET/debug yet: the cuda-probe image carries only the probe's libraries" >&2
+  python3 "$E2E_DIR/images/node_images.py" --pause "$NODE_BIN/pause" --busybox /bin/busybox \
+    --cuda-probe "$NODE_BIN/cuda-probe" "${DRIVER_FILES[@]/#/--driver-file=}" --out "$NODE_BIN/images"
   echo "$want" > "$NODE_BIN/.images-stamp"
-  echo "pause and busybox images written to $NODE_BIN/images"
+  echo "pause, busybox and cuda-probe images written to $NODE_BIN/images"
 fi

@@ -4,9 +4,9 @@
 # Everything it owns lives under $RUN_DIR/real-node/: containerd's root, state and socket, the kubelet's
 # --root-dir (plugins/, plugins_registry/), the CDI spec dir, the CNI config, pod logs.
 #
-# up (from up.sh, once the control plane runs): starts containerd and the kubelet as processes of the run
-# dir (start_proc, so proc.sh and make down know them), imports the pause, busybox and tessera images, waits
-# for the Node to be Ready, removes the not-ready taint (no node-lifecycle controller runs here) and labels
+# up (from up.sh, once the control plane runs): builds the node's simulated NVIDIA driver (below), starts
+# containerd and the kubelet as processes of the run dir (start_proc, so proc.sh and make down know them),
+# imports the pause, busybox, cuda-probe and tessera images, waits for the Node to be Ready, removes the not-ready taint (no node-lifecycle controller runs here) and labels
 # and taints it as a GPU node (nvidia.com/gpu.present=true, nvidia.com/gpu=present:NoSchedule, as GKE taints
 # GPU nodes), so the chart's DaemonSets land on it and pods of the stand-in scenarios do not.
 # down (from down.sh, before the processes are stopped): removes every pod sandbox through the CRI, stops
@@ -17,11 +17,21 @@
 # (the `kubernetes` Service) and no kube-proxy runs, so a DNAT rule on the node's bridge sends 10.0.0.1:443
 # to the API server on 127.0.0.1 (route_localnet on that bridge only; the serving certificate names 10.0.0.1).
 #
+# The node's GPUs are a simulated NVIDIA driver built from this repository, laid out as on a host with the
+# driver installed: the driver root $RUN_DIR/real-node/driver-root (libnvidia-ml.so.1, libcuda.so.1,
+# nvidia-smi, the MPS tools; the chart's driverRoot, which its nvml backend loads NVML from) and its
+# simulated kernel, the GPUs' hardware state and /proc files, in the chart's stateDir
+# ($RUN_DIR/real-node/tessera/simulated-kernel; driver-root/tessera-sim links to it), which the plugin pod mounts
+# read-write (the driver root it mounts read-only). `tessera-kubelet-plugin simulate driver-root` makes both
+# from REAL_NODE_GPUS (6) x REAL_NODE_MODEL (H100-SXM5-80GB). The stateDir is made a shared mount, as / is
+# on a systemd host: the chart's nvml pods mount it with HostToContainer and Bidirectional propagation,
+# which containerd refuses on a private mount (this machine's /).
+#
 # Clusters of other run dirs may run a real node at the same time: the bridge, subnet, kubelet ports, iptables
 # chain and the kubelet's cgroup root are all derived from API_PORT, so two of them never share one.
 # Variables: REAL_NODE_NAME (real-node), REAL_NODE_BRIDGE (tsr<API_PORT>), REAL_NODE_SUBNET
 # (10.99.<API_PORT mod 256>.0/24), REAL_NODE_KUBELET_PORT (API_PORT+10), REAL_NODE_HEALTHZ_PORT (API_PORT+11),
-# TESSERA_IMAGE (target/image/tessera.tar).
+# REAL_NODE_GPUS (6), REAL_NODE_MODEL (H100-SXM5-80GB), TESSERA_IMAGE (target/image/tessera.tar).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
@@ -39,6 +49,12 @@ RN_CHAIN="TESSERA-APISERVER-$API_PORT"
 CONTAINERD_SOCK="$RN_DIR/containerd/containerd.sock"
 TESSERA_IMAGE="${TESSERA_IMAGE:-$CARGO_TARGET/image/tessera.tar}"
 SANDBOX_IMAGE="registry.k8s.io/pause:3.10-tessera"
+RN_GPUS="${REAL_NODE_GPUS:-6}"
+RN_MODEL="${REAL_NODE_MODEL:-H100-SXM5-80GB}"
+# The chart's stateDir on this node (up.sh's install_chart and the e2e scenarios set it).
+RN_STATE_DIR="$RN_DIR/tessera"
+RN_DRIVER_ROOT="$RN_DIR/driver-root"
+RN_SIM_KERNEL="$RN_STATE_DIR/simulated-kernel"
 
 ctr_() { "$NODE_BIN/ctr" --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
 crictl_() { "$NODE_BIN/crictl" --runtime-endpoint "unix://$CONTAINERD_SOCK" --timeout 20s "$@"; }
@@ -176,6 +192,24 @@ setup_network() {
   iptables -t nat -C PREROUTING -j "$RN_CHAIN" 2>/dev/null || iptables -t nat -A PREROUTING -j "$RN_CHAIN"
 }
 
+# The simulated driver: driver root and kernel (see the header), from the debug plugin up.sh built.
+setup_driver() {
+  mkdir -p "$RN_STATE_DIR"
+  findmnt -rn -M "$RN_STATE_DIR" > /dev/null || mount --bind "$RN_STATE_DIR" "$RN_STATE_DIR"
+  mount --make-rshared "$RN_STATE_DIR"
+  if [[ ! -x "$PLUGIN_BIN" ]]; then
+    echo "warning: $PLUGIN_BIN missing: the real node has no driver root (the chart's nvml backend finds no GPU)" >&2
+    return 0
+  fi
+  printf 'gpus:\n  - model: %s\n    count: %s\n' "$RN_MODEL" "$RN_GPUS" > "$RN_DIR/sim-node.yaml"
+  "$PLUGIN_BIN" simulate driver-root --root "$RN_DRIVER_ROOT" --kernel "$RN_SIM_KERNEL" --node-name "$RN_NAME" \
+    --node-file "$RN_DIR/sim-node.yaml" > "$LOG_DIR/real-node-driver.log" 2>&1 \
+    || die "tessera-kubelet-plugin simulate driver-root failed" "$LOG_DIR/real-node-driver.log"
+  [[ "$(readlink -f "$RN_DRIVER_ROOT/tessera-sim")" == "$(readlink -f "$RN_SIM_KERNEL")" ]] \
+    || die "$RN_DRIVER_ROOT/tessera-sim does not lead to the simulated kernel $RN_SIM_KERNEL" "$LOG_DIR/real-node-driver.log"
+  step "real node $RN_NAME: simulated NVIDIA driver $RN_GPUS x $RN_MODEL (driver root $RN_DRIVER_ROOT, kernel $RN_SIM_KERNEL)"
+}
+
 teardown_network() {
   if iptables -t nat -S "$RN_CHAIN" >/dev/null 2>&1; then
     while iptables -t nat -D PREROUTING -j "$RN_CHAIN" 2>/dev/null; do :; done
@@ -201,6 +235,7 @@ up() {
   write_configs
   setup_cgroups
   setup_network
+  setup_driver
 
   step "real node $RN_NAME: containerd $("$NODE_BIN/containerd" --version | awk '{print $3}') (CDI specs in $RN_DIR/cdi)"
   # The shim and runc are found on PATH; nothing else of the host's is used.
@@ -210,7 +245,7 @@ up() {
   for _ in $(seq 1 60); do [[ -S "$CONTAINERD_SOCK" ]] && ctr_ version >/dev/null 2>&1 && break; sleep 0.5; done
   ctr_ version >/dev/null 2>&1 || die "containerd did not start" "$LOG_DIR/containerd-real.log"
 
-  local images=("$NODE_BIN/images/pause.tar" "$NODE_BIN/images/busybox.tar")
+  local images=("$NODE_BIN/images/pause.tar" "$NODE_BIN/images/busybox.tar" "$NODE_BIN/images/cuda-probe.tar")
   [[ -f "$TESSERA_IMAGE" ]] && images+=("$TESSERA_IMAGE")
   for img in "${images[@]}"; do
     ctr_ images import "$img" > "$LOG_DIR/real-node-import.log" 2>&1 \

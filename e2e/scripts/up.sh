@@ -44,9 +44,14 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   # otherwise run silently. Without cargo, prebuilt binaries are used as they are.
   if command -v cargo >/dev/null || [[ ! -x "$PLUGIN_BIN" || ! -x "$CONTROLLER_BIN" ]]; then
     command -v cargo >/dev/null || die "cargo not found in PATH and $PLUGIN_BIN / $CONTROLLER_BIN are missing"
-    step "build: cargo build -p tessera-kubelet-plugin -p tessera-controller (log: $LOG_DIR/build-rust.log)"
-    cargo build -p tessera-kubelet-plugin -p tessera-controller > "$LOG_DIR/build-rust.log" 2>&1 \
-      || die "cargo build failed" "$LOG_DIR/build-rust.log"
+    # The simulated NVIDIA driver the real node's driver root holds (kubelet-plugin/sim-driver/*: libnvidia-ml,
+    # libcuda, nvidia-smi and the MPS tools), which `simulate driver-root` copies from target/debug.
+    pkgs=(-p tessera-kubelet-plugin -p tessera-controller)
+    for toml in "$REPO_ROOT"/kubelet-plugin/sim-driver/*/Cargo.toml; do
+      [[ -f "$toml" ]] && pkgs+=(-p "$(sed -n 's/^name = "\(.*\)"/\1/p' "$toml" | head -1)")
+    done
+    step "build: cargo build ${pkgs[*]} (log: $LOG_DIR/build-rust.log)"
+    cargo build "${pkgs[@]}" > "$LOG_DIR/build-rust.log" 2>&1 || die "cargo build failed" "$LOG_DIR/build-rust.log"
   fi
   [[ -x "$PLUGIN_BIN" ]] || die "$PLUGIN_BIN missing after cargo build"
   [[ -x "$CONTROLLER_BIN" ]] || die "$CONTROLLER_BIN missing after cargo build"
@@ -78,16 +83,16 @@ if [[ "$REAL_NODE" == 1 ]]; then
 fi
 
 # install_chart: `helm install` of deployments/helm/tessera onto the real node, the way a platform team
-# installs it: the image the real node imported (never pulled), simulated GPUs, the real kubelet's
-# directories, the DeviceClasses and GpuPolicy this script applied kept as they are. The stand-in nodes keep
+# installs it: the image the real node imported (never pulled), the nvml backend over the node's driver
+# root (the simulated NVIDIA driver real-node.sh built), the real kubelet's directories, the DeviceClasses
+# and GpuPolicy this script applied kept as they are. The stand-in nodes keep
 # their host plugins (they run no containers); the chart's controller publishes for every node.
 install_chart() {
   local rn="${REAL_NODE_NAME:-real-node}" rnd="$RUN_DIR/real-node"
-  step "helm install tessera (deployments/helm/tessera, simulated backend) onto $rn (log: $LOG_DIR/helm-install.log)"
+  step "helm install tessera (deployments/helm/tessera, nvml backend) onto $rn (log: $LOG_DIR/helm-install.log)"
   "$E2E_DIR/bin/helm" install tessera "$REPO_ROOT/deployments/helm/tessera" --namespace "$TESSERA_NAMESPACE" \
     --kubeconfig "$ADMIN_KUBECONFIG" --wait --timeout 240s \
-    --set backend=simulated --set image.pullPolicy=Never \
-    --set "simulated.gpus[0].model=$MODEL" --set "simulated.gpus[0].count=$GPUS" \
+    --set backend=nvml --set "driverRoot=$rnd/driver-root" --set image.pullPolicy=Never \
     --set "kubeletDir=$rnd/kubelet" --set "cdiDir=$rnd/cdi" --set "stateDir=$rnd/tessera" \
     --set deviceClasses.create=false --set gpuPolicy.create=false \
     --set "controller.nodeSelector.kubernetes\.io/hostname=$rn" \

@@ -197,10 +197,43 @@ enum SimulateAction {
         #[arg(long)]
         gpu: u32,
     },
+    /// The GPU answers every NVML call with an error: a library/kernel-module mismatch (18, as after a
+    /// driver upgrade without a reboot), the driver not loaded (9), or uninitialized (1).
+    FailGpu {
+        #[arg(long)]
+        gpu: u32,
+        #[arg(long, value_enum)]
+        error: FailingError,
+    },
     /// Print the faults in effect as JSON.
     Show,
+    /// Make a simulated kernel K (`kernel.json`, hardware state, `/proc`) for the node file's GPUs and a
+    /// driver root R over it, with the libraries and tools this repository builds (`cargo build
+    /// --workspace`); the `nvml` backend with `--driver-root R` then drives the simulated GPUs.
+    DriverRoot {
+        /// The driver root to make (NVIDIA's layout; `R/tessera-sim` links to the kernel).
+        #[arg(long)]
+        root: PathBuf,
+        /// The simulated kernel directory (created; existing hardware state for the same GPUs is kept).
+        #[arg(long)]
+        kernel: PathBuf,
+        /// Node name the GPU UUIDs derive from.
+        #[arg(long, env = "NODE_NAME")]
+        node_name: String,
+        /// Node file, e.g. `gpus: [{model: H100-SXM5-80GB, count: 8}]`.
+        #[arg(long)]
+        node_file: PathBuf,
+    },
     /// Set a synthetic load on a device (utilization and memory, for the per-claim usage metrics).
     Load(crate::gpu::simulated_load::LoadArgs),
+}
+
+/// The NVML errors `simulate fail-gpu` makes a GPU answer.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum FailingError {
+    LibraryMismatch,
+    DriverNotLoaded,
+    Uninitialized,
 }
 
 impl SimulateArgs {
@@ -212,14 +245,31 @@ impl SimulateArgs {
             simulated_node_file,
         } = self;
         if let SimulateAction::Load(load) = action {
-            return load
-                .run(&state_dir)
+            return crate::gpu::simulated::kernel_dir_in(&state_dir)
+                .and_then(|kernel| load.run(&kernel))
                 .map_err(|source| Error::SimulateLoad { source });
+        }
+        if let SimulateAction::DriverRoot {
+            root,
+            kernel,
+            node_name,
+            node_file,
+        } = action
+        {
+            let make = || -> crate::gpu::Result<()> {
+                let spec = crate::gpu::simulated::NodeSpec::from_file(&node_file)?;
+                SimulatedBackend::from_spec(&node_name, &spec, &kernel)?;
+                let dirs = crate::gpu::sim_driver_root::artifact_dirs();
+                crate::gpu::sim_driver_root::install(&root, &kernel, &dirs)?.require_complete(&dirs)
+            };
+            return make().map_err(|source| Error::SimulateDriverRoot { source });
         }
         let file = simulated_node_file.ok_or(Error::MissingSimulatedNodeFile)?;
         let node = crate::gpu::simulated::NodeSpec::from_file(&file)
             .map_err(|source| Error::SimulateFault { source })?;
-        let faults = SimulatedHealth::new(&state_dir, node.gpus.iter().map(|g| g.count).sum());
+        let kernel = crate::gpu::simulated::kernel_dir_in(&state_dir)
+            .map_err(|source| Error::SimulateFault { source })?;
+        let faults = SimulatedHealth::new(&kernel, node.gpus.iter().map(|g| g.count).sum());
         let fault = |gpu, gpu_instance, kind, xid| Fault {
             gpu,
             gpu_instance,
@@ -237,10 +287,18 @@ impl SimulateArgs {
             }
             SimulateAction::LoseGpu { gpu } => faults.inject(fault(gpu, None, FaultKind::Lost, None)),
             SimulateAction::Recover { gpu } => faults.recover(gpu),
+            SimulateAction::FailGpu { gpu, error } => faults.inject(Fault::failing(
+                gpu,
+                match error {
+                    FailingError::LibraryMismatch => FaultKind::LibraryMismatch,
+                    FailingError::DriverNotLoaded => FaultKind::DriverNotLoaded,
+                    FailingError::Uninitialized => FaultKind::Uninitialized,
+                },
+            )),
             SimulateAction::Show => faults.faults().map(|f| {
                 println!("{}", serde_json::to_string_pretty(&f).unwrap_or_default());
             }),
-            SimulateAction::Load(_) => unreachable!("handled above"),
+            SimulateAction::Load(_) | SimulateAction::DriverRoot { .. } => unreachable!("handled above"),
         };
         done.map_err(|source| Error::SimulateFault { source })
     }
@@ -333,6 +391,13 @@ struct DiscoverArgs {
     /// written and no GPU setting changes.
     #[arg(long)]
     cdi: bool,
+
+    /// Print, instead of the inventory, every MIG device that exists now (GPU index, GPU and compute
+    /// instance ids, profile, placement and the `MIG-…` UUID as the plugin reads it), one per line. Reads
+    /// only: no MIG mode changes and no instance is created (`make gpu-check` compares it with
+    /// `nvidia-smi -L`).
+    #[arg(long, conflicts_with = "cdi")]
+    mig_devices: bool,
 
     /// With `--cdi`: the host path of `nvidia-cdi-hook`, as the plugin's `--cdi-hook`.
     #[arg(long, env = "TESSERA_CDI_HOOK")]
@@ -759,6 +824,7 @@ impl DiscoverArgs {
             node_name,
             state_dir,
             cdi,
+            mig_devices,
             cdi_hook,
         } = self;
         // A throwaway state directory: discovery must not need (or change) the plugin's state.
@@ -771,6 +837,9 @@ impl DiscoverArgs {
             })?;
             for u in &found.unusable {
                 eprintln!("warning: {}", u.reason);
+            }
+            if mig_devices {
+                return print_mig_devices(b.as_ref(), &found);
             }
             if cdi {
                 let spec = dry_run_cdi_spec(b.as_ref(), &found, cdi_hook)?;
@@ -795,6 +864,33 @@ impl DiscoverArgs {
         let _ = std::fs::remove_dir_all(&scratch);
         result
     }
+}
+
+/// One line per live MIG device. The parent's UUID is left out on purpose: a `GPU-` UUID in this output is
+/// a MIG device read with its parent's identity, which `make gpu-check` reports.
+fn print_mig_devices(backend: &dyn GpuBackend, found: &crate::gpu::NodeGpus) -> Result<()> {
+    let mut count = 0;
+    for gpu in &found.gpus {
+        let instances = backend
+            .list_gpu_instances(gpu.index)
+            .map_err(|source| Error::Discover {
+                backend: backend.name(),
+                source,
+            })?;
+        for gi in instances {
+            for ci in &gi.compute_instances {
+                count += 1;
+                println!(
+                    "GPU {} GI {} CI {} profile {} placement {}:{} {}",
+                    gpu.index, gi.id, ci.id, gi.profile_id, gi.placement.start, gi.placement.size, ci.uuid
+                );
+            }
+        }
+    }
+    if count == 0 {
+        println!("no MIG device exists on this node");
+    }
+    Ok(())
 }
 
 /// The CDI spec a claim of every discovered whole GPU would get, built as the preparers build it.
@@ -863,10 +959,17 @@ impl BackendArgs {
         ignored_xids: Vec<u32>,
     ) -> Result<Box<dyn crate::health::HealthSource>> {
         match self.backend {
-            BackendKind::Simulated => Ok(Box::new(crate::health::sources::SimulatedSource::new(
-                crate::gpu::simulated_health::SimulatedHealth::new(state_dir, gpu_count),
-                ignored_xids,
-            ))),
+            BackendKind::Simulated => {
+                let kernel =
+                    crate::gpu::simulated::kernel_dir_in(state_dir).map_err(|source| Error::OpenBackend {
+                        backend: "simulated health".into(),
+                        source,
+                    })?;
+                Ok(Box::new(crate::health::sources::SimulatedSource::new(
+                    crate::gpu::simulated_health::SimulatedHealth::new(&kernel, gpu_count),
+                    ignored_xids,
+                )))
+            }
             BackendKind::Nvml => {
                 let backend = NvmlBackend::new(&self.driver_root).map_err(|source| Error::OpenBackend {
                     backend: format!("nvml events (driver root {})", self.driver_root.display()),
@@ -888,12 +991,12 @@ impl BackendArgs {
                     .simulated_node_file
                     .as_deref()
                     .ok_or(Error::MissingSimulatedNodeFile)?;
-                let backend = SimulatedBackend::new(node_name, file, state_dir).map_err(|source| {
-                    Error::OpenBackend {
+                let backend = crate::gpu::simulated::kernel_dir_in(state_dir)
+                    .and_then(|kernel| SimulatedBackend::new(node_name, file, &kernel))
+                    .map_err(|source| Error::OpenBackend {
                         backend: "simulated".into(),
                         source,
-                    }
-                })?;
+                    })?;
                 Ok(Arc::new(backend))
             }
             BackendKind::Nvml => {

@@ -127,7 +127,12 @@ pub enum DeviceDetail {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct MigDetail {
+    /// Index of the parent GPU, as discovery numbered it when the record was written: a name only (NVML
+    /// indices shift when a GPU is missing at boot); `gpu_uuid` says which GPU it is.
     pub gpu: u32,
+    /// `GPU-…` UUID of the parent GPU. Absent in records written before it was kept (judged by `gpu`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_uuid: Option<String>,
     pub profile: String,
     pub placement: MigPlacement,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -144,6 +149,7 @@ impl MigDetail {
     pub fn planned(gpu: u32, profile: String, placement: MigPlacement) -> Self {
         Self {
             gpu,
+            gpu_uuid: None,
             profile,
             placement,
             gpu_instance: None,
@@ -157,7 +163,11 @@ impl MigDetail {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SharedDetail {
+    /// Index of the GPU, a name only (see [`MigDetail::gpu`]).
     pub gpu: u32,
+    /// `GPU-…` UUID of the (parent) GPU. Absent in records written before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_uuid: Option<String>,
     /// UUID the container sees (`GPU-…` or `MIG-…`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
@@ -182,6 +192,64 @@ impl DeviceDetail {
             Self::Mig(m) => m.gpu,
             Self::Shared(s) => s.gpu,
         }
+    }
+
+    /// `GPU-…` UUID of the physical GPU the device lives on, when the record has it. A share of a whole
+    /// GPU written before `gpu_uuid` was kept still names it by the UUID the container sees.
+    pub fn gpu_uuid(&self) -> Option<&str> {
+        match self {
+            Self::Gpu { uuid, .. } => Some(uuid),
+            Self::Mig(m) => m.gpu_uuid.as_deref(),
+            Self::Shared(s) => s.gpu_uuid.as_deref().or_else(|| {
+                s.uuid
+                    .as_deref()
+                    .filter(|u| s.mig.is_none() && u.starts_with("GPU-"))
+            }),
+        }
+    }
+
+    /// Fills in the parent GPU's UUID where the record lacks it (a record written before it was kept,
+    /// or a plan made without it); true when anything changed.
+    pub fn set_gpu_uuid(&mut self, uuid: &str) -> bool {
+        let fill = |slot: &mut Option<String>| {
+            let missing = slot.is_none();
+            if missing {
+                *slot = Some(uuid.to_string());
+            }
+            missing
+        };
+        match self {
+            Self::Gpu { .. } => false,
+            Self::Mig(m) => fill(&mut m.gpu_uuid),
+            Self::Shared(s) => {
+                let mut changed = fill(&mut s.gpu_uuid);
+                if let Some(m) = &mut s.mig {
+                    changed |= fill(&mut m.gpu_uuid);
+                }
+                changed
+            }
+        }
+    }
+}
+
+/// Checks that a recorded device's GPU is the GPU `current_uuid` that index `gpu` names now. `Ok(false)`:
+/// the record has no UUID (written before it was kept) and is judged by its index; `Err`: the index now
+/// names another physical GPU, and the record must not be applied to it.
+pub fn check_gpu_identity(detail: &DeviceDetail, current_uuid: Option<&str>) -> Result<bool, String> {
+    let gpu = detail.gpu();
+    let Some(recorded) = detail.gpu_uuid() else {
+        return Ok(false);
+    };
+    match current_uuid {
+        Some(now) if now == recorded => Ok(true),
+        Some(now) => Err(format!(
+            "the record names GPU {gpu} as {recorded}, but GPU {gpu} is now {now} (NVML numbers GPUs by \
+             position, so indices shift when a GPU is missing at boot); refusing to apply it to another \
+             physical GPU"
+        )),
+        None => Err(format!(
+            "the record names GPU {gpu} ({recorded}), which this node no longer has"
+        )),
     }
 }
 
@@ -318,6 +386,7 @@ mod tests {
                 cdi_device_ids: vec![format!("k8s.gpu.tessera.dev/claim={uid}-gpu-1-mig-3g-40gb-4")],
                 detail: DeviceDetail::Mig(MigDetail {
                     gpu: 1,
+                    gpu_uuid: Some("GPU-1".into()),
                     profile: "3g.40gb".into(),
                     placement: MigPlacement { start: 4, size: 4 },
                     gpu_instance: Some(2),
@@ -390,6 +459,41 @@ mod tests {
         fs::write(store.path(), text).unwrap();
         let err = store.load("b").unwrap_err().to_string();
         assert!(err.contains("format version 2"), "{err}");
+    }
+
+    #[test]
+    fn a_record_written_before_gpu_uuids_were_kept_still_loads() {
+        // A b31ad79 checkpoint: MIG and shared details without `gpuUuid`.
+        let old = r#"{"uid":"u","namespace":"ns","name":"c","phase":"PrepareCompleted","devices":[
+            {"request":"r","pool":"p","device":"gpu-1-mig-3g-40gb-4","cdiDeviceIds":[],
+             "detail":{"kind":"mig","gpu":1,"profile":"3g.40gb","placement":{"start":4,"size":4},
+                       "gpuInstance":2,"computeInstance":0,"uuid":"MIG-1"}},
+            {"request":"r","pool":"p","device":"gpu-2-shared","cdiDeviceIds":[],
+             "detail":{"kind":"shared","gpu":2,"uuid":"GPU-2","strategy":"MPS"}}]}"#;
+        let mut r: ClaimRecord = serde_json::from_str(old).unwrap();
+        assert_eq!(r.devices[0].detail.gpu_uuid(), None);
+        assert_eq!(
+            r.devices[1].detail.gpu_uuid(),
+            Some("GPU-2"),
+            "a whole-GPU share names its GPU"
+        );
+        assert_eq!(check_gpu_identity(&r.devices[0].detail, Some("GPU-x")), Ok(false));
+        assert!(r.devices[0].detail.set_gpu_uuid("GPU-x"));
+        assert!(!r.devices[0].detail.set_gpu_uuid("GPU-y"), "filled once");
+        assert_eq!(r.devices[0].detail.gpu_uuid(), Some("GPU-x"));
+    }
+
+    #[test]
+    fn a_record_whose_gpu_index_now_names_another_gpu_is_refused() {
+        let r = record("u", Phase::PrepareCompleted);
+        let detail = &r.devices[0].detail;
+        assert_eq!(check_gpu_identity(detail, Some("GPU-1")), Ok(true));
+        let e = check_gpu_identity(detail, Some("GPU-2")).unwrap_err();
+        assert!(
+            e.contains("GPU-1") && e.contains("GPU-2") && e.contains("refusing"),
+            "{e}"
+        );
+        assert!(check_gpu_identity(detail, None).is_err());
     }
 
     #[test]

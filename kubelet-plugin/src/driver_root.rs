@@ -20,6 +20,14 @@
 //! `/run/nvidia/driver` of the GPU Operator) with `usr/lib/x86_64-linux-gnu`, `usr/lib64`,
 //! `usr/lib/aarch64-linux-gnu`, `lib64`, `lib/x86_64-linux-gnu`, `lib/aarch64-linux-gnu`, `usr/lib`, `lib`;
 //! GKE's `/home/kubernetes/bin/nvidia` with `lib64` and `bin`; a flat directory holding the libraries itself.
+//!
+//! **Simulated drivers.** A driver root built by this repository (tessera's own `libcuda.so.1`,
+//! `libnvidia-ml.so.1`, `nvidia-smi` and MPS tools over a simulated kernel) is recognised by
+//! `R/tessera-sim/kernel.json` ([`SIMULATED_KERNEL_DIR`]). This is the one place the plugin knows a driver
+//! is simulated: such a root's files are found and mounted like any other, and its common edits add one
+//! read-only bind mount of `R/tessera-sim` at `/tessera-sim` in the container ([`DriverFiles::simulated_kernel`]),
+//! where the simulated libraries find the hardware state (a real driver's libraries reach the kernel module
+//! through `/dev/nvidiactl` instead). Nothing else in the plugin branches on it.
 
 use std::{
     fs,
@@ -87,6 +95,13 @@ pub const BINARIES: [&str; 5] = [
 /// nvcdi writes them).
 pub const MOUNT_OPTIONS: [&str; 5] = ["ro", "nosuid", "nodev", "rbind", "rprivate"];
 
+/// The simulated kernel's directory under a simulated driver root, and its container path (`/tessera-sim`).
+pub const SIMULATED_KERNEL_DIR: &str = "tessera-sim";
+/// The file that marks [`SIMULATED_KERNEL_DIR`] as a simulated kernel.
+pub const SIMULATED_KERNEL_FILE: &str = "kernel.json";
+/// Where a container sees the simulated kernel (the simulated libraries look for it there).
+pub const SIMULATED_KERNEL_CONTAINER_PATH: &str = "/tessera-sim";
+
 /// A driver installation rooted at a directory of the host (as the plugin sees it).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DriverRoot {
@@ -130,6 +145,12 @@ impl DriverRoot {
     /// The first existing binary named `name`.
     pub fn find_binary(&self, name: &str) -> Option<PathBuf> {
         self.binary_candidates(name).into_iter().find(|p| p.is_file())
+    }
+
+    /// `R/tessera-sim` when this root is a simulated driver built by tessera (it holds `kernel.json`).
+    pub fn simulated_kernel(&self) -> Option<PathBuf> {
+        let dir = self.root.join(SIMULATED_KERNEL_DIR);
+        dir.join(SIMULATED_KERNEL_FILE).is_file().then_some(dir)
     }
 
     /// `PATH` for a process that runs the driver's binaries (the MPS daemon): the root's binary
@@ -255,6 +276,9 @@ pub struct DriverFiles {
     pub binaries: Vec<DriverFile>,
     /// `nvidia-cdi-hook` on the host, when the node has NVIDIA's container toolkit.
     pub ldcache_hook: Option<PathBuf>,
+    /// A simulated driver's kernel directory (`R/tessera-sim`, symlinks resolved), mounted read-only at
+    /// [`SIMULATED_KERNEL_CONTAINER_PATH`]; `None` for a real driver.
+    pub simulated_kernel: Option<DriverFile>,
 }
 
 impl DriverFiles {
@@ -284,10 +308,16 @@ impl DriverFiles {
                 })
             })
             .collect();
+        // The runtime would follow a symlink too; resolving it here makes the spec name the real directory.
+        let simulated_kernel = root.simulated_kernel().map(|dir| DriverFile {
+            host_path: fs::canonicalize(&dir).unwrap_or(dir),
+            container_path: SIMULATED_KERNEL_CONTAINER_PATH.to_string(),
+        });
         Self {
             libraries,
             binaries,
             ldcache_hook: None,
+            simulated_kernel,
         }
     }
 
@@ -498,5 +528,28 @@ mod tests {
         let layout = Layout::new();
         let files = DriverFiles::discover(&layout.root(), Some(VERSION));
         assert!(files.libraries.is_empty() && files.binaries.is_empty());
+        assert_eq!(files.simulated_kernel, None);
+    }
+
+    #[test]
+    fn a_simulated_root_is_recognised_by_its_kernel_file_through_a_symlink() {
+        let layout = Layout::new().libs("usr/lib/x86_64-linux-gnu");
+        let kernel = tempfile::tempdir().unwrap();
+        symlink(kernel.path(), layout.dir.path().join(SIMULATED_KERNEL_DIR)).unwrap();
+        // A directory without kernel.json is not a simulated kernel (a real root never has one).
+        assert_eq!(layout.root().simulated_kernel(), None);
+        assert_eq!(
+            DriverFiles::discover(&layout.root(), Some(VERSION)).simulated_kernel,
+            None
+        );
+        fs::write(kernel.path().join(SIMULATED_KERNEL_FILE), "{}").unwrap();
+        let files = DriverFiles::discover(&layout.root(), Some(VERSION));
+        assert_eq!(
+            files.simulated_kernel,
+            Some(DriverFile {
+                host_path: fs::canonicalize(kernel.path()).unwrap(),
+                container_path: "/tessera-sim".into(),
+            })
+        );
     }
 }

@@ -75,13 +75,15 @@ pub fn device_edits(
 }
 
 /// The mounts (and the ldcache hook, if any) every device carries: the driver's libraries and binaries,
-/// read-only at their container paths.
+/// read-only at their container paths, and for a simulated driver its kernel directory at `/tessera-sim`
+/// (see [`crate::driver_root`]).
 pub fn driver_edits(files: &DriverFiles) -> ContainerEdits {
     let options: Vec<String> = MOUNT_OPTIONS.map(String::from).to_vec();
     let mounts = files
         .libraries
         .iter()
         .chain(&files.binaries)
+        .chain(&files.simulated_kernel)
         .map(|f| Mount {
             host_path: f.host_path.display().to_string(),
             container_path: f.container_path.clone(),
@@ -158,6 +160,38 @@ mod tests {
             ]
         );
         assert_eq!(hooked.hooks[0].hook_name, "createContainer");
+        assert!(
+            !targets.contains(&"/tessera-sim"),
+            "a real driver has no simulated kernel"
+        );
+    }
+
+    #[test]
+    fn a_simulated_driver_root_mounts_its_kernel_read_only_at_tessera_sim() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("usr/lib/x86_64-linux-gnu");
+        let kernel = dir.path().join("state");
+        fs::create_dir_all(&lib).unwrap();
+        fs::create_dir_all(&kernel).unwrap();
+        fs::write(lib.join("libcuda.so.580.1"), b"ELF").unwrap();
+        symlink("libcuda.so.580.1", lib.join("libcuda.so.1")).unwrap();
+        fs::write(kernel.join("kernel.json"), "{}").unwrap();
+        symlink(&kernel, dir.path().join("tessera-sim")).unwrap();
+        let edits = driver_edits(&DriverFiles::discover(
+            &DriverRoot::new(dir.path()),
+            Some("580.1"),
+        ));
+        let mount = edits
+            .mounts
+            .iter()
+            .find(|m| m.container_path == "/tessera-sim")
+            .expect("the simulated kernel is mounted");
+        assert_eq!(
+            mount.host_path,
+            fs::canonicalize(&kernel).unwrap().display().to_string()
+        );
+        assert_eq!(mount.options, MOUNT_OPTIONS.map(String::from));
+        assert!(mount.options.contains(&"ro".to_string()));
     }
 
     #[test]

@@ -34,6 +34,12 @@ pub enum Error {
         #[source]
         source: GpuError,
     },
+    /// `simulate driver-root`: the simulated kernel or driver root could not be made.
+    #[error("failed to make the simulated driver root: {source}")]
+    SimulateDriverRoot {
+        #[source]
+        source: GpuError,
+    },
     /// `simulate load`: the synthetic load could not be set.
     #[error("failed to set the simulated GPU load: {source}")]
     SimulateLoad {

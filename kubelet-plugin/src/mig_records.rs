@@ -9,10 +9,11 @@ use crate::{
     mig::{MigDevice, resolve},
 };
 
-/// The checkpoint detail of a prepared MIG device.
-pub fn detail_of(dev: &MigDevice) -> MigDetail {
+/// The checkpoint detail of a prepared MIG device on `gpu` (whose UUID the record keeps).
+pub fn detail_of(dev: &MigDevice, gpu: &GpuInfo) -> MigDetail {
     MigDetail {
         gpu: dev.gpu,
+        gpu_uuid: Some(gpu.uuid.clone()),
         profile: dev.profile.clone(),
         placement: dev.placement,
         gpu_instance: Some(dev.gpu_instance),
@@ -39,7 +40,8 @@ pub fn device_of(gpu: &GpuInfo, detail: &MigDetail) -> Option<MigDevice> {
 }
 
 /// The MIG devices the completed claims of `checkpoint` hold (exclusive and shared), for
-/// [`crate::mig::reconcile_at_start`].
+/// [`crate::mig::reconcile_at_start`]. A detail whose parent UUID is not the GPU's at its index names
+/// nothing on this GPU (its instance is another GPU's, or gone).
 pub fn known_devices(checkpoint: &Checkpoint, gpus: &[GpuInfo]) -> Vec<MigDevice> {
     checkpoint
         .claims
@@ -51,6 +53,12 @@ pub fn known_devices(checkpoint: &Checkpoint, gpus: &[GpuInfo]) -> Vec<MigDevice
             DeviceDetail::Shared(s) => s.mig.as_ref(),
             DeviceDetail::Gpu { .. } => None,
         })
-        .filter_map(|m| device_of(gpus.iter().find(|g| g.index == m.gpu)?, m))
+        .filter_map(|m| {
+            let gpu = gpus.iter().find(|g| g.index == m.gpu)?;
+            if m.gpu_uuid.as_ref().is_some_and(|u| *u != gpu.uuid) {
+                return None;
+            }
+            device_of(gpu, m)
+        })
         .collect()
 }

@@ -174,7 +174,10 @@ impl DevicePreparer for SharedPreparer {
         let mig = match &ctx.device {
             DeviceName::SharedMig { profile, start, .. } | DeviceName::Mig { profile, start, .. } => {
                 let (_, placement) = mig::resolve(&ctx.gpu, profile, *start).map_err(mig_error(ctx))?;
-                Some(MigDetail::planned(ctx.gpu.index, profile.clone(), placement))
+                Some(MigDetail {
+                    gpu_uuid: Some(ctx.gpu.uuid.clone()),
+                    ..MigDetail::planned(ctx.gpu.index, profile.clone(), placement)
+                })
             }
             _ => None,
         };
@@ -189,6 +192,7 @@ impl DevicePreparer for SharedPreparer {
         }
         Ok(DeviceDetail::Shared(SharedDetail {
             gpu: ctx.gpu.index,
+            gpu_uuid: Some(ctx.gpu.uuid.clone()),
             uuid: None,
             mig,
             strategy: Some(strategy.as_str().to_string()),
@@ -226,6 +230,16 @@ impl DevicePreparer for SharedPreparer {
             _ => {
                 if self.sharer.users().count(&key) == 0 {
                     mig::ensure_whole_gpu(backend, &ctx.gpu).map_err(mig_error(ctx))?;
+                    // Time-sliced clients are several processes: a mode left by a dead MPS share would
+                    // let one in. (MPS sets EXCLUSIVE_PROCESS itself, for its server.)
+                    if strategy == SharingStrategy::TimeSlicing {
+                        reset_compute_mode(backend, &ctx.gpu).map_err(|source| {
+                            ClaimError::PrepareDevice {
+                                device: ctx.device.to_string(),
+                                source,
+                            }
+                        })?;
+                    }
                 }
                 None
             }
@@ -277,8 +291,9 @@ impl DevicePreparer for SharedPreparer {
         edits.extend(edits::driver_edits(&self.files));
         let detail = SharedDetail {
             gpu: ctx.gpu.index,
+            gpu_uuid: Some(ctx.gpu.uuid.clone()),
             uuid: Some(share.uuid),
-            mig: mig.as_ref().map(mig_records::detail_of),
+            mig: mig.as_ref().map(|m| mig_records::detail_of(m, &ctx.gpu)),
             strategy: planned.strategy,
             mps_pipe_dir: share.mps_pipe_dir,
             limits: share.limits,
@@ -325,6 +340,10 @@ impl DevicePreparer for GpuPreparer {
             return self.shared.prepare(ctx, planned);
         }
         mig::ensure_whole_gpu(ctx.backend.as_ref(), &ctx.gpu).map_err(mig_error(ctx))?;
+        reset_compute_mode(ctx.backend.as_ref(), &ctx.gpu).map_err(|source| ClaimError::PrepareDevice {
+            device: ctx.device.to_string(),
+            source,
+        })?;
         let (detail, mut edits) = WholeGpuPreparer.prepare(ctx, planned)?;
         edits.extend(edits::driver_edits(&self.shared.files));
         Ok((detail, edits))
@@ -340,6 +359,25 @@ impl DevicePreparer for GpuPreparer {
     fn restore(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
         self.shared.restore(ctx, detail);
     }
+}
+
+/// Puts a GPU an exclusive whole-GPU claim gets back in the DEFAULT compute mode. A GPU left in
+/// EXCLUSIVE_PROCESS (an MPS supervisor that was OOM-killed or restarted, an admin's `nvidia-smi -c 3`) lets
+/// only one CUDA process in, so a DataLoader with CUDA workers or several ranks per GPU fails with "all
+/// CUDA-capable devices are busy or unavailable"; PROHIBITED lets none in. No share can hold a GPU that is
+/// allocated whole, so nothing else relies on its mode. Reads first: a GPU already in DEFAULT is not touched.
+pub fn reset_compute_mode(
+    backend: &dyn crate::gpu::GpuBackend,
+    gpu: &GpuInfo,
+) -> Result<(), crate::gpu::GpuError> {
+    use crate::gpu::ComputeMode;
+    let mode = backend.compute_mode(gpu.index)?;
+    if mode == ComputeMode::Default {
+        return Ok(());
+    }
+    warn!(gpu = gpu.index, uuid = %gpu.uuid, ?mode,
+        "a whole-GPU claim got a GPU left in a non-default compute mode; setting it back to DEFAULT");
+    backend.set_compute_mode(gpu.index, ComputeMode::Default)
 }
 
 /// Exclusive MIG devices (`gpu-<i>-mig-<profile>-<start>`): one GPU instance and one compute instance
@@ -361,11 +399,10 @@ impl DevicePreparer for MigPreparer {
             return self.shared.plan(ctx);
         }
         let (_, placement) = mig::resolve(&ctx.gpu, profile, *start).map_err(mig_error(ctx))?;
-        Ok(DeviceDetail::Mig(MigDetail::planned(
-            ctx.gpu.index,
-            profile.clone(),
-            placement,
-        )))
+        Ok(DeviceDetail::Mig(MigDetail {
+            gpu_uuid: Some(ctx.gpu.uuid.clone()),
+            ..MigDetail::planned(ctx.gpu.index, profile.clone(), placement)
+        }))
     }
 
     fn prepare(
@@ -398,7 +435,7 @@ impl DevicePreparer for MigPreparer {
         match edits::device_edits(backend, &ctx.gpu, ids, &device, &dev.uuid) {
             Ok(mut edits) => {
                 edits.extend(edits::driver_edits(&self.shared.files));
-                Ok((DeviceDetail::Mig(mig_records::detail_of(&dev)), edits))
+                Ok((DeviceDetail::Mig(mig_records::detail_of(&dev, &ctx.gpu)), edits))
             }
             Err(source) => {
                 let _ = mig::unprepare_mig(backend, &ctx.gpu, &dev);

@@ -283,6 +283,9 @@ pub struct Recovery {
     pub failed: Vec<(String, String)>,
     /// MIG instances that more than one record holds.
     pub conflicts: Vec<String>,
+    /// Records of an earlier boot not re-adopted because their GPU index now names another physical GPU
+    /// (its UUID differs), with the reason.
+    pub wrong_gpu: Vec<(String, String)>,
     /// The API server could not be asked; what needs it was left for the next reconcile.
     pub api_error: Option<String>,
 }
@@ -299,6 +302,7 @@ impl Recovery {
         self.orphans_cleaned.extend(other.orphans_cleaned);
         self.failed = other.failed;
         self.conflicts = other.conflicts;
+        self.wrong_gpu.extend(other.wrong_gpu);
         self.api_error = other.api_error;
     }
 
@@ -312,6 +316,11 @@ impl Recovery {
                 .map(|(uid, reason)| format!("claim {uid} failed to recover (retried): {reason}")),
         );
         out.extend(self.conflicts.iter().cloned());
+        out.extend(
+            self.wrong_gpu
+                .iter()
+                .map(|(uid, reason)| format!("claim {uid} was not re-adopted: {reason}")),
+        );
         out
     }
 }
@@ -454,6 +463,21 @@ impl NodeState {
             }
             Err(e) => return Err(e),
         };
+        for record in checkpoint.claims.values_mut() {
+            // In this boot an index names the GPU it named when the record was written; a record of an
+            // older plugin, without UUIDs, is migrated to name its GPU by UUID, once.
+            match recovery::gpus_match(&self.gpus, record) {
+                Ok(by_index) if !by_index.is_empty() => {
+                    warn!(claim = %record.uid, devices = ?by_index,
+                        "recording the GPU UUIDs of a claim written before they were kept (judged by index)");
+                    *record = self.with_gpu_uuids(record);
+                }
+                Ok(_) => {}
+                Err(why) => error!(claim = %record.uid, reason = %why,
+                    "a record of this boot names a GPU by an index that now names another GPU; kept as it is, \
+                     check the node's GPUs (`nvidia-smi -L`)"),
+            }
+        }
         for record in checkpoint
             .claims
             .values()
@@ -603,6 +627,22 @@ impl NodeState {
         let mut checkpoint = self.checkpoint();
         for (uid, record) in &pending.old_records {
             let claim = by_key.get(&claim_key(&record.namespace, &record.name));
+            if claim_use(claim, uid, &self.node_name) == ClaimUse::InUse {
+                // Checked first: a GPU missing at this boot shifts every later index, and the record's
+                // devices would be re-adopted onto other physical GPUs, with other pods' work.
+                match recovery::gpus_match(&self.gpus, record) {
+                    Ok(by_index) if !by_index.is_empty() => warn!(claim = %uid, devices = ?by_index,
+                        "the record of an earlier boot does not say which physical GPU its devices are on \
+                         (written before GPU UUIDs were kept); judging it by the GPU index once"),
+                    Ok(_) => {}
+                    Err(why) => {
+                        error!(claim = %uid, namespace = %record.namespace, name = %record.name, reason = %why,
+                            "not re-adopting a record of an earlier boot: its GPU is not the one that index names now");
+                        recovery.wrong_gpu.push((uid.clone(), why));
+                        continue;
+                    }
+                }
+            }
             let verdict = match claim_use(claim, uid, &self.node_name) {
                 ClaimUse::InUse => recovery::record_intact(self.backend.as_ref(), record)
                     .and_then(|()| self.spec_present(uid)),
@@ -612,8 +652,9 @@ impl NodeState {
                 Ok(()) => {
                     info!(claim = %uid, namespace = %record.namespace, name = %record.name,
                         "re-adopting the devices of a running pod's claim from the checkpoint of an earlier boot");
-                    self.restore_record(record);
-                    checkpoint.claims.insert(uid.clone(), record.clone());
+                    let record = self.with_gpu_uuids(record);
+                    self.restore_record(&record);
+                    checkpoint.claims.insert(uid.clone(), record);
                     recovery.adopted.push(uid.clone());
                 }
                 Err(why) => info!(claim = %uid, reason = %why, "dropping a record of an earlier boot"),
@@ -624,6 +665,7 @@ impl NodeState {
                 continue;
             };
             if checkpoint.claims.contains_key(uid)
+                || recovery.wrong_gpu.iter().any(|(u, _)| u == uid)
                 || claim_use(Some(claim), uid, &self.node_name) != ClaimUse::InUse
             {
                 continue;
@@ -655,6 +697,18 @@ impl NodeState {
         self.journal.replace(checkpoint.clone())?;
         self.sweep_unowned(&checkpoint, recovery)?;
         Ok(())
+    }
+
+    /// `record` with the parent GPU's UUID filled in where it lacks one (a record written before UUIDs were
+    /// kept, judged by its index), so the next start can tell its GPU by UUID.
+    fn with_gpu_uuids(&self, record: &ClaimRecord) -> ClaimRecord {
+        let mut record = record.clone();
+        for d in &mut record.devices {
+            if let Some(gpu) = self.gpus.get(&d.detail.gpu()) {
+                d.detail.set_gpu_uuid(&gpu.uuid);
+            }
+        }
+        record
     }
 
     /// Removes what no record owns: tessera CDI specs, MIG instances, and the registered sweeps' leftovers.

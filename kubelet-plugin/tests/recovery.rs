@@ -460,6 +460,7 @@ async fn a_claim_whose_rollback_fails_at_start_is_kept_reported_and_retried_whil
                     cdi_device_ids: vec![cdi::qualified_name(&cdi::device_name(uid, "gpu-6-shared"))],
                     detail: DeviceDetail::Shared(SharedDetail {
                         gpu: 6,
+                        gpu_uuid: None,
                         uuid: None,
                         mig: None,
                         strategy: Some("MPS".into()),

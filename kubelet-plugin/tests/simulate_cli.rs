@@ -29,7 +29,7 @@ fn faults(dir: &Path) -> serde_json::Value {
 }
 
 #[test]
-fn injected_faults_are_written_to_the_state_dir_and_recover_clears_them() {
+fn injected_faults_are_written_to_the_simulated_kernel_and_recover_clears_them() {
     let dir = tempfile::tempdir().unwrap();
     for args in [
         &["inject-xid", "--gpu", "3", "--xid", "79"][..],
@@ -51,7 +51,11 @@ fn injected_faults_are_written_to_the_state_dir_and_recover_clears_them() {
             {"gpu": 0, "kind": "Lost"},
         ])
     );
-    assert!(dir.path().join("state/simulated-health.json").exists());
+    assert!(
+        dir.path()
+            .join("state/simulated-kernel/simulated-health.json")
+            .exists()
+    );
     assert!(simulate(dir.path(), &["recover", "--gpu", "3"]).status.success());
     assert_eq!(faults(dir.path()).as_array().unwrap().len(), 2);
 }

@@ -433,6 +433,7 @@ impl DevicePreparer for FakeMig {
         };
         Ok(DeviceDetail::Mig(MigDetail {
             gpu: *gpu,
+            gpu_uuid: None,
             profile: profile.clone(),
             placement: MigPlacement {
                 start: *start,
@@ -585,6 +586,7 @@ async fn a_crash_after_a_mig_device_was_created_is_undone_with_its_recorded_ids(
                 cdi_device_ids: vec![],
                 detail: DeviceDetail::Mig(MigDetail {
                     gpu: 3,
+                    gpu_uuid: None,
                     profile: "1g.10gb".into(),
                     placement: MigPlacement { start: 6, size: 1 },
                     gpu_instance: Some(9),

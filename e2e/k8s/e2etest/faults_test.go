@@ -183,7 +183,7 @@ func observeNode(t *testing.T, node string) nodeHolds {
 	t.Helper()
 	var h nodeHolds
 	state := filepath.Join(nodeDir(node), "plugin-state")
-	if data, err := os.ReadFile(filepath.Join(state, "simulated-gpus.json")); err == nil {
+	if data, err := os.ReadFile(filepath.Join(state, "simulated-kernel", "simulated-gpus.json")); err == nil {
 		var s struct {
 			GPUs []struct {
 				GPUInstances []simGPUInstance `json:"gpuInstances"`

@@ -439,11 +439,11 @@ type simGPUInstance struct {
 // and returns the GPU instance starting at memory slice start on GPU gpu.
 func simulatedGPUInstance(t *testing.T, node string, gpu, start int) (simGPUInstance, bool) {
 	t.Helper()
-	return simulatedGPUInstanceIn(t, filepath.Join(e.runDir, "nodes", node, "plugin-state", "simulated-gpus.json"), gpu, start)
+	return simulatedGPUInstanceIn(t, filepath.Join(e.runDir, "nodes", node, "plugin-state", "simulated-kernel", "simulated-gpus.json"), gpu, start)
 }
 
 // simulatedGPUInstanceIn reads the GPU instance at `start` on GPU `gpu` from a simulated backend's
-// hardware state file (`<state dir>/simulated-gpus.json`).
+// hardware state file (`<state dir>/simulated-kernel/simulated-gpus.json`).
 func simulatedGPUInstanceIn(t *testing.T, path string, gpu, start int) (simGPUInstance, bool) {
 	t.Helper()
 	data, err := os.ReadFile(path)

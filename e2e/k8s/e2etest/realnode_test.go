@@ -1,12 +1,15 @@
 package e2etest
 
 // Scenarios on the real node (e2e/scripts/real-node.sh): the upstream kubelet, containerd 2.x with CDI, runc
-// and the CNI bridge. tessera is installed there with its Helm chart (simulated backend, the image imported
-// into containerd), and workload pods run real busybox containers whose own output says what they got.
+// and the CNI bridge. tessera is installed there with its Helm chart (the nvml backend, over the simulated
+// driver root real-node.sh built from this repository; the image imported into containerd), and workload
+// pods run real containers of the glibc cuda-probe image whose own output says what they got: the device
+// nodes and driver files, and what a CUDA program loading the driver by soname sees (e2e/images/cuda-probe.c).
 
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"os"
@@ -22,6 +25,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -32,9 +36,9 @@ import (
 )
 
 const (
-	// The workload image real-node.sh imports (e2e/images/node_images.py): a static busybox.
-	busyboxImage = "tessera.dev/e2e/busybox:1"
-	realNodeGPUs = 6
+	// The workload image real-node.sh imports (e2e/images/node_images.py): glibc, the CUDA probe at
+	// /usr/local/bin/cuda-probe and a static busybox.
+	probeImage = "tessera.dev/e2e/cuda-probe:1"
 	// NVIDIA's character device major for /dev/nvidia<minor> and /dev/nvidiactl (minor 255), fixed by the
 	// kernel driver (NVIDIA's driver README, "Device files"; nvidia-container-toolkit's nvcdi uses it too).
 	nvidiaMajor = 195
@@ -44,8 +48,14 @@ const (
 type realNodeEnv struct {
 	name     string
 	dir      string // $RUN_DIR/real-node
-	stateDir string // the chart's stateDir: checkpoint, simulated GPUs, MPS pipe dirs
+	stateDir string // the chart's stateDir: checkpoint, MPS pipe dirs
 	cdiDir   string
+	// driverRoot is the simulated NVIDIA driver root (`tessera-kubelet-plugin simulate driver-root`), the
+	// chart's driverRoot; kernel is its simulated kernel (driverRoot/tessera-sim links to it): the hardware
+	// inventory (kernel.json), the hardware state (simulated-gpus.json) and what the driver shows in /proc.
+	driverRoot string
+	kernel     string
+	gpus       int
 }
 
 func realNode(t *testing.T) realNodeEnv {
@@ -54,17 +64,41 @@ func realNode(t *testing.T) realNodeEnv {
 		t.Fatal("these scenarios need the real node: run them through `make e2e` (REAL_NODE=1, its default) or `make up REAL_NODE=1`")
 	}
 	dir := filepath.Join(e.runDir, "real-node")
-	return realNodeEnv{name: getenv("REAL_NODE_NAME", "real-node"), dir: dir, stateDir: filepath.Join(dir, "tessera"), cdiDir: filepath.Join(dir, "cdi")}
+	rn := realNodeEnv{name: getenv("REAL_NODE_NAME", "real-node"), dir: dir, stateDir: filepath.Join(dir, "tessera"),
+		cdiDir: filepath.Join(dir, "cdi"), driverRoot: filepath.Join(dir, "driver-root")}
+	kernel, err := filepath.EvalSymlinks(filepath.Join(rn.driverRoot, "tessera-sim"))
+	if err != nil {
+		t.Fatalf("the real node's simulated driver root (real-node.sh up makes it): %v", err)
+	}
+	rn.kernel = kernel
+	data, err := os.ReadFile(filepath.Join(kernel, "kernel.json"))
+	if err != nil {
+		t.Fatalf("the simulated kernel's inventory: %v", err)
+	}
+	var k struct {
+		Node struct {
+			GPUs []struct {
+				Count int `json:"count"`
+			} `json:"gpus"`
+		} `json:"node"`
+	}
+	if err := json.Unmarshal(data, &k); err != nil {
+		t.Fatalf("parse %s/kernel.json: %v", kernel, err)
+	}
+	for _, g := range k.Node.GPUs {
+		rn.gpus += g.Count
+	}
+	return rn
 }
 
-// chartValues are the --set values for the real node: simulated GPUs, the image real-node.sh imported
-// (never pulled), the kubelet's own root dir, and the cluster's existing DeviceClasses and GpuPolicy kept.
+// chartValues are the --set values for the real node: the nvml backend over the node's driver root, the
+// image real-node.sh imported (never pulled), the kubelet's own root dir, and the cluster's existing
+// DeviceClasses and GpuPolicy kept.
 func (rn realNodeEnv) chartValues(extra ...string) []string {
 	return append([]string{
-		"backend=simulated",
+		"backend=nvml",
+		"driverRoot=" + rn.driverRoot,
 		"image.pullPolicy=Never",
-		"simulated.gpus[0].model=H100-SXM5-80GB",
-		fmt.Sprintf("simulated.gpus[0].count=%d", realNodeGPUs),
 		"kubeletDir=" + filepath.Join(rn.dir, "kubelet"),
 		"cdiDir=" + rn.cdiDir,
 		"stateDir=" + rn.stateDir,
@@ -162,7 +196,8 @@ func readyPods(pods []v1.Pod) (ready int, states []string) {
 
 // inside is what a workload's check container prints about itself: `dev <path> <major>,<minor>` per
 // device node, `file <path>` per driver file found, `env K=V`, `smi <line>` of nvidia-smi -L, `pipe <entry>`
-// of the MPS pipe directory. It writes that to its termination message, which the API server returns.
+// of the MPS pipe directory, `probe <line>` per line of the CUDA probe. It writes that to its termination
+// message, which the API server returns (4096 bytes at most: insideView fails a message that fills it).
 const inside = `exec > /dev/termination-log 2>&1
 for f in /dev/nvidia* /dev/nvidia-caps/*; do [ -c "$f" ] && ls -l "$f" | awk '{print "dev", $NF, $5 $6}'; done
 for f in /usr/lib/x86_64-linux-gnu/libcuda.so.1 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 /usr/bin/nvidia-smi; do
@@ -171,7 +206,11 @@ done
 env | grep -E '^(NVIDIA_VISIBLE_DEVICES|TESSERA_|CUDA_MPS_)' | sed 's/^/env /'
 nvidia-smi -L 2>&1 | sed 's/^/smi /'
 if [ -n "$CUDA_MPS_PIPE_DIRECTORY" ]; then ls "$CUDA_MPS_PIPE_DIRECTORY" | sed 's/^/pipe /'; fi
+cuda-probe 2>&1 | sed 's/^/probe /'
 exit 0`
+
+// terminationMessageLimit is the kubelet's limit on a container's termination message.
+const terminationMessageLimit = 4096
 
 // workload is a pod on the real node whose init container prints what it sees (inside) and whose main
 // container keeps the claim in use until the pod is deleted.
@@ -180,7 +219,7 @@ type workload struct{ pod *v1.Pod }
 func workloadPod(ns, name, node string) *workload {
 	ctr := func(name string, cmd string) v1.Container {
 		return v1.Container{
-			Name: name, Image: busyboxImage, ImagePullPolicy: v1.PullNever, Command: []string{"sh", "-c", cmd},
+			Name: name, Image: probeImage, ImagePullPolicy: v1.PullNever, Command: []string{"sh", "-c", cmd},
 			Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
 		}
 	}
@@ -201,11 +240,24 @@ func (w *workload) withClaimFrom(template string) *workload {
 	return w
 }
 
+// asking makes it a device-plugin-era pod: no claim, `nvidia.com/gpu: <gpus>` in both containers' limits
+// (kube-scheduler serves it from the DeviceClass with that extendedResourceName; the check container, an
+// init container, reuses the holding container's request).
+func (w *workload) asking(gpus int64) *workload {
+	q := *resource.NewQuantity(gpus, resource.DecimalSI)
+	for _, c := range []*v1.Container{&w.pod.Spec.InitContainers[0], &w.pod.Spec.Containers[0]} {
+		c.Resources = v1.ResourceRequirements{Limits: v1.ResourceList{legacyResource: q}}
+	}
+	return w
+}
+
 // reporting makes the holding container print, every second, the device nodes and MPS pipe entries it
-// still sees, so a check after a plugin roll reads what the running container sees then.
+// still sees and the CUDA probe's context lines (a share's names its MPS server), so a check after a plugin
+// roll reads what the running container sees then.
 func (w *workload) reporting() *workload {
 	w.pod.Spec.Containers[0].Command = []string{"sh", "-c",
-		`while true; do echo "sees $(ls /dev/nvidia* /dev/nvidia-caps/* /tmp/nvidia-mps 2>/dev/null | tr '\n' ' ')"; sleep 1; done`}
+		`while true; do echo "sees $(ls /dev/nvidia* /dev/nvidia-caps/* /tmp/nvidia-mps 2>/dev/null | tr '\n' ' ')` +
+			`$(cuda-probe 2>&1 | grep -E '^cuda\.(count|ctx)' | tr '\n' ' ')"; sleep 1; done`}
 	return w
 }
 
@@ -225,7 +277,10 @@ type seen struct {
 	env     map[string]string
 	smi     string
 	pipe    []string
-	raw     string
+	probe   probeView
+	// probeLines are the probe's own lines, for the log.
+	probeLines []string
+	raw        string
 }
 
 func insideView(t *testing.T, p *v1.Pod) seen {
@@ -239,7 +294,11 @@ func insideView(t *testing.T, p *v1.Pod) seen {
 	if msg == "" {
 		t.Fatalf("pod %s: the check container left no termination message (statuses %+v)", p.Name, p.Status.InitContainerStatuses)
 	}
+	if len(msg) >= terminationMessageLimit {
+		t.Fatalf("pod %s: the check container's termination message is %d bytes, the kubelet's limit: it may be cut off\n%s", p.Name, len(msg), msg)
+	}
 	v := seen{devices: map[string]string{}, files: map[string]bool{}, env: map[string]string{}, raw: msg}
+	var probe []string
 	for _, line := range strings.Split(msg, "\n") {
 		kind, rest, _ := strings.Cut(line, " ")
 		switch kind {
@@ -257,18 +316,28 @@ func insideView(t *testing.T, p *v1.Pod) seen {
 			v.smi += rest + "\n"
 		case "pipe":
 			v.pipe = append(v.pipe, rest)
+		case "probe":
+			probe = append(probe, rest)
 		}
 	}
+	v.probe, v.probeLines = parseProbe(probe), probe
 	return v
 }
 
-// realAllocations returns the pod's claim and the tessera devices allocated to it.
+// realAllocations returns the pod's claim (from its template, or the one kube-scheduler made for its
+// extended resources) and the tessera devices allocated to it.
 func realAllocations(t *testing.T, p *v1.Pod) (*resourcev1.ResourceClaim, []resourcev1.DeviceRequestAllocationResult) {
 	t.Helper()
-	if len(p.Status.ResourceClaimStatuses) == 0 || p.Status.ResourceClaimStatuses[0].ResourceClaimName == nil {
+	var name string
+	switch {
+	case len(p.Status.ResourceClaimStatuses) > 0 && p.Status.ResourceClaimStatuses[0].ResourceClaimName != nil:
+		name = *p.Status.ResourceClaimStatuses[0].ResourceClaimName
+	case p.Status.ExtendedResourceClaimStatus != nil:
+		name = p.Status.ExtendedResourceClaimStatus.ResourceClaimName
+	default:
 		t.Fatalf("pod %s has no generated claim", p.Name)
 	}
-	c, err := e.client.ResourceV1().ResourceClaims(p.Namespace).Get(ctxFor(t, 30*time.Second), *p.Status.ResourceClaimStatuses[0].ResourceClaimName, metav1.GetOptions{})
+	c, err := e.client.ResourceV1().ResourceClaims(p.Namespace).Get(ctxFor(t, 30*time.Second), name, metav1.GetOptions{})
 	if err != nil {
 		t.Fatalf("claim of %s: %v", p.Name, err)
 	}
@@ -287,7 +356,7 @@ func realAllocations(t *testing.T, p *v1.Pod) (*resourcev1.ResourceClaim, []reso
 var migDevice = regexp.MustCompile(`-mig-`)
 
 // checkInside asserts, from the container's own output, what every allocated device must give it.
-func checkInside(t *testing.T, p *v1.Pod, v seen, devices []resourcev1.DeviceRequestAllocationResult) {
+func (rn realNodeEnv) checkInside(t *testing.T, p *v1.Pod, v seen, devices []resourcev1.DeviceRequestAllocationResult) {
 	t.Helper()
 	fail := func(format string, args ...any) {
 		t.Errorf("pod %s: "+format+"\n--- the container printed:\n%s", append([]any{p.Name}, append(args, v.raw)...)...)
@@ -320,9 +389,9 @@ func checkInside(t *testing.T, p *v1.Pod, v seen, devices []resourcev1.DeviceReq
 		got := v.env[uuidEnvKey(r.Device)]
 		if migDevice.MatchString(r.Device) {
 			// A dynamic MIG device's slice names its parent GPU; the instance and its MIG- UUID exist only
-			// once prepare created them.
-			if !strings.HasPrefix(got, "MIG-") {
-				fail("%s=%q, want the created instance's MIG- UUID", uuidEnvKey(r.Device), got)
+			// once prepare created them (the simulated kernel's hardware state says which).
+			if want := rn.migUUID(t, r.Device); got != want {
+				fail("%s=%q, want the created instance's UUID %s", uuidEnvKey(r.Device), got, want)
 			}
 			if !hasPrefix(keys(v.devices), "/dev/nvidia-caps/nvidia-cap") {
 				fail("MIG device %s: no /dev/nvidia-caps/nvidia-cap* node", r.Device)
@@ -339,6 +408,15 @@ func checkInside(t *testing.T, p *v1.Pod, v seen, devices []resourcev1.DeviceReq
 	if len(v.smi) == 0 || !strings.Contains(v.smi, "GPU 0:") {
 		fail("nvidia-smi -L printed nothing usable")
 	}
+	checkProbe(t, p, v, expectFor(t, p, v, devices, rn.migUUID))
+}
+
+func deviceNames(devices []resourcev1.DeviceRequestAllocationResult) []string {
+	var out []string
+	for _, d := range devices {
+		out = append(out, d.Device)
+	}
+	return out
 }
 
 func keys(m map[string]string) []string {
@@ -412,7 +490,9 @@ func (rn realNodeEnv) mpsServes(device string) bool {
 	return true
 }
 
-func (rn realNodeEnv) migInstanceAt(t *testing.T, device string) bool {
+// migInstance is the GPU instance at a MIG device's placement in the simulated kernel's hardware state
+// (what NVML reports on the node).
+func (rn realNodeEnv) migInstance(t *testing.T, device string) (simGPUInstance, bool) {
 	t.Helper()
 	m := migDeviceName.FindStringSubmatch(device)
 	if m == nil {
@@ -421,8 +501,23 @@ func (rn realNodeEnv) migInstanceAt(t *testing.T, device string) bool {
 	var gpu, start int
 	fmt.Sscan(m[1], &gpu)
 	fmt.Sscan(m[3], &start)
-	_, ok := simulatedGPUInstanceIn(t, filepath.Join(rn.stateDir, "simulated-gpus.json"), gpu, start)
+	return simulatedGPUInstanceIn(t, filepath.Join(rn.kernel, "simulated-gpus.json"), gpu, start)
+}
+
+func (rn realNodeEnv) migInstanceAt(t *testing.T, device string) bool {
+	t.Helper()
+	_, ok := rn.migInstance(t, device)
 	return ok
+}
+
+// migUUID is the MIG- UUID of the compute instance prepare created for a MIG device.
+func (rn realNodeEnv) migUUID(t *testing.T, device string) string {
+	t.Helper()
+	gi, ok := rn.migInstance(t, device)
+	if !ok || len(gi.ComputeInstances) != 1 {
+		t.Fatalf("%s: no GPU instance with one compute instance in %s/simulated-gpus.json (%+v)", device, rn.kernel, gi)
+	}
+	return gi.ComputeInstances[0].UUID
 }
 
 // --- tokens -------------------------------------------------------------------------------------
@@ -506,7 +601,7 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 		})
 		waitFor(t, "ResourceSlices for "+rn.name, 2*time.Minute, func(ctx context.Context) (bool, string) {
 			n := countDevices(t, rn.name, wholeGPUName)
-			return n == realNodeGPUs-1, fmt.Sprintf("%d whole GPUs published (GPU 1 is shared under the e2e policy)", n)
+			return n == rn.gpus-1, fmt.Sprintf("%d of %d whole GPUs published (GPU 1 is shared under the e2e policy)", n, rn.gpus-1)
 		})
 	})
 	if !ok {
@@ -542,20 +637,27 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 	}
 	pods := map[string]*running{}
 
-	ok = t.Run("whole, MIG, share and two-GPU containers see every allocated device, the driver files and the MPS pipe", func(t *testing.T) {
+	ok = t.Run("whole, MIG, share, two-GPU and legacy containers see exactly their devices through the driver, the driver files and the MPS pipe", func(t *testing.T) {
 		for _, name := range []string{"whole", "mig", "share", "two"} {
 			workloadPod(ns, name, rn.name).withClaimFrom(name).create(t)
 		}
-		for _, name := range []string{"whole", "mig", "share", "two"} {
+		workloadPod(ns, "legacy", rn.name).asking(1).create(t)
+		for _, name := range []string{"whole", "mig", "share", "two", "legacy"} {
 			p := waitRunning(t, ns, name, 3*time.Minute)
 			claim, devices := realAllocations(t, p)
 			pods[name] = &running{pod: p, claim: claim, devices: devices}
 			v := insideView(t, p)
-			checkInside(t, p, v, devices)
+			t.Logf("%s (%v): cuda-probe printed:\n  %s\nand nvidia-smi -L:\n  %s", name, deviceNames(devices), strings.Join(v.probeLines, "\n  "),
+				strings.ReplaceAll(strings.TrimSpace(v.smi), "\n", "\n  "))
+			rn.checkInside(t, p, v, devices)
 			switch name {
 			case "two":
 				if len(devices) != 2 {
 					t.Errorf("two: %d devices allocated, want 2", len(devices))
+				}
+			case "legacy":
+				if len(devices) != 1 || !wholeGPUName.MatchString(devices[0].Device) {
+					t.Errorf("legacy: allocated %v, want one whole GPU", devices)
 				}
 			case "mig":
 				if !mig3gName.MatchString(devices[0].Device) {
@@ -692,6 +794,12 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 		for _, p := range []*v1.Pod{share, mig} {
 			seenBefore[p.Name], _ = rn.lastReport(t, p)
 		}
+		// The probe in each: one device, a context, and the share's through its MPS server.
+		for p, want := range map[*v1.Pod]string{share: "cuda.ctx index=0 rc=0 mps=yes server=", mig: "cuda.ctx index=0 rc=0 mps=no"} {
+			if r := seenBefore[p.Name]; !strings.Contains(r, "cuda.count rc=0 count=1 ") || !strings.Contains(r, want) {
+				t.Errorf("pod %s reports %q, want one CUDA device and %q", p.Name, r, want)
+			}
+		}
 
 		// A changed pod template (the plugin's log level) is what any upgrade of the plugin rolls on.
 		rolled := time.Now()
@@ -733,7 +841,7 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 		after := workloadPod(ns, "whole-after-roll", rn.name).withClaimFrom("whole").create(t)
 		after = waitRunning(t, ns, after.Name, 2*time.Minute)
 		_, devices := realAllocations(t, after)
-		checkInside(t, after, insideView(t, after), devices)
+		rn.checkInside(t, after, insideView(t, after), devices)
 	})
 	t.Run("a plugin pod deleted while an MPS client runs is replaced, and the client keeps its server", func(t *testing.T) {
 		ctx := ctxFor(t, 3*time.Minute)

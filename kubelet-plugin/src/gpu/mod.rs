@@ -12,6 +12,7 @@ pub mod models;
 pub mod nvml;
 pub mod nvml_events;
 mod nvml_raw;
+pub mod sim_driver_root;
 pub mod simulated;
 pub mod simulated_health;
 pub mod simulated_load;

@@ -78,6 +78,32 @@ impl MigProfile {
         }
     }
 
+    /// Compute-instance profiles a GPU instance of this profile offers, by CI profile index (which is also
+    /// the CI profile ID): every `Nc` with N compute slices that fits, as `nvidia-smi mig -lcip` lists them
+    /// (`gpu-mig-mps.md` 4.1: a 4g GI has no 3c). Only the one spanning the whole GI
+    /// ([`MigProfile::full_compute_instance_profile_id`]) can be created in the simulated hardware.
+    pub fn compute_instance_profiles(&self) -> Vec<ComputeInstanceProfile> {
+        // CI profile index -> compute slices (nvml.h `NVML_COMPUTE_INSTANCE_PROFILE_*`).
+        const SLICES: [(u32, u32); 7] = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 7), (5, 8), (6, 6)];
+        let g = self.compute_slices;
+        SLICES
+            .iter()
+            .filter(|&&(_, c)| c <= g && matches!(c, 1 | 2 | 3 | 4 | 7) && !(g == 4 && c == 3))
+            .map(|&(index, c)| ComputeInstanceProfile {
+                index,
+                id: index,
+                compute_slices: c,
+                instance_count: g / c,
+                multiprocessors: self.multiprocessors * c / g,
+                name: if c == g {
+                    self.name.to_string()
+                } else {
+                    format!("{c}c.{}", self.name)
+                },
+            })
+            .collect()
+    }
+
     pub fn to_info(&self) -> MigProfileInfo {
         MigProfileInfo {
             name: self.name.to_string(),
@@ -96,6 +122,21 @@ impl MigProfile {
             placements: self.placements().collect(),
         }
     }
+}
+
+/// One compute-instance profile inside a GPU instance (`nvmlComputeInstanceProfileInfo_t`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ComputeInstanceProfile {
+    /// `NVML_COMPUTE_INSTANCE_PROFILE_*` index.
+    pub index: u32,
+    /// CI profile ID (equal to the index on every GPU with published captures).
+    pub id: u32,
+    pub compute_slices: u32,
+    /// How many fit in the GPU instance.
+    pub instance_count: u32,
+    pub multiprocessors: u32,
+    /// `3g.40gb` for the CI spanning the GI, `1c.3g.40gb` for a smaller one (nvidia-smi's names).
+    pub name: String,
 }
 
 /// A GPU model tessera can simulate.
@@ -429,6 +470,28 @@ mod tests {
         assert_eq!(m("B200").compute_capability, "10.0");
         assert_eq!(model_by_pci_device_id(0x2901).unwrap().name, "B200");
         assert!(model("H100").is_none());
+    }
+
+    #[test]
+    fn compute_instance_profiles_are_those_that_fit_the_gpu_instance() {
+        let a100 = model("A100-SXM4-40GB").unwrap();
+        let cis = |n| {
+            a100.profile_by_name(n)
+                .unwrap()
+                .compute_instance_profiles()
+                .into_iter()
+                .map(|c| (c.compute_slices, c.instance_count))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(cis("3g.20gb"), [(1, 3), (2, 1), (3, 1)]);
+        assert_eq!(cis("4g.20gb"), [(1, 4), (2, 2), (4, 1)]);
+        assert_eq!(cis("7g.40gb"), [(1, 7), (2, 3), (3, 2), (4, 1), (7, 1)]);
+        let full = a100.profile_by_name("3g.20gb").unwrap();
+        let last = full.compute_instance_profiles().pop().unwrap();
+        assert_eq!(
+            (last.id, last.multiprocessors, last.name.as_str()),
+            (full.full_compute_instance_profile_id(), 42, "3g.20gb")
+        );
     }
 
     #[test]

@@ -2,12 +2,17 @@
 //!
 //! `NvmlBackend::new(driver_root)` loads `libnvidia-ml.so.1` from the driver root (the host's `/` or a
 //! containerised driver such as `/run/nvidia/driver`), so the plugin works without the library in its own
-//! image. Everything that needs a GPU is marked "needs hardware" below: this code is exercised only on a
-//! node with an NVIDIA driver, so it stays one NVML call per step with errors mapped by return code. The
-//! pure parts (library lookup, name derivation, sysfs/proc parsing, error mapping) are unit-tested.
+//! image. It stays one NVML call per step with errors mapped by return code. Besides a node with an NVIDIA
+//! driver, it runs in the tests against the simulated driver root's real `libnvidia-ml.so.1` (crate
+//! `tessera-sim-nvml`; `tests/nvml_lib.rs`, `tests/nvml_defects.rs`); "needs hardware" below marks what
+//! only that library or a GPU can exercise. The pure parts (library lookup, name derivation, sysfs/proc
+//! parsing, error mapping) are unit-tested.
+//!
+//! GPUs are named by the index discovery gave them, and found by their UUID (`nvmlDeviceGetHandleByUUID`):
+//! NVML's indices are positions that shift when a GPU is missing at boot.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     ffi::OsStr,
     fmt::Display,
     fs,
@@ -18,20 +23,21 @@ use std::{
 };
 
 use nvml_wrapper::{
-    Device, Nvml, enum_wrappers::device::ComputeMode as NvmlComputeMode, enums::device::DeviceArchitecture,
+    Device, Nvml,
+    enum_wrappers::device::{ComputeMode as NvmlComputeMode, GpuVirtualizationMode},
+    enums::device::DeviceArchitecture,
     error::NvmlError,
 };
-use nvml_wrapper_sys::bindings::{NVML_GPU_INSTANCE_PROFILE_COUNT, nvmlReturn_t};
+use nvml_wrapper_sys::bindings::nvmlReturn_t;
 use tessera_api::{GpuInfo, MigPlacement, MigProfileInfo, inventory::MigInfo};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::driver_root::DriverRoot;
 
 use super::{
     CharDevice, ComputeInstance, ComputeMode, GpuBackend, GpuError, GpuInstance, MigMode, NodeGpus, Result,
     TimeSlice, discover_each, mig_mode_change_outcome, models,
-    nvml_raw::{self, NVML_ERROR_FUNCTION_NOT_FOUND, RawError},
-    simulated::mig_minors_by_formula,
+    nvml_raw::{self, NVML_ERROR_FUNCTION_NOT_FOUND, NVML_ERROR_NOT_A_MIG_UUID, RawError},
 };
 
 const LIBRARY_NAME: &str = "libnvidia-ml.so.1";
@@ -55,6 +61,11 @@ pub fn error_for_code(call: &'static str, code: u32, context: impl Display) -> G
         6 => GpuError::NotFound(msg),
         c if c == NVML_ERROR_FUNCTION_NOT_FOUND => GpuError::NotSupported(format!(
             "{msg}: the driver's NVML library lacks this function; update the driver"
+        )),
+        // Not NotSupported: callers read that as "MIG is off, nothing left" and would skip destroys.
+        c if c == NVML_ERROR_NOT_A_MIG_UUID => GpuError::InvalidArgument(format!(
+            "{msg}: NVML gave the MIG device a UUID that is not `MIG-…` (logged), so CUDA would see the \
+             whole parent GPU; the device is not offered"
         )),
         15 => GpuError::GpuLost(msg),
         16 => GpuError::ResetRequired(msg),
@@ -154,16 +165,32 @@ pub fn derive_profile_name(
     format!("{slices}g.{}gb{suffix}", memory_mib.div_ceil(1024))
 }
 
-/// Reads `DeviceFileMinor: N` from a `/proc/driver/nvidia/capabilities/.../access` file.
-fn access_file_minor(path: &Path) -> Option<u32> {
-    fs::read_to_string(path)
-        .ok()?
-        .lines()
+/// Reads `DeviceFileMinor: N` from a `/proc/driver/nvidia/capabilities/.../access` file; an error naming
+/// the file and the likely fix when it is missing or says no minor.
+fn access_file_minor(path: &Path) -> Result<u32> {
+    let text = fs::read_to_string(path).map_err(|e| {
+        GpuError::NotFound(format!(
+            "MIG capability file {}: {e}; the driver writes it when the GPU or compute instance exists, so \
+             check that the instance exists (`nvidia-smi mig -lgi` / `-lci`) and that the plugin sees the \
+             host's /proc/driver/nvidia (the minors are never guessed)",
+            path.display()
+        ))
+    })?;
+    text.lines()
         .find_map(|l| l.strip_prefix("DeviceFileMinor:"))
         .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| {
+            GpuError::NotFound(format!(
+                "MIG capability file {} has no `DeviceFileMinor:` line (read {:?})",
+                path.display(),
+                text.trim()
+            ))
+        })
 }
 
-/// GI and CI capability minors from the driver's `/proc` files, else from `mig-minors`' layout formula.
+/// GI and CI capability minors from the driver's `/proc` access files. Never computed from
+/// `mig-minors`' layout: a minor for a capability the driver did not create would give the container
+/// device nodes that grant nothing and hide the real problem (NVIDIA's driver fails the prepare too).
 pub fn mig_capability_minors_from_proc(
     proc_root: &Path,
     gpu_minor: u32,
@@ -173,11 +200,20 @@ pub fn mig_capability_minors_from_proc(
     let gi_dir = proc_root.join(format!(
         "driver/nvidia/capabilities/gpu{gpu_minor}/mig/gi{gpu_instance}"
     ));
-    let gi = access_file_minor(&gi_dir.join("access"));
-    let ci = access_file_minor(&gi_dir.join(format!("ci{compute_instance}/access")));
-    match (gi, ci) {
-        (Some(gi), Some(ci)) => Ok((gi, ci)),
-        _ => mig_minors_by_formula(gpu_minor, gpu_instance, compute_instance),
+    let gi = access_file_minor(&gi_dir.join("access"))?;
+    let ci = access_file_minor(&gi_dir.join(format!("ci{compute_instance}/access")))?;
+    Ok((gi, ci))
+}
+
+/// Where the NVIDIA kernel module's `/proc` files are for a driver root: `/proc`, except for a simulated
+/// driver root (`<root>/tessera-sim/kernel.json`, see `driver_root.rs`), whose simulated kernel writes
+/// them under `<root>/tessera-sim/proc`.
+pub fn proc_root_for(driver_root: &Path) -> PathBuf {
+    let sim = driver_root.join("tessera-sim");
+    if sim.join("kernel.json").is_file() {
+        sim.join("proc")
+    } else {
+        PathBuf::from("/proc")
     }
 }
 
@@ -244,11 +280,22 @@ pub fn char_device_from_host(path: &str, proc_root: &Path) -> Result<CharDevice>
     }
 }
 
+/// Bumped on every MIG mode change any [`NvmlBackend`] of this process makes (the health source has an
+/// NVML session of its own): a MIG toggle may reset the GPU and drop its event registration, so the health
+/// source registers again when it sees a new value.
+static MIG_CHANGES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Real GPUs through NVML. Thread-safe: NVML is, and the only local state is the time-slice record.
 pub struct NvmlBackend {
     nvml: Nvml,
     driver_root: PathBuf,
     library: PathBuf,
+    /// The kernel module's `/proc` ([`proc_root_for`]): capability minors, `/proc/devices` majors.
+    proc_root: PathBuf,
+    /// UUID of each GPU by the index discovery gave it. Every call resolves its GPU by this UUID
+    /// (`nvmlDeviceGetHandleByUUID`), so the index is only a name: NVML's indices are PCI-order positions
+    /// that shift when a GPU is missing, and a handle by index would then reach another physical GPU.
+    uuids: std::sync::RwLock<BTreeMap<u32, String>>,
     /// NVML has no getter for the compute time-slice, so this records what this process last set.
     time_slices: Mutex<HashMap<u32, TimeSlice>>,
 }
@@ -282,11 +329,14 @@ impl NvmlBackend {
                     reason,
                 }
             })?;
-        debug!(library = %library.display(), "loaded NVML");
+        let proc_root = proc_root_for(driver_root);
+        debug!(library = %library.display(), proc_root = %proc_root.display(), "loaded NVML");
         Ok(Self {
             nvml,
             driver_root: driver_root.to_path_buf(),
             library,
+            proc_root,
+            uuids: Default::default(),
             time_slices: Mutex::new(HashMap::new()),
         })
     }
@@ -296,17 +346,74 @@ impl NvmlBackend {
         &self.nvml
     }
 
-    fn device(&self, gpu: u32) -> Result<Device<'_>> {
+    /// Where the kernel module's `/proc` files are read from.
+    pub fn proc_root(&self) -> &Path {
+        &self.proc_root
+    }
+
+    /// How many MIG mode changes this process has made (see [`MIG_CHANGES`]).
+    pub fn mig_changes(&self) -> u64 {
+        MIG_CHANGES.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The UUID of the GPU discovery named `gpu`, if it has been seen.
+    pub fn uuid_of(&self, gpu: u32) -> Option<String> {
+        self.uuids
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&gpu)
+            .cloned()
+    }
+
+    /// The index discovery gave the GPU with `uuid`.
+    pub fn index_of(&self, uuid: &str) -> Option<u32> {
+        self.uuids
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find_map(|(i, u)| (u == uuid).then_some(*i))
+    }
+
+    /// The GPU discovery named `gpu`, by its UUID. A GPU not yet discovered is looked up by NVML index
+    /// once and its UUID kept.
+    pub(super) fn device(&self, gpu: u32) -> Result<Device<'_>> {
+        if let Some(uuid) = self.uuid_of(gpu) {
+            return self.nvml.device_by_uuid(uuid.as_str()).map_err(|e| match e {
+                NvmlError::NotFound | NvmlError::InvalidArg => GpuError::NotFound(format!(
+                    "GPU {gpu} ({uuid}) is no longer on the node; its index may now name another GPU"
+                )),
+                e => wrapper_error("nvmlDeviceGetHandleByUUID", e, format!("GPU {gpu} ({uuid})")),
+            });
+        }
+        let device = self.device_by_index(gpu)?;
+        if let Ok(uuid) = device.uuid() {
+            self.remember_uuid(gpu, &uuid);
+        }
+        Ok(device)
+    }
+
+    /// Keeps `uuid` as the identity of the GPU named `gpu`.
+    pub(super) fn remember_uuid(&self, gpu: u32, uuid: &str) {
+        self.uuids
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(gpu, uuid.to_string());
+    }
+
+    /// Enumeration only: NVML index `gpu` as the driver numbers GPUs now.
+    fn device_by_index(&self, gpu: u32) -> Result<Device<'_>> {
         self.nvml.device_by_index(gpu).map_err(|e| match e {
             NvmlError::InvalidArg => GpuError::NotFound(format!("GPU {gpu}")),
             e => wrapper_error("nvmlDeviceGetHandleByIndex_v2", e, format!("GPU {gpu}")),
         })
     }
 
-    /// GI profiles of a GPU as `(profile id, instance count)`. Needs hardware.
+    /// GI profiles of a GPU as `(profile id, instance count)`, every index the driver knows
+    /// ([`nvml_raw::enumerate_gi_profiles`]).
     fn gi_profiles(&self, device: &Device<'_>) -> Vec<(u32, u32)> {
-        (0..NVML_GPU_INSTANCE_PROFILE_COUNT)
-            .filter_map(|index| nvml_raw::gpu_instance_profile(&self.nvml, device, index).ok())
+        nvml_raw::enumerate_gi_profiles(|index| nvml_raw::gpu_instance_profile(&self.nvml, device, index))
+            .into_iter()
+            .filter_map(|(_, p)| p.ok())
             .map(|p| (p.id, p.instance_count))
             .collect()
     }
@@ -327,12 +434,23 @@ impl NvmlBackend {
                 return None;
             }
         };
+        // In a vGPU guest the host fixes the MIG layout (MIG-backed vGPU profiles): every create would
+        // fail, so the GPU is offered whole only (NVIDIA's isDynamicMIGCapable makes the same check).
+        if let Ok(GpuVirtualizationMode::Vgpu) = device.virtualization_mode() {
+            info!(
+                gpu,
+                "not offering dynamic MIG: the GPU is a vGPU guest's (nvmlDeviceGetVirtualizationMode = \
+                 VGPU), whose MIG layout the host sets"
+            );
+            return None;
+        }
         let mut profiles = Vec::new();
-        for index in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
-            let info = match nvml_raw::gpu_instance_profile(&self.nvml, device, index) {
+        let enumerated = nvml_raw::enumerate_gi_profiles(|index| {
+            nvml_raw::gpu_instance_profile(&self.nvml, device, index)
+        });
+        for (index, info) in enumerated {
+            let info = match info {
                 Ok(info) => info,
-                // Profile absent on this GPU (gpu-mig-mps.md 3.1).
-                Err(RawError { code: 2 | 3, .. }) => continue,
                 Err(e) => {
                     warn!(gpu, index, call = e.call, code = e.code, "skipping MIG profile");
                     continue;
@@ -405,13 +523,15 @@ impl NvmlBackend {
             .unwrap_or(0)
     }
 
-    /// Needs hardware.
+    /// Discovers NVML index `index` (the one place a GPU is looked up by index) and keeps its UUID, by
+    /// which every later call finds it.
     fn gpu_info(&self, index: u32) -> Result<GpuInfo> {
-        let device = self.device(index)?;
+        let device = self.device_by_index(index)?;
         let ctx = |what: &str| format!("read the {what} of GPU {index}");
         let uuid = device
             .uuid()
             .map_err(|e| wrapper_error("nvmlDeviceGetUUID", e, ctx("UUID")))?;
+        self.remember_uuid(index, &uuid);
         let minor = device
             .minor_number()
             .map_err(|e| wrapper_error("nvmlDeviceGetMinorNumber", e, ctx("minor")))?;
@@ -462,6 +582,73 @@ impl NvmlBackend {
         })
     }
 
+    /// `nvmlDeviceSetMigMode`, judged by the mode read back (see [`GpuBackend::set_mig_mode`]).
+    fn change_mig_mode(&self, gpu: u32, enabled: bool) -> Result<()> {
+        let device = self.device(gpu)?;
+        let ctx = format!("set MIG mode of GPU {gpu} to {enabled}");
+        let status = device
+            .set_mig_mode(enabled)
+            .map_err(|e| wrapper_error("nvmlDeviceSetMigMode", e, &ctx))?;
+        let mode = self.mig_mode(gpu)?;
+        match mig_mode_change_outcome(gpu, enabled, status, mode) {
+            Err(GpuError::InUse(_)) => {
+                let cleared = if mode.pending != mode.current {
+                    match device.set_mig_mode(mode.current) {
+                        Ok(_) => "the pending mode was set back".to_string(),
+                        Err(e) => {
+                            warn!(gpu, error = %e, "could not clear the pending MIG mode");
+                            format!(
+                                "the pending mode could not be set back ({e}); run `nvidia-smi -i {gpu} -mig {}`",
+                                u8::from(mode.current)
+                            )
+                        }
+                    }
+                } else {
+                    "nothing is pending".to_string()
+                };
+                Err(GpuError::InUse(in_use_message(
+                    gpu,
+                    enabled,
+                    &cleared,
+                    &self.holders(&device),
+                )))
+            }
+            other => other,
+        }
+    }
+
+    /// Why a GPU with a fabric (NVLink through NVSwitch) is not offered yet: until fabric manager has
+    /// registered it (`state` COMPLETED, `status` SUCCESS) CUDA fails on it with error 802 ("system not
+    /// yet initialized"). `None` for a ready fabric and for a GPU without one; a later discovery offers it
+    /// once the fabric is up.
+    fn fabric_not_ready(&self, gpu: &GpuInfo) -> Option<String> {
+        let device = self.device(gpu.index).ok()?;
+        match nvml_raw::gpu_fabric_info(&self.nvml, &device) {
+            Ok(None) => None,
+            Ok(Some(f)) => fabric_verdict(gpu.index, f.state, f.status),
+            Err(e) => Some(format!(
+                "GPU {} is not offered: its fabric state cannot be read ({} returned {}); check that \
+                 nvidia-fabricmanager is running (`systemctl status nvidia-fabricmanager`)",
+                gpu.index, e.call, e.code
+            )),
+        }
+    }
+
+    /// `pid name` of the processes NVML lists on the GPU (compute and graphics).
+    fn holders(&self, device: &Device<'_>) -> Vec<String> {
+        let mut procs = device.running_compute_processes().unwrap_or_default();
+        procs.extend(device.running_graphics_processes().unwrap_or_default());
+        let mut pids: Vec<u32> = procs.iter().map(|p| p.pid).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        pids.into_iter()
+            .map(|pid| match self.nvml.sys_process_name(pid, 256) {
+                Ok(name) => format!("{pid} {name}"),
+                Err(_) => format!("{pid} (name unknown)"),
+            })
+            .collect()
+    }
+
     fn nvidia_smi(&self) -> Result<PathBuf> {
         let root = DriverRoot::new(&self.driver_root);
         let candidates = root.binary_candidates("nvidia-smi");
@@ -477,6 +664,47 @@ impl NvmlBackend {
             ),
         })
     }
+}
+
+/// `NVML_GPU_FABRIC_STATE_COMPLETED`.
+const FABRIC_STATE_COMPLETED: u8 = 3;
+
+/// Whether a GPU whose fabric answered `state` / `status` may be offered (`None`), else why not.
+pub fn fabric_verdict(gpu: u32, state: u8, status: u32) -> Option<String> {
+    if state == FABRIC_STATE_COMPLETED && status == 0 {
+        return None;
+    }
+    let what = match state {
+        1 => "not started".to_string(),
+        2 => "in progress".to_string(),
+        FABRIC_STATE_COMPLETED => format!("completed with error {status}"),
+        n => format!("in state {n}"),
+    };
+    Some(format!(
+        "GPU {gpu} is not offered: its NVLink fabric registration is {what}, and CUDA fails on it until \
+         fabric manager has finished (error 802, system not yet initialized); check that \
+         nvidia-fabricmanager is running and healthy (`systemctl status nvidia-fabricmanager`); the GPU is \
+         offered on a later discovery once it is ready"
+    ))
+}
+
+/// The error for a MIG mode change answered IN_USE: what was done about the pending mode, the processes
+/// NVML lists, and the NVML clients it does not list (DCGM and friends hold the GPU through NVML without a
+/// compute context, so `nvidia-smi` shows no process for them).
+pub fn in_use_message(gpu: u32, enabled: bool, cleared: &str, processes: &[String]) -> String {
+    let wanted = if enabled { "on" } else { "off" };
+    let listed = if processes.is_empty() {
+        "NVML lists no process on it".to_string()
+    } else {
+        format!("processes on it: {}", processes.join(", "))
+    };
+    format!(
+        "GPU {gpu} is in use, so MIG mode was not turned {wanted} ({cleared}); {listed}; NVML clients that \
+         hold a GPU without being listed are the usual cause: DCGM's nv-hostengine, dcgm-exporter and \
+         nvidia-persistenced (the GPU Operator runs the first two: label the node \
+         nvidia.com/gpu.deploy.dcgm=false and nvidia.com/gpu.deploy.dcgm-exporter=false to keep them off it); \
+         stop them and the claim is prepared on kubelet's next try"
+    )
 }
 
 fn to_nvml_mode(mode: ComputeMode) -> NvmlComputeMode {
@@ -502,7 +730,18 @@ impl GpuBackend for NvmlBackend {
             .nvml
             .device_count()
             .map_err(|e| wrapper_error("nvmlDeviceGetCount_v2", e, "count GPUs"))?;
-        let (gpus, unusable) = discover_each(count, |i| self.gpu_info(i));
+        // Entries are overwritten, never cleared first: a prepare running meanwhile keeps finding its GPU.
+        let (found, mut unusable) = discover_each(count, |i| self.gpu_info(i));
+        let mut gpus = Vec::with_capacity(found.len());
+        for gpu in found {
+            match self.fabric_not_ready(&gpu) {
+                None => gpus.push(gpu),
+                Some(reason) => unusable.push(super::UnusableGpu {
+                    index: gpu.index,
+                    reason,
+                }),
+            }
+        }
         for u in &unusable {
             warn!(gpu = u.index, reason = %u.reason, "leaving a GPU out of the inventory");
         }
@@ -529,16 +768,16 @@ impl GpuBackend for NvmlBackend {
         })
     }
 
-    /// Needs hardware. `activationStatus` can be non-zero on success (gpu-mig-mps.md 3.3), so the outcome is
-    /// judged by reading the mode back.
+    /// `activationStatus` can be non-zero on success (gpu-mig-mps.md 3.3), so the outcome is judged by
+    /// reading the mode back. Answered IN_USE, the pending mode is set back to the current one (else the
+    /// GPU would come up in the new mode at its next reset or reboot, under nobody's control) and the
+    /// error names who likely holds the GPU.
     fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<()> {
-        let device = self.device(gpu)?;
-        let ctx = format!("set MIG mode of GPU {gpu} to {enabled}");
-        let status = device
-            .set_mig_mode(enabled)
-            .map_err(|e| wrapper_error("nvmlDeviceSetMigMode", e, &ctx))?;
-        let mode = self.mig_mode(gpu)?;
-        mig_mode_change_outcome(gpu, enabled, status, mode)
+        let result = self.change_mig_mode(gpu, enabled);
+        // After the change, so the health source cannot register again before the toggle dropped the
+        // registration it replaces.
+        MIG_CHANGES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        result
     }
 
     /// Needs hardware.
@@ -708,11 +947,11 @@ impl GpuBackend for NvmlBackend {
                 format!("read the minor of GPU {gpu}"),
             )
         })?;
-        mig_capability_minors_from_proc(Path::new("/proc"), minor, gpu_instance, compute_instance)
+        mig_capability_minors_from_proc(&self.proc_root, minor, gpu_instance, compute_instance)
     }
 
     fn char_device(&self, path: &str) -> Result<CharDevice> {
-        char_device_from_host(path, Path::new("/proc"))
+        char_device_from_host(path, &self.proc_root)
     }
 
     /// Needs hardware. On a MIG-enabled GPU the parent's process list carries each process's GI and CI ids.
@@ -922,7 +1161,7 @@ mod tests {
     }
 
     #[test]
-    fn capability_minors_come_from_proc_access_files_or_the_formula() {
+    fn capability_minors_come_from_proc_access_files_never_from_a_formula() {
         let proc_root = tempfile::tempdir().unwrap();
         let gi = proc_root.path().join("driver/nvidia/capabilities/gpu1/mig/gi2");
         fs::create_dir_all(gi.join("ci0")).unwrap();
@@ -940,9 +1179,59 @@ mod tests {
             mig_capability_minors_from_proc(proc_root.path(), 1, 2, 0).unwrap(),
             (156, 157)
         );
-        assert_eq!(
-            mig_capability_minors_from_proc(proc_root.path(), 0, 0, 0).unwrap(),
-            (3, 4)
+        // Defect: a missing access file fell back to the mig-minors formula ((3, 4) here) in silence.
+        let missing = mig_capability_minors_from_proc(proc_root.path(), 0, 0, 0).unwrap_err();
+        let msg = missing.to_string();
+        let file = proc_root
+            .path()
+            .join("driver/nvidia/capabilities/gpu0/mig/gi0/access");
+        assert!(msg.contains(&file.display().to_string()), "{msg}");
+        assert!(msg.contains("nvidia-smi mig -lgi"), "names a way to check: {msg}");
+        fs::remove_file(gi.join("ci0/access")).unwrap();
+        let no_ci = mig_capability_minors_from_proc(proc_root.path(), 1, 2, 0).unwrap_err();
+        assert!(no_ci.to_string().contains("gi2/ci0/access"), "{no_ci}");
+        fs::write(gi.join("ci0/access"), "DeviceFileMode: 292\n").unwrap();
+        let unparsed = mig_capability_minors_from_proc(proc_root.path(), 1, 2, 0).unwrap_err();
+        assert!(unparsed.to_string().contains("DeviceFileMinor"), "{unparsed}");
+    }
+
+    #[test]
+    fn a_simulated_driver_root_has_its_proc_under_tessera_sim() {
+        let root = tempfile::tempdir().unwrap();
+        assert_eq!(proc_root_for(root.path()), PathBuf::from("/proc"));
+        fs::create_dir_all(root.path().join("tessera-sim")).unwrap();
+        fs::write(root.path().join("tessera-sim/kernel.json"), "{}").unwrap();
+        assert_eq!(proc_root_for(root.path()), root.path().join("tessera-sim/proc"));
+    }
+
+    #[test]
+    fn a_gpu_is_offered_only_once_its_fabric_completed_successfully() {
+        assert_eq!(fabric_verdict(0, 3, 0), None);
+        for (state, status) in [(1, 0), (2, 0), (3, 1)] {
+            let why = fabric_verdict(5, state, status).unwrap();
+            assert!(why.contains("GPU 5") && why.contains("fabric manager"), "{why}");
+        }
+    }
+
+    #[test]
+    fn an_in_use_mig_change_names_the_processes_and_the_usual_nvml_clients() {
+        let msg = in_use_message(
+            2,
+            true,
+            "the pending mode was set back",
+            &["4242 nv-hostengine".into()],
+        );
+        for want in [
+            "4242 nv-hostengine",
+            "dcgm-exporter",
+            "nvidia-persistenced",
+            "set back",
+        ] {
+            assert!(msg.contains(want), "{want}: {msg}");
+        }
+        assert!(
+            !msg.contains("nvidia-smi -i"),
+            "nvidia-smi lists no NVML clients: {msg}"
         );
     }
 

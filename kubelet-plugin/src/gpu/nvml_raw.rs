@@ -6,8 +6,9 @@
 //! and compute-instance handles never leave a function: they are re-resolved by id on every call, because
 //! a destroy or reset invalidates them (`dra-api.md` 10.3).
 //!
-//! Nothing here can run on a machine without an NVIDIA GPU; it is kept to straight-line calls so review is
-//! the check. The callers in `nvml.rs` turn [`RawError`] into `GpuError`.
+//! Without an NVIDIA GPU this runs against the simulated driver root's `libnvidia-ml.so.1` (the tests of
+//! `tests/nvml_lib.rs` and `tests/nvml_defects.rs`); it is kept to straight-line calls so review is the
+//! check of what that library cannot show. The callers in `nvml.rs` turn [`RawError`] into `GpuError`.
 #![allow(
     unsafe_code,
     reason = "raw NVML MIG calls that nvml-wrapper does not wrap; see the module comment"
@@ -246,25 +247,108 @@ pub(super) struct RawComputeInstance {
     pub uuid: String,
 }
 
-/// Reads a CI's id, profile and MIG UUID (the UUID of its MIG device handle).
+/// Reads a CI's id and profile, and the UUID of the MIG device it backs.
+///
+/// `nvmlComputeInstanceInfo_t.device` is documented in `nvml.h` as the *parent* device, so its UUID is the
+/// GPU's `GPU-…` one; the MIG device's handle is found by [`mig_device_uuid`] instead.
 ///
 /// # Safety
-/// `ci` must be a handle just obtained from the driver.
-unsafe fn compute_instance_info(nvml: &Nvml, ci: nvmlComputeInstance_t) -> RawResult<RawComputeInstance> {
+/// `ci` must be a handle just obtained from the driver, for GI `gpu_instance` of `device`.
+unsafe fn compute_instance_info(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    gpu_instance: u32,
+    ci: nvmlComputeInstance_t,
+) -> RawResult<RawComputeInstance> {
     let get_info = sym!(nvml, nvmlComputeInstanceGetInfo_v2);
-    // SAFETY: `info.device` is a MIG device handle owned by the driver; wrapping it in a `Device` borrowed
-    // from `nvml` is how nvml-wrapper itself hands out MIG handles.
-    unsafe {
+    // SAFETY: `info` is plain data the driver fills in.
+    let info = unsafe {
         let mut info: nvmlComputeInstanceInfo_t = mem::zeroed();
         check("nvmlComputeInstanceGetInfo_v2", get_info(ci, &mut info))?;
-        let uuid = Device::new(info.device, nvml).uuid().map_err(|e| RawError {
-            call: "nvmlDeviceGetUUID",
-            code: e.into(),
-        })?;
-        Ok(RawComputeInstance {
-            id: info.id,
-            profile_id: info.profileId,
+        info
+    };
+    Ok(RawComputeInstance {
+        id: info.id,
+        profile_id: info.profileId,
+        uuid: mig_device_uuid(nvml, device, gpu_instance, info.id)?,
+    })
+}
+
+/// `NVML_ERROR_NOT_FOUND`.
+const NVML_ERROR_NOT_FOUND: nvmlReturn_t = 6;
+
+/// The UUID of the MIG device of GI `gpu_instance` / CI `compute_instance` on `device`: the MIG handle
+/// whose `nvmlDeviceGetGpuInstanceId` / `nvmlDeviceGetComputeInstanceId` match, among
+/// `nvmlDeviceGetMigDeviceHandleByIndex(0..nvmlDeviceGetMaxMigDeviceCount)` (NVIDIA's `FindMigDevBySpec`
+/// walks the same way). A UUID that is not `MIG-…` is an error ([`NVML_ERROR_NOT_A_MIG_UUID`]), never
+/// passed on: CUDA
+/// given a parent's `GPU-…` UUID would run the claim on the whole GPU.
+pub(super) fn mig_device_uuid(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    gpu_instance: u32,
+    compute_instance: u32,
+) -> RawResult<String> {
+    let max_count = sym!(nvml, nvmlDeviceGetMaxMigDeviceCount);
+    let by_index = sym!(nvml, nvmlDeviceGetMigDeviceHandleByIndex);
+    let gi_id = sym!(nvml, nvmlDeviceGetGpuInstanceId);
+    let ci_id = sym!(nvml, nvmlDeviceGetComputeInstanceId);
+    // SAFETY: the parent handle belongs to a live `Device`; MIG handles are used within this call only;
+    // wrapping one in a `Device` borrowed from `nvml` is how nvml-wrapper itself hands out MIG handles.
+    unsafe {
+        let mut count: c_uint = 0;
+        check(
+            "nvmlDeviceGetMaxMigDeviceCount",
+            max_count(device.handle(), &mut count),
+        )?;
+        for index in 0..count {
+            let mut mig: nvml_wrapper_sys::bindings::nvmlDevice_t = ptr::null_mut();
+            // NOT_FOUND: no MIG device at this index (the slots are sparse).
+            match by_index(device.handle(), index, &mut mig) {
+                NVML_SUCCESS => {}
+                NVML_ERROR_NOT_FOUND | 2 => continue,
+                code => {
+                    return Err(RawError {
+                        call: "nvmlDeviceGetMigDeviceHandleByIndex",
+                        code,
+                    });
+                }
+            }
+            let (mut gi, mut ci): (c_uint, c_uint) = (0, 0);
+            if gi_id(mig, &mut gi) != NVML_SUCCESS || gi != gpu_instance {
+                continue;
+            }
+            if ci_id(mig, &mut ci) != NVML_SUCCESS || ci != compute_instance {
+                continue;
+            }
+            let uuid = Device::new(mig, nvml).uuid().map_err(|e| RawError {
+                call: "nvmlDeviceGetUUID",
+                code: e.into(),
+            })?;
+            return check_mig_uuid(&uuid).map(|()| uuid);
+        }
+    }
+    Err(RawError {
+        call: "nvmlDeviceGetMigDeviceHandleByIndex",
+        code: NVML_ERROR_NOT_FOUND,
+    })
+}
+
+/// Our own code for "the MIG handle's UUID is not a `MIG-…` UUID" (outside NVML's range, like
+/// [`NVML_ERROR_FUNCTION_NOT_FOUND`]'s use here); the UUID itself is logged where it is seen.
+pub(super) const NVML_ERROR_NOT_A_MIG_UUID: u32 = 0x4D49_4700;
+
+fn check_mig_uuid(uuid: &str) -> RawResult<()> {
+    if uuid.starts_with("MIG-") {
+        Ok(())
+    } else {
+        tracing::error!(
             uuid,
+            "NVML gave a MIG device handle a UUID that is not MIG-…; refusing it"
+        );
+        Err(RawError {
+            call: "nvmlDeviceGetUUID",
+            code: NVML_ERROR_NOT_A_MIG_UUID,
         })
     }
 }
@@ -279,6 +363,90 @@ pub(super) fn architecture(nvml: &Nvml, device: &Device<'_>) -> RawResult<u32> {
         get(device.handle(), &mut arch)
     })?;
     Ok(arch)
+}
+
+/// A GPU's fabric (NVLink through NVSwitch) as `nvmlDeviceGetGpuFabricInfo[V]` reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct FabricInfo {
+    /// `nvmlGpuFabricState_t`: 0 not supported, 1 not started, 2 in progress, 3 completed.
+    pub state: u8,
+    /// The NVML return code of the GPU's fabric registration (0 once it succeeded).
+    pub status: u32,
+}
+
+/// `nvmlDeviceGetGpuFabricInfoV` (v3, then v2 on a version mismatch), else `nvmlDeviceGetGpuFabricInfo`;
+/// `Ok(None)` where the GPU has no fabric (`NOT_SUPPORTED`, the symbol missing, or state NOT_SUPPORTED).
+/// nvml-wrapper 0.13 wraps neither call.
+pub(super) fn gpu_fabric_info(nvml: &Nvml, device: &Device<'_>) -> RawResult<Option<FabricInfo>> {
+    use nvml_wrapper_sys::bindings::{nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfoV_t};
+    const NOT_SUPPORTED: nvmlReturn_t = 3;
+    let answered = |state: u8, status: u32| Ok((state != 0).then_some(FabricInfo { state, status }));
+    // SAFETY: the handle belongs to a live `Device`; the structs are plain data with the version field
+    // telling the driver which layout it got (the v2 struct is a prefix-compatible shorter layout).
+    unsafe {
+        let handle = device.handle();
+        if let Ok(get_v) = nvml_sym(nvml.lib().nvmlDeviceGetGpuFabricInfoV.as_ref()) {
+            let mut v3: nvmlGpuFabricInfoV_t = mem::zeroed();
+            v3.version = struct_version::<nvmlGpuFabricInfoV_t>(3);
+            match get_v(handle, &mut v3) {
+                NVML_SUCCESS => return answered(v3.state, v3.status),
+                NOT_SUPPORTED => return Ok(None),
+                NVML_ERROR_ARGUMENT_VERSION_MISMATCH => {}
+                code => {
+                    return Err(RawError {
+                        call: "nvmlDeviceGetGpuFabricInfoV",
+                        code,
+                    });
+                }
+            }
+            let mut v2: nvmlGpuFabricInfo_v2_t = mem::zeroed();
+            v2.version = struct_version::<nvmlGpuFabricInfo_v2_t>(2);
+            match get_v(handle, ptr::from_mut(&mut v2).cast()) {
+                NVML_SUCCESS => return answered(v2.state, v2.status),
+                NOT_SUPPORTED => return Ok(None),
+                NVML_ERROR_ARGUMENT_VERSION_MISMATCH => {}
+                code => {
+                    return Err(RawError {
+                        call: "nvmlDeviceGetGpuFabricInfoV",
+                        code,
+                    });
+                }
+            }
+        }
+        let Ok(get_v1) = nvml_sym(nvml.lib().nvmlDeviceGetGpuFabricInfo.as_ref()) else {
+            return Ok(None);
+        };
+        let mut v1: nvmlGpuFabricInfo_t = mem::zeroed();
+        match get_v1(handle, &mut v1) {
+            NVML_SUCCESS => answered(v1.state, v1.status),
+            NOT_SUPPORTED => Ok(None),
+            code => Err(RawError {
+                call: "nvmlDeviceGetGpuFabricInfo",
+                code,
+            }),
+        }
+    }
+}
+
+/// The most GI profile indices asked about: `nvml.h` has 0x12 today; enumeration stops at the first
+/// `INVALID_ARGUMENT`, and this bound only guards against a driver that never answers it.
+pub(super) const GI_PROFILE_INDEX_LIMIT: u32 = 64;
+
+/// Asks `get` for GI profile indices 0, 1, … until it answers `INVALID_ARGUMENT` (2) — `nvml.h`: "iterate
+/// until the API returns NVML_ERROR_INVALID_ARGUMENT" — skipping `NOT_SUPPORTED` (3, an index the GPU
+/// lacks), up to [`GI_PROFILE_INDEX_LIMIT`]. Other errors are returned with their index, and the
+/// enumeration goes on. A binding's `NVML_GPU_INSTANCE_PROFILE_COUNT` is not the end: newer drivers know
+/// more profiles (`3g+gfx`, index 0x11, R575+) than an older binding's count.
+pub(super) fn enumerate_gi_profiles<T>(mut get: impl FnMut(u32) -> RawResult<T>) -> Vec<(u32, RawResult<T>)> {
+    let mut out = Vec::new();
+    for index in 0..GI_PROFILE_INDEX_LIMIT {
+        match get(index) {
+            Err(RawError { code: 2, .. }) => break,
+            Err(RawError { code: 3, .. }) => continue,
+            other => out.push((index, other)),
+        }
+    }
+    out
 }
 
 /// Compute-instance profile indices tried when creating the CI that spans a GI, from the largest slice
@@ -318,7 +486,7 @@ pub(super) fn create_full_compute_instance(
                 "nvmlGpuInstanceCreateComputeInstance",
                 create(gi, prof.id, &mut ci),
             )?;
-            return compute_instance_info(nvml, ci);
+            return compute_instance_info(nvml, device, gpu_instance, ci);
         }
         Err(last)
     }
@@ -410,7 +578,7 @@ pub(super) fn gpu_instances(
                         get_cis(gi, prof.id, cis.as_mut_ptr(), &mut ci_count),
                     )?;
                     for &ci in &cis[..(ci_count as usize).min(cis.len())] {
-                        cis_out.push(compute_instance_info(nvml, ci)?);
+                        cis_out.push(compute_instance_info(nvml, device, info.id, ci)?);
                     }
                 }
                 cis_out.sort_by_key(|c| c.id);
@@ -453,6 +621,47 @@ mod tests {
             v3 & 0x00ff_ffff,
             mem::size_of::<nvmlGpuInstanceProfileInfo_v3_t>() as u32
         );
+    }
+
+    #[test]
+    fn gi_profiles_are_enumerated_until_invalid_argument_past_the_bindings_count() {
+        // Defect: enumeration stopped at nvml-wrapper-sys's NVML_GPU_INSTANCE_PROFILE_COUNT (17), so a
+        // profile at index 0x11 (3g+gfx, R575+) was never seen.
+        let known = [0, 1, 0x11];
+        let asked = std::cell::RefCell::new(Vec::new());
+        let found = enumerate_gi_profiles(|i| {
+            asked.borrow_mut().push(i);
+            match i {
+                i if known.contains(&i) => Ok(i * 10),
+                i if i <= 0x11 => Err(RawError { call: "x", code: 3 }),
+                _ => Err(RawError { call: "x", code: 2 }),
+            }
+        });
+        let indices: Vec<u32> = found.iter().map(|(i, _)| *i).collect();
+        assert_eq!(indices, [0, 1, 0x11]);
+        assert_eq!(
+            *asked.borrow().last().unwrap(),
+            0x12,
+            "stops at the first INVALID_ARGUMENT"
+        );
+        let never = enumerate_gi_profiles(|_| Err::<u32, _>(RawError { call: "x", code: 3 }));
+        assert!(never.is_empty());
+        let mut calls = 0;
+        enumerate_gi_profiles(|_| {
+            calls += 1;
+            Err::<u32, _>(RawError { call: "x", code: 3 })
+        });
+        assert_eq!(
+            calls, GI_PROFILE_INDEX_LIMIT,
+            "a driver that never says INVALID_ARGUMENT is capped"
+        );
+    }
+
+    #[test]
+    fn a_uuid_that_is_not_mig_is_refused_as_a_mig_devices_uuid() {
+        assert!(check_mig_uuid("MIG-5c89b0e4-2a51-5f7c-9cb8-0b3b0a1b2c3d").is_ok());
+        let e = check_mig_uuid("GPU-5c89b0e4-2a51-5f7c-9cb8-0b3b0a1b2c3d").unwrap_err();
+        assert_eq!(e.code, NVML_ERROR_NOT_A_MIG_UUID);
     }
 
     #[test]

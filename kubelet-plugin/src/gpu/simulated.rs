@@ -23,6 +23,19 @@
 //! opened are written to `<state dir>/simulated-nvml-time.json` as `{"calls": N, "nanos": T}` (temp file and
 //! rename, no sync), so a benchmark can subtract exactly the time a real GPU's NVML would have taken
 //! instead. Calls answered from memory (canned device numbers) are not counted.
+//!
+//! ## The simulated kernel
+//!
+//! The state directory is also a *simulated kernel* directory K: `kernel.json` names the node and its GPUs
+//! (the inventory a real kernel module would find on the PCI bus), and `proc/` holds what the NVIDIA kernel
+//! module shows in `/proc` (`devices`, `driver/nvidia/version`, and the MIG capability `access` files of
+//! every live GPU and compute instance, kept equal to the state under the same lock). The driver root's
+//! libraries built from this repository (`libnvidia-ml.so.1`, `libcuda.so.1`, see [`super::sim_driver_root`])
+//! find K by walking up from their own path to `<dir>/tessera-sim/kernel.json` ([`find_kernel_from`]) and
+//! open it with [`SimulatedBackend::open_kernel`]: the same model, the same state, the same faults, through
+//! NVML's C ABI. Where K cannot be written (a container's read-only mount) the backend is read-only: it
+//! takes no lock, and every change fails with [`GpuError::NoPermission`] as NVML does for an unprivileged
+//! process.
 
 use std::{
     fs::{self, File, OpenOptions},
@@ -35,6 +48,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tessera_api::{GpuInfo, MigPlacement};
+use tracing::warn;
 
 use super::{
     CharDevice, ComputeInstance, ComputeMode, GpuBackend, GpuError, GpuInstance, MigMode, NodeGpus, Result,
@@ -57,14 +71,15 @@ const MAX_GPU_INSTANCE_ID: u32 = 14;
 const MAX_COMPUTE_INSTANCE_ID: u32 = 7;
 
 /// The node file: which GPUs the simulated node has.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeSpec {
     pub gpus: Vec<GpuGroup>,
 }
 
-/// `count` GPUs of one model; several groups make a mixed node, indexed in file order.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+/// `count` GPUs of one model; several groups make a mixed node, indexed in file order. Every field but
+/// `model` is optional and defaults to an ordinary bare-metal GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct GpuGroup {
     /// A name from [`models::MODELS`], e.g. `H100-SXM5-80GB`.
@@ -72,11 +87,87 @@ pub struct GpuGroup {
     #[serde(default = "one")]
     pub count: u32,
     /// MIG mode of these GPUs when the state file is first created (like an A100 whose InfoROM has MIG on).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_false")]
     pub mig_enabled: bool,
     /// A fault these GPUs answer discovery with, to exercise a node with a broken GPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fault: Option<SimulatedFault>,
+    /// `nvmlDeviceGetVirtualizationMode`: `Vgpu` makes these GPUs vGPU guests.
+    #[serde(default, skip_serializing_if = "VirtualizationMode::is_none")]
+    pub virtualization_mode: VirtualizationMode,
+    /// `nvmlDeviceGetGpuFabricInfo`'s state for GPUs behind NVSwitch; `None`: no fabric (the call is not
+    /// supported).
+    #[serde(default, skip_serializing_if = "FabricState::is_none")]
+    pub fabric: FabricState,
+    /// Processes that hold each of these GPUs from the first boot on (DCGM's `nv-hostengine`, say), named
+    /// by `nvmlSystemGetProcessName`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub processes: Vec<NamedProcess>,
+    /// GPUs of this group (0-based within it) that are not on the bus this boot: the node's other GPUs
+    /// keep their UUIDs and bus ids, and those after it shift down one NVML index.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub absent: Vec<u32>,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// NVML's `nvmlGpuVirtualizationMode_t`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+pub enum VirtualizationMode {
+    /// Bare metal.
+    #[default]
+    None,
+    /// Passed through to a VM.
+    Passthrough,
+    /// A vGPU guest: the GPU is a slice of a physical one, and MIG cannot be changed from inside.
+    Vgpu,
+    /// The host of vGPUs.
+    HostVgpu,
+    /// The host of vSGA.
+    HostVsga,
+}
+
+impl VirtualizationMode {
+    fn is_none(&self) -> bool {
+        *self == Self::None
+    }
+
+    /// The `NVML_GPU_VIRTUALIZATION_MODE_*` value.
+    pub fn nvml_value(self) -> u32 {
+        self as u32
+    }
+}
+
+/// NVML's `nvmlGpuFabricState_t`, with `None` for a GPU that has no fabric at all.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+pub enum FabricState {
+    /// No NVSwitch fabric: `nvmlDeviceGetGpuFabricInfo` answers NOT_SUPPORTED.
+    #[default]
+    None,
+    NotStarted,
+    InProgress,
+    Completed,
+}
+
+impl FabricState {
+    fn is_none(&self) -> bool {
+        *self == Self::None
+    }
+
+    /// The `NVML_GPU_FABRIC_STATE_*` value (`None` is `NOT_SUPPORTED`, 0).
+    pub fn nvml_value(self) -> u8 {
+        self as u8
+    }
+}
+
+/// A process that holds a GPU, with the name NVML reports for it.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamedProcess {
+    pub pid: u32,
+    pub name: String,
 }
 
 /// How a simulated GPU fails discovery, as real ones do.
@@ -92,7 +183,29 @@ fn one() -> u32 {
     1
 }
 
+impl GpuGroup {
+    /// One bare-metal GPU of `model` with every option at its default.
+    pub fn plain(model: &str) -> Self {
+        Self {
+            model: model.to_string(),
+            count: 1,
+            mig_enabled: false,
+            fault: None,
+            virtualization_mode: VirtualizationMode::None,
+            fabric: FabricState::None,
+            processes: Vec::new(),
+            absent: Vec::new(),
+        }
+    }
+}
+
 impl NodeSpec {
+    /// Adds a group of GPUs described in full.
+    pub fn with_group(mut self, group: GpuGroup) -> Self {
+        self.gpus.push(group);
+        self
+    }
+
     /// Adds `count` GPUs of `model` (builder for tests and callers without a node file).
     pub fn with_gpus(mut self, model: &str, count: u32) -> Self {
         self.gpus.push(GpuGroup {
@@ -100,6 +213,7 @@ impl NodeSpec {
             count,
             mig_enabled: false,
             fault: None,
+            ..GpuGroup::plain(model)
         });
         self
     }
@@ -111,6 +225,7 @@ impl NodeSpec {
             count,
             mig_enabled: false,
             fault: Some(fault),
+            ..GpuGroup::plain(model)
         });
         self
     }
@@ -122,6 +237,7 @@ impl NodeSpec {
             count,
             mig_enabled: true,
             fault: None,
+            ..GpuGroup::plain(model)
         });
         self
     }
@@ -154,6 +270,14 @@ impl NodeSpec {
             if g.count == 0 {
                 return Err(format!("count of model {} must be at least 1", g.model));
             }
+            if let Some(a) = g.absent.iter().find(|&&a| a >= g.count) {
+                return Err(format!(
+                    "absent GPU {a} of model {} is not one of its {} GPUs (0 to {})",
+                    g.model,
+                    g.count,
+                    g.count - 1
+                ));
+            }
         }
         let total: u32 = self.gpus.iter().map(|g| g.count).sum();
         // /dev/nvidia-caps minors are predetermined for 32 GPUs (`gpu31/gi14/ci7/access 4322`).
@@ -174,6 +298,46 @@ struct SimGpu {
     numa_node: i64,
     initial_mig: bool,
     fault: Option<SimulatedFault>,
+    virtualization_mode: VirtualizationMode,
+    fabric: FabricState,
+    processes: Vec<NamedProcess>,
+}
+
+/// What a simulated GPU is, as the NVML library reports it: fixed for the node's life.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimulatedGpu {
+    /// Index in the kernel's GPU list (the host's NVML index when every GPU is visible).
+    pub index: u32,
+    /// Minor of `/dev/nvidia<minor>` (the kernel index: the simulated driver numbers GPUs in bus order).
+    pub minor: u32,
+    pub uuid: String,
+    pub model: &'static GpuModel,
+    /// `0000:18:00.0`.
+    pub pci_bus_id: String,
+    pub numa_node: i64,
+    pub virtualization_mode: VirtualizationMode,
+    pub fabric: FabricState,
+    /// The fault of the node file, if any (a lost GPU, a GPU whose memory query is not supported).
+    pub node_fault: Option<SimulatedFault>,
+}
+
+/// A process on a GPU, where it runs and what it is called.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunningProcess {
+    pub pid: u32,
+    /// `(GPU instance, compute instance)` for a process on a MIG device, `None` on the whole GPU.
+    pub mig: Option<(u32, u32)>,
+}
+
+/// A live MIG device (one compute instance) with its GPU instance's profile and placement.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MigDevice {
+    pub gpu_instance: u32,
+    pub gi_profile_id: u32,
+    pub placement: MigPlacement,
+    pub compute_instance: u32,
+    pub ci_profile_id: u32,
+    pub uuid: String,
 }
 
 // PCI buses of a DGX H100's eight GPUs and the root ports above them; more GPUs repeat them in a new domain.
@@ -204,6 +368,7 @@ fn gpu_uuid(node_name: &str, index: u32, model: &str) -> String {
 fn build_gpus(node_name: &str, spec: &NodeSpec) -> Result<Vec<SimGpu>> {
     let total: u32 = spec.gpus.iter().map(|g| g.count).sum();
     let mut gpus = Vec::with_capacity(total as usize);
+    let mut slot = 0u32;
     for group in &spec.gpus {
         let model = models::model(&group.model).ok_or_else(|| {
             GpuError::InvalidArgument(format!(
@@ -212,8 +377,14 @@ fn build_gpus(node_name: &str, spec: &NodeSpec) -> Result<Vec<SimGpu>> {
                 models::known_model_names()
             ))
         })?;
-        for _ in 0..group.count {
-            let index = gpus.len() as u32;
+        for in_group in 0..group.count {
+            // The slot on the board names the GPU (UUID, bus); a GPU absent this boot leaves its slot
+            // empty, so the GPUs after it keep their UUIDs and move down one index, as on a real node.
+            let index = slot;
+            slot += 1;
+            if group.absent.contains(&in_group) {
+                continue;
+            }
             let (bus, root) = PCI_BUSES[index as usize % PCI_BUSES.len()];
             let domain = index as usize / PCI_BUSES.len();
             gpus.push(SimGpu {
@@ -225,6 +396,9 @@ fn build_gpus(node_name: &str, spec: &NodeSpec) -> Result<Vec<SimGpu>> {
                 numa_node: i64::from(index >= total.div_ceil(2)),
                 initial_mig: group.mig_enabled,
                 fault: group.fault,
+                virtualization_mode: group.virtualization_mode,
+                fabric: group.fabric,
+                processes: group.processes.clone(),
             });
         }
     }
@@ -236,6 +410,9 @@ fn build_gpus(node_name: &str, spec: &NodeSpec) -> Result<Vec<SimGpu>> {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct HardwareState {
     version: u32,
+    /// Bumped on every write, so `proc/` can tell whether it shows this version (see `sync_proc`).
+    #[serde(default)]
+    generation: u64,
     gpus: Vec<GpuState>,
 }
 
@@ -253,6 +430,10 @@ struct GpuState {
     processes: Vec<u32>,
     #[serde(default)]
     gpu_instances: Vec<GiState>,
+    /// Bumped by every reset and every change of the current MIG mode: what drops NVML event
+    /// registrations of the GPU.
+    #[serde(default)]
+    epoch: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -284,8 +465,9 @@ impl GpuState {
             mig_pending: gpu.initial_mig,
             compute_mode: ComputeMode::Default,
             time_slice: TimeSlice::Default,
-            processes: Vec::new(),
+            processes: gpu.processes.iter().map(|p| p.pid).collect(),
             gpu_instances: Vec::new(),
+            epoch: 0,
         }
     }
 
@@ -338,15 +520,186 @@ fn gi_id_range(placement: MigPlacement) -> std::ops::RangeInclusive<u32> {
     }
 }
 
+/// `kernel.json` of a simulated kernel directory: the node and its GPU inventory.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct KernelSpec {
+    pub version: u32,
+    pub node_name: String,
+    pub node: NodeSpec,
+}
+
+/// The kernel file in a simulated kernel directory.
+pub const KERNEL_FILE: &str = "kernel.json";
+/// Name of the simulated kernel directory (or link to it) at a driver root: `<root>/tessera-sim`.
+pub const KERNEL_DIR_NAME: &str = "tessera-sim";
+/// Overrides where the NVML and CUDA libraries look for the simulated kernel (tests, tools).
+pub const KERNEL_ENV: &str = "TESSERA_SIM_KERNEL";
+/// Test-only: the directory the libraries take for `/dev` when deciding what a process sees. A real
+/// container has `/dev/nvidiactl`, and tests on a shared host cannot make one; nothing else reads it.
+pub const DEV_ROOT_ENV: &str = "TESSERA_SIM_DEV_ROOT";
+const KERNEL_VERSION: u32 = 1;
+/// `proc/` of the kernel directory, and the file saying which state generation it shows.
+const PROC_DIR: &str = "proc";
+const PROC_GENERATION_FILE: &str = ".generation";
+/// Majors of the dynamic drivers, as [`canned_char_device`] numbers them.
+const NVIDIA_UVM_MAJOR: u32 = 510;
+const NVIDIA_CAPS_MAJOR: u32 = 508;
+
+/// The simulated kernel's directory inside a plugin state directory. It is a directory of its own, not the
+/// state directory itself, because every container of a simulated node gets it mounted (read-only) at
+/// `/tessera-sim`: the plugin's checkpoint and the MPS daemons' control sockets (`<state dir>/mps/`) must
+/// stay out of tenants' reach — a read-only mount does not stop `connect()` on a unix socket.
+pub const KERNEL_SUBDIR: &str = "simulated-kernel";
+
+/// `<state dir>/simulated-kernel`, created if missing, with the hardware files of an older plugin (which
+/// kept them in the state directory itself) moved into it, so an upgrade keeps its MIG instances and
+/// faults.
+pub fn kernel_dir_in(state_dir: &Path) -> Result<PathBuf> {
+    let kernel = state_dir.join(KERNEL_SUBDIR);
+    let err = |path: &Path, e: std::io::Error| GpuError::SimulatedState {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    };
+    fs::create_dir_all(&kernel).map_err(|e| err(&kernel, e))?;
+    for file in [
+        STATE_FILE,
+        super::simulated_health::HEALTH_FILE,
+        super::simulated_load::LOAD_FILE,
+    ] {
+        let old = state_dir.join(file);
+        let new = kernel.join(file);
+        if old.is_file() && !new.exists() {
+            fs::rename(&old, &new).map_err(|e| err(&old, e))?;
+        }
+    }
+    Ok(kernel)
+}
+
+impl KernelSpec {
+    /// Reads `<dir>/kernel.json`.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join(KERNEL_FILE);
+        let err = |reason: String| GpuError::SimulatedState {
+            path: path.display().to_string(),
+            reason,
+        };
+        let bytes = fs::read(&path).map_err(|e| err(e.to_string()))?;
+        let spec: KernelSpec = serde_json::from_slice(&bytes).map_err(|e| {
+            err(format!(
+                "not a simulated kernel file ({e}); recreate it with `tessera-kubelet-plugin simulate driver-root`"
+            ))
+        })?;
+        if spec.version != KERNEL_VERSION {
+            return Err(err(format!(
+                "kernel file version {} is not the supported version {KERNEL_VERSION}",
+                spec.version
+            )));
+        }
+        spec.node.validate().map_err(err)?;
+        Ok(spec)
+    }
+}
+
+/// The simulated kernel directory for a library at `path`: the first `<dir>/tessera-sim` holding a
+/// `kernel.json`, walking up from `path`'s directory to `/`. On the host that is `<driver root>/tessera-sim`;
+/// in a container, where the plugin's CDI spec mounts it at `/tessera-sim`, the walk from
+/// `/usr/lib/x86_64-linux-gnu` ends there.
+pub fn find_kernel_from(path: &Path) -> Option<PathBuf> {
+    let walk = |p: &Path| {
+        p.ancestors()
+            .skip(1)
+            .map(|dir| dir.join(KERNEL_DIR_NAME))
+            .find(|k| k.join(KERNEL_FILE).is_file())
+    };
+    walk(path).or_else(|| fs::canonicalize(path).ok().and_then(|p| walk(&p)))
+}
+
+/// [`KERNEL_ENV`] when set, else [`find_kernel_from`] `path`: how the libraries find their kernel.
+pub fn locate_kernel(path: &Path) -> Option<PathBuf> {
+    match std::env::var_os(KERNEL_ENV) {
+        Some(dir) if !dir.is_empty() => Some(PathBuf::from(dir)),
+        _ => find_kernel_from(path),
+    }
+}
+
+/// Which GPUs and MIG devices a process sees, judged from its `/dev` as the real driver's access checks
+/// would be: without `/dev/nvidiactl` the process is on the host (the plugin, the node's nvidia-smi) and
+/// sees every GPU; with it, it is in a container that CDI gave devices to, and sees the GPUs whose
+/// `/dev/nvidia<minor>` exist and the MIG devices whose GI and CI capability nodes exist.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceView {
+    dev_root: PathBuf,
+    container: bool,
+}
+
+impl DeviceView {
+    /// The view of this process: `/dev`, or [`DEV_ROOT_ENV`] (tests only).
+    pub fn of_this_process() -> Self {
+        let dev = std::env::var_os(DEV_ROOT_ENV)
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/dev"));
+        Self::at(&dev)
+    }
+
+    /// The view of a process whose `/dev` is `dev_root`.
+    pub fn at(dev_root: &Path) -> Self {
+        Self {
+            container: dev_root.join("nvidiactl").exists(),
+            dev_root: dev_root.to_path_buf(),
+        }
+    }
+
+    /// Every GPU and MIG device: the host's view.
+    pub fn host() -> Self {
+        Self {
+            dev_root: PathBuf::from("/dev"),
+            container: false,
+        }
+    }
+
+    pub fn is_container(&self) -> bool {
+        self.container
+    }
+
+    pub fn gpu_visible(&self, minor: u32) -> bool {
+        !self.container || self.dev_root.join(format!("nvidia{minor}")).exists()
+    }
+
+    fn cap(&self, minor: u32) -> bool {
+        self.dev_root
+            .join(format!("nvidia-caps/nvidia-cap{minor}"))
+            .exists()
+    }
+
+    /// A MIG device with capability minors `(gi, ci)` on a visible GPU. The `mig/monitor` capability
+    /// (minor 2) shows every MIG device, as it does for `nvidia-smi` in a monitoring container.
+    pub fn mig_visible(&self, gi_minor: u32, ci_minor: u32) -> bool {
+        !self.container || self.cap(2) || (self.cap(gi_minor) && self.cap(ci_minor))
+    }
+
+    /// A GPU instance is seen when any of its compute instances is (or with `mig/monitor`).
+    pub fn gpu_instance_visible(&self, gi_minor: u32) -> bool {
+        !self.container || self.cap(2) || self.cap(gi_minor)
+    }
+}
+
 /// A node's simulated GPUs. Cheap to share between threads; see the module comment for persistence.
 pub struct SimulatedBackend {
+    node_name: String,
     gpus: Vec<SimGpu>,
     state_path: PathBuf,
     state_dir: PathBuf,
     /// flock serializes processes; this serializes threads of this process, which share the lock file.
-    lock_file: Mutex<File>,
-    /// The simulated driver root (`<state dir>/driver-root`).
+    /// `None`: the kernel directory is read-only here (see the module comment).
+    lock_file: Option<Mutex<File>>,
+    /// The simulated driver root (`<state dir>/driver-root`), installed on first use.
     driver_root: PathBuf,
+    install_driver_root: std::sync::Once,
+    /// Whether [`GpuBackend::driver_root`] installs the built libraries there (the simulated backend does;
+    /// a kernel opened by the libraries themselves does not).
+    owns_driver_root: bool,
     /// What this process set as each GPU's time-slice: like NVML, the backend cannot read the hardware's
     /// value back, so a new backend (a restarted plugin) knows nothing ([`GpuBackend::time_slice`] says
     /// `Default`) while the GPU keeps what it was set to ([`SimulatedBackend::hardware_time_slice`]).
@@ -369,16 +722,26 @@ impl NvmlTime {
     }
 }
 
-/// Holds the node-wide lock for one operation; releases it on drop, even on panic.
+/// Holds the node-wide lock for one operation; releases it on drop, even on panic. Holds nothing for a
+/// read-only backend, whose reads rely on the state file being replaced by rename.
 struct StateLock<'a> {
-    file: MutexGuard<'a, File>,
+    file: Option<MutexGuard<'a, File>>,
 }
 
 impl Drop for StateLock<'_> {
     fn drop(&mut self) {
         // Unlocking cannot fail on a valid descriptor; if it did, closing the file on exit releases it.
-        let _ = self.file.unlock();
+        if let Some(file) = &self.file {
+            let _ = file.unlock();
+        }
     }
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    fs::write(&tmp, bytes)?;
+    fs::rename(&tmp, path)
 }
 
 impl SimulatedBackend {
@@ -389,47 +752,234 @@ impl SimulatedBackend {
         Self::from_spec(node_name, &NodeSpec::from_file(node_file)?, state_dir)
     }
 
-    /// Like [`SimulatedBackend::new`] with the node described in code.
+    /// Like [`SimulatedBackend::new`] with the node described in code. The state directory becomes a
+    /// simulated kernel directory (`kernel.json`, `proc/`), so the built NVML and CUDA libraries see the
+    /// same GPUs; its driver root is installed when first asked for ([`GpuBackend::driver_root`]).
     pub fn from_spec(node_name: &str, spec: &NodeSpec, state_dir: &Path) -> Result<Self> {
         spec.validate().map_err(GpuError::InvalidArgument)?;
-        let gpus = build_gpus(node_name, spec)?;
         let state_err = |reason: String| GpuError::SimulatedState {
             path: state_dir.display().to_string(),
             reason,
         };
         fs::create_dir_all(state_dir)
             .map_err(|e| state_err(format!("cannot create the state directory: {e}")))?;
+        let kernel = KernelSpec {
+            version: KERNEL_VERSION,
+            node_name: node_name.to_string(),
+            node: spec.clone(),
+        };
+        let kernel_path = state_dir.join(KERNEL_FILE);
+        let json = serde_json::to_vec_pretty(&kernel).map_err(|e| state_err(e.to_string()))?;
+        // Rewritten only when it changed: the libraries of running processes read it when they start.
+        if fs::read(&kernel_path).ok().as_deref() != Some(json.as_slice()) {
+            write_atomically(&kernel_path, &json).map_err(|e| GpuError::SimulatedState {
+                path: kernel_path.display().to_string(),
+                reason: format!("cannot write the kernel file: {e}"),
+            })?;
+        }
+        let backend =
+            Self::open(node_name, spec, state_dir, true)?.ok_or_else(|| GpuError::SimulatedState {
+                path: state_dir.join(LOCK_FILE).display().to_string(),
+                reason: "cannot open the lock file for writing".into(),
+            })?;
+        Ok(backend)
+    }
+
+    /// Opens the simulated kernel directory `dir` (what the NVML and CUDA libraries do): read-write when
+    /// this process can write its lock file, else read-only, where every change fails with
+    /// [`GpuError::NoPermission`].
+    pub fn open_kernel(dir: &Path) -> Result<Self> {
+        let kernel = KernelSpec::read(dir)?;
+        match Self::open(&kernel.node_name, &kernel.node, dir, false)? {
+            Some(backend) => Ok(backend),
+            None => Self::open_read_only(&kernel.node_name, &kernel.node, dir),
+        }
+    }
+
+    /// Read-write when the lock file can be opened for writing (`None` when it cannot and `create` is
+    /// false).
+    fn open(node_name: &str, spec: &NodeSpec, state_dir: &Path, create: bool) -> Result<Option<Self>> {
         let lock_path = state_dir.join(LOCK_FILE);
-        let lock_file = OpenOptions::new()
+        let lock_file = match OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
             .open(&lock_path)
-            .map_err(|e| GpuError::SimulatedState {
-                path: lock_path.display().to_string(),
-                reason: e.to_string(),
-            })?;
-        let backend = Self {
-            gpus,
+        {
+            Ok(f) => f,
+            Err(_) if !create => return Ok(None),
+            Err(e) => {
+                return Err(GpuError::SimulatedState {
+                    path: lock_path.display().to_string(),
+                    reason: e.to_string(),
+                });
+            }
+        };
+        let backend = Self::build(node_name, spec, state_dir, Some(lock_file), create)?;
+        // Validates (or creates) the state now, so a corrupt file fails the start, not the first claim;
+        // and brings `proc/` up to date with it.
+        backend.write(|_| Ok(()))?;
+        Ok(Some(backend))
+    }
+
+    fn open_read_only(node_name: &str, spec: &NodeSpec, state_dir: &Path) -> Result<Self> {
+        let backend = Self::build(node_name, spec, state_dir, None, false)?;
+        backend.read(|_| Ok(()))?;
+        Ok(backend)
+    }
+
+    fn build(
+        node_name: &str,
+        spec: &NodeSpec,
+        state_dir: &Path,
+        lock_file: Option<File>,
+        owns_driver_root: bool,
+    ) -> Result<Self> {
+        Ok(Self {
+            node_name: node_name.to_string(),
+            gpus: build_gpus(node_name, spec)?,
             state_path: state_dir.join(STATE_FILE),
             state_dir: state_dir.to_path_buf(),
-            lock_file: Mutex::new(lock_file),
+            lock_file: lock_file.map(Mutex::new),
             driver_root: state_dir.join(DRIVER_ROOT_DIR),
+            install_driver_root: std::sync::Once::new(),
+            owns_driver_root,
             known_time_slices: Mutex::new(Default::default()),
             nvml_time: Mutex::new(NvmlTime::default()),
-        };
-        // Validates (or creates) the state now, so a corrupt file fails the start, not the first claim.
-        backend.write(|_| Ok(()))?;
-        write_driver_root(&backend.driver_root, &backend.gpus).map_err(|e| GpuError::SimulatedState {
-            path: backend.driver_root.display().to_string(),
-            reason: format!("cannot write the simulated driver root: {e}"),
-        })?;
-        Ok(backend)
+        })
     }
 
     /// Path of the JSON hardware state.
     pub fn state_file(&self) -> &Path {
         &self.state_path
+    }
+
+    /// The simulated kernel directory (the state directory).
+    pub fn kernel_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    /// What the simulated NVIDIA kernel module shows in `/proc` (`<kernel dir>/proc`).
+    pub fn proc_dir(&self) -> PathBuf {
+        self.state_dir.join(PROC_DIR)
+    }
+
+    /// Name of the simulated node.
+    pub fn node_name(&self) -> &str {
+        &self.node_name
+    }
+
+    /// `true` when the kernel directory could not be opened for writing: changes fail with NO_PERMISSION.
+    pub fn is_read_only(&self) -> bool {
+        self.lock_file.is_none()
+    }
+
+    /// The fault file of this node.
+    pub fn health(&self) -> super::simulated_health::SimulatedHealth {
+        super::simulated_health::SimulatedHealth::new(&self.state_dir, self.gpu_count())
+    }
+
+    /// The fault of `gpu` that makes every NVML call on it fail, as NVML's return code: 15 for a lost GPU
+    /// (injected, or lost in the node file), 18, 9 or 1 for the fault kinds of those codes.
+    pub fn failing_code(&self, gpu: u32) -> Option<u32> {
+        if self.gpus.get(gpu as usize)?.fault == Some(SimulatedFault::Lost) {
+            return Some(15);
+        }
+        self.health()
+            .faults()
+            .ok()?
+            .iter()
+            .filter(|f| f.gpu == gpu)
+            .find_map(|f| f.kind.nvml_error_code())
+    }
+
+    /// Identity of GPU `gpu` (its kernel index).
+    pub fn gpu(&self, gpu: u32) -> Result<SimulatedGpu> {
+        let g = self.sim_gpu(gpu)?;
+        Ok(SimulatedGpu {
+            index: gpu,
+            minor: gpu,
+            uuid: g.uuid.clone(),
+            model: g.model,
+            pci_bus_id: g.pci_bus_id.clone(),
+            numa_node: g.numa_node,
+            virtualization_mode: g.virtualization_mode,
+            fabric: g.fabric,
+            node_fault: g.fault,
+        })
+    }
+
+    /// Kernel index of the GPU with `uuid`.
+    pub fn gpu_by_uuid(&self, uuid: &str) -> Option<u32> {
+        self.gpus.iter().position(|g| g.uuid == uuid).map(|i| i as u32)
+    }
+
+    /// Kernel indices of the GPUs `view` shows, in kernel order: NVML's indices are positions in this list.
+    pub fn visible_gpus(&self, view: &DeviceView) -> Vec<u32> {
+        (0..self.gpu_count()).filter(|&i| view.gpu_visible(i)).collect()
+    }
+
+    /// The live MIG devices of `gpu` that `view` shows, by GPU-instance then compute-instance id (empty
+    /// when MIG mode is off).
+    pub fn mig_devices(&self, gpu: u32, view: &DeviceView) -> Result<Vec<MigDevice>> {
+        let mut out = Vec::new();
+        for gi in self.list_gpu_instances(gpu)? {
+            for ci in gi.compute_instances {
+                let (gi_minor, ci_minor) = mig_minors_by_formula(gpu, gi.id, ci.id)?;
+                if view.mig_visible(gi_minor, ci_minor) {
+                    out.push(MigDevice {
+                        gpu_instance: gi.id,
+                        gi_profile_id: gi.profile_id,
+                        placement: gi.placement,
+                        compute_instance: ci.id,
+                        ci_profile_id: ci.profile_id,
+                        uuid: ci.uuid,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every process on `gpu` with the MIG device it runs on.
+    pub fn running_processes(&self, gpu: u32) -> Result<Vec<RunningProcess>> {
+        self.read(|state| {
+            let g = gpu_state(state, gpu)?;
+            let mut out: Vec<RunningProcess> = g
+                .processes
+                .iter()
+                .map(|&pid| RunningProcess { pid, mig: None })
+                .collect();
+            for gi in &g.gpu_instances {
+                for ci in &gi.compute_instances {
+                    out.extend(ci.processes.iter().map(|&pid| RunningProcess {
+                        pid,
+                        mig: Some((gi.id, ci.id)),
+                    }));
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// The name the node file gives process `pid` (`nv-hostengine`, ...), if any.
+    pub fn process_name(&self, pid: u32) -> Option<String> {
+        self.gpus
+            .iter()
+            .flat_map(|g| &g.processes)
+            .find(|p| p.pid == pid)
+            .map(|p| p.name.clone())
+    }
+
+    /// Resets and current-MIG-mode changes of `gpu` so far: an NVML event registration is dropped when
+    /// this moves.
+    pub fn epoch(&self, gpu: u32) -> Result<u64> {
+        self.read(|state| Ok(gpu_state(state, gpu)?.epoch))
+    }
+
+    /// [`SimulatedBackend::epoch`] of every GPU, in one read.
+    pub fn epochs(&self) -> Result<Vec<u64>> {
+        self.read(|state| Ok(state.gpus.iter().map(|g| g.epoch).collect()))
     }
 
     /// This backend's simulated NVML time so far (also in [`NVML_TIME_FILE`] of the state dir).
@@ -440,6 +990,37 @@ impl SimulatedBackend {
     /// Number of simulated GPUs.
     pub fn gpu_count(&self) -> u32 {
         self.gpus.len() as u32
+    }
+
+    /// `nvmlDeviceSetMigMode` as the driver answers it: the call fails only when GPU instances exist;
+    /// otherwise it records the wish and returns the activation status: `IN_USE` (19) when processes
+    /// hold the GPU (the mode stays pending), 0 otherwise (Hopper and newer switch now, Ampere waits for a
+    /// reset). The outcome is judged by reading the mode back ([`super::mig_mode_change_outcome`]).
+    pub fn set_mig_mode_nvml(&self, gpu: u32, enabled: bool) -> Result<u32> {
+        let toggles_now = self.sim_gpu(gpu)?.model.architecture.mig_toggle_without_reset();
+        self.write(|state| {
+            let g = gpu_state_mut(state, gpu)?;
+            if g.mig_current == enabled {
+                // Asking for the current mode cancels a pending change and needs no reset.
+                g.mig_pending = enabled;
+                return Ok(0);
+            }
+            if !g.gpu_instances.is_empty() {
+                return Err(GpuError::InUse(format!(
+                    "cannot change MIG mode of GPU {gpu}: {} GPU instances exist",
+                    g.gpu_instances.len()
+                )));
+            }
+            g.mig_pending = enabled;
+            if !g.all_processes().is_empty() {
+                return Ok(super::NVML_ERROR_IN_USE);
+            }
+            if toggles_now {
+                g.mig_current = enabled;
+                g.epoch += 1;
+            }
+            Ok(0)
+        })
     }
 
     /// Test hook: a process `pid` starts on the GPU (`mig == None`) or on compute instance `(gi, ci)`.
@@ -522,6 +1103,7 @@ impl SimulatedBackend {
             g.gpu_instances.clear();
             g.compute_mode = ComputeMode::Default;
             g.time_slice = TimeSlice::Default;
+            g.epoch += 1;
             Ok(())
         })
     }
@@ -534,14 +1116,17 @@ impl SimulatedBackend {
     }
 
     fn lock(&self) -> Result<StateLock<'_>> {
+        let Some(lock_file) = &self.lock_file else {
+            return Ok(StateLock { file: None });
+        };
         // A poisoned mutex only means another thread panicked mid-operation; the file on disk is still
         // consistent (it is replaced atomically), so the lock stays usable.
-        let guard = self.lock_file.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = lock_file.lock().unwrap_or_else(|p| p.into_inner());
         guard.lock().map_err(|e| GpuError::SimulatedState {
             path: self.state_dir.join(LOCK_FILE).display().to_string(),
             reason: e.to_string(),
         })?;
-        Ok(StateLock { file: guard })
+        Ok(StateLock { file: Some(guard) })
     }
 
     /// Reads the state file and reconciles it with the node file: GPUs are matched by UUID, so a GPU that
@@ -567,6 +1152,7 @@ impl SimulatedBackend {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(self.state_err(e.to_string())),
         };
+        let generation = stored.as_ref().map_or(0, |s| s.generation);
         let mut stored_gpus = stored.map(|s| s.gpus).unwrap_or_default();
         let gpus = self
             .gpus
@@ -578,11 +1164,13 @@ impl SimulatedBackend {
             .collect();
         Ok(HardwareState {
             version: STATE_VERSION,
+            generation,
             gpus,
         })
     }
 
-    fn store(&self, state: &HardwareState) -> Result<()> {
+    fn store(&self, state: &mut HardwareState) -> Result<()> {
+        state.generation += 1;
         let tmp = self.state_dir.join(format!("{STATE_FILE}.tmp"));
         let json = serde_json::to_vec_pretty(state).map_err(|e| self.state_err(e.to_string()))?;
         let write = || -> std::io::Result<()> {
@@ -600,14 +1188,29 @@ impl SimulatedBackend {
     fn read<T>(&self, f: impl FnOnce(&HardwareState) -> Result<T>) -> Result<T> {
         let started = Instant::now();
         let _lock = self.lock()?;
-        let out = self.load().and_then(|state| f(&state));
+        let out = self.load().and_then(|state| {
+            // A writer that died between its state write and its `proc/` write left `proc/` behind:
+            // the next caller that holds the lock brings it up to date.
+            if !self.is_read_only() && self.proc_generation() != Some(state.generation) {
+                self.sync_proc(&state)?;
+            }
+            f(&state)
+        });
         self.account(started.elapsed());
         out
     }
 
     /// Runs one operation under the lock and persists whatever it changed, also when it fails: a failed
-    /// Ampere MIG toggle still changes the pending mode.
+    /// Ampere MIG toggle still changes the pending mode. A read-only backend refuses every change with
+    /// NO_PERMISSION, as NVML does for a process without the MIG capabilities.
     fn write<T>(&self, f: impl FnOnce(&mut HardwareState) -> Result<T>) -> Result<T> {
+        if self.is_read_only() {
+            return Err(GpuError::NoPermission(format!(
+                "the simulated kernel {} is read-only in this process (a container's mount); GPU changes \
+                 need the host (NVML_ERROR_NO_PERMISSION)",
+                self.state_dir.display()
+            )));
+        }
         let started = Instant::now();
         let _lock = self.lock()?;
         let out = (|| {
@@ -616,7 +1219,10 @@ impl SimulatedBackend {
             let before = state.clone();
             let out = f(&mut state);
             if state != before || !on_disk {
-                self.store(&state)?;
+                self.store(&mut state)?;
+            }
+            if self.proc_generation() != Some(state.generation) {
+                self.sync_proc(&state)?;
             }
             out
         })();
@@ -624,10 +1230,98 @@ impl SimulatedBackend {
         out
     }
 
+    fn proc_generation(&self) -> Option<u64> {
+        fs::read_to_string(self.proc_dir().join(PROC_GENERATION_FILE))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// Makes `proc/` show `state`: the static files, and one `access` file per live GPU and compute
+    /// instance (none for anything else), then records the generation shown. Called under the lock.
+    fn sync_proc(&self, state: &HardwareState) -> Result<()> {
+        let proc = self.proc_dir();
+        let err = |e: std::io::Error| GpuError::SimulatedState {
+            path: proc.display().to_string(),
+            reason: format!("cannot write the simulated /proc: {e}"),
+        };
+        let write_if_changed = |path: &Path, content: &str| -> std::io::Result<()> {
+            if fs::read_to_string(path).ok().as_deref() == Some(content) {
+                return Ok(());
+            }
+            fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
+            write_atomically(path, content.as_bytes())
+        };
+        let access = |minor: u32, mode: u32| {
+            format!("DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n")
+        };
+        write_if_changed(
+            &proc.join("devices"),
+            &format!(
+                "Character devices:\n  1 mem\n195 nvidia-frontend\n{NVIDIA_CAPS_MAJOR} nvidia-caps\n\
+                 {NVIDIA_UVM_MAJOR} nvidia-uvm\n\nBlock devices:\n  8 sd\n"
+            ),
+        )
+        .map_err(err)?;
+        write_if_changed(
+            &proc.join("driver/nvidia/version"),
+            &format!(
+                "NVRM version: NVIDIA UNIX x86_64 Kernel Module  {SIMULATED_DRIVER_VERSION}  (tessera simulated)\n\
+                 GCC version:  simulated\n"
+            ),
+        )
+        .map_err(err)?;
+        let caps = proc.join("driver/nvidia/capabilities");
+        write_if_changed(&caps.join("mig/config"), &access(1, 256)).map_err(err)?;
+        write_if_changed(&caps.join("mig/monitor"), &access(2, 292)).map_err(err)?;
+        for (index, g) in state.gpus.iter().enumerate() {
+            let mig_dir = caps.join(format!("gpu{index}/mig"));
+            let mut wanted = std::collections::BTreeMap::new();
+            for gi in &g.gpu_instances {
+                for ci in &gi.compute_instances {
+                    let (_, ci_minor) = mig_minors_by_formula(index as u32, gi.id, ci.id)?;
+                    wanted.insert(format!("gi{}/ci{}/access", gi.id, ci.id), access(ci_minor, 292));
+                }
+                let (gi_minor, _) = mig_minors_by_formula(index as u32, gi.id, 0)?;
+                wanted.insert(format!("gi{}/access", gi.id), access(gi_minor, 292));
+            }
+            // Anything the state no longer has goes: a destroyed CI's directory, a reset GPU's GIs.
+            if let Ok(entries) = fs::read_dir(&mig_dir) {
+                for gi_entry in entries.flatten() {
+                    let gi_name = gi_entry.file_name().to_string_lossy().into_owned();
+                    let gi_path = gi_entry.path();
+                    if !wanted.contains_key(&format!("{gi_name}/access")) {
+                        fs::remove_dir_all(&gi_path).map_err(err)?;
+                        continue;
+                    }
+                    for ci_entry in fs::read_dir(&gi_path).map_err(err)?.flatten() {
+                        let ci_name = ci_entry.file_name().to_string_lossy().into_owned();
+                        if ci_name != "access" && !wanted.contains_key(&format!("{gi_name}/{ci_name}/access"))
+                        {
+                            fs::remove_dir_all(ci_entry.path()).map_err(err)?;
+                        }
+                    }
+                }
+            }
+            for (rel, content) in &wanted {
+                write_if_changed(&mig_dir.join(rel), content).map_err(err)?;
+            }
+        }
+        write_atomically(
+            &proc.join(PROC_GENERATION_FILE),
+            state.generation.to_string().as_bytes(),
+        )
+        .map_err(err)
+    }
+
     /// Adds one call to the simulated NVML time and publishes the totals. Called with the state lock held,
     /// so the totals file is written by one thread at a time. A failed write of it is ignored: it is a
     /// benchmark's reading, and the call it measures has already succeeded or failed on its own.
     fn account(&self, took: Duration) {
+        if self.is_read_only() {
+            return;
+        }
         let totals = {
             let mut t = self.nvml_time.lock().unwrap_or_else(|e| e.into_inner());
             t.calls += 1;
@@ -675,7 +1369,18 @@ impl GpuBackend for SimulatedBackend {
         "simulated"
     }
 
+    /// Installs the driver root on first use (see [`super::sim_driver_root`]); a failure is logged, and
+    /// what could be installed is there.
     fn driver_root(&self) -> &Path {
+        if self.owns_driver_root {
+            self.install_driver_root.call_once(|| {
+                let dirs = super::sim_driver_root::artifact_dirs();
+                match super::sim_driver_root::install(&self.driver_root, &self.state_dir, &dirs) {
+                    Ok(installed) => installed.warn_once_if_incomplete(&dirs),
+                    Err(e) => warn!(error = %e, "cannot install the simulated driver root"),
+                }
+            });
+        }
         &self.driver_root
     }
 
@@ -734,37 +1439,8 @@ impl GpuBackend for SimulatedBackend {
     }
 
     fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<()> {
-        let toggles_now = self.sim_gpu(gpu)?.model.architecture.mig_toggle_without_reset();
-        self.write(|state| {
-            let g = gpu_state_mut(state, gpu)?;
-            if g.mig_current == enabled {
-                // Asking for the current mode cancels a pending change and needs no reset.
-                g.mig_pending = enabled;
-                return Ok(());
-            }
-            if !g.gpu_instances.is_empty() {
-                return Err(GpuError::InUse(format!(
-                    "cannot change MIG mode of GPU {gpu}: {} GPU instances exist",
-                    g.gpu_instances.len()
-                )));
-            }
-            // Like the driver: the call succeeds and records the wish; a busy GPU answers IN_USE in the
-            // activation status and stays as it is, Ampere waits for a reset, Hopper and newer switch now.
-            g.mig_pending = enabled;
-            let status = if !g.all_processes().is_empty() {
-                super::NVML_ERROR_IN_USE
-            } else {
-                if toggles_now {
-                    g.mig_current = enabled;
-                }
-                0
-            };
-            let after = MigMode {
-                current: g.mig_current,
-                pending: g.mig_pending,
-            };
-            super::mig_mode_change_outcome(gpu, enabled, status, after)
-        })
+        let status = self.set_mig_mode_nvml(gpu, enabled)?;
+        super::mig_mode_change_outcome(gpu, enabled, status, self.mig_mode(gpu)?)
     }
 
     fn create_gpu_instance(&self, gpu: u32, profile_id: u32, placement: MigPlacement) -> Result<u32> {
@@ -1016,54 +1692,6 @@ pub fn mig_minors_by_formula(gpu_minor: u32, gpu_instance: u32, compute_instance
 
 /// Directory of the simulated driver root under the state directory.
 pub const DRIVER_ROOT_DIR: &str = "driver-root";
-
-/// Libraries of the simulated driver root, with their soname suffix.
-const SIMULATED_LIBRARIES: [(&str, &str); 5] = [
-    ("libcuda", "1"),
-    ("libnvidia-ml", "1"),
-    ("libnvidia-ptxjitcompiler", "1"),
-    ("libnvidia-nvvm", "4"),
-    ("libnvidia-cfg", "1"),
-];
-
-/// Writes a driver root with NVIDIA's layout for the simulated GPUs: stub libraries
-/// `usr/lib/x86_64-linux-gnu/<lib>.so.<driver version>` with their soname links, and `usr/bin/nvidia-smi`,
-/// a script that prints the GPU list (`nvidia-smi -L` style) fixed when it is written; it reads no input and
-/// ignores its arguments. A container that got tessera's CDI edits can run it to prove the mounts.
-fn write_driver_root(root: &Path, gpus: &[SimGpu]) -> std::io::Result<()> {
-    let lib = root.join("usr/lib/x86_64-linux-gnu");
-    let bin = root.join("usr/bin");
-    fs::create_dir_all(&lib)?;
-    fs::create_dir_all(&bin)?;
-    for (name, soname) in SIMULATED_LIBRARIES {
-        let file = format!("{name}.so.{SIMULATED_DRIVER_VERSION}");
-        fs::write(
-            lib.join(&file),
-            format!("simulated {name} {SIMULATED_DRIVER_VERSION} (not a real library)\n"),
-        )?;
-        let link = lib.join(format!("{name}.so.{soname}"));
-        match fs::remove_file(&link) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
-        std::os::unix::fs::symlink(&file, &link)?;
-    }
-    let mut listing = String::new();
-    for (i, g) in gpus.iter().enumerate() {
-        // Product names and UUIDs come from the built-in model table and a hash: no quote can appear.
-        listing.push_str(&format!("GPU {i}: {} (UUID: {})\n", g.model.product_name, g.uuid));
-    }
-    let script = format!(
-        "#!/bin/sh\n# Simulated nvidia-smi written by tessera: prints the simulated GPUs, whatever it is asked.\n\
-         cat <<'TESSERA_GPUS'\n{listing}TESSERA_GPUS\n"
-    );
-    let smi = bin.join("nvidia-smi");
-    let tmp = bin.join(".nvidia-smi.tmp");
-    fs::write(&tmp, script)?;
-    fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
-    fs::rename(&tmp, &smi)
-}
 
 /// Device numbers of a typical NVIDIA host (`nvidia-caps` and `nvidia-uvm` majors are dynamic on real ones).
 fn canned_char_device(path: &str) -> Result<CharDevice> {
@@ -1645,6 +2273,188 @@ mod tests {
             Err(GpuError::NotFound(_))
         ));
         assert!(matches!(b.char_device("/dev/sda"), Err(GpuError::NotFound(_))));
+    }
+
+    #[test]
+    fn a_kernel_directory_reopens_as_the_same_node_with_the_same_state() {
+        let node = NodeBuilder::new()
+            .named("node-k")
+            .mig_gpus("H100-SXM5-80GB", 2)
+            .build();
+        let gi = node.backend.create_gpu_instance(1, 9, placement(4, 4)).unwrap();
+        let kernel = SimulatedBackend::open_kernel(node.dir.path()).unwrap();
+        assert!(!kernel.is_read_only());
+        assert_eq!(kernel.node_name(), "node-k");
+        assert_eq!(kernel.gpu(1).unwrap().uuid, node.backend.gpu(1).unwrap().uuid);
+        assert_eq!(kernel.list_gpu_instances(1).unwrap()[0].id, gi);
+        let spec = KernelSpec::read(node.dir.path()).unwrap();
+        assert_eq!(spec.node, NodeSpec::default().with_mig_gpus("H100-SXM5-80GB", 2));
+    }
+
+    #[test]
+    fn a_kernel_whose_lock_cannot_be_written_is_read_only_and_refuses_changes_with_no_permission() {
+        let node = NodeBuilder::new().mig_gpus("H100-SXM5-80GB", 1).build();
+        node.backend.create_gpu_instance(0, 19, placement(0, 1)).unwrap();
+        let lock = node.dir.path().join(LOCK_FILE);
+        fs::set_permissions(&lock, std::os::unix::fs::PermissionsExt::from_mode(0o444)).unwrap();
+        let opened = SimulatedBackend::open_kernel(node.dir.path());
+        fs::set_permissions(&lock, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        let Ok(ro) = opened else { panic!("open failed") };
+        // root writes through a 0444 file: only an unprivileged user gets the read-only view here.
+        if !ro.is_read_only() {
+            return;
+        }
+        assert_eq!(ro.list_gpu_instances(0).unwrap().len(), 1, "reads work");
+        for e in [
+            ro.create_gpu_instance(0, 19, placement(1, 1)).unwrap_err(),
+            ro.set_mig_mode(0, false).unwrap_err(),
+            ro.set_compute_mode(0, ComputeMode::Prohibited).unwrap_err(),
+        ] {
+            assert!(matches!(e, GpuError::NoPermission(_)), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_kernel_is_found_walking_up_from_a_library_path() {
+        let node = NodeBuilder::new().gpus("B200", 1).build();
+        let root = tempfile::tempdir().unwrap();
+        let lib = root.path().join("usr/lib/x86_64-linux-gnu");
+        fs::create_dir_all(&lib).unwrap();
+        std::os::unix::fs::symlink(node.dir.path(), root.path().join(KERNEL_DIR_NAME)).unwrap();
+        let found = find_kernel_from(&lib.join("libnvidia-ml.so.1")).unwrap();
+        assert_eq!(
+            fs::canonicalize(found).unwrap(),
+            fs::canonicalize(node.dir.path()).unwrap()
+        );
+        assert_eq!(
+            find_kernel_from(Path::new("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")),
+            None
+        );
+    }
+
+    #[test]
+    fn proc_access_files_follow_the_instances_and_heal_after_a_crash_between_the_two_writes() {
+        let node = NodeBuilder::new().mig_gpus("H100-SXM5-80GB", 2).build();
+        let b = &node.backend;
+        let caps = node.dir.path().join("proc/driver/nvidia/capabilities");
+        let gi = b.create_gpu_instance(1, 14, placement(2, 2)).unwrap();
+        let gi_access = caps.join(format!("gpu1/mig/gi{gi}/access"));
+        assert_eq!(
+            fs::read_to_string(&gi_access).unwrap(),
+            format!(
+                "DeviceFileMinor: {}\nDeviceFileMode: 292\nDeviceFileModify: 1\n",
+                3 + 135 + 9 * gi
+            )
+        );
+        let ci = b.create_compute_instance(1, gi).unwrap();
+        let ci_access = caps.join(format!("gpu1/mig/gi{gi}/ci{}/access", ci.id));
+        assert!(ci_access.is_file());
+        assert!(caps.join("mig/config").is_file());
+        assert!(
+            fs::read_to_string(node.dir.path().join("proc/devices"))
+                .unwrap()
+                .contains("508 nvidia-caps")
+        );
+        // A crash after the state write, before `proc/`: the CI is gone from the state, its file is not.
+        b.destroy_compute_instance(1, gi, ci.id).unwrap();
+        fs::create_dir_all(ci_access.parent().unwrap()).unwrap();
+        fs::write(&ci_access, "stale").unwrap();
+        fs::write(node.dir.path().join("proc/.generation"), "0").unwrap();
+        b.list_gpu_instances(1).unwrap();
+        assert!(
+            !ci_access.exists(),
+            "the next call removes what the state no longer has"
+        );
+        assert!(gi_access.is_file());
+        b.destroy_gpu_instance(1, gi).unwrap();
+        assert!(!gi_access.exists());
+    }
+
+    #[test]
+    fn a_container_sees_the_gpus_and_mig_devices_whose_device_nodes_it_holds() {
+        let node = NodeBuilder::new().mig_gpus("H100-SXM5-80GB", 3).build();
+        let b = &node.backend;
+        let gi = b.create_gpu_instance(2, 9, placement(0, 4)).unwrap();
+        let ci = b.create_compute_instance(2, gi).unwrap();
+        let other = b.create_gpu_instance(2, 9, placement(4, 4)).unwrap();
+        b.create_compute_instance(2, other).unwrap();
+        let dev = tempfile::tempdir().unwrap();
+        assert_eq!(
+            b.visible_gpus(&DeviceView::at(dev.path())),
+            [0, 1, 2],
+            "no nvidiactl: the host"
+        );
+        fs::write(dev.path().join("nvidiactl"), "").unwrap();
+        fs::write(dev.path().join("nvidia2"), "").unwrap();
+        let view = DeviceView::at(dev.path());
+        assert_eq!(b.visible_gpus(&view), [2]);
+        assert!(
+            b.mig_devices(2, &view).unwrap().is_empty(),
+            "no caps, no MIG device"
+        );
+        let (gi_minor, ci_minor) = b.mig_capability_minors(2, gi, ci.id).unwrap();
+        fs::create_dir(dev.path().join("nvidia-caps")).unwrap();
+        for m in [gi_minor, ci_minor] {
+            fs::write(dev.path().join(format!("nvidia-caps/nvidia-cap{m}")), "").unwrap();
+        }
+        let seen = b.mig_devices(2, &view).unwrap();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].uuid, ci.uuid);
+        assert_eq!(b.mig_devices(2, &DeviceView::host()).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_gpu_absent_at_boot_shifts_the_indices_after_it_and_no_uuid_changes() {
+        let all = NodeBuilder::new().gpus("H100-SXM5-80GB", 4).build();
+        let mut group = GpuGroup::plain("H100-SXM5-80GB");
+        group.count = 4;
+        group.absent = vec![1];
+        let spec = NodeSpec::default().with_group(group);
+        let missing_one = SimulatedBackend::from_spec("node-a", &spec, all.dir.path()).unwrap();
+        let uuids = |b: &SimulatedBackend| {
+            (0..b.gpu_count())
+                .map(|i| b.gpu(i).unwrap().uuid)
+                .collect::<Vec<_>>()
+        };
+        let before = uuids(&all.backend);
+        assert_eq!(
+            uuids(&missing_one),
+            [before[0].clone(), before[2].clone(), before[3].clone()]
+        );
+        assert_eq!(
+            missing_one.gpu(1).unwrap().pci_bus_id,
+            all.backend.gpu(2).unwrap().pci_bus_id
+        );
+    }
+
+    #[test]
+    fn a_node_file_describes_virtualization_fabric_and_the_processes_holding_a_gpu() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("node.yaml");
+        fs::write(
+            &file,
+            "gpus:\n  - model: H100-SXM5-80GB\n    count: 2\n    virtualizationMode: Vgpu\n    fabric: InProgress\n    \
+             processes: [{pid: 4200001, name: nv-hostengine}]\n",
+        )
+        .unwrap();
+        let b = SimulatedBackend::new("n", &file, &dir.path().join("k")).unwrap();
+        let g = b.gpu(1).unwrap();
+        assert_eq!(
+            (g.virtualization_mode, g.fabric),
+            (VirtualizationMode::Vgpu, FabricState::InProgress)
+        );
+        assert_eq!(b.process_name(4_200_001).as_deref(), Some("nv-hostengine"));
+        assert_eq!(
+            b.processes(1, None).unwrap(),
+            [4_200_001],
+            "it holds each GPU of the group"
+        );
+        let kernel = KernelSpec::read(&dir.path().join("k")).unwrap();
+        assert_eq!(
+            kernel.node,
+            NodeSpec::from_file(&file).unwrap(),
+            "kernel.json round-trips the node file"
+        );
     }
 
     #[test]

@@ -34,6 +34,27 @@ pub enum FaultKind {
     DoubleBitEcc,
     /// `NVML_ERROR_GPU_IS_LOST` from the event wait and every probe.
     Lost,
+    /// `NVML_ERROR_LIB_RM_VERSION_MISMATCH` (18) from every call on the GPU: the user-space library and the
+    /// kernel module are of different driver versions, as after a driver upgrade without a reboot.
+    LibraryMismatch,
+    /// `NVML_ERROR_DRIVER_NOT_LOADED` (9) from every call on the GPU.
+    DriverNotLoaded,
+    /// `NVML_ERROR_UNINITIALIZED` (1) from every call on the GPU.
+    Uninitialized,
+}
+
+impl FaultKind {
+    /// The NVML return code every call on a GPU with this fault answers, or `None` for faults that are
+    /// events (an XID, an ECC error) and leave the GPU answering.
+    pub fn nvml_error_code(self) -> Option<u32> {
+        match self {
+            Self::Xid | Self::DoubleBitEcc => None,
+            Self::Lost => Some(15),
+            Self::LibraryMismatch => Some(18),
+            Self::DriverNotLoaded => Some(9),
+            Self::Uninitialized => Some(1),
+        }
+    }
 }
 
 /// One injected fault.
@@ -66,6 +87,16 @@ impl Fault {
             gpu,
             gpu_instance: None,
             kind: FaultKind::Lost,
+            xid: None,
+        }
+    }
+
+    /// GPU `gpu` answers every call with the error of `kind` (see [`FaultKind::nvml_error_code`]).
+    pub fn failing(gpu: u32, kind: FaultKind) -> Self {
+        Self {
+            gpu,
+            gpu_instance: None,
+            kind,
             xid: None,
         }
     }

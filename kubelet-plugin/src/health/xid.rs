@@ -16,6 +16,9 @@ pub const EVENT_SINGLE_BIT_ECC: u64 = 0x1;
 pub const EVENT_DOUBLE_BIT_ECC: u64 = 0x2;
 /// `nvmlEventTypeXidCriticalError`.
 pub const EVENT_XID_CRITICAL: u64 = 0x8;
+/// `nvmlEventMigConfigChange`: registered besides [`EVENT_MASK`] only as the cue to register the event set
+/// again (a MIG change may reset the GPU and drop its registration); it says nothing about health.
+pub const EVENT_MIG_CONFIG_CHANGE: u64 = 0x100;
 /// The events tessera registers per GPU: NVIDIA's set (see the module docs).
 pub const EVENT_MASK: u64 = EVENT_XID_CRITICAL | EVENT_DOUBLE_BIT_ECC | EVENT_SINGLE_BIT_ECC;
 

@@ -17,6 +17,13 @@
 //! * [`Launcher::Simulated`]: the plugin binary's hidden `mps-control-sim` subcommand ([`run_sim_daemon`]), a
 //!   real process serving the same commands on a unix socket and logging them, for nodes without GPUs.
 //!
+//! The simulated daemon is [`ControlDaemon`], one implementation behind both the plugin's `mps-control-sim`
+//! and the simulated driver's `nvidia-cuda-mps-control` (crate `tessera-sim-tools`), which the plugin
+//! drives through [`Launcher::Nvidia`] exactly as it drives NVIDIA's. Besides NVIDIA's control commands it
+//! answers [`CLIENT_CONNECT`], which the simulated `libcuda.so.1` sends from `cuCtxCreate`: the daemon
+//! starts `nvidia-cuda-mps-server` ([`run_server`]) for its first client and tells every client the
+//! server's pid and limits ([`ClientGrant`]).
+//!
 //! What a share gets ([`client_edits`]): `CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps` with the pipe dir mounted
 //! there, `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` from its compute share and
 //! `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<MiB>M` from its memory share.
@@ -581,7 +588,10 @@ fn process_alive(pid: u32) -> bool {
     }
 }
 
-fn sim_send(pipe_dir: &Path, command: &str) -> std::io::Result<String> {
+/// Sends one command line to the control daemon at `<pipe_dir>/control` and returns its answer (trimmed).
+/// The wire protocol of tessera's daemon: one command line per connection, the client shuts down its
+/// write half, the daemon writes its answer and closes.
+pub fn send_control(pipe_dir: &Path, command: &str) -> std::io::Result<String> {
     let mut stream = UnixStream::connect(pipe_dir.join(CONTROL_SOCKET))?;
     stream.set_read_timeout(Some(COMMAND_TIMEOUT))?;
     stream.set_write_timeout(Some(COMMAND_TIMEOUT))?;
@@ -592,103 +602,458 @@ fn sim_send(pipe_dir: &Path, command: &str) -> std::io::Result<String> {
     Ok(answer.trim().to_string())
 }
 
+fn sim_send(pipe_dir: &Path, command: &str) -> std::io::Result<String> {
+    send_control(pipe_dir, command)
+}
+
 /// Runs the simulated MPS control daemon (the `mps-control-sim` subcommand).
 ///
 /// With `detach`, starts `<program> mps-control-sim` (without `--detach`) in a new process group with null
 /// stdio, waits until it serves, and returns: the caller exits and the daemon is inherited by init, like
-/// `nvidia-cuda-mps-control -d`. Without `detach`, serves until `quit`.
+/// `nvidia-cuda-mps-control -d`. Without `detach`, serves until `quit`. The daemon starts
+/// `nvidia-cuda-mps-server` for its first client when tessera's simulated tools lie next to `program`;
+/// otherwise it answers clients itself (see [`ControlDaemon::server`]).
 pub fn run_sim_daemon(program: &Path, pipe_dir: &Path, log_dir: &Path, detach: bool) -> std::io::Result<()> {
-    fs::create_dir_all(pipe_dir)?;
-    fs::create_dir_all(log_dir)?;
     if detach {
-        let mut child = Command::new(program)
-            .args([SIM_SUBCOMMAND, "--pipe-dir"])
+        let mut cmd = Command::new(program);
+        cmd.args([SIM_SUBCOMMAND, "--pipe-dir"])
             .arg(pipe_dir)
             .arg("--log-dir")
-            .arg(log_dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .spawn()?;
-        let deadline = Instant::now() + DAEMON_TIMEOUT;
-        loop {
-            if sim_send(pipe_dir, "get_default_active_thread_percentage").is_ok() {
+            .arg(log_dir);
+        return detach_daemon(cmd, pipe_dir, log_dir);
+    }
+    ControlDaemon::new(pipe_dir, log_dir)
+        .server(sibling_server(program))
+        .serve()
+}
+
+/// `nvidia-cuda-mps-server` in the directory of `program`, if there is one.
+pub fn sibling_server(program: &Path) -> Option<PathBuf> {
+    let server = program.parent()?.join(SERVER_PROGRAM);
+    server.is_file().then_some(server)
+}
+
+/// Starts `cmd` (a control daemon in the foreground) in a new process group with null stdio and waits
+/// until it answers on `<pipe_dir>/control`; it is then left running (init inherits it when the caller
+/// exits), as `nvidia-cuda-mps-control -d` leaves its daemon.
+pub fn detach_daemon(mut cmd: Command, pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
+    fs::create_dir_all(pipe_dir)?;
+    fs::create_dir_all(log_dir)?;
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn()?;
+    let deadline = Instant::now() + DAEMON_TIMEOUT;
+    loop {
+        if send_control(pipe_dir, "get_default_active_thread_percentage").is_ok() {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            return Err(std::io::Error::other(format!(
+                "daemon exited with {status}; see {}",
+                log_dir.join("control.log").display()
+            )));
+        }
+        if Instant::now() > deadline {
+            return Err(std::io::Error::other(format!(
+                "daemon did not serve within {DAEMON_TIMEOUT:?}; see {}",
+                log_dir.join("control.log").display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The MPS server program a control daemon starts for its first client.
+pub const SERVER_PROGRAM: &str = "nvidia-cuda-mps-server";
+
+/// The command with which a CUDA client (tessera's simulated `libcuda.so.1`, in `cuCtxCreate`) attaches to
+/// the daemon; not one of NVIDIA's control commands. Arguments `uuid=<device UUID>`, `gpu=<parent GPU
+/// UUID>` (the same for a whole GPU) and `pid=<client pid>`; the answer is a [`ClientGrant`] line or
+/// `error=<reason>`.
+pub const CLIENT_CONNECT: &str = "client_connect";
+
+/// What a client learns from the daemon when it attaches: the server that serves it and that server's
+/// limits (the daemon's defaults when the server was started: `set_default_*` only reaches servers
+/// started later, as in MPS).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClientGrant {
+    pub server_pid: u32,
+    pub active_thread_percentage: f64,
+    /// `<device ordinal or UUID>=<limit>` pairs as set with `set_default_device_pinned_mem_limit`
+    /// (`0=1024M`); empty when none is set.
+    pub pinned_mem_limits: Vec<(String, String)>,
+}
+
+impl ClientGrant {
+    /// The answer line: `server_pid=<pid> active_thread_percentage=<p> pinned_mem_limit=<dev>=<v>,…`.
+    pub fn to_line(&self) -> String {
+        let limits: Vec<String> = self
+            .pinned_mem_limits
+            .iter()
+            .map(|(d, v)| format!("{d}={v}"))
+            .collect();
+        format!(
+            "server_pid={} active_thread_percentage={:.1} pinned_mem_limit={}",
+            self.server_pid,
+            self.active_thread_percentage,
+            limits.join(",")
+        )
+    }
+
+    /// Parses [`ClientGrant::to_line`]'s output; `Err` carries the daemon's `error=` reason or says what is
+    /// malformed.
+    pub fn parse(line: &str) -> Result<Self, String> {
+        if let Some(reason) = line.strip_prefix("error=") {
+            return Err(reason.to_string());
+        }
+        let mut server_pid = None;
+        let mut pct = None;
+        let mut pinned = Vec::new();
+        for word in line.split_whitespace() {
+            match word.split_once('=') {
+                Some(("server_pid", v)) => server_pid = v.parse().ok(),
+                Some(("active_thread_percentage", v)) => pct = v.parse().ok(),
+                Some(("pinned_mem_limit", v)) => {
+                    pinned = v
+                        .split(',')
+                        .filter_map(|pair| pair.split_once('='))
+                        .map(|(d, l)| (d.to_string(), l.to_string()))
+                        .collect();
+                }
+                _ => {}
+            }
+        }
+        match (server_pid, pct) {
+            (Some(server_pid), Some(active_thread_percentage)) => Ok(Self {
+                server_pid,
+                active_thread_percentage,
+                pinned_mem_limits: pinned,
+            }),
+            _ => Err(format!("malformed answer {line:?}")),
+        }
+    }
+}
+
+/// Bytes of an MPS memory limit as the control commands and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` write it:
+/// an integer with an optional `K`, `M`, `G` or `T` suffix (binary units, an optional trailing `B`);
+/// a bare number is bytes.
+pub fn parse_mem_limit(value: &str) -> Option<u64> {
+    let v = value.trim();
+    let v = v.strip_suffix(['B', 'b']).unwrap_or(v);
+    let (digits, shift) = match v.chars().last()? {
+        'K' | 'k' => (&v[..v.len() - 1], 10),
+        'M' | 'm' => (&v[..v.len() - 1], 20),
+        'G' | 'g' => (&v[..v.len() - 1], 30),
+        'T' | 't' => (&v[..v.len() - 1], 40),
+        _ => (v, 0),
+    };
+    digits.parse::<u64>().ok()?.checked_mul(1 << shift)
+}
+
+/// One MPS control daemon: NVIDIA's control commands (the ones tessera and NVIDIA's Kubernetes components
+/// send: `get/set_default_active_thread_percentage`, `get/set_default_device_pinned_mem_limit`,
+/// `get_server_list`, `quit`) and [`CLIENT_CONNECT`] on `<pipe dir>/control`, a pid file
+/// ([`PID_FILE`]) in the pipe directory and `control.log` in the log directory. The one implementation
+/// behind both tessera's simulated `nvidia-cuda-mps-control` and the plugin's `mps-control-sim`.
+///
+/// The devices it serves are its `CUDA_VISIBLE_DEVICES` (UUIDs, as the plugin sets it); a client of
+/// another device is refused. It starts its server for the first client and stops it at `quit`.
+pub struct ControlDaemon {
+    pipe_dir: PathBuf,
+    log_dir: PathBuf,
+    server: Option<PathBuf>,
+}
+
+/// The running server of a daemon: its process, whose stdin the daemon holds (the server exits when it
+/// closes, so a killed daemon leaves no server behind), and the limits it was started with.
+struct Server {
+    child: Option<std::process::Child>,
+    grant: ClientGrant,
+}
+
+impl ControlDaemon {
+    pub fn new(pipe_dir: &Path, log_dir: &Path) -> Self {
+        Self {
+            pipe_dir: pipe_dir.to_path_buf(),
+            log_dir: log_dir.to_path_buf(),
+            server: None,
+        }
+    }
+
+    /// The `nvidia-cuda-mps-server` program to start for the first client. Without one (the plugin's
+    /// `mps-control-sim` on an image without tessera's simulated tools) the daemon answers clients itself
+    /// and names its own pid as the server's.
+    pub fn server(mut self, program: Option<PathBuf>) -> Self {
+        self.server = program;
+        self
+    }
+
+    /// Serves until `quit`.
+    pub fn serve(self) -> std::io::Result<()> {
+        fs::create_dir_all(&self.pipe_dir)?;
+        fs::create_dir_all(&self.log_dir)?;
+        let socket = self.pipe_dir.join(CONTROL_SOCKET);
+        let pid_file = self.pipe_dir.join(PID_FILE);
+        // A socket left by a killed daemon would make bind fail; only one daemon per directory is started.
+        let _ = fs::remove_file(&socket);
+        let listener = UnixListener::bind(&socket)?;
+        let tmp = self.pipe_dir.join(format!("{PID_FILE}.tmp"));
+        fs::write(&tmp, format!("{}\n", std::process::id()))?;
+        fs::rename(&tmp, &pid_file)?;
+        let mut log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_dir.join("control.log"))?;
+        let devices = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
+        writeln!(
+            log,
+            "[{}] startup pid={} devices={devices}",
+            timestamp(),
+            std::process::id()
+        )?;
+        let served: Vec<String> = devices
+            .split(',')
+            .map(str::trim)
+            .filter(|d| !d.is_empty())
+            .map(String::from)
+            .collect();
+        let mut thread_percentage = 100.0f64;
+        let mut pinned: std::collections::BTreeMap<String, String> = Default::default();
+        let mut server: Option<Server> = None;
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let _ = stream.set_read_timeout(Some(COMMAND_TIMEOUT));
+            let mut line = String::new();
+            if BufReader::new(&stream).read_line(&mut line).is_err() {
+                continue;
+            }
+            let line = line.trim();
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let (answer, quit) = match words.as_slice() {
+                ["get_default_active_thread_percentage"] => (format!("{thread_percentage:.1}"), false),
+                ["set_default_active_thread_percentage", p] => match p.parse::<f64>() {
+                    Ok(p) if (0.0..=100.0).contains(&p) => {
+                        thread_percentage = p;
+                        (String::new(), false)
+                    }
+                    _ => (format!("Invalid percentage {p}"), false),
+                },
+                ["set_default_device_pinned_mem_limit", dev, limit] => {
+                    if parse_mem_limit(limit).is_some() {
+                        pinned.insert(dev.to_string(), limit.to_string());
+                        (String::new(), false)
+                    } else {
+                        (format!("Invalid memory limit {limit}"), false)
+                    }
+                }
+                ["get_default_device_pinned_mem_limit", dev] => {
+                    (pinned.get(*dev).cloned().unwrap_or_else(|| "0".into()), false)
+                }
+                ["get_server_list"] => {
+                    let live = server.as_mut().and_then(Server::live_pid);
+                    (live.map(|pid| pid.to_string()).unwrap_or_default(), false)
+                }
+                [CLIENT_CONNECT, args @ ..] => {
+                    let arg = |key: &str| {
+                        args.iter()
+                            .find_map(|a| a.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+                    };
+                    let (uuid, gpu) = (arg("uuid").unwrap_or(""), arg("gpu").unwrap_or(""));
+                    let answer = if !served.is_empty() && !served.iter().any(|d| d == uuid || d == gpu) {
+                        format!("error=device {uuid} is not served by this daemon (devices {devices})")
+                    } else {
+                        if !server.as_mut().is_some_and(Server::alive) {
+                            let grant = ClientGrant {
+                                server_pid: std::process::id(),
+                                active_thread_percentage: thread_percentage,
+                                pinned_mem_limits: pinned.clone().into_iter().collect(),
+                            };
+                            // A server that cannot start fails this client, not the daemon.
+                            server = match self.start_server(grant, &devices, &mut log) {
+                                Ok(s) => Some(s),
+                                Err(e) => {
+                                    writeln!(log, "[{}] {e}", timestamp())?;
+                                    None
+                                }
+                            };
+                        }
+                        match &server {
+                            Some(s) => s.grant.to_line(),
+                            None => "error=the MPS server failed to start; see control.log".to_string(),
+                        }
+                    };
+                    let pid = arg("pid").unwrap_or("?");
+                    writeln!(log, "[{}] NEW CLIENT pid={pid} device={uuid}", timestamp())?;
+                    (answer, false)
+                }
+                ["quit"] => (String::new(), true),
+                _ => (format!("Invalid command {line:?}"), false),
+            };
+            writeln!(log, "[{}] {line} -> {answer:?}", timestamp())?;
+            let _ = writeln!(stream, "{answer}");
+            if quit {
+                drop(stream);
+                if let Some(s) = server.take() {
+                    s.stop(&mut log);
+                }
+                let _ = fs::remove_file(&socket);
+                let _ = fs::remove_file(&pid_file);
+                writeln!(log, "[{}] exit", timestamp())?;
                 return Ok(());
             }
-            if let Some(status) = child.try_wait()? {
-                return Err(std::io::Error::other(format!("daemon exited with {status}")));
+        }
+        Ok(())
+    }
+
+    /// Starts the server (or, without a server program, lets the daemon itself stand for it).
+    fn start_server(
+        &self,
+        mut grant: ClientGrant,
+        devices: &str,
+        log: &mut fs::File,
+    ) -> std::io::Result<Server> {
+        let Some(program) = &self.server else {
+            writeln!(
+                log,
+                "[{}] no {SERVER_PROGRAM}: serving clients in the daemon",
+                timestamp()
+            )?;
+            return Ok(Server { child: None, grant });
+        };
+        let limits: Vec<String> = grant
+            .pinned_mem_limits
+            .iter()
+            .map(|(d, v)| format!("{d}={v}"))
+            .collect();
+        let child = Command::new(program)
+            .env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe_dir)
+            .env("CUDA_MPS_LOG_DIRECTORY", &self.log_dir)
+            .env("CUDA_VISIBLE_DEVICES", devices)
+            .env(
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+                format!("{:.1}", grant.active_thread_percentage),
+            )
+            .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limits.join(","))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        match child {
+            Ok(child) => {
+                grant.server_pid = child.id();
+                writeln!(
+                    log,
+                    "[{}] Starting new server {} for devices {devices}",
+                    timestamp(),
+                    child.id()
+                )?;
+                Ok(Server {
+                    child: Some(child),
+                    grant,
+                })
             }
+            Err(e) => Err(std::io::Error::other(format!(
+                "cannot start {}: {e}",
+                program.display()
+            ))),
+        }
+    }
+}
+
+impl Server {
+    /// The server's pid while it runs.
+    fn live_pid(&mut self) -> Option<u32> {
+        self.alive().then_some(self.grant.server_pid)
+    }
+
+    fn alive(&mut self) -> bool {
+        match &mut self.child {
+            None => true,
+            Some(child) => matches!(child.try_wait(), Ok(None)),
+        }
+    }
+
+    /// Closes the server's stdin (its signal to exit) and reaps it, killing it after the daemon timeout.
+    fn stop(self, log: &mut fs::File) {
+        let Some(mut child) = self.child else { return };
+        drop(child.stdin.take());
+        let deadline = Instant::now() + DAEMON_TIMEOUT;
+        while matches!(child.try_wait(), Ok(None)) {
             if Instant::now() > deadline {
-                return Err(std::io::Error::other("daemon did not serve in time"));
+                let _ = child.kill();
+                let _ = child.wait();
+                break;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+        let _ = writeln!(log, "[{}] Server {} exited", timestamp(), child.id());
     }
-    serve_sim(pipe_dir, log_dir)
 }
 
-fn serve_sim(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
-    let socket = pipe_dir.join(CONTROL_SOCKET);
-    let pid_file = pipe_dir.join(PID_FILE);
-    // A socket left by a killed daemon would make bind fail; only one daemon per directory is started.
-    let _ = fs::remove_file(&socket);
-    let listener = UnixListener::bind(&socket)?;
-    let tmp = pipe_dir.join(format!("{PID_FILE}.tmp"));
-    fs::write(&tmp, format!("{}\n", std::process::id()))?;
-    fs::rename(&tmp, &pid_file)?;
+/// The simulated `nvidia-cuda-mps-server`: started by [`ControlDaemon`] with the pipe and log directories,
+/// the devices and its limits in its environment; logs to `server.log` and runs until its stdin (held by
+/// the daemon) closes. It does no work: clients are attached by the daemon, and their "kernels" run nowhere.
+pub fn run_server() -> std::io::Result<()> {
+    let log_dir = std::env::var_os("CUDA_MPS_LOG_DIRECTORY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/log/nvidia-mps"));
     let mut log = fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .open(log_dir.join("control.log"))?;
-    let devices = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
+        .open(log_dir.join("server.log"))?;
+    let env = |k: &str| std::env::var(k).unwrap_or_default();
     writeln!(
         log,
-        "[{}] startup pid={} devices={devices}",
+        "[{}] server pid={} devices={} active_thread_percentage={} pinned_mem_limit={}",
         timestamp(),
-        std::process::id()
+        std::process::id(),
+        env("CUDA_VISIBLE_DEVICES"),
+        env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+        env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
     )?;
-    let mut thread_percentage = 100.0f64;
-    let mut pinned: std::collections::BTreeMap<String, String> = Default::default();
-    for stream in listener.incoming() {
-        let Ok(mut stream) = stream else { continue };
-        let mut line = String::new();
-        if BufReader::new(&stream).read_line(&mut line).is_err() {
-            continue;
-        }
-        let line = line.trim();
-        let words: Vec<&str> = line.split_whitespace().collect();
-        let (answer, quit) = match words.as_slice() {
-            ["get_default_active_thread_percentage"] => (format!("{thread_percentage:.1}"), false),
-            ["set_default_active_thread_percentage", p] => match p.parse::<f64>() {
-                Ok(p) if (0.0..=100.0).contains(&p) => {
-                    thread_percentage = p;
-                    (String::new(), false)
-                }
-                _ => (format!("Invalid percentage {p}"), false),
-            },
-            ["set_default_device_pinned_mem_limit", dev, limit] => {
-                pinned.insert(dev.to_string(), limit.to_string());
-                (String::new(), false)
-            }
-            ["get_default_device_pinned_mem_limit", dev] => {
-                (pinned.get(*dev).cloned().unwrap_or_else(|| "0".into()), false)
-            }
-            ["quit"] => (String::new(), true),
-            _ => (format!("Invalid command {line:?}"), false),
-        };
-        writeln!(log, "[{}] {line} -> {answer:?}", timestamp())?;
-        let _ = writeln!(stream, "{answer}");
-        if quit {
-            let _ = fs::remove_file(&socket);
-            let _ = fs::remove_file(&pid_file);
-            writeln!(log, "[{}] exit", timestamp())?;
-            return Ok(());
-        }
-    }
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    writeln!(log, "[{}] server exit", timestamp())?;
     Ok(())
 }
 
 fn timestamp() -> String {
     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+#[cfg(test)]
+mod daemon_tests {
+    use super::*;
+
+    #[test]
+    fn a_client_grant_round_trips_and_an_error_is_an_error() {
+        let grant = ClientGrant {
+            server_pid: 42,
+            active_thread_percentage: 25.0,
+            pinned_mem_limits: vec![("0".into(), "1024M".into())],
+        };
+        assert_eq!(
+            grant.to_line(),
+            "server_pid=42 active_thread_percentage=25.0 pinned_mem_limit=0=1024M"
+        );
+        assert_eq!(ClientGrant::parse(&grant.to_line()), Ok(grant));
+        assert_eq!(
+            ClientGrant::parse("error=device X is not served").unwrap_err(),
+            "device X is not served"
+        );
+        assert!(ClientGrant::parse("").is_err());
+    }
+
+    #[test]
+    fn memory_limits_parse_as_mps_writes_them() {
+        assert_eq!(parse_mem_limit("1024M"), Some(1 << 30));
+        assert_eq!(parse_mem_limit("10G"), Some(10 << 30));
+        assert_eq!(parse_mem_limit("512MB"), Some(512 << 20));
+        assert_eq!(parse_mem_limit("4096"), Some(4096));
+        assert_eq!(parse_mem_limit("lots"), None);
+        assert_eq!(parse_mem_limit(""), None);
+    }
 }

@@ -12,7 +12,7 @@ use tessera_api::{DRIVER_NAME, GpuInfo};
 
 use crate::{
     cdi::Spec,
-    checkpoint::{Checkpoint, ClaimRecord, DeviceDetail, MigDetail, Phase},
+    checkpoint::{Checkpoint, ClaimRecord, DeviceDetail, MigDetail, Phase, check_gpu_identity},
     claims::{allocated_to, reserved},
     gpu::GpuBackend,
 };
@@ -157,6 +157,22 @@ pub fn mig_intact(backend: &dyn GpuBackend, m: &MigDetail) -> Result<(), String>
     }
 }
 
+/// Checks that every device of `record` is on the physical GPU it was prepared on: the GPU its index
+/// names now (`gpus`, as discovered) has the UUID the record keeps. Returns the devices judged by index
+/// alone (records written before the UUID was kept), for a warning.
+pub fn gpus_match(gpus: &BTreeMap<u32, GpuInfo>, record: &ClaimRecord) -> Result<Vec<String>, String> {
+    let mut by_index = Vec::new();
+    for d in &record.devices {
+        let now = gpus.get(&d.detail.gpu()).map(|g| g.uuid.as_str());
+        match check_gpu_identity(&d.detail, now) {
+            Ok(true) => {}
+            Ok(false) => by_index.push(d.device.clone()),
+            Err(why) => return Err(format!("device {}: {why}", d.device)),
+        }
+    }
+    Ok(by_index)
+}
+
 /// Checks that everything a completed record names on the hardware is still there.
 pub fn record_intact(backend: &dyn GpuBackend, record: &ClaimRecord) -> Result<(), String> {
     if record.phase != Phase::PrepareCompleted {
@@ -227,8 +243,21 @@ pub fn adopt_detail(
     spec: &Spec,
 ) -> Result<DeviceDetail, String> {
     let text = serde_json::to_string(spec).unwrap_or_default();
+    // The spec was written for the physical GPU the pod got; if the allocation's index now names another
+    // GPU (the numbering changed at this boot), rebuilding the record would hand the pod's devices over.
+    let gpu_named = || {
+        if text.contains(&gpu.uuid) {
+            Ok(())
+        } else {
+            Err(format!(
+                "the claim's CDI spec does not name GPU {} ({}): written for another physical GPU, which this \
+                 index named before (NVML indices shift when a GPU is missing at boot)",
+                gpu.index, gpu.uuid
+            ))
+        }
+    };
     match planned {
-        DeviceDetail::Gpu { .. } => Ok(planned),
+        DeviceDetail::Gpu { .. } => gpu_named().map(|()| planned),
         DeviceDetail::Mig(m) => Ok(DeviceDetail::Mig(adopt_mig(backend, gpu, &m, &text)?)),
         DeviceDetail::Shared(mut s) => {
             if let Some(m) = &s.mig {
@@ -236,6 +265,7 @@ pub fn adopt_detail(
                 s.uuid = adopted.uuid.clone();
                 s.mig = Some(adopted);
             } else {
+                gpu_named()?;
                 s.uuid = Some(gpu.uuid.clone());
             }
             // The host side of the pipe directory's mount; informational (undoing a share needs only the

@@ -1,0 +1,1382 @@
+//! `libnvidia-ml.so.1` for the simulated driver root: NVML's C ABI over tessera's one hardware model,
+//! [`SimulatedBackend`].
+//!
+//! ```text
+//!  nvml-wrapper / nvidia-smi / a CUDA probe
+//!        │ dlopen("…/libnvidia-ml.so.1"), nvmlInit_v2, nvmlDevice…
+//!        ▼
+//!  this library ── finds K: <dir>/tessera-sim/kernel.json above its own path (or $TESSERA_SIM_KERNEL)
+//!        │ SimulatedBackend::open_kernel(K)   (read-only where K is mounted read-only)
+//!        ▼
+//!  K/simulated-gpus.json, simulated-health.json, proc/   (shared with the plugin and every other process)
+//! ```
+//!
+//! Each function marshals its arguments, asks the model, and answers with NVML's return code and struct
+//! layout (the structs are nvml-wrapper-sys's bindings, so the layouts are `nvml.h`'s). No state of its
+//! own beyond what a process's NVML keeps: the GPUs visible at `nvmlInit` (see [`DeviceView`]) and the
+//! event sets. Handles are opaque numbers naming (GPU, GPU instance, compute instance), never pointers to
+//! memory: a stale handle resolves again by id, and one that no longer names anything answers
+//! INVALID_ARGUMENT. A panic never crosses the C boundary: every export runs under `catch_unwind` and
+//! answers NVML_ERROR_UNKNOWN instead.
+//!
+//! Where this library differs from NVIDIA's is listed in the plugin README (section "The simulated
+//! driver root").
+#![allow(
+    unsafe_code,
+    reason = "a C ABI: every export reads and writes caller-owned memory through raw pointers"
+)]
+
+mod events;
+mod mig;
+mod test_profiles;
+
+use std::{
+    ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void},
+    mem,
+    panic::{AssertUnwindSafe, catch_unwind},
+    path::{Path, PathBuf},
+    ptr,
+    sync::{Arc, Mutex},
+};
+
+use nvml_wrapper_sys::bindings::{
+    nvmlBrandType_t, nvmlComputeMode_t, nvmlDevice_t, nvmlDeviceArchitecture_t, nvmlDeviceAttributes_t,
+    nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t, nvmlGpuVirtualizationMode_t,
+    nvmlMemory_t, nvmlMemory_v2_t, nvmlPciInfo_t, nvmlProcessInfo_t, nvmlProcessInfo_v1_t,
+    nvmlProcessUtilizationSample_t, nvmlReturn_t, nvmlUtilization_t,
+};
+use tessera_kubelet_plugin::gpu::{
+    ComputeMode, GpuBackend, GpuError, TimeSlice,
+    models::{Architecture, GpuModel},
+    simulated::{
+        DeviceView, MigDevice, SIMULATED_CUDA_DRIVER_VERSION, SIMULATED_DRIVER_VERSION, SimulatedBackend,
+        SimulatedFault, locate_kernel,
+    },
+};
+
+// === NVML return codes (nvml.h) ===
+
+pub(crate) type Ret = nvmlReturn_t;
+pub(crate) const SUCCESS: Ret = 0;
+pub(crate) const UNINITIALIZED: Ret = 1;
+pub(crate) const INVALID_ARGUMENT: Ret = 2;
+pub(crate) const NOT_SUPPORTED: Ret = 3;
+pub(crate) const NO_PERMISSION: Ret = 4;
+pub(crate) const NOT_FOUND: Ret = 6;
+pub(crate) const INSUFFICIENT_SIZE: Ret = 7;
+pub(crate) const DRIVER_NOT_LOADED: Ret = 9;
+pub(crate) const TIMEOUT: Ret = 10;
+pub(crate) const GPU_IS_LOST: Ret = 15;
+pub(crate) const RESET_REQUIRED: Ret = 16;
+pub(crate) const LIB_RM_VERSION_MISMATCH: Ret = 18;
+pub(crate) const IN_USE: Ret = 19;
+pub(crate) const INSUFFICIENT_RESOURCES: Ret = 23;
+pub(crate) const ARGUMENT_VERSION_MISMATCH: Ret = 25;
+pub(crate) const UNKNOWN: Ret = 999;
+
+/// `NVML_VALUE_NOT_AVAILABLE` for a process's used memory: the model tracks no per-process memory.
+const VALUE_NOT_AVAILABLE: c_ulonglong = c_ulonglong::MAX;
+/// `gpuInstanceId` / `computeInstanceId` of something not on a MIG device.
+pub(crate) const NO_INSTANCE: c_uint = 0xFFFF_FFFF;
+
+pub(crate) type R<T = ()> = Result<T, Ret>;
+
+/// Runs one export: its error code, or UNKNOWN if it panicked (a panic must not unwind into C).
+pub(crate) fn ffi(f: impl FnOnce() -> R) -> Ret {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => SUCCESS,
+        Ok(Err(code)) => code,
+        Err(_) => UNKNOWN,
+    }
+}
+
+/// The NVML return code of a model error: the model keeps NVML's meanings (see `GpuError`).
+pub(crate) fn code(e: &GpuError) -> Ret {
+    match e {
+        GpuError::InvalidArgument(_) => INVALID_ARGUMENT,
+        GpuError::NotSupported(_) => NOT_SUPPORTED,
+        GpuError::NoPermission(_) => NO_PERMISSION,
+        GpuError::NotFound(_) => NOT_FOUND,
+        GpuError::InUse(_) => IN_USE,
+        GpuError::InsufficientResources(_) => INSUFFICIENT_RESOURCES,
+        GpuError::ResetRequired(_) => RESET_REQUIRED,
+        GpuError::GpuLost(_) => GPU_IS_LOST,
+        GpuError::Nvml { code, .. } => *code,
+        _ => UNKNOWN,
+    }
+}
+
+pub(crate) fn model_err(e: GpuError) -> Ret {
+    code(&e)
+}
+
+// === Handles ===
+
+/// What an opaque handle names. Encoded in the pointer's bits, tag in bits 40..48.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Handle {
+    Gpu(u32),
+    Mig { gpu: u32, gi: u32, ci: u32 },
+    GpuInstance { gpu: u32, gi: u32 },
+    ComputeInstance { gpu: u32, gi: u32, ci: u32 },
+    EventSet(u32),
+}
+
+const TAG_SHIFT: u32 = 40;
+const NONE_ID: usize = 0xFF;
+
+impl Handle {
+    pub(crate) fn encode<T>(self) -> *mut T {
+        let (tag, a, b, c) = match self {
+            Self::Gpu(g) => (1, g as usize, NONE_ID, NONE_ID),
+            Self::Mig { gpu, gi, ci } => (1, gpu as usize, gi as usize, ci as usize),
+            Self::GpuInstance { gpu, gi } => (2, gpu as usize, gi as usize, NONE_ID),
+            Self::ComputeInstance { gpu, gi, ci } => (3, gpu as usize, gi as usize, ci as usize),
+            Self::EventSet(id) => (4, id as usize, NONE_ID, NONE_ID),
+        };
+        ptr::without_provenance_mut((tag << TAG_SHIFT) | (a << 16) | (b << 8) | c)
+    }
+
+    pub(crate) fn decode<T>(p: *mut T) -> Option<Self> {
+        let v = p.addr();
+        let (tag, a, b, c) = (v >> TAG_SHIFT, (v >> 16) & 0xFF_FFFF, (v >> 8) & 0xFF, v & 0xFF);
+        let (a, bi, ci) = (a as u32, b as u32, c as u32);
+        match (tag, b, c) {
+            (1, NONE_ID, NONE_ID) => Some(Self::Gpu(a)),
+            (1, _, _) if b != NONE_ID && c != NONE_ID => Some(Self::Mig { gpu: a, gi: bi, ci }),
+            (2, _, NONE_ID) if b != NONE_ID => Some(Self::GpuInstance { gpu: a, gi: bi }),
+            (3, _, _) if b != NONE_ID && c != NONE_ID => Some(Self::ComputeInstance { gpu: a, gi: bi, ci }),
+            (4, NONE_ID, NONE_ID) => Some(Self::EventSet(a)),
+            _ => None,
+        }
+    }
+}
+
+// === The library's state ===
+
+/// What one `nvmlInit` (until the matching `nvmlShutdown`) holds.
+pub(crate) struct Lib {
+    pub(crate) sim: SimulatedBackend,
+    pub(crate) view: DeviceView,
+    /// Kernel indices of the GPUs this process sees; the NVML index is the position here.
+    pub(crate) visible: Vec<u32>,
+    pub(crate) events: events::EventSets,
+}
+
+struct Global {
+    init_count: u32,
+    lib: Option<Arc<Lib>>,
+}
+
+static GLOBAL: Mutex<Global> = Mutex::new(Global {
+    init_count: 0,
+    lib: None,
+});
+
+fn global() -> std::sync::MutexGuard<'static, Global> {
+    GLOBAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) fn lib() -> R<Arc<Lib>> {
+    global().lib.clone().ok_or(UNINITIALIZED)
+}
+
+/// Path of this library file, from the dynamic loader.
+fn own_path() -> Option<PathBuf> {
+    // SAFETY: dladdr only reads the address and fills `info`, whose strings belong to the loader.
+    unsafe {
+        let mut info: libc::Dl_info = mem::zeroed();
+        let addr = nvmlInit_v2 as *const c_void;
+        if libc::dladdr(addr, &mut info) == 0 || info.dli_fname.is_null() {
+            return None;
+        }
+        let name = CStr::from_ptr(info.dli_fname).to_str().ok()?;
+        Some(PathBuf::from(name))
+    }
+}
+
+fn init() -> R {
+    let mut g = global();
+    if g.init_count > 0 {
+        g.init_count += 1;
+        return Ok(());
+    }
+    let kernel = own_path()
+        .and_then(|p| locate_kernel(&p))
+        .ok_or(DRIVER_NOT_LOADED)?;
+    let sim = SimulatedBackend::open_kernel(&kernel).map_err(|e| match e {
+        GpuError::SimulatedState { .. } if !kernel.exists() => DRIVER_NOT_LOADED,
+        _ => UNKNOWN,
+    })?;
+    let view = DeviceView::of_this_process();
+    let visible = sim.visible_gpus(&view);
+    g.lib = Some(Arc::new(Lib {
+        sim,
+        view,
+        visible,
+        events: events::EventSets::default(),
+    }));
+    g.init_count = 1;
+    Ok(())
+}
+
+/// A device handle resolved: the GPU's kernel index and, for a MIG device handle, the MIG device.
+pub(crate) struct Dev {
+    pub(crate) gpu: u32,
+    pub(crate) mig: Option<MigDevice>,
+}
+
+impl Lib {
+    /// Resolves a device handle to a GPU this process sees, or fails with the GPU's fault code.
+    pub(crate) fn dev(&self, device: nvmlDevice_t) -> R<Dev> {
+        let (gpu, mig) = match Handle::decode(device) {
+            Some(Handle::Gpu(g)) => (g, None),
+            Some(Handle::Mig { gpu, gi, ci }) => (gpu, Some((gi, ci))),
+            _ => return Err(INVALID_ARGUMENT),
+        };
+        if !self.visible.contains(&gpu) {
+            return Err(INVALID_ARGUMENT);
+        }
+        if let Some(code) = self.sim.failing_code(gpu) {
+            return Err(code);
+        }
+        let mig = match mig {
+            None => None,
+            Some((gi, ci)) => Some(self.mig_device(gpu, gi, ci)?),
+        };
+        Ok(Dev { gpu, mig })
+    }
+
+    /// A whole-GPU handle (MIG device handles are refused with INVALID_ARGUMENT).
+    pub(crate) fn gpu(&self, device: nvmlDevice_t) -> R<u32> {
+        let d = self.dev(device)?;
+        if d.mig.is_some() {
+            return Err(INVALID_ARGUMENT);
+        }
+        Ok(d.gpu)
+    }
+
+    pub(crate) fn mig_device(&self, gpu: u32, gi: u32, ci: u32) -> R<MigDevice> {
+        self.sim
+            .mig_devices(gpu, &self.view)
+            .map_err(model_err)?
+            .into_iter()
+            .find(|m| m.gpu_instance == gi && m.compute_instance == ci)
+            .ok_or(INVALID_ARGUMENT)
+    }
+
+    pub(crate) fn model(&self, gpu: u32) -> R<&'static GpuModel> {
+        Ok(self.sim.gpu(gpu).map_err(model_err)?.model)
+    }
+
+    fn handle_of_index(&self, index: u32) -> R<nvmlDevice_t> {
+        let gpu = *self.visible.get(index as usize).ok_or(INVALID_ARGUMENT)?;
+        let g = self.sim.gpu(gpu).map_err(model_err)?;
+        if g.node_fault == Some(SimulatedFault::Lost) {
+            return Err(GPU_IS_LOST);
+        }
+        if let Some(code) = self.sim.failing_code(gpu) {
+            return Err(code);
+        }
+        Ok(Handle::Gpu(gpu).encode())
+    }
+}
+
+// === Out-parameters ===
+
+/// Writes `v` to a caller's out-parameter.
+///
+/// # Safety
+/// `p` is null or valid for a write of `T`.
+pub(crate) unsafe fn out<T>(p: *mut T, v: T) -> R {
+    if p.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null, and valid by the caller's contract.
+    unsafe { p.write(v) };
+    Ok(())
+}
+
+/// Copies `s` NUL-terminated into a caller's buffer of `len` bytes.
+///
+/// # Safety
+/// `buf` is null or valid for `len` bytes.
+pub(crate) unsafe fn out_str(buf: *mut c_char, len: c_uint, s: &str) -> R {
+    if buf.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    if s.len() + 1 > len as usize {
+        return Err(INSUFFICIENT_SIZE);
+    }
+    // SAFETY: the buffer holds `len` > s.len() bytes.
+    unsafe {
+        ptr::copy_nonoverlapping(s.as_ptr().cast::<c_char>(), buf, s.len());
+        buf.add(s.len()).write(0);
+    }
+    Ok(())
+}
+
+/// Copies `s` into a fixed C array, NUL-terminated and cut to fit.
+pub(crate) fn fill_c<const N: usize>(dst: &mut [c_char; N], s: &str) {
+    for (d, b) in dst
+        .iter_mut()
+        .zip(s.bytes().take(N - 1).chain(std::iter::once(0)))
+    {
+        *d = b as c_char;
+    }
+}
+
+/// Fills a caller's array of `*count` entries with `items` (NVML's two-call pattern): with too small a
+/// buffer (or none), `*count` is set to the number needed and INSUFFICIENT_SIZE returned.
+///
+/// # Safety
+/// `count` is null or valid; `buf` is null or valid for `*count` entries.
+pub(crate) unsafe fn out_array<T>(buf: *mut T, count: *mut c_uint, items: Vec<T>) -> R {
+    if count.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null count, valid by contract.
+    let capacity = unsafe { *count } as usize;
+    let n = items.len();
+    // SAFETY: as above.
+    unsafe { *count = n as c_uint };
+    if n == 0 {
+        return Ok(());
+    }
+    if buf.is_null() || capacity < n {
+        return Err(INSUFFICIENT_SIZE);
+    }
+    for (i, item) in items.into_iter().enumerate() {
+        // SAFETY: i < n <= capacity entries of the caller's buffer.
+        unsafe { buf.add(i).write(item) };
+    }
+    Ok(())
+}
+
+/// `NVML_STRUCT_VERSION(T, v)`.
+pub(crate) const fn struct_version<T>(version: u32) -> c_uint {
+    (mem::size_of::<T>() as u32) | (version << 24)
+}
+
+// === Init, shutdown, system queries ===
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
+    ffi(init)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInit() -> nvmlReturn_t {
+    ffi(init)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> nvmlReturn_t {
+    ffi(init)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlShutdown() -> nvmlReturn_t {
+    ffi(|| {
+        let mut g = global();
+        match g.init_count {
+            0 => Err(UNINITIALIZED),
+            1 => {
+                g.init_count = 0;
+                g.lib = None;
+                Ok(())
+            }
+            _ => {
+                g.init_count -= 1;
+                Ok(())
+            }
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
+    let s: &'static CStr = match result {
+        SUCCESS => c"Success",
+        UNINITIALIZED => c"Uninitialized",
+        INVALID_ARGUMENT => c"Invalid Argument",
+        NOT_SUPPORTED => c"Not Supported",
+        NO_PERMISSION => c"Insufficient Permissions",
+        NOT_FOUND => c"Not Found",
+        INSUFFICIENT_SIZE => c"Insufficient Size",
+        DRIVER_NOT_LOADED => c"Driver Not Loaded",
+        TIMEOUT => c"Timeout",
+        GPU_IS_LOST => c"GPU is lost",
+        RESET_REQUIRED => c"GPU requires reset",
+        LIB_RM_VERSION_MISMATCH => c"RM has detected an NVML/RM version mismatch.",
+        IN_USE => c"In use by another client",
+        INSUFFICIENT_RESOURCES => c"Insufficient resources",
+        ARGUMENT_VERSION_MISMATCH => c"Version mismatch between the argument and the API",
+        _ => c"Unknown Error",
+    };
+    s.as_ptr()
+}
+
+/// # Safety
+/// `version` is valid for `length` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
+    ffi(|| {
+        lib()?;
+        // SAFETY: by the caller's contract.
+        unsafe { out_str(version, length, SIMULATED_DRIVER_VERSION) }
+    })
+}
+
+/// # Safety
+/// `version` is valid for `length` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetNVMLVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
+    ffi(|| {
+        // NVML's version is the CUDA major before the driver version, e.g. 13.580.159.03.
+        let major = SIMULATED_CUDA_DRIVER_VERSION.split('.').next().unwrap_or("13");
+        // SAFETY: by the caller's contract.
+        unsafe { out_str(version, length, &format!("{major}.{SIMULATED_DRIVER_VERSION}")) }
+    })
+}
+
+fn cuda_version() -> c_int {
+    let mut parts = SIMULATED_CUDA_DRIVER_VERSION.split('.');
+    let major: c_int = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let minor: c_int = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    major * 1000 + minor * 10
+}
+
+/// # Safety
+/// `version` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion(version: *mut c_int) -> nvmlReturn_t {
+    // SAFETY: by the caller's contract.
+    ffi(|| unsafe { out(version, cuda_version()) })
+}
+
+/// # Safety
+/// `version` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) -> nvmlReturn_t {
+    // SAFETY: by the caller's contract.
+    ffi(|| unsafe { out(version, cuda_version()) })
+}
+
+/// Named processes of the node file first (DCGM's `nv-hostengine`), else the host's `/proc/<pid>/comm`.
+///
+/// # Safety
+/// `name` is valid for `length` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetProcessName(
+    pid: c_uint,
+    name: *mut c_char,
+    length: c_uint,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let found = lib.sim.process_name(pid).or_else(|| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .ok()
+                .map(|s| s.trim_end().to_string())
+        });
+        let found = found.ok_or(NOT_FOUND)?;
+        // NVML crops the name to the buffer rather than failing.
+        let cropped: String = found.chars().take((length as usize).saturating_sub(1)).collect();
+        // SAFETY: by the caller's contract.
+        unsafe { out_str(name, length, &cropped) }
+    })
+}
+
+// === Device handles ===
+
+/// # Safety
+/// `count` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        // SAFETY: by the caller's contract.
+        unsafe { out(count, lib.visible.len() as c_uint) }
+    })
+}
+
+/// # Safety
+/// `count` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCount(count: *mut c_uint) -> nvmlReturn_t {
+    // SAFETY: same contract.
+    unsafe { nvmlDeviceGetCount_v2(count) }
+}
+
+/// # Safety
+/// `device` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
+    index: c_uint,
+    device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let handle = lib()?.handle_of_index(index)?;
+        // SAFETY: by the caller's contract.
+        unsafe { out(device, handle) }
+    })
+}
+
+/// # Safety
+/// `device` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex(
+    index: c_uint,
+    device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    // SAFETY: same contract.
+    unsafe { nvmlDeviceGetHandleByIndex_v2(index, device) }
+}
+
+/// A `GPU-…` UUID of a visible GPU, or the `MIG-…` UUID of a visible MIG device.
+///
+/// # Safety
+/// `uuid` is a NUL-terminated string; `device` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
+    uuid: *const c_char,
+    device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        if uuid.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: a C string by the caller's contract.
+        let wanted = unsafe { CStr::from_ptr(uuid) }
+            .to_str()
+            .map_err(|_| INVALID_ARGUMENT)?;
+        if let Some(gpu) = lib.sim.gpu_by_uuid(wanted).filter(|g| lib.visible.contains(g)) {
+            if let Some(code) = lib.sim.failing_code(gpu) {
+                return Err(code);
+            }
+            // SAFETY: by the caller's contract.
+            return unsafe { out(device, Handle::Gpu(gpu).encode()) };
+        }
+        for &gpu in &lib.visible {
+            let Ok(migs) = lib.sim.mig_devices(gpu, &lib.view) else {
+                continue;
+            };
+            if let Some(m) = migs.into_iter().find(|m| m.uuid == wanted) {
+                let h = Handle::Mig {
+                    gpu,
+                    gi: m.gpu_instance,
+                    ci: m.compute_instance,
+                };
+                // SAFETY: by the caller's contract.
+                return unsafe { out(device, h.encode()) };
+            }
+        }
+        Err(NOT_FOUND)
+    })
+}
+
+/// Bus ids in NVML's spelling (`00000000:18:00.0`) or the short one (`0000:18:00.0`), any case.
+fn same_bus_id(a: &str, b: &str) -> bool {
+    let norm = |s: &str| -> Option<(u32, String)> {
+        let (domain, rest) = s.trim().split_once(':')?;
+        Some((u32::from_str_radix(domain, 16).ok()?, rest.to_ascii_lowercase()))
+    };
+    norm(a).is_some() && norm(a) == norm(b)
+}
+
+/// # Safety
+/// `bus_id` is a NUL-terminated string; `device` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
+    bus_id: *const c_char,
+    device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        if bus_id.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: a C string by the caller's contract.
+        let wanted = unsafe { CStr::from_ptr(bus_id) }
+            .to_str()
+            .map_err(|_| INVALID_ARGUMENT)?;
+        let gpu = lib
+            .visible
+            .iter()
+            .copied()
+            .find(|&g| {
+                lib.sim
+                    .gpu(g)
+                    .is_ok_and(|info| same_bus_id(&info.pci_bus_id, wanted))
+            })
+            .ok_or(NOT_FOUND)?;
+        if let Some(code) = lib.sim.failing_code(gpu) {
+            return Err(code);
+        }
+        // SAFETY: by the caller's contract.
+        unsafe { out(device, Handle::Gpu(gpu).encode()) }
+    })
+}
+
+/// The NVML index of a GPU (its position among the visible GPUs); for a MIG device handle, the MIG
+/// device's position under its parent (as `nvmlDeviceGetMigDeviceHandleByIndex` counts).
+///
+/// # Safety
+/// `index` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_uint) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let d = lib.dev(device)?;
+        let i = match &d.mig {
+            None => lib.visible.iter().position(|&g| g == d.gpu),
+            Some(m) => lib
+                .sim
+                .mig_devices(d.gpu, &lib.view)
+                .map_err(model_err)?
+                .iter()
+                .position(|x| x.uuid == m.uuid),
+        };
+        // SAFETY: by the caller's contract.
+        unsafe { out(index, i.ok_or(INVALID_ARGUMENT)? as c_uint) }
+    })
+}
+
+// === Device identity and capacities ===
+
+/// # Safety
+/// `uuid` is valid for `length` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetUUID(
+    device: nvmlDevice_t,
+    uuid: *mut c_char,
+    length: c_uint,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let d = lib.dev(device)?;
+        let s = match d.mig {
+            Some(m) => m.uuid,
+            None => lib.sim.gpu(d.gpu).map_err(model_err)?.uuid,
+        };
+        // SAFETY: by the caller's contract.
+        unsafe { out_str(uuid, length, &s) }
+    })
+}
+
+/// `NVIDIA H100 80GB HBM3`; a MIG device is `<parent name> MIG <profile>`.
+///
+/// # Safety
+/// `name` is valid for `length` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetName(
+    device: nvmlDevice_t,
+    name: *mut c_char,
+    length: c_uint,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let d = lib.dev(device)?;
+        let model = lib.model(d.gpu)?;
+        let s = match &d.mig {
+            None => model.product_name.to_string(),
+            Some(m) => {
+                let prof = model.profile_by_id(m.gi_profile_id).ok_or(UNKNOWN)?;
+                format!("{} MIG {}", model.product_name, prof.name)
+            }
+        };
+        // SAFETY: by the caller's contract.
+        unsafe { out_str(name, length, &s) }
+    })
+}
+
+/// # Safety
+/// `brand` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetBrand(
+    device: nvmlDevice_t,
+    brand: *mut nvmlBrandType_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        lib()?.dev(device)?;
+        // NVML_BRAND_NVIDIA: what data-center GPUs of these generations report.
+        // SAFETY: by the caller's contract.
+        unsafe { out(brand, 14) }
+    })
+}
+
+/// # Safety
+/// `minor` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(device: nvmlDevice_t, minor: *mut c_uint) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        // A MIG device has no /dev/nvidia<minor> of its own: callers take the parent's.
+        let gpu = lib
+            .gpu(device)
+            .map_err(|e| if e == INVALID_ARGUMENT { NOT_SUPPORTED } else { e })?;
+        let m = lib.sim.gpu(gpu).map_err(model_err)?.minor;
+        // SAFETY: by the caller's contract.
+        unsafe { out(minor, m) }
+    })
+}
+
+fn nvml_architecture(a: Architecture) -> nvmlDeviceArchitecture_t {
+    match a {
+        Architecture::Ampere => 7,
+        Architecture::Hopper => 9,
+        Architecture::Blackwell => 10,
+    }
+}
+
+/// # Safety
+/// `arch` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetArchitecture(
+    device: nvmlDevice_t,
+    arch: *mut nvmlDeviceArchitecture_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let d = lib.dev(device)?;
+        let a = nvml_architecture(lib.model(d.gpu)?.architecture);
+        // SAFETY: by the caller's contract.
+        unsafe { out(arch, a) }
+    })
+}
+
+fn compute_capability(model: &GpuModel) -> (c_int, c_int) {
+    let (major, minor) = model.compute_capability.split_once('.').unwrap_or(("0", "0"));
+    (major.parse().unwrap_or(0), minor.parse().unwrap_or(0))
+}
+
+/// # Safety
+/// `major` and `minor` are null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
+    device: nvmlDevice_t,
+    major: *mut c_int,
+    minor: *mut c_int,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let d = lib.dev(device)?;
+        let (ma, mi) = compute_capability(lib.model(d.gpu)?);
+        // SAFETY: by the caller's contract.
+        unsafe {
+            out(major, ma)?;
+            out(minor, mi)
+        }
+    })
+}
+
+/// Total memory of a GPU or MIG device, and what is not in use (the model tracks no allocations).
+fn memory(lib: &Lib, d: &Dev) -> R<(u64, u64)> {
+    let g = lib.sim.gpu(d.gpu).map_err(model_err)?;
+    if g.node_fault == Some(SimulatedFault::MemoryNotSupported) {
+        return Err(NOT_SUPPORTED);
+    }
+    let total = match &d.mig {
+        None => g.model.memory_bytes(),
+        Some(m) => {
+            let prof = g.model.profile_by_id(m.gi_profile_id).ok_or(UNKNOWN)?;
+            prof.memory_mib * 1024 * 1024
+        }
+    };
+    Ok((total, 0))
+}
+
+/// # Safety
+/// `mem` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
+    device: nvmlDevice_t,
+    mem: *mut nvmlMemory_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let (total, used) = memory(&lib, &lib.dev(device)?)?;
+        let m = nvmlMemory_t {
+            total,
+            free: total - used,
+            used,
+        };
+        // SAFETY: by the caller's contract.
+        unsafe { out(mem, m) }
+    })
+}
+
+/// # Safety
+/// `mem` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+    device: nvmlDevice_t,
+    mem: *mut nvmlMemory_v2_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        if mem.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null and valid by the caller's contract.
+        if unsafe { (*mem).version } != struct_version::<nvmlMemory_v2_t>(2) {
+            return Err(ARGUMENT_VERSION_MISMATCH);
+        }
+        let (total, used) = memory(&lib, &lib.dev(device)?)?;
+        let m = nvmlMemory_v2_t {
+            version: struct_version::<nvmlMemory_v2_t>(2),
+            total,
+            reserved: 0,
+            free: total - used,
+            used,
+        };
+        // SAFETY: as above.
+        unsafe { out(mem, m) }
+    })
+}
+
+/// # Safety
+/// `pci` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
+    device: nvmlDevice_t,
+    pci: *mut nvmlPciInfo_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let d = lib.dev(device)?;
+        let g = lib.sim.gpu(d.gpu).map_err(model_err)?;
+        let mut parts = g.pci_bus_id.split([':', '.']);
+        let mut next = || u32::from_str_radix(parts.next().unwrap_or("0"), 16).unwrap_or(0);
+        let (domain, bus, dev) = (next(), next(), next());
+        // SAFETY: plain data; every field is set below or zero.
+        let mut info: nvmlPciInfo_t = unsafe { mem::zeroed() };
+        info.domain = domain;
+        info.bus = bus;
+        info.device = dev;
+        info.pciDeviceId = (u32::from(g.model.pci_device_id) << 16) | 0x10DE;
+        info.pciSubSystemId = 0x16C1_10DE;
+        fill_c(&mut info.busId, &format!("{domain:08X}:{bus:02X}:{dev:02X}.0"));
+        fill_c(
+            &mut info.busIdLegacy,
+            &format!("{domain:04X}:{bus:02X}:{dev:02X}.0"),
+        );
+        // SAFETY: by the caller's contract.
+        unsafe { out(pci, info) }
+    })
+}
+
+/// # Safety
+/// `node` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetNumaNodeId(device: nvmlDevice_t, node: *mut c_uint) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let d = lib.dev(device)?;
+        let n = lib.sim.gpu(d.gpu).map_err(model_err)?.numa_node;
+        // SAFETY: by the caller's contract.
+        unsafe { out(node, n as c_uint) }
+    })
+}
+
+/// CUDA cores: SMs × cores per SM of the compute capability (64 on 8.0, 128 on Hopper and Blackwell).
+///
+/// # Safety
+/// `cores` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetNumGpuCores(device: nvmlDevice_t, cores: *mut c_uint) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let d = lib.dev(device)?;
+        let model = lib.model(d.gpu)?;
+        let per_sm = if compute_capability(model) == (8, 0) {
+            64
+        } else {
+            128
+        };
+        let sms = match &d.mig {
+            None => model.multiprocessors,
+            Some(m) => {
+                model
+                    .profile_by_id(m.gi_profile_id)
+                    .ok_or(UNKNOWN)?
+                    .multiprocessors
+            }
+        };
+        // SAFETY: by the caller's contract.
+        unsafe { out(cores, sms * per_sm) }
+    })
+}
+
+/// Documented for MIG device handles; a whole GPU answers NOT_SUPPORTED.
+///
+/// # Safety
+/// `attributes` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
+    device: nvmlDevice_t,
+    attributes: *mut nvmlDeviceAttributes_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let d = lib.dev(device)?;
+        let m = d.mig.as_ref().ok_or(NOT_SUPPORTED)?;
+        let prof = lib.model(d.gpu)?.profile_by_id(m.gi_profile_id).ok_or(UNKNOWN)?;
+        let a = nvmlDeviceAttributes_t {
+            multiprocessorCount: prof.multiprocessors,
+            sharedCopyEngineCount: prof.copy_engines,
+            sharedDecoderCount: prof.decoders,
+            sharedEncoderCount: prof.encoders,
+            sharedJpegCount: prof.jpeg_engines,
+            sharedOfaCount: prof.ofa_engines,
+            gpuInstanceSliceCount: prof.compute_slices,
+            computeInstanceSliceCount: prof.compute_slices,
+            memorySizeMB: prof.memory_mib,
+        };
+        // SAFETY: by the caller's contract.
+        unsafe { out(attributes, a) }
+    })
+}
+
+/// # Safety
+/// `mode` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetVirtualizationMode(
+    device: nvmlDevice_t,
+    mode: *mut nvmlGpuVirtualizationMode_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let d = lib.dev(device)?;
+        let v = lib
+            .sim
+            .gpu(d.gpu)
+            .map_err(model_err)?
+            .virtualization_mode
+            .nvml_value();
+        // SAFETY: by the caller's contract.
+        unsafe { out(mode, v) }
+    })
+}
+
+/// The fabric state of the node file; a GPU without one (`fabric: None`) answers NOT_SUPPORTED.
+fn fabric(lib: &Lib, device: nvmlDevice_t) -> R<(u8, [u8; 16])> {
+    let d = lib.dev(device)?;
+    let g = lib.sim.gpu(d.gpu).map_err(model_err)?;
+    let state = g.fabric.nvml_value();
+    if state == 0 {
+        return Err(NOT_SUPPORTED);
+    }
+    // One NVLink domain per node: the cluster UUID is the node's.
+    let mut cluster = [0u8; 16];
+    for (i, b) in lib.sim.node_name().bytes().enumerate() {
+        cluster[i % 16] ^= b;
+    }
+    Ok((state, cluster))
+}
+
+/// # Safety
+/// `info` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfo(
+    device: nvmlDevice_t,
+    info: *mut nvmlGpuFabricInfo_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let (state, cluster_uuid) = fabric(&*lib()?, device)?;
+        let v = nvmlGpuFabricInfo_t {
+            clusterUuid: cluster_uuid,
+            status: SUCCESS,
+            cliqueId: 0,
+            state,
+        };
+        // SAFETY: by the caller's contract.
+        unsafe { out(info, v) }
+    })
+}
+
+/// Versions 2 and 3 of the struct (`healthMask`, `healthSummary` zero: healthy).
+///
+/// # Safety
+/// `info` is null or valid for the struct its `version` names.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfoV(
+    device: nvmlDevice_t,
+    info: *mut nvmlGpuFabricInfo_v3_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        if info.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: the version field leads every version of the struct.
+        let version = unsafe { (*info).version };
+        let (state, cluster_uuid) = fabric(&lib, device)?;
+        if version == struct_version::<nvmlGpuFabricInfo_v3_t>(3) {
+            let v = nvmlGpuFabricInfo_v3_t {
+                version,
+                clusterUuid: cluster_uuid,
+                status: SUCCESS,
+                cliqueId: 0,
+                state,
+                healthMask: 0,
+                healthSummary: 0,
+            };
+            // SAFETY: the caller passed a v3 struct.
+            unsafe { out(info, v) }
+        } else if version == struct_version::<nvmlGpuFabricInfo_v2_t>(2) {
+            let v = nvmlGpuFabricInfo_v2_t {
+                version,
+                clusterUuid: cluster_uuid,
+                status: SUCCESS,
+                cliqueId: 0,
+                state,
+                healthMask: 0,
+            };
+            // SAFETY: the caller passed a v2 struct.
+            unsafe { out(info.cast::<nvmlGpuFabricInfo_v2_t>(), v) }
+        } else {
+            Err(ARGUMENT_VERSION_MISMATCH)
+        }
+    })
+}
+
+// === Compute mode, processes, utilization ===
+
+/// # Safety
+/// `mode` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeMode(
+    device: nvmlDevice_t,
+    mode: *mut nvmlComputeMode_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let d = lib.dev(device)?;
+        let m = match lib.sim.compute_mode(d.gpu).map_err(model_err)? {
+            ComputeMode::Default => 0,
+            ComputeMode::Prohibited => 2,
+            ComputeMode::ExclusiveProcess => 3,
+        };
+        // SAFETY: by the caller's contract.
+        unsafe { out(mode, m) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceSetComputeMode(device: nvmlDevice_t, mode: nvmlComputeMode_t) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let gpu = lib
+            .gpu(device)
+            .map_err(|e| if e == INVALID_ARGUMENT { NOT_SUPPORTED } else { e })?;
+        let m = match mode {
+            0 => ComputeMode::Default,
+            2 => ComputeMode::Prohibited,
+            3 => ComputeMode::ExclusiveProcess,
+            // EXCLUSIVE_THREAD is gone from current drivers.
+            1 => return Err(NOT_SUPPORTED),
+            _ => return Err(INVALID_ARGUMENT),
+        };
+        lib.sim.set_compute_mode(gpu, m).map_err(model_err)
+    })
+}
+
+/// Processes of a GPU (each with its MIG device's ids) or of one MIG device.
+fn processes(lib: &Lib, device: nvmlDevice_t) -> R<Vec<nvmlProcessInfo_t>> {
+    let d = lib.dev(device)?;
+    let all = lib.sim.running_processes(d.gpu).map_err(model_err)?;
+    Ok(all
+        .into_iter()
+        .filter(|p| match &d.mig {
+            None => true,
+            Some(m) => p.mig == Some((m.gpu_instance, m.compute_instance)),
+        })
+        .map(|p| nvmlProcessInfo_t {
+            pid: p.pid,
+            usedGpuMemory: VALUE_NOT_AVAILABLE,
+            gpuInstanceId: p.mig.map_or(NO_INSTANCE, |(gi, _)| gi),
+            computeInstanceId: p.mig.map_or(NO_INSTANCE, |(_, ci)| ci),
+        })
+        .collect())
+}
+
+/// # Safety
+/// `count` is valid; `infos` is null or valid for `*count` entries.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let procs = processes(&*lib()?, device)?;
+        // SAFETY: by the caller's contract.
+        unsafe { out_array(infos, count, procs) }
+    })
+}
+
+/// Same layout as v3 (`nvmlProcessInfo_v2_t`).
+///
+/// # Safety
+/// As [`nvmlDeviceGetComputeRunningProcesses_v3`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    // SAFETY: same contract.
+    unsafe { nvmlDeviceGetComputeRunningProcesses_v3(device, count, infos) }
+}
+
+/// # Safety
+/// `count` is valid; `infos` is null or valid for `*count` entries.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_v1_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let procs = processes(&*lib()?, device)?
+            .into_iter()
+            .map(|p| nvmlProcessInfo_v1_t {
+                pid: p.pid,
+                usedGpuMemory: p.usedGpuMemory,
+            })
+            .collect();
+        // SAFETY: by the caller's contract.
+        unsafe { out_array(infos, count, procs) }
+    })
+}
+
+/// The simulated GPUs run compute work only: no graphics processes.
+///
+/// # Safety
+/// `count` is valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        lib()?.dev(device)?;
+        // SAFETY: by the caller's contract.
+        unsafe { out_array(infos, count, Vec::new()) }
+    })
+}
+
+/// # Safety
+/// As [`nvmlDeviceGetGraphicsRunningProcesses_v3`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v2(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    // SAFETY: same contract.
+    unsafe { nvmlDeviceGetGraphicsRunningProcesses_v3(device, count, infos) }
+}
+
+/// No utilization samples are recorded: NOT_FOUND, as NVML answers when no process ran in the window.
+///
+/// # Safety
+/// Pointers are null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
+    device: nvmlDevice_t,
+    _utilization: *mut nvmlProcessUtilizationSample_t,
+    count: *mut c_uint,
+    _last_seen: c_ulonglong,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        lib.gpu(device)?;
+        // SAFETY: by the caller's contract.
+        unsafe { out(count, 0)? };
+        Err(NOT_FOUND)
+    })
+}
+
+/// Idle; NOT_SUPPORTED on a MIG-enabled GPU (NVML reports no utilization there).
+///
+/// # Safety
+/// `utilization` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
+    device: nvmlDevice_t,
+    utilization: *mut nvmlUtilization_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let gpu = lib
+            .gpu(device)
+            .map_err(|e| if e == INVALID_ARGUMENT { NOT_SUPPORTED } else { e })?;
+        if lib.sim.mig_mode(gpu).map_err(model_err)?.current {
+            return Err(NOT_SUPPORTED);
+        }
+        // SAFETY: by the caller's contract.
+        unsafe { out(utilization, nvmlUtilization_t { gpu: 0, memory: 0 }) }
+    })
+}
+
+// === MIG mode ===
+
+/// # Safety
+/// `current` and `pending` are null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMigMode(
+    device: nvmlDevice_t,
+    current: *mut c_uint,
+    pending: *mut c_uint,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let gpu = lib
+            .gpu(device)
+            .map_err(|e| if e == INVALID_ARGUMENT { NOT_SUPPORTED } else { e })?;
+        let m = lib.sim.mig_mode(gpu).map_err(model_err)?;
+        // SAFETY: by the caller's contract.
+        unsafe {
+            out(current, c_uint::from(m.current))?;
+            out(pending, c_uint::from(m.pending))
+        }
+    })
+}
+
+/// Succeeds and reports the activation status as the driver does (IN_USE when processes hold the GPU;
+/// the mode is then pending); fails with IN_USE while GPU instances exist. A vGPU guest cannot change
+/// MIG mode (NOT_SUPPORTED), nor can a process without write access to the kernel (NO_PERMISSION).
+///
+/// # Safety
+/// `activation_status` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceSetMigMode(
+    device: nvmlDevice_t,
+    mode: c_uint,
+    activation_status: *mut nvmlReturn_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let gpu = lib.gpu(device)?;
+        let enabled = match mode {
+            0 => false,
+            1 => true,
+            _ => return Err(INVALID_ARGUMENT),
+        };
+        if lib.sim.gpu(gpu).map_err(model_err)?.virtualization_mode
+            == tessera_kubelet_plugin::gpu::simulated::VirtualizationMode::Vgpu
+        {
+            return Err(NOT_SUPPORTED);
+        }
+        let status = lib.sim.set_mig_mode_nvml(gpu, enabled).map_err(model_err)?;
+        // SAFETY: by the caller's contract.
+        unsafe { out(activation_status, status) }
+    })
+}
+
+// === Private exports for this repository's tools (not NVML) ===
+
+/// Sets the GPU's compute time-slice (`nvidia-smi compute-policy --set-timeslice`; NVML has no public
+/// call for it): 0 default, 1 short, 2 medium, 3 long.
+#[unsafe(no_mangle)]
+pub extern "C" fn tesseraSimSetTimeSlice(device: nvmlDevice_t, slice: c_uint) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let gpu = lib.gpu(device)?;
+        let s = match slice {
+            0 => TimeSlice::Default,
+            1 => TimeSlice::Short,
+            2 => TimeSlice::Medium,
+            3 => TimeSlice::Long,
+            _ => return Err(INVALID_ARGUMENT),
+        };
+        lib.sim.set_hardware_time_slice(gpu, s).map_err(model_err)
+    })
+}
+
+/// The GPU's compute time-slice (`nvidia-smi compute-policy -l`).
+///
+/// # Safety
+/// `slice` is null or valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tesseraSimGetTimeSlice(device: nvmlDevice_t, slice: *mut c_uint) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let gpu = lib.gpu(device)?;
+        let s = lib.sim.hardware_time_slice(gpu).map_err(model_err)? as c_uint;
+        // SAFETY: by the caller's contract.
+        unsafe { out(slice, s) }
+    })
+}
+
+/// The simulated kernel directory this process's library opened.
+///
+/// # Safety
+/// `path` is valid for `length` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tesseraSimKernelDir(path: *mut c_char, length: c_uint) -> nvmlReturn_t {
+    ffi(|| {
+        let lib = lib()?;
+        let dir: &Path = lib.sim.kernel_dir();
+        // SAFETY: by the caller's contract.
+        unsafe { out_str(path, length, &dir.display().to_string()) }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_round_trip_and_foreign_pointers_name_nothing() {
+        for h in [
+            Handle::Gpu(31),
+            Handle::Mig {
+                gpu: 3,
+                gi: 14,
+                ci: 7,
+            },
+            Handle::GpuInstance { gpu: 0, gi: 0 },
+            Handle::ComputeInstance { gpu: 7, gi: 2, ci: 0 },
+            Handle::EventSet(9),
+        ] {
+            assert_eq!(Handle::decode(h.encode::<c_void>()), Some(h));
+        }
+        assert_eq!(Handle::decode(ptr::null_mut::<c_void>()), None);
+        let on_the_heap = Box::into_raw(Box::new(0u64));
+        assert_eq!(Handle::decode(on_the_heap), None);
+        // SAFETY: the pointer came from Box::into_raw just above.
+        drop(unsafe { Box::from_raw(on_the_heap) });
+    }
+
+    #[test]
+    fn a_panic_inside_an_export_answers_unknown_instead_of_unwinding_into_c() {
+        assert_eq!(ffi(|| panic!("bug")), UNKNOWN);
+        assert_eq!(ffi(|| Err(NOT_FOUND)), NOT_FOUND);
+        assert_eq!(ffi(|| Ok(())), SUCCESS);
+    }
+
+    #[test]
+    fn calls_before_init_are_uninitialized() {
+        let mut count = 0;
+        // SAFETY: a valid out pointer.
+        assert_eq!(unsafe { nvmlDeviceGetCount_v2(&mut count) }, UNINITIALIZED);
+        assert_eq!(nvmlShutdown(), UNINITIALIZED);
+    }
+
+    #[test]
+    fn strings_that_do_not_fit_are_insufficient_size() {
+        let mut buf = [0 as c_char; 8];
+        // SAFETY: the buffer holds 8 bytes.
+        unsafe {
+            assert_eq!(out_str(buf.as_mut_ptr(), 8, "580.159.03"), Err(INSUFFICIENT_SIZE));
+            assert_eq!(out_str(buf.as_mut_ptr(), 8, "1234567"), Ok(()));
+            assert_eq!(CStr::from_ptr(buf.as_ptr()).to_str().unwrap(), "1234567");
+        }
+    }
+}

@@ -1,0 +1,355 @@
+//! The simulated driver root: NVIDIA's user-space layout, filled with the libraries and tools this
+//! repository builds over the simulated hardware model.
+//!
+//! ```text
+//!  R/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.580.159.03   (target/<profile>/libnvidia_ml.so, tessera-sim-nvml)
+//!  R/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 -> libnvidia-ml.so.580.159.03
+//!  R/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.03        (target/<profile>/libcuda.so, tessera-sim-cuda)
+//!  R/usr/lib/x86_64-linux-gnu/libcuda.so.1 -> libcuda.so.580.159.03
+//!  R/usr/bin/nvidia-smi, nvidia-cuda-mps-control, nvidia-cuda-mps-server   (tessera-sim-tools)
+//!  R/tessera-sim -> K                                       (the simulated kernel, see `simulated`)
+//! ```
+//!
+//! Files are copied, not linked into `target/`: the chart mounts R into containers, where `target/` does
+//! not exist, and a rebuild must not change the library under a running process. Each file is written
+//! next to its destination and renamed over it, so a process that has the old one mapped keeps it, and a
+//! file whose size and modification time already match its artifact is left alone (a plugin restart
+//! copies nothing). Copies rather than hard links also keep each driver root's library a file of its own:
+//! the dynamic loader loads one inode once per process, so two roots sharing an inode would share one
+//! library instance, and with it one kernel.
+//!
+//! The artifacts are looked for in [`ARTIFACTS_ENV`] when set, else next to the running executable
+//! (`target/debug` holds the plugin and the cdylibs; a test in `target/debug/deps` looks one level up
+//! too), else in `<exe dir>/../lib/tessera-sim` (an installed layout).
+
+use std::{
+    fs::{self, File},
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicBool, Ordering},
+};
+
+use tracing::warn;
+
+use super::{
+    GpuError, Result,
+    simulated::{KERNEL_DIR_NAME, SIMULATED_DRIVER_VERSION},
+};
+
+/// Directory of the built artifacts, overriding the executable's directory.
+pub const ARTIFACTS_ENV: &str = "TESSERA_SIM_DRIVER_DIR";
+/// Where libraries go under the root (Debian's multiarch directory, NVIDIA's default there).
+pub const LIBRARY_DIR: &str = "usr/lib/x86_64-linux-gnu";
+/// Where programs go under the root.
+pub const BINARY_DIR: &str = "usr/bin";
+
+/// One built file and where it goes in the driver root.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Artifact {
+    /// File name cargo gives it in `target/<profile>`.
+    pub built: &'static str,
+    /// Name in the driver root: a library's is versioned (`libnvidia-ml.so.<driver version>`, see
+    /// [`Artifact::installed_name`]).
+    pub installed: &'static str,
+    /// The soname link a library gets (`libnvidia-ml.so.1`); `None` for programs.
+    pub soname: Option<&'static str>,
+}
+
+/// Everything a simulated driver root holds.
+pub const ARTIFACTS: [Artifact; 5] = [
+    Artifact {
+        built: "libnvidia_ml.so",
+        installed: "libnvidia-ml.so",
+        soname: Some("libnvidia-ml.so.1"),
+    },
+    Artifact {
+        built: "libcuda.so",
+        installed: "libcuda.so",
+        soname: Some("libcuda.so.1"),
+    },
+    Artifact {
+        built: "nvidia-smi",
+        installed: "nvidia-smi",
+        soname: None,
+    },
+    Artifact {
+        built: "nvidia-cuda-mps-control",
+        installed: "nvidia-cuda-mps-control",
+        soname: None,
+    },
+    Artifact {
+        built: "nvidia-cuda-mps-server",
+        installed: "nvidia-cuda-mps-server",
+        soname: None,
+    },
+];
+
+impl Artifact {
+    /// Path of the installed file relative to the root.
+    pub fn installed_name(&self) -> String {
+        match self.soname {
+            Some(_) => format!("{LIBRARY_DIR}/{}.{SIMULATED_DRIVER_VERSION}", self.installed),
+            None => format!("{BINARY_DIR}/{}", self.installed),
+        }
+    }
+}
+
+/// Where the artifacts are looked for, in order (see the module comment).
+pub fn artifact_dirs() -> Vec<PathBuf> {
+    if let Some(dir) = std::env::var_os(ARTIFACTS_ENV).filter(|d| !d.is_empty()) {
+        return vec![PathBuf::from(dir)];
+    }
+    let Some(exe_dir) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+    else {
+        return Vec::new();
+    };
+    let mut dirs = vec![exe_dir.clone()];
+    if exe_dir.file_name().is_some_and(|n| n == "deps")
+        && let Some(parent) = exe_dir.parent()
+    {
+        dirs.push(parent.to_path_buf());
+    }
+    dirs.push(exe_dir.join("../lib/tessera-sim"));
+    dirs
+}
+
+/// What [`install`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Installed {
+    /// Artifacts found in none of the directories, by their built name.
+    pub missing: Vec<&'static str>,
+}
+
+static WARNED: AtomicBool = AtomicBool::new(false);
+
+impl Installed {
+    /// Logs the missing artifacts, once per process (unit tests run without the cdylibs; one line says
+    /// so without repeating it for every simulated node).
+    pub fn warn_once_if_incomplete(&self, dirs: &[PathBuf]) {
+        if !self.missing.is_empty() && !WARNED.swap(true, Ordering::Relaxed) {
+            warn!(
+                missing = ?self.missing,
+                searched = %display_dirs(dirs),
+                "the simulated driver root lacks built artifacts; run `cargo build --workspace` to get them"
+            );
+        }
+    }
+
+    /// Fails naming the missing artifacts and the fix, for callers that need a whole root.
+    pub fn require_complete(self, dirs: &[PathBuf]) -> Result<()> {
+        if self.missing.is_empty() {
+            return Ok(());
+        }
+        Err(GpuError::SimulatedState {
+            path: display_dirs(dirs),
+            reason: format!(
+                "the simulated driver root needs {}, which are not built there; run `cargo build --workspace` \
+                 (or set {ARTIFACTS_ENV} to the directory that holds them)",
+                self.missing.join(", ")
+            ),
+        })
+    }
+}
+
+fn display_dirs(dirs: &[PathBuf]) -> String {
+    dirs.iter()
+        .map(|d| d.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Installs the driver root `root` over the simulated kernel `kernel_dir` from the first of `dirs` that
+/// holds each artifact: copies what is found, reports what is not, and points `root/tessera-sim` at the
+/// kernel (a relative link when the root lies in the kernel directory, so the pair can move together).
+pub fn install(root: &Path, kernel_dir: &Path, dirs: &[PathBuf]) -> Result<Installed> {
+    install_as(root, kernel_dir, dirs, Files::LinkedWherePossible)
+}
+
+/// Like [`install`] with every file a copy of its own, never a hard link to the artifact. The dynamic
+/// loader maps a file (an inode) once per process, so two driver roots that one process loads NVML from
+/// (tests running in parallel) must not share an inode, or they share one library instance and its kernel.
+pub fn install_copied(root: &Path, kernel_dir: &Path, dirs: &[PathBuf]) -> Result<Installed> {
+    install_as(root, kernel_dir, dirs, Files::Copied)
+}
+
+/// How the artifacts become files of the driver root.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Files {
+    LinkedWherePossible,
+    Copied,
+}
+
+fn install_as(root: &Path, kernel_dir: &Path, dirs: &[PathBuf], files: Files) -> Result<Installed> {
+    let err = |path: &Path, e: std::io::Error| GpuError::SimulatedState {
+        path: path.display().to_string(),
+        reason: format!("cannot install the simulated driver root: {e}"),
+    };
+    let mut installed = Installed::default();
+    for artifact in ARTIFACTS {
+        let Some(source) = dirs.iter().map(|d| d.join(artifact.built)).find(|p| p.is_file()) else {
+            installed.missing.push(artifact.built);
+            continue;
+        };
+        let dest = root.join(artifact.installed_name());
+        copy_if_changed(&source, &dest, files).map_err(|e| err(&dest, e))?;
+        if let (Some(soname), Some(file)) = (artifact.soname, dest.file_name()) {
+            let link = root.join(LIBRARY_DIR).join(soname);
+            replace_symlink(Path::new(file), &link).map_err(|e| err(&link, e))?;
+        }
+    }
+    let link = root.join(KERNEL_DIR_NAME);
+    let kernel_abs = fs::canonicalize(kernel_dir).map_err(|e| err(kernel_dir, e))?;
+    let root_abs = fs::canonicalize(root).or_else(|_| {
+        fs::create_dir_all(root)?;
+        fs::canonicalize(root)
+    });
+    let root_abs = root_abs.map_err(|e| err(root, e))?;
+    if root_abs.join(KERNEL_DIR_NAME) != kernel_abs {
+        let target = if root_abs.parent() == Some(kernel_abs.as_path()) {
+            PathBuf::from("..")
+        } else {
+            kernel_abs
+        };
+        replace_symlink(&target, &link).map_err(|e| err(&link, e))?;
+    }
+    Ok(installed)
+}
+
+/// Copies `source` to `dest` through a temporary file renamed over it, unless `dest` already has
+/// `source`'s size and modification time (which the copy takes over).
+fn copy_if_changed(source: &Path, dest: &Path, files: Files) -> std::io::Result<()> {
+    let src_meta = fs::metadata(source)?;
+    if let Ok(dest_meta) = fs::symlink_metadata(dest)
+        && dest_meta.is_file()
+        && dest_meta.len() == src_meta.len()
+        && dest_meta.modified().ok() == src_meta.modified().ok()
+    {
+        return Ok(());
+    }
+    let dir = dest.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir)?;
+    let name = dest.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let _ = fs::remove_file(&tmp);
+    // A hard link where the artifact is on the same file system (the local cluster's stand-in nodes,
+    // tests): a debug build's five files are about 70 MB, and a node each would be a copy each. It is
+    // still a file of its own path, not a link into target/: cargo replaces a rebuilt artifact by a new
+    // file, so this one keeps the version it was linked to, as a copy would. Across file systems (the
+    // chart's plugin pod installing from its image onto a host directory), a copy.
+    if files == Files::Copied || fs::hard_link(source, &tmp).is_err() {
+        fs::copy(source, &tmp)?;
+        fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755))?;
+        File::options()
+            .write(true)
+            .open(&tmp)?
+            .set_modified(src_meta.modified()?)?;
+    }
+    fs::rename(&tmp, dest)
+}
+
+/// Points `link` at `target`, replacing whatever is there by rename (never a moment without the link).
+fn replace_symlink(target: &Path, link: &Path) -> std::io::Result<()> {
+    if fs::read_link(link).ok().as_deref() == Some(target) {
+        return Ok(());
+    }
+    let dir = link.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir)?;
+    let name = link.file_name().and_then(|n| n.to_str()).unwrap_or("link");
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let _ = fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(target, &tmp)?;
+    fs::rename(&tmp, link)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn artifacts_in(dir: &Path, names: &[&str]) {
+        for n in names {
+            fs::write(dir.join(n), format!("built {n}")).unwrap();
+        }
+    }
+
+    #[test]
+    fn the_root_gets_versioned_libraries_with_soname_links_and_a_link_to_the_kernel() {
+        let built = tempfile::tempdir().unwrap();
+        artifacts_in(built.path(), &["libnvidia_ml.so", "libcuda.so", "nvidia-smi"]);
+        let kernel = tempfile::tempdir().unwrap();
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path().join("R");
+        let done = install(&r, kernel.path(), &[built.path().to_path_buf()]).unwrap();
+        assert_eq!(
+            done.missing,
+            ["nvidia-cuda-mps-control", "nvidia-cuda-mps-server"]
+        );
+        let lib = r.join(LIBRARY_DIR);
+        assert_eq!(
+            fs::read_to_string(lib.join("libnvidia-ml.so.1")).unwrap(),
+            "built libnvidia_ml.so"
+        );
+        assert_eq!(
+            fs::read_link(lib.join("libcuda.so.1")).unwrap(),
+            Path::new(&format!("libcuda.so.{SIMULATED_DRIVER_VERSION}"))
+        );
+        assert!(
+            !fs::symlink_metadata(lib.join(format!("libcuda.so.{SIMULATED_DRIVER_VERSION}")))
+                .unwrap()
+                .file_type()
+                .is_symlink(),
+            "a copy, not a link into target/"
+        );
+        assert_eq!(
+            fs::canonicalize(r.join(KERNEL_DIR_NAME)).unwrap(),
+            fs::canonicalize(kernel.path()).unwrap()
+        );
+        let e = done
+            .require_complete(&[built.path().to_path_buf()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("nvidia-cuda-mps-control") && e.contains("cargo build --workspace"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_reinstall_replaces_a_changed_file_by_rename_so_a_mapped_copy_survives() {
+        let built = tempfile::tempdir().unwrap();
+        artifacts_in(built.path(), &["libnvidia_ml.so"]);
+        let kernel = tempfile::tempdir().unwrap();
+        let r = kernel.path().join("driver-root");
+        let dirs = [built.path().to_path_buf()];
+        install(&r, kernel.path(), &dirs).unwrap();
+        let installed = r.join(ARTIFACTS[0].installed_name());
+        let held = File::open(&installed).unwrap();
+        let old_inode = std::os::unix::fs::MetadataExt::ino(&held.metadata().unwrap());
+        install(&r, kernel.path(), &dirs).unwrap();
+        assert_eq!(
+            std::os::unix::fs::MetadataExt::ino(&fs::metadata(&installed).unwrap()),
+            old_inode,
+            "an unchanged artifact is not copied again"
+        );
+        // Replaced as cargo replaces a rebuilt artifact: a new file under the same name.
+        fs::write(built.path().join("rebuilt.tmp"), "rebuilt, longer").unwrap();
+        fs::rename(
+            built.path().join("rebuilt.tmp"),
+            built.path().join("libnvidia_ml.so"),
+        )
+        .unwrap();
+        install(&r, kernel.path(), &dirs).unwrap();
+        assert_eq!(fs::read_to_string(&installed).unwrap(), "rebuilt, longer");
+        assert_eq!(
+            std::io::read_to_string(&held).unwrap(),
+            "built libnvidia_ml.so",
+            "the open file is the old one"
+        );
+        assert_eq!(
+            fs::read_link(r.join(KERNEL_DIR_NAME)).unwrap(),
+            Path::new(".."),
+            "a root inside its kernel links to it relatively"
+        );
+    }
+}

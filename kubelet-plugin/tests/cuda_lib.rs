@@ -1,0 +1,750 @@
+//! The simulated driver's `libcuda.so.1`, `nvidia-smi` and MPS tools, loaded and run as a CUDA program
+//! and an administrator would, from a driver root installed from the built artifacts.
+//!
+//! Needs the artifacts: `cargo build -p tessera-sim-cuda -p tessera-sim-tools -p tessera-sim-nvml` first.
+//!
+//! The library is `dlopen`ed in a child process (this test binary re-run as [`probe`]), one per check:
+//! the environment (`CUDA_VISIBLE_DEVICES`, the test-only `/dev` override) is per process, and glibc loads
+//! one inode once per process, so a fresh process is the only clean start.
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    time::Duration,
+};
+
+use tessera_api::MigPlacement;
+use tessera_kubelet_plugin::{
+    gpu::{
+        ComputeMode, GpuBackend, TimeSlice, models,
+        sim_driver_root::{artifact_dirs, install},
+        simulated::{DEV_ROOT_ENV, NodeSpec, SimulatedBackend, mig_minors_by_formula},
+    },
+    sharing::mps::{Launcher, MpsManager},
+};
+
+const MODEL: &str = "H100-SXM5-80GB";
+const PRODUCT: &str = "NVIDIA H100 80GB HBM3";
+/// Marks the probe's lines in the child's output (the test harness prints its own).
+const MARK: &str = "PROBE ";
+
+/// A simulated kernel K with its installed driver root R, in a temp dir.
+struct Driver {
+    dir: tempfile::TempDir,
+    backend: SimulatedBackend,
+}
+
+impl Driver {
+    fn new(gpus: u32) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("kernel");
+        let spec = NodeSpec::default().with_gpus(MODEL, gpus);
+        let backend = SimulatedBackend::from_spec("cuda-node", &spec, &kernel).unwrap();
+        let dirs = artifact_dirs();
+        install(&dir.path().join("root"), &kernel, &dirs)
+            .unwrap()
+            .require_complete(&dirs)
+            .expect("build the simulated driver first: cargo build -p tessera-sim-cuda -p tessera-sim-tools -p tessera-sim-nvml");
+        Self { dir, backend }
+    }
+
+    fn root(&self) -> PathBuf {
+        self.dir.path().join("root")
+    }
+
+    fn libcuda(&self) -> PathBuf {
+        self.root().join("usr/lib/x86_64-linux-gnu/libcuda.so.1")
+    }
+
+    fn bin(&self, name: &str) -> PathBuf {
+        self.root().join("usr/bin").join(name)
+    }
+
+    fn uuid(&self, gpu: u32) -> String {
+        self.backend.discover().unwrap().gpus[gpu as usize].uuid.clone()
+    }
+
+    /// A container's `/dev` holding the control nodes and `nodes` (`nvidia1`, `nvidia-caps/nvidia-cap12`).
+    fn container_dev(&self, nodes: &[String]) -> PathBuf {
+        let dev = self
+            .dir
+            .path()
+            .join(format!("dev-{}", nodes.join("+").replace('/', "_")));
+        fs::create_dir_all(dev.join("nvidia-caps")).unwrap();
+        for n in ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"]
+            .into_iter()
+            .map(String::from)
+            .chain(nodes.iter().cloned())
+        {
+            fs::write(dev.join(n), b"").unwrap();
+        }
+        dev
+    }
+
+    /// Enables MIG on `gpu` and makes one `profile` MIG device at the first placement; its UUID and
+    /// capability minors.
+    fn mig_device(&self, gpu: u32, profile: &str) -> (String, (u32, u32)) {
+        self.backend.set_mig_mode(gpu, true).unwrap();
+        let p = models::model(MODEL).unwrap().profile_by_name(profile).unwrap();
+        let placement: MigPlacement = p.placements().next().unwrap();
+        let gi = self.backend.create_gpu_instance(gpu, p.id, placement).unwrap();
+        let ci = self.backend.create_compute_instance(gpu, gi).unwrap();
+        (ci.uuid, mig_minors_by_formula(gpu, gi, ci.id).unwrap())
+    }
+
+    /// Runs the probe on this root's libcuda with `env`.
+    fn probe(&self, env: &[(&str, &str)]) -> Probe {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", "probe", "--nocapture", "--test-threads=1"])
+            .env("TESSERA_PROBE_LIB", self.libcuda())
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .env_remove(DEV_ROOT_ENV)
+            .env_remove("TESSERA_SIM_KERNEL")
+            // No daemon there unless a test starts one.
+            .env("CUDA_MPS_PIPE_DIRECTORY", self.dir.path().join("no-mps"));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "probe failed: {}", text(&out));
+        Probe::parse(&text(&out))
+    }
+
+    fn smi(&self, args: &[&str], env: &[(&str, &str)]) -> Output {
+        let mut cmd = Command::new(self.bin("nvidia-smi"));
+        cmd.args(args)
+            .env_remove(DEV_ROOT_ENV)
+            .env_remove("TESSERA_SIM_KERNEL");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.output().unwrap()
+    }
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// What the probe printed: `init`, then per device `uuid`/`name`/`mem`/`cc`, then the context results.
+#[derive(Debug, Default)]
+struct Probe {
+    fields: BTreeMap<String, String>,
+    devices: Vec<BTreeMap<String, String>>,
+}
+
+impl Probe {
+    fn parse(output: &str) -> Self {
+        let mut p = Probe::default();
+        // The harness may print `test probe ... ` before the first line.
+        for line in output
+            .lines()
+            .filter_map(|l| l.split_once(MARK).map(|(_, rest)| rest))
+        {
+            let pairs: BTreeMap<String, String> = line
+                .split('\t')
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            if pairs.contains_key("dev") {
+                p.devices.push(pairs);
+            } else {
+                p.fields.extend(pairs);
+            }
+        }
+        assert!(
+            p.fields.contains_key("init"),
+            "the probe printed nothing: {output}"
+        );
+        p
+    }
+
+    fn get(&self, key: &str) -> &str {
+        self.fields.get(key).map_or("", String::as_str)
+    }
+
+    fn uuids(&self) -> Vec<&str> {
+        self.devices.iter().map(|d| d["uuid"].as_str()).collect()
+    }
+}
+
+/// The probe: when the parent test sets `TESSERA_PROBE_LIB`, `dlopen`s that library and prints what a
+/// CUDA program sees; otherwise does nothing (so the plain test run passes it).
+#[test]
+fn probe() {
+    let Some(lib) = std::env::var_os("TESSERA_PROBE_LIB") else {
+        return;
+    };
+    cuda_probe::run(Path::new(&lib));
+}
+
+#[allow(
+    unsafe_code,
+    reason = "the probe calls the library's C ABI through dlsym, as a CUDA program does"
+)]
+mod cuda_probe {
+    use std::{
+        ffi::{CStr, CString, c_char, c_int, c_uint, c_void},
+        path::Path,
+    };
+
+    use super::MARK;
+
+    type Init = unsafe extern "C" fn(c_uint) -> c_int;
+    type GetCount = unsafe extern "C" fn(*mut c_int) -> c_int;
+    type Get = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
+    type GetName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
+    type GetUuid = unsafe extern "C" fn(*mut [u8; 16], c_int) -> c_int;
+    type TotalMem = unsafe extern "C" fn(*mut usize, c_int) -> c_int;
+    type GetAttr = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int;
+    type CtxCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint, c_int) -> c_int;
+    type CtxDestroy = unsafe extern "C" fn(*mut c_void) -> c_int;
+    type ExecAffinity = unsafe extern "C" fn(*mut [c_uint; 2], c_int) -> c_int;
+    type MemInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
+    type ServerPid = unsafe extern "C" fn(*mut c_void, *mut c_int) -> c_int;
+    type ErrorName = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int;
+
+    struct Lib(*mut c_void);
+
+    impl Lib {
+        fn sym<T: Copy>(&self, name: &str) -> T {
+            let c = CString::new(name).unwrap();
+            // SAFETY: a handle from dlopen and a NUL-terminated name.
+            let p = unsafe { libc::dlsym(self.0, c.as_ptr()) };
+            assert!(!p.is_null(), "libcuda.so.1 does not export {name}");
+            assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<*mut c_void>());
+            // SAFETY: `T` is the function pointer type of the export named `name`.
+            unsafe { std::mem::transmute_copy(&p) }
+        }
+    }
+
+    fn say(fields: &[(&str, String)]) {
+        let line: Vec<String> = fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!("{MARK}{}", line.join("\t"));
+    }
+
+    fn hyphenated(b: &[u8; 16]) -> String {
+        let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+        format!(
+            "{}-{}-{}-{}-{}",
+            &h[..8],
+            &h[8..12],
+            &h[12..16],
+            &h[16..20],
+            &h[20..]
+        )
+    }
+
+    pub fn run(path: &Path) {
+        let c = CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: dlopen of a file path.
+        let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        assert!(!handle.is_null(), "dlopen {} failed", path.display());
+        let lib = Lib(handle);
+        // SAFETY (every call below): CUDA's signatures, with valid out-pointers.
+        unsafe {
+            let rc = lib.sym::<Init>("cuInit")(0);
+            let mut name: *const c_char = std::ptr::null();
+            lib.sym::<ErrorName>("cuGetErrorName")(rc, &mut name);
+            let rc_name = if name.is_null() {
+                "?".to_string()
+            } else {
+                CStr::from_ptr(name).to_string_lossy().into_owned()
+            };
+            say(&[("init", rc.to_string()), ("init_name", rc_name)]);
+            if rc != 0 {
+                return;
+            }
+            let mut n = 0;
+            assert_eq!(lib.sym::<GetCount>("cuDeviceGetCount")(&mut n), 0);
+            say(&[("count", n.to_string())]);
+            for i in 0..n {
+                let mut dev = -1;
+                assert_eq!(lib.sym::<Get>("cuDeviceGet")(&mut dev, i), 0);
+                let mut buf = [0 as c_char; 256];
+                assert_eq!(
+                    lib.sym::<GetName>("cuDeviceGetName")(buf.as_mut_ptr(), 256, dev),
+                    0
+                );
+                let name = CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
+                let mut uuid = [0u8; 16];
+                assert_eq!(lib.sym::<GetUuid>("cuDeviceGetUuid_v2")(&mut uuid, dev), 0);
+                let mut mem = 0usize;
+                assert_eq!(lib.sym::<TotalMem>("cuDeviceTotalMem_v2")(&mut mem, dev), 0);
+                let attr = |a: c_int| {
+                    let mut v = -1;
+                    assert_eq!(lib.sym::<GetAttr>("cuDeviceGetAttribute")(&mut v, a, dev), 0);
+                    v
+                };
+                say(&[
+                    ("dev", i.to_string()),
+                    ("uuid", hyphenated(&uuid)),
+                    ("name", name),
+                    ("mem", mem.to_string()),
+                    ("cc", format!("{}.{}", attr(75), attr(76))),
+                    ("sms", attr(16).to_string()),
+                ]);
+            }
+            let ordinal: c_int = std::env::var("TESSERA_PROBE_CTX")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            let mut ctx: *mut c_void = std::ptr::null_mut();
+            let rc = lib.sym::<CtxCreate>("cuCtxCreate_v2")(&mut ctx, 0, ordinal);
+            say(&[("ctx", rc.to_string())]);
+            if rc != 0 {
+                return;
+            }
+            let mut pid = 0;
+            let mps = lib.sym::<ServerPid>("tesseraSimCtxGetMpsServerPid")(ctx, &mut pid);
+            let mut affinity = [0 as c_uint; 2];
+            assert_eq!(
+                lib.sym::<ExecAffinity>("cuCtxGetExecAffinity")(&mut affinity, 0),
+                0
+            );
+            let (mut free, mut total) = (0usize, 0usize);
+            assert_eq!(lib.sym::<MemInfo>("cuMemGetInfo_v2")(&mut free, &mut total), 0);
+            say(&[
+                ("mps", mps.to_string()),
+                ("server_pid", pid.to_string()),
+                ("ctx_sms", affinity[1].to_string()),
+                ("ctx_mem", total.to_string()),
+            ]);
+            assert_eq!(lib.sym::<CtxDestroy>("cuCtxDestroy_v2")(ctx), 0);
+            // A destroyed context is gone.
+            assert_eq!(lib.sym::<CtxDestroy>("cuCtxDestroy_v2")(ctx), 201);
+        }
+    }
+}
+
+fn strip(uuid: &str) -> &str {
+    uuid.trim_start_matches("GPU-").trim_start_matches("MIG-")
+}
+
+#[test]
+fn the_host_sees_every_gpu_with_its_uuid_name_and_memory() {
+    let d = Driver::new(2);
+    let p = d.probe(&[]);
+    assert_eq!(p.get("init"), "0", "{p:?}");
+    assert_eq!(p.uuids(), [strip(&d.uuid(0)), strip(&d.uuid(1))]);
+    let model = models::model(MODEL).unwrap();
+    for dev in &p.devices {
+        assert_eq!(dev["name"], PRODUCT);
+        assert_eq!(dev["mem"], model.memory_bytes().to_string());
+        assert_eq!(dev["cc"], "9.0");
+        assert_eq!(dev["sms"], model.multiprocessors.to_string());
+    }
+    // Default compute mode and no MPS daemon: a direct context.
+    assert_eq!(p.get("ctx"), "0");
+    assert_eq!(p.get("mps"), "801", "a direct context has no MPS server");
+}
+
+#[test]
+fn cuda_visible_devices_narrows_and_orders_the_devices() {
+    let d = Driver::new(3);
+    let (g0, g2) = (d.uuid(0), d.uuid(2));
+    let p = d.probe(&[("CUDA_VISIBLE_DEVICES", &g2)]);
+    assert_eq!(p.uuids(), [strip(&g2)]);
+    let p = d.probe(&[("CUDA_VISIBLE_DEVICES", "2,0")]);
+    assert_eq!(p.uuids(), [strip(&g2), strip(&g0)]);
+    // A prefix names its GPU; an entry naming nothing ends the list.
+    let p = d.probe(&[(
+        "CUDA_VISIBLE_DEVICES",
+        &format!("{},GPU-nonexistent,1", &g0[..12]),
+    )]);
+    assert_eq!(p.uuids(), [strip(&g0)]);
+    let p = d.probe(&[("CUDA_VISIBLE_DEVICES", "")]);
+    assert_eq!(
+        (p.get("init"), p.get("init_name")),
+        ("100", "CUDA_ERROR_NO_DEVICE")
+    );
+}
+
+#[test]
+fn a_container_sees_only_the_gpus_whose_device_nodes_it_holds() {
+    let d = Driver::new(3);
+    let dev = d.container_dev(&["nvidia1".into()]);
+    let p = d.probe(&[(DEV_ROOT_ENV, dev.to_str().unwrap())]);
+    assert_eq!(p.uuids(), [strip(&d.uuid(1))]);
+    // Its one GPU is ordinal 0; CUDA_VISIBLE_DEVICES cannot reach a GPU the container lacks.
+    let p = d.probe(&[
+        (DEV_ROOT_ENV, dev.to_str().unwrap()),
+        ("CUDA_VISIBLE_DEVICES", &d.uuid(0)),
+    ]);
+    assert_eq!(p.get("init"), "100");
+    // Control nodes alone: no GPU.
+    let bare = d.container_dev(&[]);
+    assert_eq!(
+        d.probe(&[(DEV_ROOT_ENV, bare.to_str().unwrap())]).get("init"),
+        "100"
+    );
+}
+
+#[test]
+fn a_mig_device_enumerates_on_its_own_and_needs_its_capability_nodes_in_a_container() {
+    let d = Driver::new(2);
+    let (mig, (gi_minor, ci_minor)) = d.mig_device(0, "3g.40gb");
+    let p = d.probe(&[]);
+    // GPU 0 is in MIG mode: its MIG device replaces it; GPU 1 is whole.
+    assert_eq!(p.uuids(), [strip(&mig), strip(&d.uuid(1))]);
+    let profile = models::model(MODEL).unwrap().profile_by_name("3g.40gb").unwrap();
+    assert_eq!(p.devices[0]["name"], format!("{PRODUCT} MIG 3g.40gb"));
+    assert_eq!(p.devices[0]["mem"], (profile.memory_mib << 20).to_string());
+    assert_eq!(p.devices[0]["sms"], profile.multiprocessors.to_string());
+
+    let caps = [
+        "nvidia0".to_string(),
+        format!("nvidia-caps/nvidia-cap{gi_minor}"),
+        format!("nvidia-caps/nvidia-cap{ci_minor}"),
+    ];
+    let held = d.container_dev(&caps);
+    let p = d.probe(&[(DEV_ROOT_ENV, held.to_str().unwrap())]);
+    assert_eq!(p.uuids(), [strip(&mig)]);
+    let p = d.probe(&[
+        (DEV_ROOT_ENV, held.to_str().unwrap()),
+        ("CUDA_VISIBLE_DEVICES", &mig),
+    ]);
+    assert_eq!(p.uuids(), [strip(&mig)]);
+    // The parent's node without the capabilities runs nothing.
+    let parent_only = d.container_dev(&caps[..1]);
+    assert_eq!(
+        d.probe(&[(DEV_ROOT_ENV, parent_only.to_str().unwrap())])
+            .get("init"),
+        "100"
+    );
+}
+
+#[test]
+fn an_exclusive_process_gpu_refuses_a_context_without_an_mps_server_and_serves_one_through_it() {
+    let d = Driver::new(1);
+    let gpu = d.uuid(0);
+    d.backend
+        .set_compute_mode(0, ComputeMode::ExclusiveProcess)
+        .unwrap();
+    let pipe = d.dir.path().join("mps/pipe");
+    let log = d.dir.path().join("mps/log");
+    let pipe_s = pipe.to_str().unwrap();
+
+    let p = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", pipe_s)]);
+    assert_eq!(
+        p.get("ctx"),
+        "46",
+        "no MPS server: CUDA_ERROR_DEVICES_UNAVAILABLE: {p:?}"
+    );
+
+    let control = |args: &[&str], input: Option<&str>| {
+        let mut cmd = Command::new(d.bin("nvidia-cuda-mps-control"));
+        cmd.args(args)
+            .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+            .env("CUDA_MPS_LOG_DIRECTORY", &log)
+            .env("CUDA_VISIBLE_DEVICES", &gpu)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        if let Some(text) = input {
+            use std::io::Write;
+            child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+        }
+        drop(child.stdin.take());
+        child.wait_with_output().unwrap()
+    };
+    let started = control(&["-d"], None);
+    let _quit = QuitOnDrop(pipe.clone());
+    assert!(started.status.success(), "{}", text(&started));
+    let set = control(
+        &[],
+        Some("set_default_active_thread_percentage 25\nset_default_device_pinned_mem_limit 0 2048M\n"),
+    );
+    assert!(set.status.success(), "{}", text(&set));
+    let asked = control(
+        &[],
+        Some("get_default_active_thread_percentage\nget_server_list\n"),
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&asked.stdout).trim(),
+        "25.0",
+        "no server before a client"
+    );
+
+    let p = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", pipe_s)]);
+    assert_eq!((p.get("ctx"), p.get("mps")), ("0", "0"), "{p:?}");
+    let server: u32 = p.get("server_pid").parse().unwrap();
+    assert!(
+        Path::new(&format!("/proc/{server}")).exists(),
+        "server {server} runs"
+    );
+    let listed = control(&[], Some("get_server_list\n"));
+    assert_eq!(String::from_utf8_lossy(&listed.stdout).trim(), server.to_string());
+    let sms = models::model(MODEL).unwrap().multiprocessors;
+    assert_eq!(p.get("ctx_sms"), (sms * 25).div_ceil(100).to_string());
+    assert_eq!(p.get("ctx_mem"), (2048u64 << 20).to_string());
+    // A second client shares the server; its own env lowers its share only.
+    let p2 = d.probe(&[
+        ("CUDA_MPS_PIPE_DIRECTORY", pipe_s),
+        ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "10"),
+        ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=1G"),
+    ]);
+    assert_eq!(p2.get("server_pid"), server.to_string());
+    assert_eq!(p2.get("ctx_sms"), (sms * 10).div_ceil(100).to_string());
+    assert_eq!(p2.get("ctx_mem"), (1u64 << 30).to_string());
+    let server_log = fs::read_to_string(log.join("server.log")).unwrap();
+    assert!(
+        server_log.contains(&format!("server pid={server} devices={gpu}")),
+        "{server_log}"
+    );
+
+    let quit = control(&[], Some("quit\n"));
+    assert!(quit.status.success(), "{}", text(&quit));
+    wait_gone(server);
+    let p = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", pipe_s)]);
+    assert_eq!(p.get("ctx"), "46", "the server is gone again");
+    // A dead pipe with the default compute mode falls back to a direct context, as CUDA does.
+    d.backend.set_compute_mode(0, ComputeMode::Default).unwrap();
+    let p = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", pipe_s)]);
+    assert_eq!((p.get("ctx"), p.get("mps")), ("0", "801"));
+}
+
+#[test]
+fn a_daemon_refuses_a_client_of_a_device_it_does_not_serve() {
+    let d = Driver::new(2);
+    let pipe = d.dir.path().join("pipe");
+    let started = Command::new(d.bin("nvidia-cuda-mps-control"))
+        .arg("-d")
+        .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+        .env("CUDA_MPS_LOG_DIRECTORY", d.dir.path().join("log"))
+        .env("CUDA_VISIBLE_DEVICES", d.uuid(1))
+        .output()
+        .unwrap();
+    let _quit = QuitOnDrop(pipe.clone());
+    assert!(started.status.success(), "{}", text(&started));
+    let p = d.probe(&[
+        ("CUDA_MPS_PIPE_DIRECTORY", pipe.to_str().unwrap()),
+        ("TESSERA_PROBE_CTX", "0"),
+    ]);
+    assert_eq!(p.get("ctx"), "805", "CUDA_ERROR_MPS_CONNECTION_FAILED: {p:?}");
+}
+
+#[test]
+fn the_plugins_nvidia_launcher_drives_the_simulated_mps_tools_unchanged() {
+    let d = Driver::new(1);
+    let state = d.dir.path().join("state");
+    let mps = MpsManager::new(
+        &state,
+        Launcher::Nvidia {
+            control: d.bin("nvidia-cuda-mps-control"),
+            driver_root: d.root(),
+        },
+    );
+    let defaults = tessera_kubelet_plugin::sharing::mps::DaemonDefaults {
+        active_thread_percentage: Some(40),
+        pinned_memory_bytes: Some(3 << 30),
+    };
+    let uuid = d.uuid(0);
+    let dirs = mps.start(&uuid, &uuid, defaults).unwrap();
+    let _quit = QuitOnDrop(dirs.pipe.clone());
+    let pid = mps.pid(&uuid).expect("the daemon's pid file");
+    assert_eq!(
+        mps.send(&uuid, "get_default_active_thread_percentage").unwrap(),
+        "40.0"
+    );
+    assert_eq!(
+        mps.send(&uuid, "get_default_device_pinned_mem_limit 0").unwrap(),
+        "3072M"
+    );
+    assert_eq!(mps.running(), std::slice::from_ref(&uuid));
+    // A client in a share container reaches it through the pipe directory.
+    let p = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", dirs.pipe.to_str().unwrap())]);
+    assert_eq!((p.get("ctx"), p.get("mps")), ("0", "0"), "{p:?}");
+    assert_eq!(p.get("ctx_mem"), (3u64 << 30).to_string());
+    let server: u32 = p.get("server_pid").parse().unwrap();
+    mps.stop(&uuid).unwrap();
+    wait_gone(pid);
+    wait_gone(server);
+    assert!(mps.running().is_empty());
+}
+
+/// Sends `quit` to the daemon of a pipe directory when dropped, so a failing test leaves no daemon behind.
+struct QuitOnDrop(PathBuf);
+
+impl Drop for QuitOnDrop {
+    fn drop(&mut self) {
+        let _ = tessera_kubelet_plugin::sharing::mps::send_control(&self.0, "quit");
+    }
+}
+
+fn wait_gone(pid: u32) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // A zombie (exited, not yet reaped by init) counts as gone.
+    let alive = || {
+        fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+        })
+    };
+    while alive() {
+        assert!(std::time::Instant::now() < deadline, "process {pid} still runs");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+// === nvidia-smi ===
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn nvidia_smi_lists_the_hosts_gpus_in_nvidias_format_and_narrows_with_i() {
+    let d = Driver::new(2);
+    let out = d.smi(&["-L"], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        stdout(&out),
+        format!(
+            "GPU 0: {PRODUCT} (UUID: {})\nGPU 1: {PRODUCT} (UUID: {})\n",
+            d.uuid(0),
+            d.uuid(1)
+        )
+    );
+    for id in ["1".to_string(), d.uuid(1)] {
+        let out = d.smi(&["-L", "-i", &id], &[]);
+        assert_eq!(
+            stdout(&out),
+            format!("GPU 1: {PRODUCT} (UUID: {})\n", d.uuid(1)),
+            "-i {id}"
+        );
+    }
+    let out = d.smi(&["-L", "-i", "7"], &[]);
+    assert_eq!(
+        (out.status.code(), stdout(&out).trim()),
+        (Some(6), "No devices were found")
+    );
+}
+
+#[test]
+fn nvidia_smi_lists_mig_devices_under_their_gpu_and_queries_a_subset() {
+    let d = Driver::new(1);
+    let (mig, _) = d.mig_device(0, "3g.40gb");
+    let out = d.smi(&["-L"], &[]);
+    assert_eq!(
+        stdout(&out),
+        format!(
+            "GPU 0: {PRODUCT} (UUID: {})\n  MIG 3g.40gb     Device  0: (UUID: {mig})\n",
+            d.uuid(0)
+        ),
+        "{}",
+        text(&out)
+    );
+    d.backend
+        .set_compute_mode(0, ComputeMode::ExclusiveProcess)
+        .unwrap();
+    let q = stdout(&d.smi(&["-q", "-i", "0"], &[]));
+    for line in [
+        "Driver Version                            : 580.159.03".to_string(),
+        "CUDA Version                              : 13.0".to_string(),
+        format!("    Product Name                          : {PRODUCT}"),
+        format!("    GPU UUID                              : {}", d.uuid(0)),
+        "    Minor Number                          : 0".to_string(),
+        "        Current                           : Enabled".to_string(),
+        "        Bus Id                            : 00000000:18:00.0".to_string(),
+        "    Compute Mode                          : Exclusive_Process".to_string(),
+    ] {
+        assert!(q.lines().any(|l| l == line), "missing {line:?} in\n{q}");
+    }
+}
+
+#[test]
+fn nvidia_smi_in_a_container_lists_exactly_the_gpu_it_holds() {
+    let d = Driver::new(3);
+    let dev = d.container_dev(&["nvidia2".into()]);
+    let out = d.smi(&["-L"], &[(DEV_ROOT_ENV, dev.to_str().unwrap())]);
+    // NVML indices are positions among the visible GPUs.
+    assert_eq!(
+        stdout(&out),
+        format!("GPU 0: {PRODUCT} (UUID: {})\n", d.uuid(2)),
+        "{}",
+        text(&out)
+    );
+    let none = d.container_dev(&[]);
+    let out = d.smi(&["-L"], &[(DEV_ROOT_ENV, none.to_str().unwrap())]);
+    assert_eq!(
+        (out.status.code(), stdout(&out).trim()),
+        (Some(6), "No devices were found")
+    );
+}
+
+#[test]
+fn nvidia_smi_without_a_kernel_says_it_cannot_reach_the_driver() {
+    let d = Driver::new(1);
+    fs::remove_file(d.root().join("tessera-sim")).unwrap();
+    let out = d.smi(&["-L"], &[]);
+    assert_eq!(out.status.code(), Some(9), "{}", text(&out));
+    assert!(
+        stdout(&out)
+            .starts_with("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver"),
+        "{}",
+        text(&out)
+    );
+    // libcuda finds no kernel either.
+    assert_eq!(d.probe(&[]).get("init"), "100");
+}
+
+#[test]
+fn nvidia_smi_sets_the_compute_time_slice_through_the_library() {
+    let d = Driver::new(2);
+    let out = d.smi(&["compute-policy", "-i", &d.uuid(1), "--set-timeslice", "2"], &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(d.backend.hardware_time_slice(1).unwrap(), TimeSlice::Medium);
+    assert_eq!(d.backend.hardware_time_slice(0).unwrap(), TimeSlice::Default);
+    let bad = d.smi(&["compute-policy", "-i", "0", "--set-timeslice", "9"], &[]);
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad));
+}
+
+// === The CDI edits of the installed root ===
+
+#[test]
+fn the_cdi_edits_of_an_installed_root_mount_its_libraries_tools_and_kernel() {
+    use tessera_kubelet_plugin::{
+        driver_root::{DriverFiles, DriverRoot},
+        edits::driver_edits,
+        gpu::simulated::SIMULATED_DRIVER_VERSION,
+    };
+    let d = Driver::new(1);
+    let edits = driver_edits(&DriverFiles::discover(
+        &DriverRoot::new(d.root()),
+        Some(SIMULATED_DRIVER_VERSION),
+    ));
+    let by_target: BTreeMap<&str, &str> = edits
+        .mounts
+        .iter()
+        .map(|m| (m.container_path.as_str(), m.host_path.as_str()))
+        .collect();
+    for lib in ["libcuda", "libnvidia-ml"] {
+        for file in [
+            format!("{lib}.so.1"),
+            format!("{lib}.so.{SIMULATED_DRIVER_VERSION}"),
+        ] {
+            let target = format!("/usr/lib/x86_64-linux-gnu/{file}");
+            assert!(
+                by_target.contains_key(target.as_str()),
+                "{target} not mounted: {by_target:?}"
+            );
+        }
+    }
+    for tool in ["nvidia-smi", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server"] {
+        let target = format!("/usr/bin/{tool}");
+        assert!(
+            by_target.contains_key(target.as_str()),
+            "{target} not mounted: {by_target:?}"
+        );
+    }
+    let kernel = fs::canonicalize(d.dir.path().join("kernel")).unwrap();
+    assert_eq!(by_target.get("/tessera-sim").copied(), kernel.to_str());
+}
