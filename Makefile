@@ -125,7 +125,7 @@ gpu-check: ## Read-only check of the nvml path on a real GPU node (changes no GP
 # binaries from the unpacked rootfs in a chroot. `make chart-lint`: helm lint (Helm built from Go modules,
 # e2e/tools/helm) for both backends; the chart's server-side dry run is the e2e scenario TestTheChart*.
 .PHONY: image image-test chart-lint
-image: ## OCI image archive of both release binaries, daemonless (target/image/tessera.tar)
+image: ## OCI image archive of both release binaries and the simulated driver (/usr/lib/tessera-sim), daemonless (target/image/tessera.tar)
 	e2e/scripts/build-image.sh
 # `make test` checks the archive built from the debug binaries it already has (IMAGE_PROFILE=debug): the
 # builder and the layout are what is tested, and a second, release, build would cost it minutes.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# make image: the release binaries, then an OCI image archive of them (e2e/tools/image/oci_image.py; no
-# Docker, no registry) at target/image/tessera.tar. --test also runs the archive's tests.
-# IMAGE_REF names it in index.json (default tessera:<workspace version>). IMAGE_PROFILE=debug packs the
-# debug binaries instead (what `make test` checks, to spare it a release build); what ships is release.
+# make image: the release binaries and the simulated driver, then an OCI image archive of them
+# (e2e/tools/image/oci_image.py; no Docker, no registry) at target/image/tessera.tar. --test also runs the
+# archive's tests. IMAGE_REF names it in index.json (default tessera:<workspace version>). IMAGE_PROFILE=debug
+# packs the debug builds instead (what `make test` checks, to spare it a release build); what ships is release.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -14,14 +14,20 @@ REF="${IMAGE_REF:-tessera:$VERSION}"
 command -v python3 >/dev/null || { echo "error: python3 not found; make image needs Python >= 3.11" >&2; exit 2; }
 command -v ldd >/dev/null || { echo "error: ldd not found (Debian: apt-get install libc-bin)" >&2; exit 2; }
 
+# The simulated NVIDIA driver (kubelet-plugin/sim-driver) goes to /usr/lib/tessera-sim, where the plugin's
+# `simulated` backend finds it (<exe dir>/../lib/tessera-sim) to install into its driver root.
+PACKAGES=(-p tessera-controller -p tessera-kubelet-plugin -p tessera-sim-nvml -p tessera-sim-cuda -p tessera-sim-tools)
+SIM_DRIVER=(libnvidia_ml.so libcuda.so nvidia-smi nvidia-cuda-mps-control nvidia-cuda-mps-server)
 PROFILE="${IMAGE_PROFILE:-release}"
 case "$PROFILE" in
-  release) (cd "$REPO_ROOT" && cargo build --release -p tessera-controller -p tessera-kubelet-plugin) ;;
-  debug) (cd "$REPO_ROOT" && cargo build -p tessera-controller -p tessera-kubelet-plugin) ;;
+  release) (cd "$REPO_ROOT" && cargo build --release "${PACKAGES[@]}") ;;
+  debug) (cd "$REPO_ROOT" && cargo build "${PACKAGES[@]}") ;;
   *) echo "error: IMAGE_PROFILE must be release or debug, got $PROFILE" >&2; exit 2 ;;
 esac
+FILES=()
+for name in "${SIM_DRIVER[@]}"; do FILES+=(--file "$TARGET/$PROFILE/$name:/usr/lib/tessera-sim/$name"); done
 python3 "$REPO_ROOT/e2e/tools/image/oci_image.py" --out "$OUT" --ref "$REF" --version "$VERSION" \
-  --binary "$TARGET/$PROFILE/tessera-controller" --binary "$TARGET/$PROFILE/tessera-kubelet-plugin"
+  --binary "$TARGET/$PROFILE/tessera-controller" --binary "$TARGET/$PROFILE/tessera-kubelet-plugin" "${FILES[@]}"
 echo "image $REF: $OUT ($(du -h "$OUT" | cut -f1) archive)"
 
 if [[ "${1:-}" == --test ]]; then

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Builds tessera's image as an OCI image layout tarball (`oci-archive`) without a daemon or a registry.
 
-The root filesystem holds the given binaries under /usr/bin, exactly the shared libraries `ldd` says they
-load (at the paths the loader looks them up by, as regular files), and an /etc/passwd and /etc/group with
-the non-root user the controller runs as: the same paths as deployments/container/Dockerfile's distroless
-stage. Deterministic: fixed mtimes and owners, sorted entries, gzip without a timestamp, so the same
-binaries give the same digests.
+The root filesystem holds the given binaries under /usr/bin, any further files at the paths given for
+them (`--file SRC:DEST`: the simulated NVIDIA driver under /usr/lib/tessera-sim), exactly the shared
+libraries `ldd` says all of them load (at the paths the loader looks them up by, as regular files), and an
+/etc/passwd and /etc/group with the non-root user the controller runs as: the same paths as
+deployments/container/Dockerfile's distroless stage. Deterministic: fixed mtimes and owners, sorted
+entries, gzip without a timestamp, so the same inputs give the same digests.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import re
 import subprocess
 import sys
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,13 +121,31 @@ def canonical_json(value: object) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
-def build_rootfs(binaries: list[Path]) -> Rootfs:
+def parse_file_arg(value: str) -> tuple[Path, str]:
+    """`SRC:DEST` (DEST absolute, in the image) as (source, path in the layer without the leading slash)."""
+    src, sep, dest = value.rpartition(":")
+    if not sep or not src or not dest.startswith("/"):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected SRC:DEST with an absolute DEST")
+    rel = os.path.normpath(dest).lstrip("/")
+    if not rel or rel == "." or rel.startswith(".."):
+        raise argparse.ArgumentTypeError(f"{value!r}: DEST must name a file inside the image")
+    return Path(src), rel
+
+
+def build_rootfs(binaries: list[Path], files: Sequence[tuple[Path, str]] = ()) -> Rootfs:
+    """`binaries` go to /usr/bin under their names, each of `files` (source, path in the image) to its path;
+    all of them mode 0755 with the libraries they load."""
     rootfs = Rootfs()
-    for binary in binaries:
-        if not binary.is_file():
-            raise ImageError(f"binary {binary} does not exist: build it first (cargo build --release)")
-        rootfs.add_file(f"{BIN_DIR}/{binary.name}", binary.read_bytes(), 0o755)
-        for lib in shared_libraries(binary):
+    placed = [(binary, f"{BIN_DIR}/{binary.name}") for binary in binaries]
+    placed += [(src, dest.lstrip("/")) for src, dest in files]
+    for src, dest in placed:
+        if not src.is_file():
+            raise ImageError(f"{src} does not exist: build it first (cargo build --release)")
+        if dest in rootfs.files:
+            raise ImageError(f"two files for /{dest}")
+        rootfs.add_file(dest, src.read_bytes(), 0o755)
+    for src, _ in placed:
+        for lib in shared_libraries(src):
             # The file itself under the name the loader asks for: the image needs no symlinks or ld.so.cache.
             rootfs.add_file(lib.lstrip("/"), Path(lib).resolve().read_bytes(), 0o755)
     rootfs.add_file("etc/passwd", PASSWD.encode(), 0o644)
@@ -213,10 +233,19 @@ def write_oci_layout(
     return sha256(manifest)
 
 
-def build_archive(binaries: list[Path], out: Path, ref: str, version: str, mtime: int, source: str) -> dict:
-    """Writes the OCI layout tarball to `out`; returns sizes and digests."""
+def build_archive(
+    binaries: list[Path],
+    out: Path,
+    ref: str,
+    version: str,
+    mtime: int,
+    source: str,
+    files: Sequence[tuple[Path, str]] = (),
+) -> dict:
+    """Writes the OCI layout tarball to `out`; returns sizes and digests. `files`: (source, path in the
+    image) beyond /usr/bin's binaries."""
     created = "1970-01-01T00:00:00Z" if mtime == 0 else _rfc3339(mtime)
-    layer = layer_tar(build_rootfs(binaries), mtime)
+    layer = layer_tar(build_rootfs(binaries, files), mtime)
     layer_gz = gzip_bytes(layer)
     config = canonical_json(image_config(sha256(layer), "tessera-controller", version, created, source))
     manifest = write_oci_layout(
@@ -245,6 +274,14 @@ def _rfc3339(epoch: int) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--binary", action="append", type=Path, required=True, help="binary for /usr/bin (repeat)")
+    parser.add_argument(
+        "--file",
+        action="append",
+        type=parse_file_arg,
+        default=[],
+        metavar="SRC:DEST",
+        help="another file at absolute path DEST in the image, mode 0755, with the libraries it loads (repeat)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="OCI archive to write (.tar)")
     parser.add_argument("--ref", default="tessera:dev", help="org.opencontainers.image.ref.name in index.json")
     parser.add_argument("--version", default="dev", help="org.opencontainers.image.version label")
@@ -252,7 +289,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     mtime = int(os.environ.get("SOURCE_DATE_EPOCH", "0"))
     try:
-        summary = build_archive(args.binary, args.out, args.ref, args.version, mtime, args.source)
+        summary = build_archive(args.binary, args.out, args.ref, args.version, mtime, args.source, args.file)
     except ImageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -1,12 +1,14 @@
 """Checks the OCI archive `make image` wrote (IMAGE_ARCHIVE, default target/image/tessera.tar) as a runtime
-would read it: the layout, every digest and size, the config, and both binaries started from the unpacked
-root filesystem in a chroot, where nothing of this machine's libraries is visible.
+would read it: the layout, every digest and size, the config, and both binaries and the simulated driver's
+nvidia-smi started from the unpacked root filesystem in a chroot, where nothing of this machine's libraries
+is visible.
 
     python3 -m unittest discover -s e2e/tools/image -v
 """
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import io
@@ -24,6 +26,10 @@ import oci_image
 REPO = Path(__file__).resolve().parents[3]
 ARCHIVE = Path(os.environ.get("IMAGE_ARCHIVE", REPO / "target/image/tessera.tar"))
 BINARIES = ("tessera-controller", "tessera-kubelet-plugin")
+# The simulated driver (e2e/scripts/build-image.sh --file), where the plugin looks for it:
+# <exe dir>/../lib/tessera-sim (kubelet-plugin/src/gpu/sim_driver_root.rs).
+SIM_DIR = "usr/lib/tessera-sim"
+SIM_DRIVER = ("libnvidia_ml.so", "libcuda.so", "nvidia-smi", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
 
 
 def blob_name(digest: str) -> str:
@@ -96,26 +102,36 @@ class TheImageArchive(unittest.TestCase):
         passwd = (self.rootfs / "etc/passwd").read_text()
         self.assertIn("nonroot:x:65532:65532:", passwd)
 
-    def test_the_rootfs_holds_both_binaries_and_only_the_libraries_they_load(self) -> None:
-        for name in BINARIES:
-            self.assertTrue(os.access(self.rootfs / "usr/bin" / name, os.X_OK), name)
+    def test_the_rootfs_holds_both_binaries_the_simulated_driver_and_only_the_libraries_they_load(self) -> None:
+        programs = [f"usr/bin/{n}" for n in BINARIES] + [f"{SIM_DIR}/{n}" for n in SIM_DRIVER]
+        for path in programs:
+            self.assertTrue(os.access(self.rootfs / path, os.X_OK), path)
         files = {str(p.relative_to(self.rootfs)) for p in self.rootfs.rglob("*") if p.is_file()}
-        wanted = {f"usr/bin/{n}" for n in BINARIES} | {"etc/passwd", "etc/group"}
-        for name in BINARIES:
-            wanted |= {lib.lstrip("/") for lib in oci_image.shared_libraries(self.rootfs / "usr/bin" / name)}
+        wanted = set(programs) | {"etc/passwd", "etc/group"}
+        for path in programs:
+            wanted |= {lib.lstrip("/") for lib in oci_image.shared_libraries(self.rootfs / path)}
         self.assertEqual(files, wanted)
         self.assertTrue(any("ld-linux" in f for f in files), files)
 
-    def run_in_rootfs(self, user: str, *argv: str) -> subprocess.CompletedProcess:
+    def run_in_rootfs(self, user: str, *argv: str, preload: str | None = None) -> subprocess.CompletedProcess:
         """Runs a program of the image in a chroot of its rootfs; without root, through the rootfs's own
-        loader and libraries (which still proves the image carries every library the binary loads)."""
+        loader and libraries (which still proves the image carries every library the binary loads).
+        `preload`: a library of the image (absolute path in it) loaded first, as LD_PRELOAD."""
+        env = {"PATH": "/usr/bin"}
         if os.geteuid() == 0 and shutil.which("chroot"):
             cmd = [shutil.which("chroot"), f"--userspec={user}", str(self.rootfs), *argv]
+            if preload:
+                env["LD_PRELOAD"] = preload
         else:
             loader = next(self.rootfs.glob("lib64/ld-linux-*.so.*"))
-            lib_dirs = sorted({str(p.parent) for p in self.rootfs.rglob("*.so*") if p.parent != loader.parent})
-            cmd = [str(loader), "--inhibit-cache", "--library-path", ":".join(lib_dirs), str(self.rootfs) + argv[0], *argv[1:]]
-        return subprocess.run(cmd, capture_output=True, text=True, env={"PATH": "/usr/bin"}, timeout=60)
+            lib_dirs = sorted(
+                {str(p.parent) for p in self.rootfs.rglob("*.so*") if p.parent not in (loader.parent, self.rootfs / SIM_DIR)}
+            )
+            cmd = [str(loader), "--inhibit-cache", "--library-path", ":".join(lib_dirs)]
+            if preload:
+                cmd += ["--preload", str(self.rootfs) + preload]
+            cmd += [str(self.rootfs) + argv[0], *argv[1:]]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
 
     def test_both_binaries_print_their_help_in_a_chroot_of_the_rootfs_and_the_controller_as_non_root(self) -> None:
         for name, user in (("tessera-controller", "65532:65532"), ("tessera-kubelet-plugin", "0:0")):
@@ -125,6 +141,19 @@ class TheImageArchive(unittest.TestCase):
         crds = self.run_in_rootfs("65532:65532", "/usr/bin/tessera-controller", "crds")
         self.assertEqual(crds.returncode, 0, crds.stderr)
         self.assertIn("name: nodeinventories.gpu.tessera.dev", crds.stdout)
+
+    def test_the_simulated_nvidia_smi_runs_in_a_chroot_and_loads_the_images_libnvidia_ml_without_a_kernel(self) -> None:
+        smi = f"/{SIM_DIR}/nvidia-smi"
+        # The image's libnvidia_ml.so is only the plugin's source for driver roots, under its built name: not
+        # on the loader's path as libnvidia-ml.so.1, so nvidia-smi alone does not find it (NVIDIA's exit 12).
+        alone = self.run_in_rootfs("0:0", smi)
+        self.assertEqual(alone.returncode, 12, f"{alone.stdout}{alone.stderr}")
+        self.assertIn("couldn't find libnvidia-ml.so", alone.stdout)
+        # Preloaded, its soname libnvidia-ml.so.1 answers nvidia-smi's dlopen; nvmlInit finds no simulated
+        # kernel (no tessera-sim/kernel.json above it) and says what NVIDIA's says without a kernel module.
+        run = self.run_in_rootfs("0:0", smi, preload=f"/{SIM_DIR}/libnvidia_ml.so")
+        self.assertEqual(run.returncode, 9, f"{run.stdout}{run.stderr}")
+        self.assertIn("couldn't communicate with the NVIDIA driver", run.stdout)
 
     def test_building_again_from_the_same_binaries_gives_the_same_manifest_digest(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -137,6 +166,7 @@ class TheImageArchive(unittest.TestCase):
                 labels["org.opencontainers.image.version"],
                 int(os.environ.get("SOURCE_DATE_EPOCH", "0")),
                 labels["org.opencontainers.image.source"],
+                [(self.rootfs / SIM_DIR / n, f"/{SIM_DIR}/{n}") for n in SIM_DRIVER],
             )
             self.assertEqual(summary["manifest_digest"], self.layout.manifest_descriptor["digest"])
 
@@ -150,6 +180,12 @@ class BadInput(unittest.TestCase):
             self.assertIn(str(missing), str(err.exception))
             self.assertIn("cargo build --release", str(err.exception))
             self.assertFalse((Path(tmp) / "out.tar").exists())
+
+    def test_a_file_needs_an_absolute_destination_inside_the_image(self) -> None:
+        self.assertEqual(oci_image.parse_file_arg("a/b:c:/usr/lib/x/y"), (Path("a/b:c"), "usr/lib/x/y"))
+        for bad in ("nvidia-smi", "nvidia-smi:usr/bin/nvidia-smi", "nvidia-smi:/", "nvidia-smi:/..", ":/x"):
+            with self.assertRaises(argparse.ArgumentTypeError, msg=bad):
+                oci_image.parse_file_arg(bad)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ use nvml_wrapper_sys::bindings::{
 use tessera_kubelet_plugin::gpu::simulated_health::{Fault, FaultKind};
 
 use crate::{
-    GPU_IS_LOST, Handle, INVALID_ARGUMENT, Lib, NO_INSTANCE, NOT_SUPPORTED, R, TIMEOUT, ffi, lib, model_err,
-    out,
+    GPU_IS_LOST, Handle, INVALID_ARGUMENT, Lib, NO_INSTANCE, NOT_SUPPORTED, Out, R, TIMEOUT, answer, ffi,
+    lib, model_err, out,
 };
 
 /// Event types the simulated GPUs raise.
@@ -75,8 +75,9 @@ fn faults_of(lib: &Lib) -> Vec<Fault> {
 /// `set` is null or valid.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlEventSetCreate(set: *mut nvmlEventSet_t) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let set = unsafe { Out::new(set) };
+    answer(set, |lib| {
         let id = {
             let mut next = lib.events.next.lock().unwrap_or_else(|p| p.into_inner());
             *next += 1;
@@ -87,8 +88,7 @@ pub unsafe extern "C" fn nvmlEventSetCreate(set: *mut nvmlEventSet_t) -> nvmlRet
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(id, Arc::default());
-        // SAFETY: by the caller's contract.
-        unsafe { out(set, Handle::EventSet(id).encode()) }
+        Ok(Handle::EventSet(id).encode())
     })
 }
 
@@ -99,10 +99,11 @@ pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
     device: nvmlDevice_t,
     types: *mut c_ulonglong,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        lib()?.gpu(device)?;
-        // SAFETY: by the caller's contract.
-        unsafe { out(types, SUPPORTED) }
+    // SAFETY: by the caller's contract.
+    let types = unsafe { Out::new(types) };
+    answer(types, |lib| {
+        lib.gpu(device)?;
+        Ok(SUPPORTED)
     })
 }
 
@@ -115,9 +116,7 @@ pub extern "C" fn nvmlDeviceRegisterEvents(
 ) -> nvmlReturn_t {
     ffi(|| {
         let lib = lib()?;
-        let gpu = lib
-            .gpu(device)
-            .map_err(|e| if e == INVALID_ARGUMENT { NOT_SUPPORTED } else { e })?;
+        let gpu = lib.gpu_or_not_supported(device)?;
         if types & !SUPPORTED != 0 {
             return Err(NOT_SUPPORTED);
         }

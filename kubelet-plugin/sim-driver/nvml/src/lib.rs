@@ -50,7 +50,7 @@ use tessera_kubelet_plugin::gpu::{
     models::{Architecture, GpuModel},
     simulated::{
         DeviceView, MigDevice, SIMULATED_CUDA_DRIVER_VERSION, SIMULATED_DRIVER_VERSION, SimulatedBackend,
-        SimulatedFault, locate_kernel,
+        SimulatedFault, SimulatedGpu, locate_kernel,
     },
 };
 
@@ -126,6 +126,15 @@ const TAG_SHIFT: u32 = 40;
 const NONE_ID: usize = 0xFF;
 
 impl Handle {
+    /// The device handle of MIG device `m` of GPU `gpu`.
+    pub(crate) fn of_mig(gpu: u32, m: &MigDevice) -> Self {
+        Self::Mig {
+            gpu,
+            gi: m.gpu_instance,
+            ci: m.compute_instance,
+        }
+    }
+
     pub(crate) fn encode<T>(self) -> *mut T {
         let (tag, a, b, c) = match self {
             Self::Gpu(g) => (1, g as usize, NONE_ID, NONE_ID),
@@ -256,6 +265,18 @@ impl Lib {
         Ok(d.gpu)
     }
 
+    /// [`Lib::gpu`] for calls NVML answers NOT_SUPPORTED rather than INVALID_ARGUMENT when given a MIG
+    /// device handle (or anything else that is not a whole GPU): compute mode, minor number, events…
+    pub(crate) fn gpu_or_not_supported(&self, device: nvmlDevice_t) -> R<u32> {
+        self.gpu(device)
+            .map_err(|e| if e == INVALID_ARGUMENT { NOT_SUPPORTED } else { e })
+    }
+
+    /// The model's record of GPU `gpu`.
+    pub(crate) fn info(&self, gpu: u32) -> R<SimulatedGpu> {
+        self.sim.gpu(gpu).map_err(model_err)
+    }
+
     pub(crate) fn mig_device(&self, gpu: u32, gi: u32, ci: u32) -> R<MigDevice> {
         self.sim
             .mig_devices(gpu, &self.view)
@@ -266,12 +287,12 @@ impl Lib {
     }
 
     pub(crate) fn model(&self, gpu: u32) -> R<&'static GpuModel> {
-        Ok(self.sim.gpu(gpu).map_err(model_err)?.model)
+        Ok(self.info(gpu)?.model)
     }
 
     fn handle_of_index(&self, index: u32) -> R<nvmlDevice_t> {
         let gpu = *self.visible.get(index as usize).ok_or(INVALID_ARGUMENT)?;
-        let g = self.sim.gpu(gpu).map_err(model_err)?;
+        let g = self.info(gpu)?;
         if g.node_fault == Some(SimulatedFault::Lost) {
             return Err(GPU_IS_LOST);
         }
@@ -284,6 +305,63 @@ impl Lib {
 
 // === Out-parameters ===
 
+/// Where an export's one answer goes: a caller's out-parameter, whose null check waits until the answer
+/// is written (NVML reports a bad handle or a model error first).
+pub(crate) trait OutParam {
+    type Value;
+    fn put(self, v: Self::Value) -> R;
+}
+
+/// A caller's `T *` out-parameter. Holding one is the promise that it is null or writable, made once
+/// in [`Out::new`] so that the code computing the answer needs no `unsafe`.
+pub(crate) struct Out<T>(*mut T);
+
+impl<T> Out<T> {
+    /// # Safety
+    /// `p` is null or valid for a write of `T` until the export returns.
+    pub(crate) unsafe fn new(p: *mut T) -> Self {
+        Self(p)
+    }
+}
+
+impl<T> OutParam for Out<T> {
+    type Value = T;
+    fn put(self, v: T) -> R {
+        // SAFETY: promised in `Out::new`.
+        unsafe { out(self.0, v) }
+    }
+}
+
+/// A caller's `char *` buffer of `len` bytes, filled as [`out_str`] does (INSUFFICIENT_SIZE if too small).
+pub(crate) struct OutStr {
+    buf: *mut c_char,
+    len: c_uint,
+}
+
+impl OutStr {
+    /// # Safety
+    /// `buf` is null or valid for `len` bytes until the export returns.
+    pub(crate) unsafe fn new(buf: *mut c_char, len: c_uint) -> Self {
+        Self { buf, len }
+    }
+}
+
+impl OutParam for OutStr {
+    type Value = String;
+    fn put(self, s: String) -> R {
+        // SAFETY: promised in `OutStr::new`.
+        unsafe { out_str(self.buf, self.len, &s) }
+    }
+}
+
+/// Runs an export that answers one value: `f` resolves its handle and asks the model, and the value goes
+/// to `dst`. The checks keep NVML's order — UNINITIALIZED, then whatever `f` fails with (a bad or
+/// faulted handle, a model error), a null `dst` only after those — and the whole runs under [`ffi`], so
+/// a panic in `f` answers UNKNOWN.
+pub(crate) fn answer<O: OutParam>(dst: O, f: impl FnOnce(&Lib) -> R<O::Value>) -> Ret {
+    ffi(|| dst.put(f(&*lib()?)?))
+}
+
 /// Writes `v` to a caller's out-parameter.
 ///
 /// # Safety
@@ -295,6 +373,20 @@ pub(crate) unsafe fn out<T>(p: *mut T, v: T) -> R {
     // SAFETY: non-null, and valid by the caller's contract.
     unsafe { p.write(v) };
     Ok(())
+}
+
+/// A caller's NUL-terminated string argument; null or not UTF-8 is INVALID_ARGUMENT.
+///
+/// # Safety
+/// `p` is null or a NUL-terminated string that outlives the export.
+pub(crate) unsafe fn in_str<'a>(p: *const c_char) -> R<&'a str> {
+    if p.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null, and a C string by the caller's contract.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| INVALID_ARGUMENT)
 }
 
 /// Copies `s` NUL-terminated into a caller's buffer of `len` bytes.
@@ -353,9 +445,71 @@ pub(crate) unsafe fn out_array<T>(buf: *mut T, count: *mut c_uint, items: Vec<T>
     Ok(())
 }
 
+/// [`out_array`] for the calls where a null buffer asks only for the count: `*count` is set and the
+/// answer is SUCCESS, not INSUFFICIENT_SIZE (`nvmlDeviceGetGpuInstancePossiblePlacements_v2` does so).
+///
+/// # Safety
+/// As [`out_array`].
+pub(crate) unsafe fn out_array_or_count<T>(buf: *mut T, count: *mut c_uint, items: Vec<T>) -> R {
+    if buf.is_null() {
+        // SAFETY: by the caller's contract.
+        return unsafe { out(count, items.len() as c_uint) };
+    }
+    // SAFETY: by the caller's contract.
+    unsafe { out_array(buf, count, items) }
+}
+
+/// Writes `items` to a caller's array whose size NVML fixes by contract rather than by `*count` (the
+/// GPU- and compute-instance lists: the buffer holds the profile's instance count), and sets `*count`.
+/// A null `count`, or a null buffer with something to write, is INVALID_ARGUMENT.
+///
+/// # Safety
+/// `count` is null or valid; `buf` is null or valid for `items.len()` entries.
+pub(crate) unsafe fn out_fixed_array<T>(buf: *mut T, count: *mut c_uint, items: Vec<T>) -> R {
+    if count.is_null() || (buf.is_null() && !items.is_empty()) {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: `count` is non-null, and the buffer holds `items.len()` entries, by the caller's contract.
+    unsafe {
+        *count = items.len() as c_uint;
+        for (i, item) in items.into_iter().enumerate() {
+            buf.add(i).write(item);
+        }
+    }
+    Ok(())
+}
+
 /// `NVML_STRUCT_VERSION(T, v)`.
 pub(crate) const fn struct_version<T>(version: u32) -> c_uint {
     (mem::size_of::<T>() as u32) | (version << 24)
+}
+
+/// The `version` field of a caller's versioned struct (INVALID_ARGUMENT for a null one). The caller may
+/// have passed any version of the struct, so only this field is read: it leads every version.
+///
+/// # Safety
+/// `p` is null or valid for a read of the struct's first field.
+pub(crate) unsafe fn version_of<T>(p: *const T) -> R<c_uint> {
+    if p.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null and valid by the caller's contract; every versioned struct in `nvml.h` starts
+    // with `unsigned int version`, so its first four bytes are that field whichever version it is.
+    Ok(unsafe { p.cast::<c_uint>().read() })
+}
+
+/// [`version_of`], refused with ARGUMENT_VERSION_MISMATCH unless it is one of `accepted`.
+///
+/// # Safety
+/// As [`version_of`].
+pub(crate) unsafe fn accepted_version<T>(p: *const T, accepted: &[c_uint]) -> R<c_uint> {
+    // SAFETY: by the caller's contract.
+    let version = unsafe { version_of(p) }?;
+    if accepted.contains(&version) {
+        Ok(version)
+    } else {
+        Err(ARGUMENT_VERSION_MISMATCH)
+    }
 }
 
 // === Init, shutdown, system queries ===
@@ -421,11 +575,9 @@ pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
 /// `version` is valid for `length` bytes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
-    ffi(|| {
-        lib()?;
-        // SAFETY: by the caller's contract.
-        unsafe { out_str(version, length, SIMULATED_DRIVER_VERSION) }
-    })
+    // SAFETY: by the caller's contract.
+    let version = unsafe { OutStr::new(version, length) };
+    answer(version, |_| Ok(SIMULATED_DRIVER_VERSION.to_string()))
 }
 
 /// # Safety
@@ -473,8 +625,9 @@ pub unsafe extern "C" fn nvmlSystemGetProcessName(
     name: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let name = unsafe { OutStr::new(name, length) };
+    answer(name, |lib| {
         let found = lib.sim.process_name(pid).or_else(|| {
             std::fs::read_to_string(format!("/proc/{pid}/comm"))
                 .ok()
@@ -482,9 +635,7 @@ pub unsafe extern "C" fn nvmlSystemGetProcessName(
         });
         let found = found.ok_or(NOT_FOUND)?;
         // NVML crops the name to the buffer rather than failing.
-        let cropped: String = found.chars().take((length as usize).saturating_sub(1)).collect();
-        // SAFETY: by the caller's contract.
-        unsafe { out_str(name, length, &cropped) }
+        Ok(found.chars().take((length as usize).saturating_sub(1)).collect())
     })
 }
 
@@ -494,11 +645,9 @@ pub unsafe extern "C" fn nvmlSystemGetProcessName(
 /// `count` is null or valid.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
-        // SAFETY: by the caller's contract.
-        unsafe { out(count, lib.visible.len() as c_uint) }
-    })
+    // SAFETY: by the caller's contract.
+    let count = unsafe { Out::new(count) };
+    answer(count, |lib| Ok(lib.visible.len() as c_uint))
 }
 
 /// # Safety
@@ -516,11 +665,9 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
     index: c_uint,
     device: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let handle = lib()?.handle_of_index(index)?;
-        // SAFETY: by the caller's contract.
-        unsafe { out(device, handle) }
-    })
+    // SAFETY: by the caller's contract.
+    let device = unsafe { Out::new(device) };
+    answer(device, |lib| lib.handle_of_index(index))
 }
 
 /// # Safety
@@ -545,13 +692,8 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
 ) -> nvmlReturn_t {
     ffi(|| {
         let lib = lib()?;
-        if uuid.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        // SAFETY: a C string by the caller's contract.
-        let wanted = unsafe { CStr::from_ptr(uuid) }
-            .to_str()
-            .map_err(|_| INVALID_ARGUMENT)?;
+        // SAFETY: by the caller's contract.
+        let wanted = unsafe { in_str(uuid) }?;
         if let Some(gpu) = lib.sim.gpu_by_uuid(wanted).filter(|g| lib.visible.contains(g)) {
             if let Some(code) = lib.sim.failing_code(gpu) {
                 return Err(code);
@@ -564,13 +706,8 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
                 continue;
             };
             if let Some(m) = migs.into_iter().find(|m| m.uuid == wanted) {
-                let h = Handle::Mig {
-                    gpu,
-                    gi: m.gpu_instance,
-                    ci: m.compute_instance,
-                };
                 // SAFETY: by the caller's contract.
-                return unsafe { out(device, h.encode()) };
+                return unsafe { out(device, Handle::of_mig(gpu, &m).encode()) };
             }
         }
         Err(NOT_FOUND)
@@ -595,13 +732,8 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
 ) -> nvmlReturn_t {
     ffi(|| {
         let lib = lib()?;
-        if bus_id.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        // SAFETY: a C string by the caller's contract.
-        let wanted = unsafe { CStr::from_ptr(bus_id) }
-            .to_str()
-            .map_err(|_| INVALID_ARGUMENT)?;
+        // SAFETY: by the caller's contract.
+        let wanted = unsafe { in_str(bus_id) }?;
         let gpu = lib
             .visible
             .iter()
@@ -627,8 +759,9 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
 /// `index` is null or valid.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_uint) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let index = unsafe { Out::new(index) };
+    answer(index, |lib| {
         let d = lib.dev(device)?;
         let i = match &d.mig {
             None => lib.visible.iter().position(|&g| g == d.gpu),
@@ -639,8 +772,7 @@ pub unsafe extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_
                 .iter()
                 .position(|x| x.uuid == m.uuid),
         };
-        // SAFETY: by the caller's contract.
-        unsafe { out(index, i.ok_or(INVALID_ARGUMENT)? as c_uint) }
+        Ok(i.ok_or(INVALID_ARGUMENT)? as c_uint)
     })
 }
 
@@ -654,15 +786,14 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     uuid: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let uuid = unsafe { OutStr::new(uuid, length) };
+    answer(uuid, |lib| {
         let d = lib.dev(device)?;
-        let s = match d.mig {
+        Ok(match d.mig {
             Some(m) => m.uuid,
-            None => lib.sim.gpu(d.gpu).map_err(model_err)?.uuid,
-        };
-        // SAFETY: by the caller's contract.
-        unsafe { out_str(uuid, length, &s) }
+            None => lib.info(d.gpu)?.uuid,
+        })
     })
 }
 
@@ -676,19 +807,18 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     name: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let name = unsafe { OutStr::new(name, length) };
+    answer(name, |lib| {
         let d = lib.dev(device)?;
         let model = lib.model(d.gpu)?;
-        let s = match &d.mig {
+        Ok(match &d.mig {
             None => model.product_name.to_string(),
             Some(m) => {
                 let prof = model.profile_by_id(m.gi_profile_id).ok_or(UNKNOWN)?;
                 format!("{} MIG {}", model.product_name, prof.name)
             }
-        };
-        // SAFETY: by the caller's contract.
-        unsafe { out_str(name, length, &s) }
+        })
     })
 }
 
@@ -699,11 +829,12 @@ pub unsafe extern "C" fn nvmlDeviceGetBrand(
     device: nvmlDevice_t,
     brand: *mut nvmlBrandType_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        lib()?.dev(device)?;
+    // SAFETY: by the caller's contract.
+    let brand = unsafe { Out::new(brand) };
+    answer(brand, |lib| {
+        lib.dev(device)?;
         // NVML_BRAND_NVIDIA: what data-center GPUs of these generations report.
-        // SAFETY: by the caller's contract.
-        unsafe { out(brand, 14) }
+        Ok(14)
     })
 }
 
@@ -711,15 +842,11 @@ pub unsafe extern "C" fn nvmlDeviceGetBrand(
 /// `minor` is null or valid.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(device: nvmlDevice_t, minor: *mut c_uint) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let minor = unsafe { Out::new(minor) };
+    answer(minor, |lib| {
         // A MIG device has no /dev/nvidia<minor> of its own: callers take the parent's.
-        let gpu = lib
-            .gpu(device)
-            .map_err(|e| if e == INVALID_ARGUMENT { NOT_SUPPORTED } else { e })?;
-        let m = lib.sim.gpu(gpu).map_err(model_err)?.minor;
-        // SAFETY: by the caller's contract.
-        unsafe { out(minor, m) }
+        Ok(lib.info(lib.gpu_or_not_supported(device)?)?.minor)
     })
 }
 
@@ -738,12 +865,10 @@ pub unsafe extern "C" fn nvmlDeviceGetArchitecture(
     device: nvmlDevice_t,
     arch: *mut nvmlDeviceArchitecture_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
-        let d = lib.dev(device)?;
-        let a = nvml_architecture(lib.model(d.gpu)?.architecture);
-        // SAFETY: by the caller's contract.
-        unsafe { out(arch, a) }
+    // SAFETY: by the caller's contract.
+    let arch = unsafe { Out::new(arch) };
+    answer(arch, |lib| {
+        Ok(nvml_architecture(lib.model(lib.dev(device)?.gpu)?.architecture))
     })
 }
 
@@ -774,7 +899,7 @@ pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
 
 /// Total memory of a GPU or MIG device, and what is not in use (the model tracks no allocations).
 fn memory(lib: &Lib, d: &Dev) -> R<(u64, u64)> {
-    let g = lib.sim.gpu(d.gpu).map_err(model_err)?;
+    let g = lib.info(d.gpu)?;
     if g.node_fault == Some(SimulatedFault::MemoryNotSupported) {
         return Err(NOT_SUPPORTED);
     }
@@ -795,16 +920,15 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: nvmlDevice_t,
     mem: *mut nvmlMemory_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
-        let (total, used) = memory(&lib, &lib.dev(device)?)?;
-        let m = nvmlMemory_t {
+    // SAFETY: by the caller's contract.
+    let mem = unsafe { Out::new(mem) };
+    answer(mem, |lib| {
+        let (total, used) = memory(lib, &lib.dev(device)?)?;
+        Ok(nvmlMemory_t {
             total,
             free: total - used,
             used,
-        };
-        // SAFETY: by the caller's contract.
-        unsafe { out(mem, m) }
+        })
     })
 }
 
@@ -815,25 +939,19 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     device: nvmlDevice_t,
     mem: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
-        if mem.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        // SAFETY: non-null and valid by the caller's contract.
-        if unsafe { (*mem).version } != struct_version::<nvmlMemory_v2_t>(2) {
-            return Err(ARGUMENT_VERSION_MISMATCH);
-        }
-        let (total, used) = memory(&lib, &lib.dev(device)?)?;
-        let m = nvmlMemory_v2_t {
-            version: struct_version::<nvmlMemory_v2_t>(2),
+    // SAFETY: by the caller's contract.
+    let dst = unsafe { Out::new(mem) };
+    answer(dst, |lib| {
+        // SAFETY: by the caller's contract.
+        let version = unsafe { accepted_version(mem, &[struct_version::<nvmlMemory_v2_t>(2)]) }?;
+        let (total, used) = memory(lib, &lib.dev(device)?)?;
+        Ok(nvmlMemory_v2_t {
+            version,
             total,
             reserved: 0,
             free: total - used,
             used,
-        };
-        // SAFETY: as above.
-        unsafe { out(mem, m) }
+        })
     })
 }
 
@@ -844,10 +962,10 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
     device: nvmlDevice_t,
     pci: *mut nvmlPciInfo_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
-        let d = lib.dev(device)?;
-        let g = lib.sim.gpu(d.gpu).map_err(model_err)?;
+    // SAFETY: by the caller's contract.
+    let pci = unsafe { Out::new(pci) };
+    answer(pci, |lib| {
+        let g = lib.info(lib.dev(device)?.gpu)?;
         let mut parts = g.pci_bus_id.split([':', '.']);
         let mut next = || u32::from_str_radix(parts.next().unwrap_or("0"), 16).unwrap_or(0);
         let (domain, bus, dev) = (next(), next(), next());
@@ -863,8 +981,7 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
             &mut info.busIdLegacy,
             &format!("{domain:04X}:{bus:02X}:{dev:02X}.0"),
         );
-        // SAFETY: by the caller's contract.
-        unsafe { out(pci, info) }
+        Ok(info)
     })
 }
 
@@ -872,13 +989,12 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
 /// `node` is null or valid.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetNumaNodeId(device: nvmlDevice_t, node: *mut c_uint) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
-        let d = lib.dev(device)?;
-        let n = lib.sim.gpu(d.gpu).map_err(model_err)?.numa_node;
-        // SAFETY: by the caller's contract.
-        unsafe { out(node, n as c_uint) }
-    })
+    // SAFETY: by the caller's contract.
+    let node = unsafe { Out::new(node) };
+    answer(
+        node,
+        |lib| Ok(lib.info(lib.dev(device)?.gpu)?.numa_node as c_uint),
+    )
 }
 
 /// CUDA cores: SMs × cores per SM of the compute capability (64 on 8.0, 128 on Hopper and Blackwell).
@@ -887,8 +1003,9 @@ pub unsafe extern "C" fn nvmlDeviceGetNumaNodeId(device: nvmlDevice_t, node: *mu
 /// `cores` is null or valid.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetNumGpuCores(device: nvmlDevice_t, cores: *mut c_uint) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let cores = unsafe { Out::new(cores) };
+    answer(cores, |lib| {
         let d = lib.dev(device)?;
         let model = lib.model(d.gpu)?;
         let per_sm = if compute_capability(model) == (8, 0) {
@@ -905,8 +1022,7 @@ pub unsafe extern "C" fn nvmlDeviceGetNumGpuCores(device: nvmlDevice_t, cores: *
                     .multiprocessors
             }
         };
-        // SAFETY: by the caller's contract.
-        unsafe { out(cores, sms * per_sm) }
+        Ok(sms * per_sm)
     })
 }
 
@@ -919,12 +1035,13 @@ pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
     device: nvmlDevice_t,
     attributes: *mut nvmlDeviceAttributes_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let attributes = unsafe { Out::new(attributes) };
+    answer(attributes, |lib| {
         let d = lib.dev(device)?;
         let m = d.mig.as_ref().ok_or(NOT_SUPPORTED)?;
         let prof = lib.model(d.gpu)?.profile_by_id(m.gi_profile_id).ok_or(UNKNOWN)?;
-        let a = nvmlDeviceAttributes_t {
+        Ok(nvmlDeviceAttributes_t {
             multiprocessorCount: prof.multiprocessors,
             sharedCopyEngineCount: prof.copy_engines,
             sharedDecoderCount: prof.decoders,
@@ -934,9 +1051,7 @@ pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
             gpuInstanceSliceCount: prof.compute_slices,
             computeInstanceSliceCount: prof.compute_slices,
             memorySizeMB: prof.memory_mib,
-        };
-        // SAFETY: by the caller's contract.
-        unsafe { out(attributes, a) }
+        })
     })
 }
 
@@ -947,24 +1062,17 @@ pub unsafe extern "C" fn nvmlDeviceGetVirtualizationMode(
     device: nvmlDevice_t,
     mode: *mut nvmlGpuVirtualizationMode_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
-        let d = lib.dev(device)?;
-        let v = lib
-            .sim
-            .gpu(d.gpu)
-            .map_err(model_err)?
-            .virtualization_mode
-            .nvml_value();
-        // SAFETY: by the caller's contract.
-        unsafe { out(mode, v) }
+    // SAFETY: by the caller's contract.
+    let mode = unsafe { Out::new(mode) };
+    answer(mode, |lib| {
+        Ok(lib.info(lib.dev(device)?.gpu)?.virtualization_mode.nvml_value())
     })
 }
 
 /// The fabric state of the node file; a GPU without one (`fabric: None`) answers NOT_SUPPORTED.
 fn fabric(lib: &Lib, device: nvmlDevice_t) -> R<(u8, [u8; 16])> {
     let d = lib.dev(device)?;
-    let g = lib.sim.gpu(d.gpu).map_err(model_err)?;
+    let g = lib.info(d.gpu)?;
     let state = g.fabric.nvml_value();
     if state == 0 {
         return Err(NOT_SUPPORTED);
@@ -984,16 +1092,16 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfo(
     device: nvmlDevice_t,
     info: *mut nvmlGpuFabricInfo_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let (state, cluster_uuid) = fabric(&*lib()?, device)?;
-        let v = nvmlGpuFabricInfo_t {
+    // SAFETY: by the caller's contract.
+    let info = unsafe { Out::new(info) };
+    answer(info, |lib| {
+        let (state, cluster_uuid) = fabric(lib, device)?;
+        Ok(nvmlGpuFabricInfo_t {
             clusterUuid: cluster_uuid,
             status: SUCCESS,
             cliqueId: 0,
             state,
-        };
-        // SAFETY: by the caller's contract.
-        unsafe { out(info, v) }
+        })
     })
 }
 
@@ -1008,11 +1116,9 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfoV(
 ) -> nvmlReturn_t {
     ffi(|| {
         let lib = lib()?;
-        if info.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        // SAFETY: the version field leads every version of the struct.
-        let version = unsafe { (*info).version };
+        // SAFETY: by the caller's contract. The version is refused only after the device is resolved,
+        // as NVML orders the checks.
+        let version = unsafe { version_of(info) }?;
         let (state, cluster_uuid) = fabric(&lib, device)?;
         if version == struct_version::<nvmlGpuFabricInfo_v3_t>(3) {
             let v = nvmlGpuFabricInfo_v3_t {
@@ -1052,16 +1158,15 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeMode(
     device: nvmlDevice_t,
     mode: *mut nvmlComputeMode_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let mode = unsafe { Out::new(mode) };
+    answer(mode, |lib| {
         let d = lib.dev(device)?;
-        let m = match lib.sim.compute_mode(d.gpu).map_err(model_err)? {
+        Ok(match lib.sim.compute_mode(d.gpu).map_err(model_err)? {
             ComputeMode::Default => 0,
             ComputeMode::Prohibited => 2,
             ComputeMode::ExclusiveProcess => 3,
-        };
-        // SAFETY: by the caller's contract.
-        unsafe { out(mode, m) }
+        })
     })
 }
 
@@ -1069,9 +1174,7 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeMode(
 pub extern "C" fn nvmlDeviceSetComputeMode(device: nvmlDevice_t, mode: nvmlComputeMode_t) -> nvmlReturn_t {
     ffi(|| {
         let lib = lib()?;
-        let gpu = lib
-            .gpu(device)
-            .map_err(|e| if e == INVALID_ARGUMENT { NOT_SUPPORTED } else { e })?;
+        let gpu = lib.gpu_or_not_supported(device)?;
         let m = match mode {
             0 => ComputeMode::Default,
             2 => ComputeMode::Prohibited,
@@ -1211,16 +1314,14 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
     device: nvmlDevice_t,
     utilization: *mut nvmlUtilization_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
-        let gpu = lib
-            .gpu(device)
-            .map_err(|e| if e == INVALID_ARGUMENT { NOT_SUPPORTED } else { e })?;
+    // SAFETY: by the caller's contract.
+    let utilization = unsafe { Out::new(utilization) };
+    answer(utilization, |lib| {
+        let gpu = lib.gpu_or_not_supported(device)?;
         if lib.sim.mig_mode(gpu).map_err(model_err)?.current {
             return Err(NOT_SUPPORTED);
         }
-        // SAFETY: by the caller's contract.
-        unsafe { out(utilization, nvmlUtilization_t { gpu: 0, memory: 0 }) }
+        Ok(nvmlUtilization_t { gpu: 0, memory: 0 })
     })
 }
 
@@ -1236,9 +1337,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(
 ) -> nvmlReturn_t {
     ffi(|| {
         let lib = lib()?;
-        let gpu = lib
-            .gpu(device)
-            .map_err(|e| if e == INVALID_ARGUMENT { NOT_SUPPORTED } else { e })?;
+        let gpu = lib.gpu_or_not_supported(device)?;
         let m = lib.sim.mig_mode(gpu).map_err(model_err)?;
         // SAFETY: by the caller's contract.
         unsafe {
@@ -1260,22 +1359,21 @@ pub unsafe extern "C" fn nvmlDeviceSetMigMode(
     mode: c_uint,
     activation_status: *mut nvmlReturn_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let activation_status = unsafe { Out::new(activation_status) };
+    answer(activation_status, |lib| {
         let gpu = lib.gpu(device)?;
         let enabled = match mode {
             0 => false,
             1 => true,
             _ => return Err(INVALID_ARGUMENT),
         };
-        if lib.sim.gpu(gpu).map_err(model_err)?.virtualization_mode
+        if lib.info(gpu)?.virtualization_mode
             == tessera_kubelet_plugin::gpu::simulated::VirtualizationMode::Vgpu
         {
             return Err(NOT_SUPPORTED);
         }
-        let status = lib.sim.set_mig_mode_nvml(gpu, enabled).map_err(model_err)?;
-        // SAFETY: by the caller's contract.
-        unsafe { out(activation_status, status) }
+        lib.sim.set_mig_mode_nvml(gpu, enabled).map_err(model_err)
     })
 }
 
@@ -1305,12 +1403,10 @@ pub extern "C" fn tesseraSimSetTimeSlice(device: nvmlDevice_t, slice: c_uint) ->
 /// `slice` is null or valid.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn tesseraSimGetTimeSlice(device: nvmlDevice_t, slice: *mut c_uint) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
-        let gpu = lib.gpu(device)?;
-        let s = lib.sim.hardware_time_slice(gpu).map_err(model_err)? as c_uint;
-        // SAFETY: by the caller's contract.
-        unsafe { out(slice, s) }
+    // SAFETY: by the caller's contract.
+    let slice = unsafe { Out::new(slice) };
+    answer(slice, |lib| {
+        Ok(lib.sim.hardware_time_slice(lib.gpu(device)?).map_err(model_err)? as c_uint)
     })
 }
 
@@ -1320,11 +1416,11 @@ pub unsafe extern "C" fn tesseraSimGetTimeSlice(device: nvmlDevice_t, slice: *mu
 /// `path` is valid for `length` bytes.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn tesseraSimKernelDir(path: *mut c_char, length: c_uint) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let path = unsafe { OutStr::new(path, length) };
+    answer(path, |lib| {
         let dir: &Path = lib.sim.kernel_dir();
-        // SAFETY: by the caller's contract.
-        unsafe { out_str(path, length, &dir.display().to_string()) }
+        Ok(dir.display().to_string())
     })
 }
 
@@ -1367,6 +1463,44 @@ mod tests {
         // SAFETY: a valid out pointer.
         assert_eq!(unsafe { nvmlDeviceGetCount_v2(&mut count) }, UNINITIALIZED);
         assert_eq!(nvmlShutdown(), UNINITIALIZED);
+    }
+
+    #[test]
+    fn the_three_array_conventions_differ_only_where_nvml_does() {
+        let mut buf = [0u32; 2];
+        let mut count: c_uint = 1;
+        // SAFETY: `buf` holds 2 entries and `count` is a valid out pointer in every call.
+        unsafe {
+            // A buffer too small for `*count`: the two-call pattern's INSUFFICIENT_SIZE, count set.
+            assert_eq!(
+                out_array(buf.as_mut_ptr(), &mut count, vec![7, 8]),
+                Err(INSUFFICIENT_SIZE)
+            );
+            assert_eq!(count, 2);
+            assert_eq!(
+                out_array(ptr::null_mut::<u32>(), &mut count, vec![7, 8]),
+                Err(INSUFFICIENT_SIZE)
+            );
+            // A null buffer is a question for the count.
+            count = 0;
+            assert_eq!(
+                out_array_or_count(ptr::null_mut::<u32>(), &mut count, vec![7, 8]),
+                Ok(())
+            );
+            assert_eq!(count, 2);
+            // The buffer is sized by contract, so `*count` is not read; a null one is INVALID_ARGUMENT.
+            count = 0;
+            assert_eq!(out_fixed_array(buf.as_mut_ptr(), &mut count, vec![7, 8]), Ok(()));
+            assert_eq!((count, buf), (2, [7, 8]));
+            assert_eq!(
+                out_fixed_array(ptr::null_mut::<u32>(), &mut count, vec![7]),
+                Err(INVALID_ARGUMENT)
+            );
+            assert_eq!(
+                out_fixed_array(buf.as_mut_ptr(), ptr::null_mut(), vec![7]),
+                Err(INVALID_ARGUMENT)
+            );
+        }
     }
 
     #[test]

@@ -19,12 +19,12 @@ use tessera_api::MigPlacement;
 use tessera_kubelet_plugin::gpu::{
     ComputeInstance, GpuBackend, GpuInstance,
     models::{ComputeInstanceProfile, GpuModel, MigProfile},
-    simulated::{VirtualizationMode, mig_minors_by_formula},
+    simulated::{MigDevice, VirtualizationMode, mig_minors_by_formula},
 };
 
 use crate::{
-    ARGUMENT_VERSION_MISMATCH, Handle, INSUFFICIENT_SIZE, INVALID_ARGUMENT, Lib, NOT_FOUND, NOT_SUPPORTED, R,
-    UNKNOWN, ffi, fill_c, lib, model_err, out, struct_version,
+    Handle, INVALID_ARGUMENT, Lib, NOT_FOUND, NOT_SUPPORTED, Out, R, UNKNOWN, accepted_version, answer, ffi,
+    fill_c, lib, model_err, out, out_array_or_count, out_fixed_array, struct_version,
 };
 
 /// `NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX`, the last GI profile index `nvml.h` knows: past it the
@@ -70,7 +70,7 @@ fn require_mig(lib: &Lib, gpu: u32) -> R {
 }
 
 fn require_not_vgpu_guest(lib: &Lib, gpu: u32) -> R {
-    if lib.sim.gpu(gpu).map_err(model_err)?.virtualization_mode == VirtualizationMode::Vgpu {
+    if lib.info(gpu)?.virtualization_mode == VirtualizationMode::Vgpu {
         Err(NOT_SUPPORTED)
     } else {
         Ok(())
@@ -130,6 +130,18 @@ impl Lib {
 
 // === GPU-instance profiles and placements ===
 
+/// Which of versions 2 and 3 of a profile-info struct the caller passed (`V2`, `V3` their layouts): the
+/// version, and whether it is 3. Any other is ARGUMENT_VERSION_MISMATCH.
+///
+/// # Safety
+/// As [`accepted_version`].
+unsafe fn v2_or_v3<V2, V3>(info: *const V2) -> R<(c_uint, bool)> {
+    let v3 = struct_version::<V3>(3);
+    // SAFETY: by the caller's contract.
+    let version = unsafe { accepted_version(info, &[v3, struct_version::<V2>(2)]) }?;
+    Ok((version, version == v3))
+}
+
 fn gi_profile_v1(p: &MigProfile) -> nvmlGpuInstanceProfileInfo_t {
     nvmlGpuInstanceProfileInfo_t {
         id: p.id,
@@ -157,12 +169,12 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
     profile: c_uint,
     info: *mut nvmlGpuInstanceProfileInfo_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let info = unsafe { Out::new(info) };
+    answer(info, |lib| {
         let gpu = lib.gpu(device)?;
-        let p = gi_profile_or_test_profile(&lib, gpu, profile)?;
-        // SAFETY: by the caller's contract.
-        unsafe { out(info, gi_profile_v1(p)) }
+        let p = gi_profile_or_test_profile(lib, gpu, profile)?;
+        Ok(gi_profile_v1(p))
     })
 }
 
@@ -179,15 +191,8 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoV(
 ) -> nvmlReturn_t {
     ffi(|| {
         let lib = lib()?;
-        if info.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        // SAFETY: the version field leads both versions of the struct.
-        let version = unsafe { (*info).version };
-        let v3 = version == struct_version::<nvmlGpuInstanceProfileInfo_v3_t>(3);
-        if !v3 && version != struct_version::<nvmlGpuInstanceProfileInfo_v2_t>(2) {
-            return Err(ARGUMENT_VERSION_MISMATCH);
-        }
+        // SAFETY: by the caller's contract.
+        let (version, v3) = unsafe { v2_or_v3::<_, nvmlGpuInstanceProfileInfo_v3_t>(info) }?;
         let gpu = lib.gpu(device)?;
         let p = gi_profile_or_test_profile(&lib, gpu, profile)?;
         let v1 = gi_profile_v1(p);
@@ -260,24 +265,8 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(
                 size: pl.size,
             })
             .collect();
-        if count.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        // SAFETY: non-null, by the caller's contract.
-        let capacity = unsafe { *count } as usize;
-        // SAFETY: as above.
-        unsafe { *count = all.len() as c_uint };
-        if placements.is_null() {
-            return Ok(());
-        }
-        if capacity < all.len() {
-            return Err(INSUFFICIENT_SIZE);
-        }
-        for (i, pl) in all.into_iter().enumerate() {
-            // SAFETY: i < capacity entries of the caller's buffer.
-            unsafe { placements.add(i).write(pl) };
-        }
-        Ok(())
+        // SAFETY: by the caller's contract.
+        unsafe { out_array_or_count(placements, count, all) }
     })
 }
 
@@ -373,19 +362,10 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstances(
             .filter(|gi| gi.profile_id == profile_id)
             .map(|gi| Handle::GpuInstance { gpu, gi: gi.id }.encode())
             .collect();
-        if count.is_null() || (instances.is_null() && !handles.is_empty()) {
-            return Err(INVALID_ARGUMENT);
-        }
         debug_assert!(handles.len() <= p.instance_count as usize);
         // SAFETY: by the caller's contract the buffer holds `instanceCount` entries, which bounds
         // `handles` (the model enforces the count).
-        unsafe {
-            for (i, h) in handles.iter().enumerate() {
-                instances.add(i).write(*h);
-            }
-            *count = handles.len() as c_uint;
-        }
-        Ok(())
+        unsafe { out_fixed_array(instances, count, handles) }
     })
 }
 
@@ -400,16 +380,16 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(
     id: c_uint,
     gpu_instance: *mut nvmlGpuInstance_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let gpu_instance = unsafe { Out::new(gpu_instance) };
+    answer(gpu_instance, |lib| {
         let gpu = lib.gpu(device)?;
         let gi = lib
             .gpu_instances(gpu)?
             .into_iter()
             .find(|gi| gi.id == id)
             .ok_or(NOT_FOUND)?;
-        // SAFETY: by the caller's contract.
-        unsafe { out(gpu_instance, Handle::GpuInstance { gpu, gi: gi.id }.encode()) }
+        Ok(Handle::GpuInstance { gpu, gi: gi.id }.encode())
     })
 }
 
@@ -422,8 +402,9 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(
     gpu_instance: nvmlGpuInstance_t,
     info: *mut nvmlGpuInstanceInfo_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let info = unsafe { Out::new(info) };
+    answer(info, |lib| {
         let (gpu, gi) = lib.gi(gpu_instance)?;
         let v = nvmlGpuInstanceInfo_t {
             device: Handle::Gpu(gpu).encode(),
@@ -434,8 +415,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(
                 size: gi.placement.size,
             },
         };
-        // SAFETY: by the caller's contract.
-        unsafe { out(info, v) }
+        Ok(v)
     })
 }
 
@@ -492,12 +472,12 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfo(
     eng_profile: c_uint,
     info: *mut nvmlComputeInstanceProfileInfo_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let info = unsafe { Out::new(info) };
+    answer(info, |lib| {
         let (gpu, gi) = lib.gi(gpu_instance)?;
-        let (p, c) = ci_profile(&lib, gpu, &gi, profile, eng_profile)?;
-        // SAFETY: by the caller's contract.
-        unsafe { out(info, ci_profile_v1(p, &c)) }
+        let (p, c) = ci_profile(lib, gpu, &gi, profile, eng_profile)?;
+        Ok(ci_profile_v1(p, &c))
     })
 }
 
@@ -514,15 +494,8 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(
 ) -> nvmlReturn_t {
     ffi(|| {
         let lib = lib()?;
-        if info.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        // SAFETY: the version field leads both versions.
-        let version = unsafe { (*info).version };
-        let v3 = version == struct_version::<nvmlComputeInstanceProfileInfo_v3_t>(3);
-        if !v3 && version != struct_version::<nvmlComputeInstanceProfileInfo_v2_t>(2) {
-            return Err(ARGUMENT_VERSION_MISMATCH);
-        }
+        // SAFETY: by the caller's contract.
+        let (version, v3) = unsafe { v2_or_v3::<_, nvmlComputeInstanceProfileInfo_v3_t>(info) }?;
         let (gpu, gi) = lib.gi(gpu_instance)?;
         let (p, c) = ci_profile(&lib, gpu, &gi, profile, eng_profile)?;
         let v1 = ci_profile_v1(p, &c);
@@ -576,8 +549,9 @@ pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstance(
     profile_id: c_uint,
     compute_instance: *mut nvmlComputeInstance_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let compute_instance = unsafe { Out::new(compute_instance) };
+    answer(compute_instance, |lib| {
         let (gpu, gi) = lib.gi(gpu_instance)?;
         let p = lib.gi_profile(gpu, &gi)?;
         if !p.compute_instance_profiles().iter().any(|c| c.id == profile_id) {
@@ -592,8 +566,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstance(
             gi: gi.id,
             ci: ci.id,
         };
-        // SAFETY: by the caller's contract.
-        unsafe { out(compute_instance, h.encode()) }
+        Ok(h.encode())
     })
 }
 
@@ -622,17 +595,8 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstances(
                 .encode()
             })
             .collect();
-        if count.is_null() || (instances.is_null() && !handles.is_empty()) {
-            return Err(INVALID_ARGUMENT);
-        }
         // SAFETY: the buffer holds the profile's instance count, which bounds the CIs of that profile.
-        unsafe {
-            for (i, h) in handles.iter().enumerate() {
-                instances.add(i).write(*h);
-            }
-            *count = handles.len() as c_uint;
-        }
-        Ok(())
+        unsafe { out_fixed_array(instances, count, handles) }
     })
 }
 
@@ -644,8 +608,9 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceById(
     id: c_uint,
     compute_instance: *mut nvmlComputeInstance_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let compute_instance = unsafe { Out::new(compute_instance) };
+    answer(compute_instance, |lib| {
         let (gpu, gi) = lib.gi(gpu_instance)?;
         if !gi
             .compute_instances
@@ -659,8 +624,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceById(
             gi: gi.id,
             ci: id,
         };
-        // SAFETY: by the caller's contract.
-        unsafe { out(compute_instance, h.encode()) }
+        Ok(h.encode())
     })
 }
 
@@ -674,8 +638,9 @@ pub unsafe extern "C" fn nvmlComputeInstanceGetInfo_v2(
     compute_instance: nvmlComputeInstance_t,
     info: *mut nvmlComputeInstanceInfo_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let info = unsafe { Out::new(info) };
+    answer(info, |lib| {
         let (gpu, gi, ci) = lib.ci(compute_instance)?;
         let slices = lib.gi_profile(gpu, &gi)?.compute_slices;
         let v = nvmlComputeInstanceInfo_t {
@@ -688,8 +653,7 @@ pub unsafe extern "C" fn nvmlComputeInstanceGetInfo_v2(
                 size: slices,
             },
         };
-        // SAFETY: by the caller's contract.
-        unsafe { out(info, v) }
+        Ok(v)
     })
 }
 
@@ -713,12 +677,12 @@ pub unsafe extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
     device: nvmlDevice_t,
     count: *mut c_uint,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let count = unsafe { Out::new(count) };
+    answer(count, |lib| {
         let gpu = lib.gpu(device)?;
         let n = lib.model(gpu)?.compute_slices;
-        // SAFETY: by the caller's contract.
-        unsafe { out(count, n) }
+        Ok(n)
     })
 }
 
@@ -733,13 +697,14 @@ pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
     index: c_uint,
     mig_device: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let lib = lib()?;
+    // SAFETY: by the caller's contract.
+    let mig_device = unsafe { Out::new(mig_device) };
+    answer(mig_device, |lib| {
         let gpu = lib.gpu(device)?;
         if index >= lib.model(gpu)?.compute_slices {
             return Err(INVALID_ARGUMENT);
         }
-        require_mig(&lib, gpu).map_err(|_| NOT_FOUND)?;
+        require_mig(lib, gpu).map_err(|_| NOT_FOUND)?;
         let m = lib
             .sim
             .mig_devices(gpu, &lib.view)
@@ -747,13 +712,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
             .into_iter()
             .nth(index as usize)
             .ok_or(NOT_FOUND)?;
-        let h = Handle::Mig {
-            gpu,
-            gi: m.gpu_instance,
-            ci: m.compute_instance,
-        };
-        // SAFETY: by the caller's contract.
-        unsafe { out(mig_device, h.encode()) }
+        Ok(Handle::of_mig(gpu, &m).encode())
     })
 }
 
@@ -764,22 +723,25 @@ pub unsafe extern "C" fn nvmlDeviceIsMigDeviceHandle(
     device: nvmlDevice_t,
     is_mig: *mut c_uint,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let d = lib()?.dev(device)?;
-        // SAFETY: by the caller's contract.
-        unsafe { out(is_mig, c_uint::from(d.mig.is_some())) }
+    // SAFETY: by the caller's contract.
+    let is_mig = unsafe { Out::new(is_mig) };
+    answer(is_mig, |lib| {
+        let d = lib.dev(device)?;
+        Ok(c_uint::from(d.mig.is_some()))
     })
+}
+
+/// One of a MIG device handle's instance ids (`pick`); a whole GPU's handle answers NOT_SUPPORTED.
+fn mig_device_id(device: nvmlDevice_t, id: Out<c_uint>, pick: fn(&MigDevice) -> c_uint) -> nvmlReturn_t {
+    answer(id, |lib| Ok(pick(&lib.dev(device)?.mig.ok_or(NOT_SUPPORTED)?)))
 }
 
 /// # Safety
 /// `id` is null or valid.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceId(device: nvmlDevice_t, id: *mut c_uint) -> nvmlReturn_t {
-    ffi(|| {
-        let m = lib()?.dev(device)?.mig.ok_or(NOT_SUPPORTED)?;
-        // SAFETY: by the caller's contract.
-        unsafe { out(id, m.gpu_instance) }
-    })
+    // SAFETY: by the caller's contract.
+    mig_device_id(device, unsafe { Out::new(id) }, |m| m.gpu_instance)
 }
 
 /// # Safety
@@ -789,11 +751,8 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeInstanceId(
     device: nvmlDevice_t,
     id: *mut c_uint,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let m = lib()?.dev(device)?.mig.ok_or(NOT_SUPPORTED)?;
-        // SAFETY: by the caller's contract.
-        unsafe { out(id, m.compute_instance) }
-    })
+    // SAFETY: by the caller's contract.
+    mig_device_id(device, unsafe { Out::new(id) }, |m| m.compute_instance)
 }
 
 /// # Safety
@@ -803,12 +762,13 @@ pub unsafe extern "C" fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(
     mig_device: nvmlDevice_t,
     device: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
-    ffi(|| {
-        let d = lib()?.dev(mig_device)?;
+    // SAFETY: by the caller's contract.
+    let device = unsafe { Out::new(device) };
+    answer(device, |lib| {
+        let d = lib.dev(mig_device)?;
         if d.mig.is_none() {
             return Err(INVALID_ARGUMENT);
         }
-        // SAFETY: by the caller's contract.
-        unsafe { out(device, Handle::Gpu(d.gpu).encode()) }
+        Ok(Handle::Gpu(d.gpu).encode())
     })
 }
