@@ -131,11 +131,12 @@ image: ## OCI image archive of both release binaries and the simulated driver (/
 # builder and the layout are what is tested, and a second, release, build would cost it minutes.
 image-test: ## make image, then check the archive (digests, config) and run the binaries from its rootfs
 	e2e/scripts/build-image.sh --test
-chart-lint: ## helm lint --strict of deployments/helm/tessera for the nvml and simulated backends
+chart-lint: ## helm lint --strict of deployments/helm/tessera for the nvml (driverRoot default and /) and simulated backends
 	e2e/scripts/build-helm.sh
 	@for l in crds files/classes files/policies; do test -L deployments/helm/tessera/$$l || \
 		{ echo "deployments/helm/tessera/$$l must be a link into deployments/ (one source)"; exit 1; }; done
 	e2e/bin/helm lint --strict deployments/helm/tessera --set backend=nvml
+	e2e/bin/helm lint --strict deployments/helm/tessera --set backend=nvml --set driverRoot=/
 	e2e/bin/helm lint --strict deployments/helm/tessera --set backend=simulated --set gpuPolicy.preset=mixed
 
 # Admission webhook latency (issue 14): AdmissionReviews of a typical share claim over HTTPS on 127.0.0.1

@@ -23,9 +23,10 @@
 # simulated kernel, the GPUs' hardware state and /proc files, in the chart's stateDir
 # ($RUN_DIR/real-node/tessera/simulated-kernel; driver-root/tessera-sim links to it), which the plugin pod mounts
 # read-write (the driver root it mounts read-only). `tessera-kubelet-plugin simulate driver-root` makes both
-# from REAL_NODE_GPUS (6) x REAL_NODE_MODEL (H100-SXM5-80GB). The stateDir is made a shared mount, as / is
-# on a systemd host: the chart's nvml pods mount it with HostToContainer and Bidirectional propagation,
-# which containerd refuses on a private mount (this machine's /).
+# from REAL_NODE_GPUS (6) x REAL_NODE_MODEL (H100-SXM5-80GB). The stateDir and the driver root are made
+# shared mounts, as / is on a systemd host: the chart's nvml pods mount them with HostToContainer (and the
+# stateDir Bidirectional) propagation, which containerd refuses on a private mount (this machine's /). The
+# pods read the driver root at /driver-root; the CDI specs name its host path.
 #
 # Clusters of other run dirs may run a real node at the same time: the bridge, subnet, kubelet ports, iptables
 # chain and the kubelet's cgroup root are all derived from API_PORT, so two of them never share one.
@@ -207,6 +208,10 @@ setup_driver() {
     || die "tessera-kubelet-plugin simulate driver-root failed" "$LOG_DIR/real-node-driver.log"
   [[ "$(readlink -f "$RN_DRIVER_ROOT/tessera-sim")" == "$(readlink -f "$RN_SIM_KERNEL")" ]] \
     || die "$RN_DRIVER_ROOT/tessera-sim does not lead to the simulated kernel $RN_SIM_KERNEL" "$LOG_DIR/real-node-driver.log"
+  # The chart's pods mount the driver root at /driver-root with HostToContainer propagation (a driver that
+  # changes under them shows through), which containerd refuses on a private mount, as for the stateDir.
+  findmnt -rn -M "$RN_DRIVER_ROOT" > /dev/null || mount --bind "$RN_DRIVER_ROOT" "$RN_DRIVER_ROOT"
+  mount --make-rshared "$RN_DRIVER_ROOT"
   step "real node $RN_NAME: simulated NVIDIA driver $RN_GPUS x $RN_MODEL (driver root $RN_DRIVER_ROOT, kernel $RN_SIM_KERNEL)"
 }
 

@@ -322,9 +322,13 @@ struct MpsSupervisorArgs {
     #[arg(long, env = "TESSERA_BACKEND", value_enum, default_value_t = BackendKind::Nvml)]
     backend: BackendKind,
 
-    /// Root of the NVIDIA driver installation.
+    /// Root of the NVIDIA driver installation on the host.
     #[arg(long, env = "TESSERA_DRIVER_ROOT", default_value = "/")]
     driver_root: PathBuf,
+
+    /// Where this process sees `--driver-root` (the daemons run from here); by default the same path.
+    #[arg(long, env = "TESSERA_CONTAINER_DRIVER_ROOT")]
+    container_driver_root: Option<PathBuf>,
 }
 
 impl MpsSupervisorArgs {
@@ -333,6 +337,7 @@ impl MpsSupervisorArgs {
             backend: self.backend,
             simulated_node_file: None,
             driver_root: self.driver_root,
+            container_driver_root: self.container_driver_root,
         };
         // On real GPUs each daemon gets a tmpfs of its own as /dev/shm (needs CAP_SYS_ADMIN), which the
         // plugin hands to the daemon's clients; simulated daemons use no shared memory.
@@ -415,9 +420,16 @@ struct BackendArgs {
     #[arg(long, env = "TESSERA_SIMULATED_NODE_FILE")]
     simulated_node_file: Option<PathBuf>,
 
-    /// Root of the NVIDIA driver installation (where NVML is loaded from).
+    /// Root of the NVIDIA driver installation on the host: what CDI specs name (`/`, the GPU Operator's
+    /// `/run/nvidia/driver`, GKE's `/home/kubernetes/bin/nvidia`).
     #[arg(long, env = "TESSERA_DRIVER_ROOT", default_value = "/")]
     driver_root: PathBuf,
+
+    /// Where this process sees `--driver-root`: NVML, `nvidia-smi`, the MPS tools and every file handed to
+    /// containers are read here, and specs name them at their `--driver-root` path. By default the same
+    /// path (a plugin on the host); the chart mounts the host's driver root at `/driver-root`.
+    #[arg(long, env = "TESSERA_CONTAINER_DRIVER_ROOT")]
+    container_driver_root: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -703,22 +715,22 @@ impl NodeSetup {
             // supervisor gives each daemon its own.
             backend.backend == BackendKind::Nvml && mps_supervisor_socket.is_none(),
         );
-        let files = DriverFiles::discover(
-            &DriverRoot::new(gpu_backend.driver_root()),
-            spec.driver_version.as_deref(),
-        )
-        .with_ldcache_hook(cdi_hook.clone());
+        let driver_root = backend.driver_root_of(gpu_backend.as_ref());
+        let files = DriverFiles::discover(&driver_root, spec.driver_version.as_deref())
+            .with_ldcache_hook(cdi_hook.clone());
         info!(
-            driver_root = %gpu_backend.driver_root().display(),
+            driver_root = %driver_root.host_path().display(),
+            read_at = %driver_root.path().display(),
             libraries = files.libraries.len(),
             binaries = files.binaries.len(),
             ldcache_hook = ?files.ldcache_hook,
             "found the driver files every container gets"
         );
         if files.libraries.is_empty() {
-            warn!(driver_root = %gpu_backend.driver_root().display(),
+            warn!(driver_root = %driver_root.host_path().display(), read_at = %driver_root.path().display(),
                 "no driver libraries found under the driver root: containers will see GPUs but not load CUDA; \
-                 set --driver-root to the directory that holds the driver (e.g. /run/nvidia/driver)");
+                 set --driver-root to the host directory that holds the driver (e.g. /run/nvidia/driver) and \
+                 --container-driver-root to where this process has it mounted");
         }
         let shared = Arc::new(SharedPreparer::new(Arc::new(sharer), files));
         let mps_daemons = MpsManager::new(&state_dir, backend.mps_launcher(mps_supervisor_socket.clone())?);
@@ -842,7 +854,8 @@ impl DiscoverArgs {
                 return print_mig_devices(b.as_ref(), &found);
             }
             if cdi {
-                let spec = dry_run_cdi_spec(b.as_ref(), &found, cdi_hook)?;
+                let root = backend.driver_root_of(b.as_ref());
+                let spec = dry_run_cdi_spec(b.as_ref(), &root, &found, cdi_hook)?;
                 let json = serde_json::to_string_pretty(&spec).map_err(|e| Error::DryRunCdi {
                     device: "(spec)".into(),
                     source: crate::gpu::GpuError::InvalidArgument(e.to_string()),
@@ -896,14 +909,12 @@ fn print_mig_devices(backend: &dyn GpuBackend, found: &crate::gpu::NodeGpus) -> 
 /// The CDI spec a claim of every discovered whole GPU would get, built as the preparers build it.
 fn dry_run_cdi_spec(
     backend: &dyn GpuBackend,
+    driver_root: &DriverRoot,
     found: &crate::gpu::NodeGpus,
     cdi_hook: Option<PathBuf>,
 ) -> Result<crate::cdi::Spec> {
-    let files = DriverFiles::discover(
-        &DriverRoot::new(backend.driver_root()),
-        found.driver_version.as_deref(),
-    )
-    .with_ldcache_hook(cdi_hook);
+    let files =
+        DriverFiles::discover(driver_root, found.driver_version.as_deref()).with_ldcache_hook(cdi_hook);
     let mut devices = Vec::with_capacity(found.gpus.len());
     for gpu in &found.gpus {
         let device = format!("gpu-{}", gpu.index);
@@ -929,6 +940,20 @@ fn dry_run_cdi_spec(
 }
 
 impl BackendArgs {
+    /// Where this process reads the driver root (`--container-driver-root`, else `--driver-root`).
+    fn read_root(&self) -> &Path {
+        self.container_driver_root.as_deref().unwrap_or(&self.driver_root)
+    }
+
+    /// The driver root of an opened backend, with the host path specs name: the flags' for NVML; the
+    /// simulated backend's own root lies in the state dir, which the chart mounts at its host path.
+    fn driver_root_of(&self, backend: &dyn GpuBackend) -> DriverRoot {
+        match self.backend {
+            BackendKind::Nvml => DriverRoot::mounted(&self.driver_root, backend.driver_root()),
+            BackendKind::Simulated => DriverRoot::new(backend.driver_root()),
+        }
+    }
+
     /// How MPS control daemons are started: NVIDIA's tool from the driver root, or this binary's simulated
     /// daemon.
     fn mps_launcher(&self, supervisor: Option<PathBuf>) -> Result<Launcher> {
@@ -940,12 +965,14 @@ impl BackendArgs {
                 program: std::env::current_exe().map_err(|source| Error::MpsControlSim { source })?,
             },
             BackendKind::Nvml => {
-                let root = DriverRoot::new(&self.driver_root);
+                // The daemon runs in this process's filesystem: the read path, never the host's.
+                let root = DriverRoot::new(self.read_root());
                 Launcher::Nvidia {
                     control: root
                         .find_binary("nvidia-cuda-mps-control")
-                        .unwrap_or_else(|| self.driver_root.join("usr/bin/nvidia-cuda-mps-control")),
-                    driver_root: self.driver_root.clone(),
+                        .and_then(|p| root.resolve(&p))
+                        .unwrap_or_else(|| self.read_root().join("usr/bin/nvidia-cuda-mps-control")),
+                    driver_root: self.read_root().to_path_buf(),
                 }
             }
         })
@@ -971,8 +998,8 @@ impl BackendArgs {
                 )))
             }
             BackendKind::Nvml => {
-                let backend = NvmlBackend::new(&self.driver_root).map_err(|source| Error::OpenBackend {
-                    backend: format!("nvml events (driver root {})", self.driver_root.display()),
+                let backend = NvmlBackend::new(self.read_root()).map_err(|source| Error::OpenBackend {
+                    backend: format!("nvml events (driver root {})", self.read_root().display()),
                     source,
                 })?;
                 Ok(Box::new(crate::health::sources::NvmlSource::new(
@@ -1000,8 +1027,8 @@ impl BackendArgs {
                 Ok(Arc::new(backend))
             }
             BackendKind::Nvml => {
-                let backend = NvmlBackend::new(&self.driver_root).map_err(|source| Error::OpenBackend {
-                    backend: format!("nvml (driver root {})", self.driver_root.display()),
+                let backend = NvmlBackend::new(self.read_root()).map_err(|source| Error::OpenBackend {
+                    backend: format!("nvml (driver root {})", self.read_root().display()),
                     source,
                 })?;
                 Ok(Arc::new(backend))

@@ -16,6 +16,15 @@
 //! This module only finds files (it is used by the NVML backend too); [`crate::edits::driver_edits`] turns
 //! them into CDI edits.
 //!
+//! **Two paths of one root.** The plugin reads the driver where its own filesystem has it (`--container-driver-root`,
+//! `/driver-root` in the chart), while a CDI spec is read by the container runtime on the host, so every
+//! `hostPath` names the host's path of the same file (`--driver-root`): `host + (file − container root)`
+//! ([`DriverRoot::to_host`]). The two are equal for a plugin on the host. Symlinks inside the root (the
+//! soname links, an Operator rootfs's `lib64 -> /usr/lib64`) are resolved inside the root
+//! ([`DriverRoot::resolve`]), an absolute target taken from the root as the driver's own filesystem sees it:
+//! resolved in the plugin's filesystem, `/usr/lib/x86_64-linux-gnu/libcuda.so.580…` would name the plugin
+//! image's file (or none), and resolved by the runtime on the host, the host's.
+//!
 //! Driver-root layouts searched ([`LIBRARY_DIRS`], [`BINARY_DIRS`]): distribution packages (`/` or
 //! `/run/nvidia/driver` of the GPU Operator) with `usr/lib/x86_64-linux-gnu`, `usr/lib64`,
 //! `usr/lib/aarch64-linux-gnu`, `lib64`, `lib/x86_64-linux-gnu`, `lib/aarch64-linux-gnu`, `usr/lib`, `lib`;
@@ -102,29 +111,118 @@ pub const SIMULATED_KERNEL_FILE: &str = "kernel.json";
 /// Where a container sees the simulated kernel (the simulated libraries look for it there).
 pub const SIMULATED_KERNEL_CONTAINER_PATH: &str = "/tessera-sim";
 
-/// A driver installation rooted at a directory of the host (as the plugin sees it).
+/// A driver installation: where this process reads it, and where the host (which CDI specs speak for) has it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DriverRoot {
+    /// The root as this process sees it: every file is looked for and opened here.
     root: PathBuf,
+    /// The same root on the host: what CDI specs name.
+    host: PathBuf,
 }
 
+/// How many symlinks [`DriverRoot::resolve`] follows before it gives up (Linux's `MAXSYMLINKS`).
+const MAX_SYMLINKS: u32 = 40;
+
 impl DriverRoot {
+    /// A root this process sees at its host path (a plugin on the host, or a container that mounts it there).
     pub fn new(root: impl Into<PathBuf>) -> Self {
-        Self { root: root.into() }
+        let root = root.into();
+        Self {
+            host: root.clone(),
+            root,
+        }
     }
 
+    /// The host's driver root `host`, seen by this process at `container` (the chart mounts it at
+    /// `/driver-root`).
+    pub fn mounted(host: impl Into<PathBuf>, container: impl Into<PathBuf>) -> Self {
+        Self {
+            root: container.into(),
+            host: host.into(),
+        }
+    }
+
+    /// Where this process reads the root.
     pub fn path(&self) -> &Path {
         &self.root
     }
 
+    /// Where the host has the root.
+    pub fn host_path(&self) -> &Path {
+        &self.host
+    }
+
+    /// The host's path of `file`, a path under [`Self::path`]: `host + (file − root)`; `None` outside the root.
+    pub fn to_host(&self, file: &Path) -> Option<PathBuf> {
+        let rel = file.strip_prefix(&self.root).ok()?;
+        Some(if rel.as_os_str().is_empty() {
+            self.host.clone()
+        } else {
+            self.host.join(rel)
+        })
+    }
+
+    /// `path` (under [`Self::path`]) with every symlink in it followed inside the root: an absolute target
+    /// starts again at the root and `..` stops at it, as a process chrooted into the driver's filesystem
+    /// sees it. `None` when a component does not exist or the links loop.
+    pub fn resolve(&self, path: &Path) -> Option<PathBuf> {
+        use std::path::Component;
+        let rel = path.strip_prefix(&self.root).ok()?;
+        // Components still to walk, last first (so a link's target is pushed in front of the rest).
+        let mut todo: Vec<std::ffi::OsString> = Vec::new();
+        let push = |todo: &mut Vec<std::ffi::OsString>, p: &Path| {
+            for c in p.components().rev() {
+                match c {
+                    Component::Normal(n) => todo.push(n.to_os_string()),
+                    Component::ParentDir => todo.push("..".into()),
+                    Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
+                }
+            }
+        };
+        push(&mut todo, rel);
+        let mut done = PathBuf::new();
+        let mut links = 0;
+        while let Some(name) = todo.pop() {
+            if name == ".." {
+                done.pop();
+                continue;
+            }
+            let next = self.root.join(&done).join(&name);
+            let meta = fs::symlink_metadata(&next).ok()?;
+            if !meta.file_type().is_symlink() {
+                done.push(&name);
+                continue;
+            }
+            links += 1;
+            if links > MAX_SYMLINKS {
+                return None;
+            }
+            let target = fs::read_link(&next).ok()?;
+            if target.is_absolute() {
+                done.clear();
+            }
+            push(&mut todo, &target);
+        }
+        Some(self.root.join(done))
+    }
+
     /// The root's library directories that exist, in search order (GKE's `lib64` is in the list).
     pub fn library_dirs(&self) -> Vec<PathBuf> {
-        existing_dirs(&self.root, &LIBRARY_DIRS)
+        self.existing_dirs(&LIBRARY_DIRS)
     }
 
     /// The root's binary directories that exist, in search order.
     pub fn binary_dirs(&self) -> Vec<PathBuf> {
-        existing_dirs(&self.root, &BINARY_DIRS)
+        self.existing_dirs(&BINARY_DIRS)
+    }
+
+    /// `dirs` under the root, then the root, that are directories once resolved inside the root.
+    fn existing_dirs(&self, dirs: &[&str]) -> Vec<PathBuf> {
+        dirs.iter()
+            .map(|d| self.root.join(d))
+            .chain(std::iter::once(self.root.clone()))
+            .filter(|d| self.resolve(d).is_some_and(|r| r.is_dir()))
+            .collect()
     }
 
     /// Every path a library file name is looked for at, in order (for error messages and NVML loading).
@@ -137,17 +235,25 @@ impl DriverRoot {
         candidates(&self.root, &BINARY_DIRS, name)
     }
 
-    /// The first existing library file named `file` (e.g. `libnvidia-ml.so.1`).
+    /// The first existing library file named `file` (e.g. `libnvidia-ml.so.1`), as its directory names it;
+    /// [`Self::resolve`] gives the file to open.
     pub fn find_library(&self, file: &str) -> Option<PathBuf> {
-        self.library_candidates(file).into_iter().find(|p| p.exists())
+        self.library_candidates(file)
+            .into_iter()
+            .find(|p| self.resolve(p).is_some_and(|r| r.exists()))
     }
 
-    /// The first existing binary named `name`.
+    /// The first binary named `name`, as its directory names it (the workload's container path comes from
+    /// it); [`Self::resolve`] gives the file to run.
     pub fn find_binary(&self, name: &str) -> Option<PathBuf> {
-        self.binary_candidates(name).into_iter().find(|p| p.is_file())
+        self.binary_candidates(name)
+            .into_iter()
+            .find(|p| self.resolve(p).is_some_and(|r| r.is_file()))
     }
 
-    /// `R/tessera-sim` when this root is a simulated driver built by tessera (it holds `kernel.json`).
+    /// `R/tessera-sim` when this root is a simulated driver built by tessera (it holds `kernel.json`). Read
+    /// in this process's filesystem: the link leads out of the root to the simulated kernel, which the chart's
+    /// plugin pod mounts at its host path.
     pub fn simulated_kernel(&self) -> Option<PathBuf> {
         let dir = self.root.join(SIMULATED_KERNEL_DIR);
         dir.join(SIMULATED_KERNEL_FILE).is_file().then_some(dir)
@@ -185,17 +291,19 @@ impl DriverRoot {
             .join(":")
     }
 
-    /// Where a host file of this root appears in the container: the same path without the driver root when
-    /// its directory is a standard one, else the `/usr/local/nvidia` fallback.
-    fn container_path(&self, host: &Path, library: bool) -> Option<String> {
-        let rel = host.strip_prefix(&self.root).ok()?;
+    /// Where a file of this root (as this process sees it) appears in the workload's container: the same
+    /// path without the driver root when its directory is a standard one, else the `/usr/local/nvidia`
+    /// fallback.
+    fn container_path(&self, file: &Path, library: bool) -> Option<String> {
+        let rel = file.strip_prefix(&self.root).ok()?;
         let dir = rel
             .parent()
             .map(|p| p.to_string_lossy().to_string())
             .unwrap_or_default();
         let name = rel.file_name()?.to_string_lossy().to_string();
         let standard: &[&str] = if library { &LIBRARY_DIRS } else { &BINARY_DIRS };
-        let is_gke = self.root == Path::new(GKE_DRIVER_ROOT);
+        // The host's path says which layout this is: the plugin may see GKE's root at `/driver-root`.
+        let is_gke = self.host == Path::new(GKE_DRIVER_ROOT);
         if !is_gke && standard.contains(&dir.as_str()) {
             return Some(format!("/{dir}/{name}"));
         }
@@ -211,13 +319,17 @@ impl DriverRoot {
 /// The files of one library: `<lib>.so.<driver version>` and every soname link next to it that resolves to
 /// it (`.so.1` for most, `.so.4` for `libnvidia-nvvm`; read from the directory, not assumed), from the
 /// first library directory that holds the versioned file. Without a known version, or when no directory
-/// has it, the `<lib>.so.1` link alone.
-fn library_files(root: &DriverRoot, lib: &str, driver_version: Option<&str>) -> Vec<PathBuf> {
+/// has it, the `<lib>.so.1` link alone. Each comes as (its path, the file it resolves to inside the root):
+/// the container gets the first, the spec names the host's path of the second.
+fn library_files(root: &DriverRoot, lib: &str, driver_version: Option<&str>) -> Vec<(PathBuf, PathBuf)> {
     let dirs = root.library_dirs();
+    let regular = |p: &Path| root.resolve(p).filter(|r| r.is_file());
     if let Some(v) = driver_version {
         let versioned = format!("{lib}.so.{v}");
-        if let Some(dir) = dirs.iter().find(|d| d.join(&versioned).is_file()) {
-            let target = fs::canonicalize(dir.join(&versioned)).ok();
+        if let Some((dir, target)) = dirs
+            .iter()
+            .find_map(|d| regular(&d.join(&versioned)).map(|t| (d, t)))
+        {
             let prefix = format!("{lib}.so.");
             let mut links: Vec<PathBuf> = fs::read_dir(dir)
                 .into_iter()
@@ -229,29 +341,21 @@ fn library_files(root: &DriverRoot, lib: &str, driver_version: Option<&str>) -> 
                     name.starts_with(&prefix)
                         && *name != versioned
                         && e.file_type().is_ok_and(|t| t.is_symlink())
-                        && fs::canonicalize(e.path()).ok() == target
+                        && root.resolve(&e.path()).as_ref() == Some(&target)
                 })
                 .map(|e| e.path())
                 .collect();
             links.sort();
-            let mut files = vec![dir.join(&versioned)];
-            files.extend(links);
+            let mut files = vec![(dir.join(&versioned), target.clone())];
+            files.extend(links.into_iter().map(|l| (l, target.clone())));
             return files;
         }
     }
     let soname = format!("{lib}.so.1");
     dirs.iter()
         .map(|d| d.join(&soname))
-        .find(|p| p.exists())
+        .find_map(|p| regular(&p).map(|t| (p, t)))
         .into_iter()
-        .collect()
-}
-
-fn existing_dirs(root: &Path, dirs: &[&str]) -> Vec<PathBuf> {
-    dirs.iter()
-        .map(|d| root.join(d))
-        .chain(std::iter::once(root.to_path_buf()))
-        .filter(|d| d.is_dir())
         .collect()
 }
 
@@ -265,6 +369,7 @@ fn candidates(root: &Path, dirs: &[&str], file: &str) -> Vec<PathBuf> {
 /// One driver file and where the container sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DriverFile {
+    /// The file on the host (what the spec's `hostPath` says; symlinks inside the driver root resolved).
     pub host_path: PathBuf,
     pub container_path: String,
 }
@@ -276,8 +381,8 @@ pub struct DriverFiles {
     pub binaries: Vec<DriverFile>,
     /// `nvidia-cdi-hook` on the host, when the node has NVIDIA's container toolkit.
     pub ldcache_hook: Option<PathBuf>,
-    /// A simulated driver's kernel directory (`R/tessera-sim`, symlinks resolved), mounted read-only at
-    /// [`SIMULATED_KERNEL_CONTAINER_PATH`]; `None` for a real driver.
+    /// A simulated driver's kernel directory (`R/tessera-sim`, see [`DriverFiles::discover`]), mounted
+    /// read-only at [`SIMULATED_KERNEL_CONTAINER_PATH`]; `None` for a real driver.
     pub simulated_kernel: Option<DriverFile>,
 }
 
@@ -286,32 +391,39 @@ impl DriverFiles {
     /// is taken from the first directory that holds it; missing ones are skipped (not every driver ships
     /// every library).
     pub fn discover(root: &DriverRoot, driver_version: Option<&str>) -> Self {
+        // Every spec path is the host's: a file found here is named at `host + (file − root)`, resolved first
+        // (inside the root), so the runtime on the host never follows a link of the driver's filesystem.
+        let file = |named: &Path, resolved: &Path, library: bool| {
+            Some(DriverFile {
+                host_path: root.to_host(resolved)?,
+                container_path: root.container_path(named, library)?,
+            })
+        };
         let mut libraries = Vec::new();
         for lib in LIBRARIES {
-            for host in library_files(root, lib, driver_version) {
-                if let Some(container_path) = root.container_path(&host, true) {
-                    libraries.push(DriverFile {
-                        host_path: host,
-                        container_path,
-                    });
-                }
+            for (named, resolved) in library_files(root, lib, driver_version) {
+                libraries.extend(file(&named, &resolved, true));
             }
         }
         let binaries = BINARIES
             .iter()
             .filter_map(|b| root.find_binary(b))
-            .filter_map(|host| {
-                let container_path = root.container_path(&host, false)?;
-                Some(DriverFile {
-                    host_path: host,
-                    container_path,
-                })
-            })
+            .filter_map(|named| file(&named, &root.resolve(&named)?, false))
             .collect();
-        // The runtime would follow a symlink too; resolving it here makes the spec name the real directory.
-        let simulated_kernel = root.simulated_kernel().map(|dir| DriverFile {
-            host_path: fs::canonicalize(&dir).unwrap_or(dir),
-            container_path: SIMULATED_KERNEL_CONTAINER_PATH.to_string(),
+        // `R/tessera-sim` links out of the root, to the kernel under the state dir where `simulate
+        // driver-root` made it on the host. A plugin that sees the host names the real directory; one that
+        // sees the root mounted elsewhere names the link at its host path, which the runtime follows on the
+        // host (resolved here it would be a path of this process's mounts).
+        let simulated_kernel = root.simulated_kernel().and_then(|dir| {
+            let host_path = if root.path() == root.host_path() {
+                fs::canonicalize(&dir).unwrap_or(dir)
+            } else {
+                root.to_host(&dir)?
+            };
+            Some(DriverFile {
+                host_path,
+                container_path: SIMULATED_KERNEL_CONTAINER_PATH.to_string(),
+            })
         });
         Self {
             libraries,
@@ -419,9 +531,11 @@ mod tests {
                 ],
                 "layout {dir}"
             );
+            // The soname link is mounted as the file it resolves to (inside the root): the runtime on the
+            // host must not follow a link of the driver's filesystem.
             assert_eq!(
                 files.libraries[1].host_path,
-                layout.dir.path().join(dir).join("libcuda.so.1")
+                layout.dir.path().join(dir).join(format!("libcuda.so.{VERSION}"))
             );
             assert_eq!(
                 layout.root().find_library("libnvidia-ml.so.1").unwrap(),
@@ -548,6 +662,233 @@ mod tests {
             files.simulated_kernel,
             Some(DriverFile {
                 host_path: fs::canonicalize(kernel.path()).unwrap(),
+                container_path: "/tessera-sim".into(),
+            })
+        );
+    }
+
+    fn host_paths(files: &[DriverFile]) -> Vec<String> {
+        files.iter().map(|f| f.host_path.display().to_string()).collect()
+    }
+
+    #[test]
+    fn a_file_read_under_the_container_root_is_named_at_the_host_root() {
+        let root = DriverRoot::mounted("/", "/driver-root");
+        assert_eq!(
+            root.to_host(Path::new("/driver-root/usr/lib64/libcuda.so.1")),
+            Some(PathBuf::from("/usr/lib64/libcuda.so.1"))
+        );
+        assert_eq!(root.to_host(Path::new("/driver-root")), Some(PathBuf::from("/")));
+        let operator = DriverRoot::mounted("/run/nvidia/driver", "/driver-root");
+        assert_eq!(
+            operator.to_host(Path::new("/driver-root/usr/bin/nvidia-smi")),
+            Some(PathBuf::from("/run/nvidia/driver/usr/bin/nvidia-smi"))
+        );
+        // A path outside the root has no host counterpart this root can vouch for.
+        assert_eq!(operator.to_host(Path::new("/usr/bin/nvidia-smi")), None);
+        assert_eq!(operator.to_host(Path::new("/driver-rootx/usr")), None);
+        // Unmounted, the two paths are one.
+        let host = DriverRoot::new("/run/nvidia/driver");
+        assert_eq!(host.path(), host.host_path());
+    }
+
+    #[test]
+    fn a_host_installed_driver_read_at_driver_root_is_named_at_its_host_paths() {
+        let layout = Layout::new().libs("usr/lib/x86_64-linux-gnu").bin("usr/bin");
+        let root = DriverRoot::mounted("/", layout.dir.path());
+        let files = DriverFiles::discover(&root, Some(VERSION));
+        assert_eq!(
+            host_paths(&files.libraries),
+            [
+                format!("/usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}"),
+                format!("/usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}"),
+                format!("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"),
+                format!("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"),
+            ]
+        );
+        assert_eq!(
+            container_paths(&files.libraries),
+            [
+                format!("/usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}"),
+                "/usr/lib/x86_64-linux-gnu/libcuda.so.1".to_string(),
+                format!("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.{VERSION}"),
+                "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1".to_string(),
+            ]
+        );
+        assert_eq!(host_paths(&files.binaries), ["/usr/bin/nvidia-smi"]);
+        assert_eq!(container_paths(&files.binaries), ["/usr/bin/nvidia-smi"]);
+        // What this process runs and loads is still read where it sees the root.
+        assert!(
+            root.path_env()
+                .starts_with(&layout.dir.path().join("usr/bin").display().to_string())
+        );
+        assert!(
+            root.ld_library_path().starts_with(
+                &layout
+                    .dir
+                    .path()
+                    .join("usr/lib/x86_64-linux-gnu")
+                    .display()
+                    .to_string()
+            ),
+            "{}",
+            root.ld_library_path()
+        );
+    }
+
+    #[test]
+    fn the_gpu_operators_rootfs_read_at_driver_root_is_named_under_run_nvidia_driver() {
+        // A whole distro rootfs with its own libc and merged /usr, the soname link absolute (as some driver
+        // packages make it) and `lib64` an absolute link into the rootfs's own /usr.
+        let layout = Layout::new().bin("usr/bin");
+        let d = layout.dir.path();
+        let lib = d.join("usr/lib/x86_64-linux-gnu");
+        fs::create_dir_all(&lib).unwrap();
+        fs::write(lib.join("libc.so.6"), b"the rootfs's libc").unwrap();
+        fs::write(lib.join(format!("libcuda.so.{VERSION}")), b"stub").unwrap();
+        symlink(
+            format!("/usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}"),
+            lib.join("libcuda.so.1"),
+        )
+        .unwrap();
+        fs::create_dir_all(d.join("usr/lib64")).unwrap();
+        fs::write(d.join(format!("usr/lib64/libnvidia-ml.so.{VERSION}")), b"stub").unwrap();
+        symlink(
+            format!("libnvidia-ml.so.{VERSION}"),
+            d.join("usr/lib64/libnvidia-ml.so.1"),
+        )
+        .unwrap();
+        symlink("/usr/lib64", d.join("lib64")).unwrap();
+        let root = DriverRoot::mounted("/run/nvidia/driver", d);
+        let files = DriverFiles::discover(&root, Some(VERSION));
+        let pairs: Vec<(&str, String)> = files
+            .libraries
+            .iter()
+            .map(|f| (f.container_path.as_str(), f.host_path.display().to_string()))
+            .collect();
+        assert_eq!(
+            pairs,
+            [
+                (
+                    "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.03",
+                    format!("/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}")
+                ),
+                (
+                    "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+                    format!("/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}")
+                ),
+                (
+                    "/usr/lib64/libnvidia-ml.so.580.159.03",
+                    format!("/run/nvidia/driver/usr/lib64/libnvidia-ml.so.{VERSION}")
+                ),
+                (
+                    "/usr/lib64/libnvidia-ml.so.1",
+                    format!("/run/nvidia/driver/usr/lib64/libnvidia-ml.so.{VERSION}")
+                ),
+            ]
+        );
+        assert!(
+            !container_paths(&files.libraries)
+                .iter()
+                .any(|p| p.contains("libc.so"))
+        );
+        assert_eq!(
+            host_paths(&files.binaries),
+            ["/run/nvidia/driver/usr/bin/nvidia-smi"]
+        );
+        // `lib64 -> /usr/lib64` is a directory of the rootfs, not of this process.
+        assert_eq!(root.resolve(&d.join("lib64")), Some(d.join("usr/lib64")));
+    }
+
+    #[test]
+    fn gkes_driver_read_at_driver_root_keeps_the_gke_container_paths() {
+        let layout = Layout::new().libs("lib64").bin("bin");
+        let root = DriverRoot::mounted(GKE_DRIVER_ROOT, layout.dir.path());
+        let files = DriverFiles::discover(&root, Some(VERSION));
+        assert_eq!(
+            container_paths(&files.libraries)[..2],
+            [
+                format!("{FALLBACK_LIBRARY_DIR}/libcuda.so.{VERSION}"),
+                format!("{FALLBACK_LIBRARY_DIR}/libcuda.so.1"),
+            ]
+        );
+        assert_eq!(
+            host_paths(&files.libraries)[..2],
+            [
+                format!("{GKE_DRIVER_ROOT}/lib64/libcuda.so.{VERSION}"),
+                format!("{GKE_DRIVER_ROOT}/lib64/libcuda.so.{VERSION}"),
+            ]
+        );
+        assert_eq!(
+            container_paths(&files.binaries),
+            [format!("{FALLBACK_BINARY_DIR}/nvidia-smi")]
+        );
+        assert_eq!(
+            host_paths(&files.binaries),
+            [format!("{GKE_DRIVER_ROOT}/bin/nvidia-smi")]
+        );
+    }
+
+    #[test]
+    fn an_absolute_soname_link_is_resolved_in_the_driver_root_not_the_plugins() {
+        // Today's bug: the link was resolved in the plugin's own root, found nothing, and was dropped.
+        let layout = Layout::new();
+        let d = layout.dir.path();
+        let lib = d.join("usr/lib/x86_64-linux-gnu");
+        fs::create_dir_all(&lib).unwrap();
+        fs::write(lib.join(format!("libcuda.so.{VERSION}")), b"stub").unwrap();
+        let absolute = format!("/usr/lib/x86_64-linux-gnu/libcuda.so.{VERSION}");
+        symlink(&absolute, lib.join("libcuda.so.1")).unwrap();
+        for root in [layout.root(), DriverRoot::mounted("/", d)] {
+            let files = DriverFiles::discover(&root, Some(VERSION));
+            assert_eq!(
+                container_paths(&files.libraries),
+                [absolute.clone(), "/usr/lib/x86_64-linux-gnu/libcuda.so.1".into()],
+                "root {root:?}"
+            );
+            assert_eq!(
+                files.libraries[1].host_path,
+                root.to_host(&lib.join(format!("libcuda.so.{VERSION}"))).unwrap()
+            );
+            // Without a version the soname link alone is found the same way.
+            assert_eq!(
+                container_paths(&DriverFiles::discover(&root, None).libraries),
+                ["/usr/lib/x86_64-linux-gnu/libcuda.so.1"]
+            );
+            assert_eq!(root.find_library("libcuda.so.1"), Some(lib.join("libcuda.so.1")));
+        }
+    }
+
+    #[test]
+    fn resolving_inside_the_root_stops_at_the_root_and_at_loops() {
+        let layout = Layout::new();
+        let d = layout.dir.path();
+        fs::create_dir_all(d.join("a")).unwrap();
+        fs::write(d.join("a/f"), b"").unwrap();
+        // `..` past the root stays at the root, as in a chroot.
+        symlink("../../../../a/f", d.join("a/up")).unwrap();
+        symlink("loop2", d.join("loop1")).unwrap();
+        symlink("loop1", d.join("loop2")).unwrap();
+        let root = layout.root();
+        assert_eq!(root.resolve(&d.join("a/up")), Some(d.join("a/f")));
+        assert_eq!(root.resolve(&d.join("loop1")), None);
+        assert_eq!(root.resolve(&d.join("missing")), None);
+        assert_eq!(root.resolve(Path::new("/elsewhere")), None);
+    }
+
+    #[test]
+    fn a_simulated_kernel_seen_through_a_mounted_root_is_named_by_its_link_on_the_host() {
+        let layout = Layout::new().libs("usr/lib/x86_64-linux-gnu");
+        let kernel = tempfile::tempdir().unwrap();
+        fs::write(kernel.path().join(SIMULATED_KERNEL_FILE), "{}").unwrap();
+        symlink(kernel.path(), layout.dir.path().join(SIMULATED_KERNEL_DIR)).unwrap();
+        let root = DriverRoot::mounted("/srv/driver", layout.dir.path());
+        let files = DriverFiles::discover(&root, Some(VERSION));
+        // The runtime follows `/srv/driver/tessera-sim` on the host, where `simulate driver-root` made it.
+        assert_eq!(
+            files.simulated_kernel,
+            Some(DriverFile {
+                host_path: "/srv/driver/tessera-sim".into(),
                 container_path: "/tessera-sim".into(),
             })
         );

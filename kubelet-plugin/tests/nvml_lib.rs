@@ -580,6 +580,56 @@ fn the_driver_root_the_cli_makes_is_driven_by_the_nvml_backend() {
 }
 
 #[test]
+fn a_driver_root_read_at_its_container_path_gets_a_spec_that_names_its_host_path() {
+    // As in the chart: the host's root (here /srv/host-driver) is mounted where the plugin reads it (R).
+    let driver = SimDriver::new().gpus("H100-SXM5-80GB", 2).build();
+    let out = plugin_cli()
+        .args(["discover", "--backend", "nvml", "--cdi"])
+        .args(["--driver-root", "/srv/host-driver", "--container-driver-root"])
+        .arg(&driver.root)
+        .arg("--state-dir")
+        .arg(driver.dir.path().join("state"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let spec: tessera_kubelet_plugin::cdi::Spec = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(spec.devices.len(), 2, "NVML was loaded from the container path");
+    let mounts = &spec.devices[0].container_edits.mounts;
+    let host_of = |target: &str| {
+        mounts
+            .iter()
+            .find(|m| m.container_path == target)
+            .map(|m| m.host_path.as_str())
+            .unwrap_or_else(|| panic!("{target} not mounted: {mounts:?}"))
+    };
+    assert_eq!(
+        host_of("/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+        "/srv/host-driver/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.03"
+    );
+    assert_eq!(
+        host_of("/usr/bin/nvidia-smi"),
+        "/srv/host-driver/usr/bin/nvidia-smi"
+    );
+    assert_eq!(host_of("/tessera-sim"), "/srv/host-driver/tessera-sim");
+    let root = driver.root.display().to_string();
+    assert!(
+        mounts.iter().all(|m| !m.host_path.starts_with(&root)),
+        "a spec names a path of the plugin's view: {mounts:?}"
+    );
+}
+
+#[test]
+fn nvml_loads_through_a_soname_link_whose_absolute_target_is_inside_the_driver_root() {
+    let driver = SimDriver::new().gpus("H100-SXM5-80GB", 1).build();
+    let link = driver.library();
+    fs::remove_file(&link).unwrap();
+    std::os::unix::fs::symlink("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.580.159.03", &link).unwrap();
+    assert!(!link.exists(), "the link dangles in this process's filesystem");
+    let found = driver.nvml().discover().unwrap();
+    assert_eq!(found.gpus.len(), 1);
+}
+
+#[test]
 fn the_cli_names_the_artifacts_it_lacks_and_how_to_build_them() {
     let dir = tempfile::tempdir().unwrap();
     let node_file = dir.path().join("node.yaml");

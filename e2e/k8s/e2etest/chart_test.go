@@ -210,6 +210,9 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 	}
 
 	supervisor := daemonSet(t, objs, "tessera-mps-supervisor")
+	for _, ds := range []appsv1.DaemonSet{plugin, supervisor} {
+		checkDriverRootMount(t, ds, "/run/nvidia/driver")
+	}
 	if supervisor.Spec.UpdateStrategy.Type != appsv1.OnDeleteDaemonSetStrategyType {
 		t.Errorf("MPS supervisor update strategy %s, want OnDelete", supervisor.Spec.UpdateStrategy.Type)
 	}
@@ -226,6 +229,55 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 		controller.Spec.Template.Spec.SecurityContext.RunAsNonRoot == nil || !*controller.Spec.Template.Spec.SecurityContext.RunAsNonRoot {
 		t.Errorf("controller: %d replicas, container security %+v, pod security %+v; want 2, read-only root, non-root",
 			*controller.Spec.Replicas, sc, controller.Spec.Template.Spec.SecurityContext)
+	}
+}
+
+// checkDriverRootMount checks that a node DaemonSet mounts the host's driverRoot read-only at /driver-root,
+// where later host mounts show through (a driver container started after the pod, an upgraded driver), and
+// tells the binary both paths: it reads at /driver-root and names host paths in CDI specs.
+func checkDriverRootMount(t *testing.T, ds appsv1.DaemonSet, driverRoot string) {
+	t.Helper()
+	var host string
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		if v.Name == "driver-root" && v.HostPath != nil {
+			host = v.HostPath.Path
+		}
+	}
+	if host != driverRoot {
+		t.Errorf("%s: driver-root volume from host path %q, want %q", ds.Name, host, driverRoot)
+	}
+	var mount *corev1.VolumeMount
+	for i, m := range ds.Spec.Template.Spec.Containers[0].VolumeMounts {
+		if m.Name == "driver-root" {
+			mount = &ds.Spec.Template.Spec.Containers[0].VolumeMounts[i]
+		}
+	}
+	if mount == nil || mount.MountPath != "/driver-root" || !mount.ReadOnly || mount.MountPropagation == nil ||
+		*mount.MountPropagation != corev1.MountPropagationHostToContainer {
+		t.Errorf("%s: driver-root mount %+v, want read-only at /driver-root with HostToContainer propagation", ds.Name, mount)
+	}
+	env := containerEnv(ds)
+	if env["TESSERA_DRIVER_ROOT"] != driverRoot || env["TESSERA_CONTAINER_DRIVER_ROOT"] != "/driver-root" {
+		t.Errorf("%s: TESSERA_DRIVER_ROOT=%q TESSERA_CONTAINER_DRIVER_ROOT=%q, want %q and /driver-root",
+			ds.Name, env["TESSERA_DRIVER_ROOT"], env["TESSERA_CONTAINER_DRIVER_ROOT"], driverRoot)
+	}
+}
+
+// A driver installed on the host (EKS/AKS GPU images, DGX OS, distribution packages, the GPU Operator with
+// driver.enabled=false) is `driverRoot: /`: the host's root is mounted at /driver-root, not over the
+// container's own, and the API server accepts both DaemonSets.
+func TestTheChartMountsAHostInstalledDriverAtDriverRoot(t *testing.T) {
+	objs := renderChart(t, helmBinary(t), "backend=nvml", "driverRoot=/")
+	applier, err := cluster.NewApplier(e.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	applier.DryRun = true
+	for _, name := range []string{"tessera-kubelet-plugin", "tessera-mps-supervisor"} {
+		checkDriverRootMount(t, daemonSet(t, objs, name), "/")
+		if err := applier.ApplyOne(ctxFor(t, 30*time.Second), findObject(t, objs, "DaemonSet", name), chartNamespace); err != nil {
+			t.Errorf("the API server rejects the DaemonSet %s with driverRoot=/: %v", name, err)
+		}
 	}
 }
 
@@ -303,7 +355,7 @@ func TestTheChartRejectsBadValuesNamingThem(t *testing.T) {
 		{[]string{"backend=cuda"}, []string{"backend", "nvml", "simulated"}},
 		{[]string{"backend=simulated", "simulated.gpus[0].model=H100"}, []string{"model"}},
 		{[]string{"gpuPolicy.preset=fancy"}, []string{"preset"}},
-		{[]string{"driverRoot=/"}, []string{"driverRoot", "/run/nvidia/driver"}},
+		{[]string{"driverRoot=run/nvidia/driver"}, []string{"driverRoot"}},
 		{[]string{"kubeletPlugin.heartbeatInterval=60"}, []string{"heartbeatInterval", "heartbeatTimeout"}},
 		{[]string{"stateDir=var/lib/tessera"}, []string{"stateDir"}},
 	} {

@@ -478,6 +478,57 @@ func (rn realNodeEnv) cdiSpecsFor(t *testing.T, uid types.UID) []string {
 	return out
 }
 
+// checkSpecsNameHostPaths checks that every mount of the claim's CDI specs names a path of the host, where
+// the runtime reads it: the plugin pod reads the driver root at /driver-root (--container-driver-root), and
+// the specs must say rn.driverRoot, with the libraries under it.
+func (rn realNodeEnv) checkSpecsNameHostPaths(t *testing.T, name string, files []string) {
+	t.Helper()
+	type edits struct {
+		Mounts []struct {
+			HostPath      string `json:"hostPath"`
+			ContainerPath string `json:"containerPath"`
+		} `json:"mounts"`
+	}
+	for _, f := range files {
+		data, err := os.ReadFile(filepath.Join(rn.cdiDir, f))
+		if err != nil {
+			t.Errorf("%s: %v", name, err)
+			continue
+		}
+		var spec struct {
+			ContainerEdits edits `json:"containerEdits"`
+			Devices        []struct {
+				ContainerEdits edits `json:"containerEdits"`
+			} `json:"devices"`
+		}
+		if err := json.Unmarshal(data, &spec); err != nil {
+			t.Errorf("%s: parse %s: %v", name, f, err)
+			continue
+		}
+		all := spec.ContainerEdits.Mounts
+		for _, d := range spec.Devices {
+			all = append(all, d.ContainerEdits.Mounts...)
+		}
+		libcuda := false
+		for _, m := range all {
+			if strings.HasPrefix(m.HostPath, "/driver-root/") {
+				t.Errorf("%s: %s mounts %s from the plugin pod's path %s, not the host's", name, f, m.ContainerPath, m.HostPath)
+			} else if _, err := os.Stat(m.HostPath); err != nil {
+				t.Errorf("%s: %s mounts %s from %s, which the host lacks: %v", name, f, m.ContainerPath, m.HostPath, err)
+			}
+			if strings.HasSuffix(m.ContainerPath, "/libcuda.so.1") {
+				libcuda = true
+				if !strings.HasPrefix(m.HostPath, rn.driverRoot+"/") {
+					t.Errorf("%s: %s mounts libcuda.so.1 from %s, want a file under the host's driver root %s", name, f, m.HostPath, rn.driverRoot)
+				}
+			}
+		}
+		if !libcuda {
+			t.Errorf("%s: %s mounts no libcuda.so.1: %+v", name, f, all)
+		}
+	}
+}
+
 // mpsServes dials the simulated MPS control daemon's socket for a shared GPU (gpu-1-shared → gpu-1):
 // the same socket the clients' CUDA_MPS_PIPE_DIRECTORY holds.
 func (rn realNodeEnv) mpsServes(device string) bool {
@@ -679,6 +730,8 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 			}
 			if files := rn.cdiSpecsFor(t, claim.UID); len(files) == 0 {
 				t.Errorf("%s: no CDI spec for claim %s in %s", name, claim.UID, rn.cdiDir)
+			} else {
+				rn.checkSpecsNameHostPaths(t, name, files)
 			}
 		}
 	})

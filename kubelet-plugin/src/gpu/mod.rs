@@ -199,9 +199,10 @@ pub trait GpuBackend: Send + Sync + 'static {
     /// `nvml` or `simulated`; recorded in the node inventory.
     fn name(&self) -> &'static str;
 
-    /// Root of the driver's user-space files (`/`, `/run/nvidia/driver`, GKE's
-    /// `/home/kubernetes/bin/nvidia`; the simulated driver root for the simulated backend), whose libraries
-    /// and binaries every container gets (see [`crate::driver_root`]).
+    /// Root of the driver's user-space files as this process reads them (`/`, `/run/nvidia/driver`, GKE's
+    /// `/home/kubernetes/bin/nvidia`, or where a container mounts one of them; the simulated driver root for
+    /// the simulated backend), whose libraries and binaries every container gets (see
+    /// [`crate::driver_root`]; the host path specs name is the plugin's `--driver-root`).
     fn driver_root(&self) -> &std::path::Path;
 
     /// Discovers every GPU with its identity, capacities and MIG profiles (with placements). Works whether or

@@ -1,8 +1,8 @@
 //! The NVML backend: real GPUs through nvml-wrapper, plus the raw MIG calls of `nvml_raw`.
 //!
-//! `NvmlBackend::new(driver_root)` loads `libnvidia-ml.so.1` from the driver root (the host's `/` or a
-//! containerised driver such as `/run/nvidia/driver`), so the plugin works without the library in its own
-//! image. It stays one NVML call per step with errors mapped by return code. Besides a node with an NVIDIA
+//! `NvmlBackend::new(driver_root)` loads `libnvidia-ml.so.1` from the driver root as this process sees it
+//! (`--container-driver-root`: the host's `/` or a containerised driver such as `/run/nvidia/driver`, mounted
+//! at `/driver-root` by the chart), so the plugin works without the library in its own image. It stays one NVML call per step with errors mapped by return code. Besides a node with an NVIDIA
 //! driver, it runs in the tests against the simulated driver root's real `libnvidia-ml.so.1` (crate
 //! `tessera-sim-nvml`; `tests/nvml_lib.rs`, `tests/nvml_defects.rs`); "needs hardware" below marks what
 //! only that library or a GPU can exercise. The pure parts (library lookup, name derivation, sysfs/proc
@@ -305,10 +305,19 @@ impl NvmlBackend {
     /// [`GpuError::LibraryNotFound`] naming the paths tried when there is no usable library.
     pub fn new(driver_root: &Path) -> Result<Self> {
         let candidates = library_candidates(driver_root);
+        // A soname link with an absolute target (an Operator rootfs's) dangles in this process's filesystem:
+        // it is followed inside the driver root instead.
+        let root = DriverRoot::new(driver_root);
         let library = candidates
             .iter()
-            .find(|p| p.is_absolute() && p.exists())
-            .cloned()
+            .filter(|p| p.is_absolute())
+            .find_map(|p| {
+                if p.exists() {
+                    Some(p.clone())
+                } else {
+                    root.resolve(p).filter(|r| r.is_file())
+                }
+            })
             .unwrap_or_else(|| PathBuf::from(LIBRARY_NAME));
         let tried = candidates
             .iter()
@@ -652,7 +661,8 @@ impl NvmlBackend {
     fn nvidia_smi(&self) -> Result<PathBuf> {
         let root = DriverRoot::new(&self.driver_root);
         let candidates = root.binary_candidates("nvidia-smi");
-        root.find_binary("nvidia-smi").ok_or_else(|| GpuError::Tool {
+        let found = root.find_binary("nvidia-smi").and_then(|p| root.resolve(&p));
+        found.ok_or_else(|| GpuError::Tool {
             program: "nvidia-smi".to_string(),
             reason: format!(
                 "not found under the driver root (tried {})",

@@ -124,7 +124,8 @@ pub type Result<T, E = MpsError> = std::result::Result<T, E>;
 /// How daemons are started and spoken to.
 #[derive(Clone, Debug)]
 pub enum Launcher {
-    /// NVIDIA's `nvidia-cuda-mps-control` at this path (under the driver root). The daemon and every
+    /// NVIDIA's `nvidia-cuda-mps-control` at this path (under the driver root as this process sees it,
+    /// `--container-driver-root`: the daemon runs here, not on the host). The daemon and every
     /// command run with the driver root's `PATH` and `LD_LIBRARY_PATH`, so the control daemon finds
     /// `nvidia-cuda-mps-server` and the driver's libraries where the driver root is not `/` (GPU Operator,
     /// GKE).

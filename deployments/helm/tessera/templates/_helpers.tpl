@@ -34,9 +34,6 @@ system:serviceaccount:{{ .Release.Namespace }}:tessera-kubelet-plugin
 Checks what the schema cannot say, failing with the value to change.
 */}}
 {{- define "tessera.validate" -}}
-{{- if and (eq .Values.backend "nvml") (eq (clean .Values.driverRoot) "/") }}
-{{- fail "driverRoot: \"/\" (a driver installed on the host) is not supported by the chart yet: the plugin mounts the driver root at its host path, which for / would hide the container's own files. Use the GPU Operator's /run/nvidia/driver, GKE's /home/kubernetes/bin/nvidia, or run the plugin on the host (kubelet-plugin/README.md)" }}
-{{- end }}
 {{- if and .Values.gpuPolicy.create (not .Values.gpuPolicy.rules) (not (.Files.Get (printf "files/policies/%s.yaml" .Values.gpuPolicy.preset))) }}
 {{- fail (printf "gpuPolicy.preset: %q is not one of deployments/policies/ (all-whole, mixed, shared-mps, static-mig); or set gpuPolicy.rules" .Values.gpuPolicy.preset) }}
 {{- end }}

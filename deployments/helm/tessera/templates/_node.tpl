@@ -5,8 +5,11 @@
 - name: TESSERA_STATE_DIR
   value: {{ .Values.stateDir | quote }}
 {{- if eq .Values.backend "nvml" }}
+# The host's path of the driver (what CDI specs name) and where this pod reads it.
 - name: TESSERA_DRIVER_ROOT
   value: {{ .Values.driverRoot | quote }}
+- name: TESSERA_CONTAINER_DRIVER_ROOT
+  value: {{ include "tessera.containerDriverRoot" . | quote }}
 {{- end }}
 {{- if .Values.mpsSupervisor.enabled }}
 - name: TESSERA_MPS_SUPERVISOR_SOCKET
@@ -14,7 +17,8 @@
 {{- end }}
 {{- end }}
 
-{{/* Host directories at their host paths: CDI specs and kubelet's registration name host paths. */}}
+{{/* Host directories at their host paths (CDI specs and kubelet's registration name host paths), except the
+driver root, which is mounted at tessera.containerDriverRoot. */}}
 {{- define "tessera.nodeVolumes" -}}
 - name: state
   hostPath: {path: {{ .Values.stateDir | quote }}, type: DirectoryOrCreate}
@@ -27,11 +31,20 @@
 {{- end }}
 {{- end }}
 
+{{/*
+Where the node components see the host's driverRoot: a fixed path of their own, so any driverRoot mounts,
+`/` (a driver installed on the host) included, without hiding the container's files; the plugin names the
+host's paths in CDI specs (--driver-root vs --container-driver-root, kubelet-plugin/README.md).
+*/}}
+{{- define "tessera.containerDriverRoot" -}}/driver-root{{- end }}
+
 {{- define "tessera.nodeMounts" -}}
 {{- if eq .Values.backend "nvml" }}
+# HostToContainer: a driver container that starts after this pod, or an upgraded driver, shows through.
 - name: driver-root
-  mountPath: {{ .Values.driverRoot | quote }}
+  mountPath: {{ include "tessera.containerDriverRoot" . | quote }}
   readOnly: true
+  mountPropagation: HostToContainer
 - name: dev
   mountPath: /dev
 {{- end }}
