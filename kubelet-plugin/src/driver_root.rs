@@ -282,7 +282,42 @@ impl DriverRoot {
         dirs.join(":")
     }
 
-    /// `LD_LIBRARY_PATH` for a process that loads the driver's libraries from this root.
+    /// The driver's own libraries under this root and nothing else of its library directories: every
+    /// `<lib>.so`, `<lib>.so.<N>` soname link and `<lib>.so.<driver version>` file of a [`LIBRARIES`]
+    /// name, by file name, with the regular file it resolves to inside the root ([`Self::resolve`], so an
+    /// absolute soname link of an Operator rootfs is followed there, not in this process's root). The
+    /// first library directory holding a name wins; sorted by name. A distro rootfs's `libc.so.6`, `libm`,
+    /// loader … are never listed: this is what the MPS daemon's private library directory links to
+    /// (`sharing/mps.rs`).
+    pub fn driver_libraries(&self) -> Vec<(String, PathBuf)> {
+        let mut found: Vec<(String, PathBuf)> = Vec::new();
+        for dir in self.library_dirs() {
+            // Listed where the root has it: `lib64 -> /usr/lib64` means the rootfs's /usr/lib64.
+            let Some(listed) = self.resolve(&dir) else {
+                continue;
+            };
+            let Ok(entries) = fs::read_dir(&listed) else {
+                continue;
+            };
+            for entry in entries.filter_map(|e| e.ok()) {
+                let Ok(name) = entry.file_name().into_string() else {
+                    continue;
+                };
+                if !is_driver_library(&name) || found.iter().any(|(n, _)| *n == name) {
+                    continue;
+                }
+                if let Some(file) = self.resolve(&dir.join(&name)).filter(|f| f.is_file()) {
+                    found.push((name, file));
+                }
+            }
+        }
+        found.sort();
+        found
+    }
+
+    /// `LD_LIBRARY_PATH` for a process that loads the driver's libraries from this root: every library
+    /// directory, so on a distro rootfs (the GPU Operator's) its libc too. Never give it to a process of
+    /// this image (see [`Self::driver_libraries`]).
     pub fn ld_library_path(&self) -> String {
         self.library_dirs()
             .iter()
@@ -357,6 +392,15 @@ fn library_files(root: &DriverRoot, lib: &str, driver_version: Option<&str>) -> 
         .find_map(|p| regular(&p).map(|t| (p, t)))
         .into_iter()
         .collect()
+}
+
+/// True for a file name of one of NVIDIA's [`LIBRARIES`]: `<lib>.so` or `<lib>.so.<anything>`.
+fn is_driver_library(name: &str) -> bool {
+    LIBRARIES.iter().any(|lib| {
+        name.strip_prefix(lib)
+            .and_then(|rest| rest.strip_prefix(".so"))
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+    })
 }
 
 fn candidates(root: &Path, dirs: &[&str], file: &str) -> Vec<PathBuf> {
@@ -798,6 +842,63 @@ mod tests {
         );
         // `lib64 -> /usr/lib64` is a directory of the rootfs, not of this process.
         assert_eq!(root.resolve(&d.join("lib64")), Some(d.join("usr/lib64")));
+    }
+
+    #[test]
+    fn the_driver_libraries_of_an_operator_rootfs_are_nvidias_only() {
+        // What the MPS daemon's private library directory links to: never the rootfs's libc or loader.
+        let layout = Layout::new().libs("usr/lib/x86_64-linux-gnu");
+        let d = layout.dir.path();
+        let lib = d.join("usr/lib/x86_64-linux-gnu");
+        for distro in [
+            "libc.so.6",
+            "libm.so.6",
+            "ld-linux-x86-64.so.2",
+            "libcudart.so.12",
+            "libcuda-x.so.1",
+        ] {
+            fs::write(lib.join(distro), b"distro").unwrap();
+        }
+        // An absolute soname link, resolved in the rootfs; `lib64 -> /usr/lib64` listed there too.
+        fs::create_dir_all(d.join("usr/lib64")).unwrap();
+        fs::write(
+            d.join(format!("usr/lib64/libnvidia-ptxjitcompiler.so.{VERSION}")),
+            b"stub",
+        )
+        .unwrap();
+        symlink(
+            format!("/usr/lib64/libnvidia-ptxjitcompiler.so.{VERSION}"),
+            d.join("usr/lib64/libnvidia-ptxjitcompiler.so.1"),
+        )
+        .unwrap();
+        fs::write(d.join("usr/lib64/libc.so.6"), b"distro").unwrap();
+        symlink("/usr/lib64", d.join("lib64")).unwrap();
+        let root = DriverRoot::mounted("/run/nvidia/driver", d);
+        let names: Vec<(String, PathBuf)> = root.driver_libraries();
+        let ptx = d.join(format!("usr/lib64/libnvidia-ptxjitcompiler.so.{VERSION}"));
+        assert_eq!(
+            names,
+            [
+                (
+                    "libcuda.so.1".to_string(),
+                    lib.join(format!("libcuda.so.{VERSION}"))
+                ),
+                (
+                    format!("libcuda.so.{VERSION}"),
+                    lib.join(format!("libcuda.so.{VERSION}"))
+                ),
+                (
+                    "libnvidia-ml.so.1".to_string(),
+                    lib.join(format!("libnvidia-ml.so.{VERSION}"))
+                ),
+                (
+                    format!("libnvidia-ml.so.{VERSION}"),
+                    lib.join(format!("libnvidia-ml.so.{VERSION}"))
+                ),
+                ("libnvidia-ptxjitcompiler.so.1".to_string(), ptx.clone()),
+                (format!("libnvidia-ptxjitcompiler.so.{VERSION}"), ptx),
+            ]
+        );
     }
 
     #[test]

@@ -426,10 +426,16 @@ fn nvidias_mps_tool_runs_with_the_driver_roots_path_and_libraries() {
         out.contains(&format!("PATH={}", bin.display())),
         "the driver root's binaries must come first: {out}"
     );
+    // Never the root's library directories (an Operator rootfs's libc would load): the daemon's links to
+    // NVIDIA's libraries only (issue 22; tests/mps_operator_layout.rs starts one on such a root).
     assert!(
-        out.contains(&format!("LD_LIBRARY_PATH={}", lib.display())),
+        out.ends_with(&format!(
+            "\nLD_LIBRARY_PATH={}",
+            fake.mps.dirs("gpu-0").lib.display()
+        )),
         "{out}"
     );
+    assert!(!out.contains(&lib.display().to_string()), "{out}");
 }
 
 #[test]

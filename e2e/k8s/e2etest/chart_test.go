@@ -179,8 +179,21 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 	if got := hostPaths(plugin); strings.Join(got, ",") != strings.Join(wantPaths, ",") {
 		t.Errorf("plugin host paths %v, want %v", got, wantPaths)
 	}
-	if plugin.Spec.Template.Spec.NodeSelector["nvidia.com/gpu.present"] != "true" {
-		t.Errorf("plugin node selector %v, want nvidia.com/gpu.present=true", plugin.Spec.Template.Spec.NodeSelector)
+	// GPU nodes however they are labelled: GPU feature discovery, node feature discovery, GKE (ORed terms).
+	var terms []string
+	if a := plugin.Spec.Template.Spec.Affinity; a != nil && a.NodeAffinity != nil && a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution != nil {
+		for _, term := range a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution.NodeSelectorTerms {
+			for _, e := range term.MatchExpressions {
+				terms = append(terms, e.Key+" "+string(e.Operator)+" "+strings.Join(e.Values, ","))
+			}
+		}
+	}
+	wantTerms := []string{"nvidia.com/gpu.present In true", "feature.node.kubernetes.io/pci-10de.present In true", "cloud.google.com/gke-accelerator Exists "}
+	if strings.Join(terms, "|") != strings.Join(wantTerms, "|") {
+		t.Errorf("plugin node affinity terms %q, want %q", terms, wantTerms)
+	}
+	if len(plugin.Spec.Template.Spec.NodeSelector) != 0 {
+		t.Errorf("plugin node selector %v, want none (the affinity picks GPU nodes)", plugin.Spec.Template.Spec.NodeSelector)
 	}
 	env := containerEnv(plugin)
 	for k, v := range map[string]string{

@@ -165,17 +165,20 @@ func dedup(s []string) []string {
 // (not its parent); NVML lists the parent GPUs and, under a MIG-enabled one, the claim's MIG devices.
 type expectedView struct {
 	cuda, nvmlGPUs, nvmlMigs []string
-	// A share: every context is an MPS client, limited to the claim's memory and its compute percentage
-	// of the SMs (the share's CUDA_MPS_* env, which checkInside compares with the claim).
+	// A share, or a device whose claim's config asks for MPS: every context is an MPS client, limited to
+	// the claim's memory and its compute percentage of the SMs (the share's CUDA_MPS_* env, which the
+	// scenario compares with the claim's capacity or config).
 	shared      bool
 	memoryLimit uint64
 	percentage  int
 }
 
+// mpsClient says the claim's config makes its (exclusive) devices one-holder MPS shares, as a MigConfig or
+// GpuConfig with `sharing: {strategy: MPS}` does: its contexts must be MPS clients like a share's.
 func expectFor(t *testing.T, p *v1.Pod, v seen, devices []resourcev1.DeviceRequestAllocationResult,
-	migUUID func(t *testing.T, device string) string) expectedView {
+	migUUID func(t *testing.T, device string) string, mpsClient bool) expectedView {
 	t.Helper()
-	var x expectedView
+	x := expectedView{shared: mpsClient}
 	for _, r := range devices {
 		d := sliceDevice(t, p.Spec.NodeName, r.Device)
 		uuid := attr(d, "uuid").StringValue

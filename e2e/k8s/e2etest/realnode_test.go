@@ -358,6 +358,12 @@ var migDevice = regexp.MustCompile(`-mig-`)
 // checkInside asserts, from the container's own output, what every allocated device must give it.
 func (rn realNodeEnv) checkInside(t *testing.T, p *v1.Pod, v seen, devices []resourcev1.DeviceRequestAllocationResult) {
 	t.Helper()
+	rn.checkInsideAs(t, p, v, devices, false)
+}
+
+// checkInsideAs is checkInside for a claim whose config may make its exclusive devices MPS clients.
+func (rn realNodeEnv) checkInsideAs(t *testing.T, p *v1.Pod, v seen, devices []resourcev1.DeviceRequestAllocationResult, mpsClient bool) {
+	t.Helper()
 	fail := func(format string, args ...any) {
 		t.Errorf("pod %s: "+format+"\n--- the container printed:\n%s", append([]any{p.Name}, append(args, v.raw)...)...)
 	}
@@ -408,7 +414,7 @@ func (rn realNodeEnv) checkInside(t *testing.T, p *v1.Pod, v seen, devices []res
 	if len(v.smi) == 0 || !strings.Contains(v.smi, "GPU 0:") {
 		fail("nvidia-smi -L printed nothing usable")
 	}
-	checkProbe(t, p, v, expectFor(t, p, v, devices, rn.migUUID))
+	checkProbe(t, p, v, expectFor(t, p, v, devices, rn.migUUID, mpsClient))
 }
 
 func deviceNames(devices []resourcev1.DeviceRequestAllocationResult) []string {
@@ -762,6 +768,93 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 				}
 			}
 		}
+	})
+
+	// Its own subtest, once the pods above are gone: with them, the node's five MIG-capable GPUs are all
+	// taken (four whole, one for the 3g MIG), and a MIG device on another GPU would leave a pod pending.
+	t.Run("a MIG claim whose MigConfig asks for MPS runs on its own MPS server over the MIG device, with the config's limits", func(t *testing.T) {
+		const (
+			percentage = 50
+			pinned     = 4 << 30
+		)
+		claimTemplate(t, ns, "mig-mps", mig1gClass(t), selector(fmt.Sprintf(`device.attributes[%q].profile == "1g.10gb"`, driver)),
+			opaqueConfig(fmt.Sprintf(`{"apiVersion":"gpu.tessera.dev/v1alpha1","kind":"MigConfig","sharing":{"strategy":"MPS",`+
+				`"mps":{"defaultActiveThreadPercentage":%d,"defaultPinnedDeviceMemoryLimit":"4Gi"}}}`, percentage)))
+		workloadPod(ns, "mig-mps", rn.name).withClaimFrom("mig-mps").create(t)
+		p := waitRunning(t, ns, "mig-mps", 3*time.Minute)
+		claim, devices := realAllocations(t, p)
+		v := insideView(t, p)
+		t.Logf("mig-mps (%v): cuda-probe printed:\n  %s\nand nvidia-smi -L:\n  %s", deviceNames(devices), strings.Join(v.probeLines, "\n  "),
+			strings.ReplaceAll(strings.TrimSpace(v.smi), "\n", "\n  "))
+		if len(devices) != 1 || !migDeviceName.MatchString(devices[0].Device) || !strings.Contains(devices[0].Device, "-mig-1g-10gb-") {
+			t.Fatalf("mig-mps: allocated %v, want one exclusive 1g.10gb MIG device", deviceNames(devices))
+		}
+		device := devices[0].Device
+		// The whole view, with every context an MPS client limited by the env the plugin set.
+		rn.checkInsideAs(t, p, v, devices, true)
+		fail := func(format string, args ...any) {
+			t.Errorf("mig-mps (%s): "+format+"\n--- the container printed:\n%s", append([]any{device}, append(args, v.raw)...)...)
+		}
+		// The env is the config's, not left to the probe's check to compare with itself.
+		if got := v.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]; got != fmt.Sprint(percentage) {
+			fail("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%q, want the MigConfig's %d", got, percentage)
+		}
+		if got := mpsLimitBytes(v.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]); got != pinned {
+			fail("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=%q, want the MigConfig's 4Gi", v.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"])
+		}
+		if v.env["CUDA_MPS_PIPE_DIRECTORY"] == "" || !contains(v.pipe, "control") {
+			fail("pipe directory %q lists %v, want the daemon's control socket", v.env["CUDA_MPS_PIPE_DIRECTORY"], v.pipe)
+		}
+		// Exactly the MIG device, by its own MIG- UUID, and its one context through the MPS server with the
+		// config's memory and half the MIG device's SMs.
+		mig := rn.migUUID(t, device)
+		pv := v.probe
+		if len(pv.cuda) != 1 || pv.cuda[0].uuid != mig || len(pv.ctx) != 1 {
+			fail("CUDA devices %v with %d contexts, want exactly the MIG device %s and one context", pv.cudaUUIDs(), len(pv.ctx), mig)
+		} else {
+			c, d := pv.ctx[0], pv.cuda[0]
+			if c.rc != 0 || !strings.HasPrefix(c.mps, "yes server=") || c.mps == "yes server=" {
+				fail("cuCtxCreate rc=%d mps=%q, want CUDA_SUCCESS through an MPS server", c.rc, c.mps)
+			}
+			if c.memTotal != pinned {
+				fail("the MPS context has %d bytes, want the MigConfig's pinned 4Gi (%d) of the device's %d", c.memTotal, uint64(pinned), d.mem)
+			}
+			if want := (d.sms*percentage + 99) / 100; c.sms != want || d.sms < 2 {
+				fail("the MPS context may use %d of the MIG device's %d SMs, want %d (%d %%)", c.sms, d.sms, want, percentage)
+			}
+		}
+		// On the node: the MIG instance, and an MPS daemon of its own (keyed by the MIG device) that the
+		// client reached with the MIG device's UUID, not its parent's.
+		if !rn.migInstanceAt(t, device) {
+			t.Errorf("mig-mps: no MIG instance for %s in the simulated kernel", device)
+		}
+		if !rn.mpsServes(device) {
+			t.Errorf("mig-mps: no MPS control daemon serves %s (%s)", device, filepath.Join(rn.stateDir, "mps", device, "pipe", "control"))
+		}
+		if log, err := os.ReadFile(filepath.Join(rn.stateDir, "mps", device, "log", "control.log")); err != nil {
+			t.Errorf("mig-mps: the MPS daemon's log: %v", err)
+		} else if !strings.Contains(string(log), "NEW CLIENT") || !strings.Contains(string(log), "device="+mig) {
+			t.Errorf("mig-mps: the MPS daemon of %s logged no client on the MIG device %s:\n%s", device, mig, log)
+		}
+		files := rn.cdiSpecsFor(t, claim.UID)
+		if len(files) == 0 {
+			t.Errorf("mig-mps: no CDI spec for claim %s in %s", claim.UID, rn.cdiDir)
+		} else {
+			rn.checkSpecsNameHostPaths(t, "mig-mps", files)
+		}
+
+		deletePod(t, ns, "mig-mps")
+		waitGone(t, ns, "mig-mps", 2*time.Minute)
+		waitFor(t, "mig-mps's CDI spec removed", time.Minute, func(ctx context.Context) (bool, string) {
+			files := rn.cdiSpecsFor(t, claim.UID)
+			return len(files) == 0, fmt.Sprintf("left: %v", files)
+		})
+		waitFor(t, "the MPS daemon of "+device+" stopped", time.Minute, func(ctx context.Context) (bool, string) {
+			return !rn.mpsServes(device), "its control socket still answers"
+		})
+		waitFor(t, "the MIG instance of "+device+" destroyed", time.Minute, func(ctx context.Context) (bool, string) {
+			return !rn.migInstanceAt(t, device), "still in the simulated kernel's state"
+		})
 	})
 
 	t.Run("with pod-bound tokens the plugin cannot write another node's inventory or any slice, nor the controller read Secrets", func(t *testing.T) {

@@ -2,7 +2,9 @@
 //! after the last.
 //!
 //! Each daemon has a directory `<state dir>/mps/<key>/` (key = the device's `GPU-…`/`MIG-…` UUID) with
-//! `pipe/` (the control socket `control` and the pid file), `log/` (`control.log`) and `shm/`. A daemon is
+//! `pipe/` (the control socket `control` and the pid file), `log/` (`control.log`, and [`DAEMON_LOG`]:
+//! the launcher's and daemon's own stdout and stderr and the failures of control commands), `lib/` (see
+//! below) and `shm/`. A daemon is
 //! its own session leader, not a child the plugin waits on, so it outlives a plugin restart; the plugin finds
 //! it again through its pid file and control socket.
 //!
@@ -14,6 +16,21 @@
 //! * [`Launcher::Nvidia`]: `nvidia-cuda-mps-control -d` with `CUDA_MPS_PIPE_DIRECTORY`,
 //!   `CUDA_MPS_LOG_DIRECTORY` and `CUDA_VISIBLE_DEVICES=<uuid>`; commands go to the tool's stdin (never
 //!   through a shell).
+//!
+//! **The library path of NVIDIA's tools.** The daemon, its server and every control command run from the
+//! driver root with this process's loader and libc, and find NVIDIA's libraries through
+//! `LD_LIBRARY_PATH=<daemon dir>/lib`, a private directory of symlinks to the driver's own libraries only
+//! ([`DriverRoot::driver_libraries`]: the [`LIBRARIES`](crate::driver_root::LIBRARIES) names, versioned
+//! files and soname links, resolved inside the root), rebuilt at every start. Never the root's library
+//! directories themselves: under the GPU Operator the driver root is a whole Ubuntu/UBI rootfs, and its
+//! `libc.so.6` loaded under this image's loader kills the tool before `main`. Why links and not a chroot
+//! into the driver root, as NVIDIA's DRA driver does: a chroot needs a complete, runnable rootfs (GKE's
+//! `bin`/`lib64` root has no loader, libc or shell), `CAP_SYS_CHROOT`, and the pipe, log and private
+//! `/dev/shm` directories inside the root; the links need none of that and work on all three layouts (a
+//! host driver in `/`, the Operator's rootfs, GKE's). What it needs instead: this image's glibc must be
+//! one NVIDIA's binaries run with (they want `libpthread.so.0`, `libdl.so.2`, `librt.so.1`, `libm.so.6`).
+//! `PATH` still starts with the root's binary directories, so the control daemon finds
+//! `nvidia-cuda-mps-server`.
 //! * [`Launcher::Simulated`]: the plugin binary's hidden `mps-control-sim` subcommand ([`run_sim_daemon`]), a
 //!   real process serving the same commands on a unix socket and logging them, for nodes without GPUs.
 //!
@@ -71,6 +88,11 @@ pub const SIM_SUBCOMMAND: &str = "mps-control-sim";
 const DAEMON_TIMEOUT: Duration = Duration::from_secs(10);
 /// Socket read/write timeout for one command.
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
+/// The daemon's own output in its log directory: stdout and stderr of the launcher
+/// (`nvidia-cuda-mps-control -d`/`-f`) and of the daemon it leaves, and the failures of control commands.
+pub const DAEMON_LOG: &str = "daemon.log";
+/// How many of [`DAEMON_LOG`]'s last lines a failed start's error carries.
+const LOG_TAIL_LINES: usize = 10;
 
 /// A failed daemon operation.
 #[derive(Debug, thiserror::Error)]
@@ -85,12 +107,14 @@ pub enum MpsError {
         program: PathBuf,
         reason: String,
     },
-    /// The daemon did not answer in time after start.
-    #[error("MPS control daemon for {key} did not answer within {timeout:?}; see {log}")]
+    /// The daemon did not answer in time after start (a zero timeout: it exited first). `tail` is the
+    /// end of its [`DAEMON_LOG`] (empty, or starting with a newline).
+    #[error("MPS control daemon for {key} did not answer within {timeout:?}; see {log}{tail}")]
     NotReady {
         key: String,
         timeout: Duration,
         log: PathBuf,
+        tail: String,
     },
     /// Sending a command failed.
     #[error("failed to send {command:?} to the MPS control daemon for {key}: {reason}")]
@@ -126,9 +150,9 @@ pub type Result<T, E = MpsError> = std::result::Result<T, E>;
 pub enum Launcher {
     /// NVIDIA's `nvidia-cuda-mps-control` at this path (under the driver root as this process sees it,
     /// `--container-driver-root`: the daemon runs here, not on the host). The daemon and every
-    /// command run with the driver root's `PATH` and `LD_LIBRARY_PATH`, so the control daemon finds
-    /// `nvidia-cuda-mps-server` and the driver's libraries where the driver root is not `/` (GPU Operator,
-    /// GKE).
+    /// command run with the driver root's binary directories first on `PATH` (the control daemon finds
+    /// `nvidia-cuda-mps-server`) and `LD_LIBRARY_PATH` set to the daemon's private directory of links to
+    /// the driver's own libraries, never to a library directory of the root (see the module comment).
     Nvidia { control: PathBuf, driver_root: PathBuf },
     /// `<program> mps-control-sim`; `program` is normally the plugin binary itself.
     Simulated { program: PathBuf },
@@ -144,6 +168,8 @@ pub struct DaemonDirs {
     pub pipe: PathBuf,
     pub log: PathBuf,
     pub shm: PathBuf,
+    /// Links to the driver's libraries, the `LD_LIBRARY_PATH` of NVIDIA's tools.
+    pub lib: PathBuf,
 }
 
 /// Settings applied to a daemon right after start (servers spawned later inherit them).
@@ -211,6 +237,7 @@ impl MpsManager {
             pipe: root.join("pipe"),
             log: root.join("log"),
             shm: root.join("shm"),
+            lib: root.join("lib"),
             root,
         }
     }
@@ -238,7 +265,9 @@ impl MpsManager {
 
     /// True when the daemon answers a cheap query (what NVIDIA's device plugin uses as its health probe).
     pub fn is_running(&self, key: &str) -> bool {
-        self.send(key, "get_default_active_thread_percentage").is_ok()
+        // A probe fails while a daemon starts and after it stops: not worth a line in its daemon.log.
+        self.command(key, "get_default_active_thread_percentage", false)
+            .is_ok()
     }
 
     /// Keys of the daemons found running (after a plugin restart: those started by an earlier plugin).
@@ -263,9 +292,19 @@ impl MpsManager {
         keys
     }
 
-    /// Sends one control command and returns the daemon's answer (trimmed).
+    /// Sends one control command and returns the daemon's answer (trimmed). A failure of NVIDIA's tool is
+    /// also written to the daemon's [`DAEMON_LOG`].
     pub fn send(&self, key: &str, command: &str) -> Result<String> {
+        self.command(key, command, true)
+    }
+
+    fn command(&self, key: &str, command: &str, log_failure: bool) -> Result<String> {
         let dirs = self.dirs(key);
+        let log_failure = |line: String| {
+            if log_failure {
+                log_line(&dirs.log, &line);
+            }
+        };
         let err = |reason: String| MpsError::Command {
             key: key.to_string(),
             command: command.to_string(),
@@ -283,26 +322,40 @@ impl MpsManager {
             }
             Launcher::Simulated { .. } => sim_send(&dirs.pipe, command).map_err(|e| err(e.to_string())),
             Launcher::Nvidia { control, driver_root } => {
+                // A daemon started by an older plugin has no link directory yet, and a driver upgrade
+                // leaves dangling links; a key without a daemon directory gets none made (a probe of a
+                // stopped daemon must not bring its directory back).
+                if dirs.root.is_dir() && !links_usable(&dirs.lib) {
+                    link_driver_libraries(&DriverRoot::new(driver_root), &dirs.lib)
+                        .map_err(|e| err(format!("cannot link the driver's libraries: {e}")))?;
+                }
                 let mut cmd = Command::new(control);
-                driver_env(&mut cmd, driver_root)
+                driver_env(&mut cmd, driver_root, &dirs.lib)
                     .env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
                     .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
                 let out =
                     run_with_timeout(cmd, Some(command), self.command_timeout).map_err(|e| match e {
                         ToolError::Io(reason) => err(reason),
-                        ToolError::TimedOut => MpsError::Timeout {
-                            key: key.to_string(),
-                            program: control.clone(),
-                            command: command.to_string(),
-                            timeout: self.command_timeout,
-                        },
+                        ToolError::TimedOut => {
+                            log_failure(format!("{command:?} timed out after {:?}", self.command_timeout));
+                            MpsError::Timeout {
+                                key: key.to_string(),
+                                program: control.clone(),
+                                command: command.to_string(),
+                                timeout: self.command_timeout,
+                            }
+                        }
                     })?;
                 if !out.status.success() {
-                    return Err(err(format!(
-                        "{}: {}",
+                    let stderr = String::from_utf8_lossy(&out.stderr);
+                    let stdout = String::from_utf8_lossy(&out.stdout);
+                    log_failure(format!(
+                        "{command:?} failed: {}: {} {}",
                         out.status,
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    )));
+                        stderr.trim(),
+                        stdout.trim()
+                    ));
+                    return Err(err(format!("{}: {}", out.status, stderr.trim())));
                 }
                 Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
             }
@@ -343,8 +396,10 @@ impl MpsManager {
         let foreground = self.owned.is_some();
         let (program, mut cmd) = match &self.launcher {
             Launcher::Nvidia { control, driver_root } => {
+                link_driver_libraries(&DriverRoot::new(driver_root), &dirs.lib)
+                    .map_err(|e| start_err(control, format!("cannot link the driver's libraries: {e}")))?;
                 let mut cmd = Command::new(control);
-                driver_env(&mut cmd, driver_root)
+                driver_env(&mut cmd, driver_root, &dirs.lib)
                     .arg(if foreground { "-f" } else { "-d" })
                     .env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
                     .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
@@ -365,16 +420,27 @@ impl MpsManager {
             Launcher::Supervisor { .. } => unreachable!("forwarded above"),
         };
         cmd.env("CUDA_VISIBLE_DEVICES", device_uuid);
+        // The launcher's and the daemon's own output (a loader error, a crash message) go to daemon.log.
+        let daemon_log = dirs.log.join(DAEMON_LOG);
+        let open_log = || {
+            let log = fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&daemon_log)?;
+            Ok::<_, std::io::Error>((log.try_clone()?, log))
+        };
+        let (out, errs) = open_log()
+            .map_err(|e| start_err(program, format!("cannot open {}: {e}", daemon_log.display())))?;
+        log_line(
+            &dirs.log,
+            &format!("starting {} for {device_uuid}", program.display()),
+        );
+        cmd.stdin(Stdio::null()).stdout(out).stderr(errs);
         if let Some(owned) = &self.owned {
             if self.private_shm {
                 private_shm::prepare(&mut cmd, &dirs.shm).map_err(|e| start_err(program, e))?;
             }
-            let mut child = cmd
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .map_err(|e| start_err(program, e.to_string()))?;
+            let mut child = cmd.spawn().map_err(|e| start_err(program, e.to_string()))?;
             let pid = child.id();
             owned
                 .lock()
@@ -400,7 +466,10 @@ impl MpsManager {
             }
         };
         if !status.success() {
-            return Err(start_err(program, format!("launcher exited with {status}")));
+            return Err(start_err(
+                program,
+                format!("launcher exited with {status}{}", log_tail(&daemon_log)),
+            ));
         }
         self.await_ready(key, &dirs, defaults, None)
     }
@@ -415,19 +484,17 @@ impl MpsManager {
     ) -> Result<DaemonDirs> {
         let deadline = Instant::now() + DAEMON_TIMEOUT;
         while !self.is_running(key) {
+            let not_ready = |timeout| MpsError::NotReady {
+                key: key.to_string(),
+                timeout,
+                log: dirs.log.join("control.log"),
+                tail: log_tail(&dirs.log.join(DAEMON_LOG)),
+            };
             if child.is_some_and(|pid| !process_alive(pid)) {
-                return Err(MpsError::NotReady {
-                    key: key.to_string(),
-                    timeout: Duration::ZERO,
-                    log: dirs.log.join("control.log"),
-                });
+                return Err(not_ready(Duration::ZERO));
             }
             if Instant::now() > deadline {
-                return Err(MpsError::NotReady {
-                    key: key.to_string(),
-                    timeout: DAEMON_TIMEOUT,
-                    log: dirs.log.join("control.log"),
-                });
+                return Err(not_ready(DAEMON_TIMEOUT));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -491,15 +558,92 @@ impl MpsManager {
     }
 }
 
-/// The driver root's `PATH` and `LD_LIBRARY_PATH` for NVIDIA's MPS tools.
-fn driver_env<'c>(cmd: &'c mut Command, driver_root: &Path) -> &'c mut Command {
-    let root = DriverRoot::new(driver_root);
-    cmd.env("PATH", root.path_env());
-    let libs = root.ld_library_path();
-    if !libs.is_empty() {
-        cmd.env("LD_LIBRARY_PATH", libs);
+/// `PATH` (the driver root's binary directories first) and `LD_LIBRARY_PATH` (`lib_dir`, the daemon's
+/// links to the driver's libraries, and nothing else: never a library directory of the root, which on an
+/// Operator rootfs holds a libc foreign to this process's loader) for NVIDIA's MPS tools.
+fn driver_env<'c>(cmd: &'c mut Command, driver_root: &Path, lib_dir: &Path) -> &'c mut Command {
+    cmd.env("PATH", DriverRoot::new(driver_root).path_env())
+        .env("LD_LIBRARY_PATH", lib_dir)
+}
+
+/// Makes `dir` hold exactly one symlink per driver library of `root` ([`DriverRoot::driver_libraries`]),
+/// named as the root names it and pointing at the file it resolves to. Idempotent and safe against a
+/// concurrent call (each link is made under a temporary name and renamed over the old one); links of
+/// files the root no longer has (an upgraded driver) are removed.
+fn link_driver_libraries(root: &DriverRoot, dir: &Path) -> std::io::Result<()> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    fs::create_dir_all(dir)?;
+    let wanted = root.driver_libraries();
+    for (name, target) in &wanted {
+        let link = dir.join(name);
+        if fs::read_link(&link).is_ok_and(|t| t == *target) {
+            continue;
+        }
+        let tmp = dir.join(format!(
+            ".{name}.{}.{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::os::unix::fs::symlink(target, &tmp)?;
+        fs::rename(&tmp, &link)?;
     }
-    cmd
+    for entry in fs::read_dir(dir)?.filter_map(|e| e.ok()) {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        // Dot names are another call's links in the making.
+        if !name.starts_with('.') && !wanted.iter().any(|(n, _)| *n == *name) {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+    Ok(())
+}
+
+/// True when `dir` has links and every one leads to a file.
+fn links_usable(dir: &Path) -> bool {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return false;
+    };
+    let mut any = false;
+    for entry in entries.filter_map(|e| e.ok()) {
+        if entry.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        if !fs::metadata(entry.path()).is_ok_and(|m| m.is_file()) {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
+/// Appends one timestamped line to `<log_dir>/daemon.log` when the directory exists (best effort).
+fn log_line(log_dir: &Path, line: &str) {
+    if !log_dir.is_dir() {
+        return;
+    }
+    if let Ok(mut log) = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_dir.join(DAEMON_LOG))
+    {
+        let _ = writeln!(log, "[{}] tessera: {line}", timestamp());
+    }
+}
+
+/// The last lines of `log` for an error message: `"; last lines of <log>:\n  …"`, or `""` when it is empty
+/// or unreadable.
+fn log_tail(log: &Path) -> String {
+    let Ok(text) = fs::read(log) else {
+        return String::new();
+    };
+    let text = String::from_utf8_lossy(&text);
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    if lines.is_empty() {
+        return String::new();
+    }
+    let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
+    format!("; last lines of {}:\n  {}", log.display(), tail.join("\n  "))
 }
 
 enum ToolError {
@@ -508,7 +652,8 @@ enum ToolError {
 }
 
 /// Runs `cmd` (arguments passed directly, never through a shell) with `input` on its stdin, waiting at most
-/// `timeout`; a tool still running then is killed. Output is read after the exit: MPS tools print a line.
+/// `timeout`; a tool still running then is killed. With `input`, output is piped and read after the exit
+/// (MPS tools print a line); without, the caller's stdout and stderr are kept.
 fn run_with_timeout(
     mut cmd: Command,
     input: Option<&str>,
@@ -516,12 +661,11 @@ fn run_with_timeout(
 ) -> std::result::Result<std::process::Output, ToolError> {
     let io = |e: std::io::Error| ToolError::Io(e.to_string());
     let piped = |yes: bool| if yes { Stdio::piped() } else { Stdio::null() };
-    let mut child = cmd
-        .stdin(piped(input.is_some()))
-        .stdout(piped(input.is_some()))
-        .stderr(piped(input.is_some()))
-        .spawn()
-        .map_err(io)?;
+    cmd.stdin(piped(input.is_some()));
+    if input.is_some() {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    }
+    let mut child = cmd.spawn().map_err(io)?;
     if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
         // A tool that exits without reading its command (it printed an error, say) may close the pipe
         // before this write: its exit status and stderr, collected below, say more than EPIPE would.
@@ -634,16 +778,21 @@ pub fn sibling_server(program: &Path) -> Option<PathBuf> {
     server.is_file().then_some(server)
 }
 
-/// Starts `cmd` (a control daemon in the foreground) in a new process group with null stdio and waits
-/// until it answers on `<pipe_dir>/control`; it is then left running (init inherits it when the caller
-/// exits), as `nvidia-cuda-mps-control -d` leaves its daemon.
+/// Starts `cmd` (a control daemon in the foreground) in a new process group, stdin null and its output
+/// appended to `<log_dir>/`[`DAEMON_LOG`], and waits until it answers on `<pipe_dir>/control`; it is then
+/// left running (init inherits it when the caller exits), as `nvidia-cuda-mps-control -d` leaves its
+/// daemon. (Never the caller's stdout: a caller reading it to the end would wait for the daemon's exit.)
 pub fn detach_daemon(mut cmd: Command, pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
     fs::create_dir_all(pipe_dir)?;
     fs::create_dir_all(log_dir)?;
+    let log = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_dir.join(DAEMON_LOG))?;
     let mut child = cmd
         .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
         .process_group(0)
         .spawn()?;
     let deadline = Instant::now() + DAEMON_TIMEOUT;

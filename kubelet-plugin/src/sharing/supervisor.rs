@@ -6,8 +6,10 @@
 //! ```text
 //!  plugin ──unix socket, one JSON request per connection──▶ supervisor ──spawns, reaps──▶ daemons
 //!         {"op":"start","key":"gpu-0","uuid":"GPU-…","defaults":{…}}   (foreground children, driver-root
-//!         {"op":"send","key":"gpu-0","command":"get_default_…"}          PATH/LD_LIBRARY_PATH, own /dev/shm
-//!         {"op":"stop","key":"gpu-0"} · {"op":"pid",…} · {"op":"running"}   on real GPUs)
+//!         {"op":"send","key":"gpu-0","command":"get_default_…"}          PATH, LD_LIBRARY_PATH = links to
+//!         {"op":"stop","key":"gpu-0"} · {"op":"pid",…} · {"op":"running"}   NVIDIA's libraries only, output
+//!                                                                       in log/daemon.log, own /dev/shm
+//!                                                                       on real GPUs)
 //! ```
 //!
 //! The supervisor trusts nothing it is sent: keys must be tessera device names, UUIDs `GPU-`/`MIG-` hex,
