@@ -131,7 +131,8 @@ pub enum ConfigError {
         path: String,
         min: i64,
         max: i64,
-        got: i64,
+        /// As written (it may be too large for any integer type).
+        got: String,
     },
     /// A quantity that does not parse.
     #[error("{path}: invalid quantity {value:?}: {source}")]
@@ -417,17 +418,36 @@ fn decode_mps(v: &Value) -> Result<MpsConfig> {
     let default_active_thread_percentage = match field(obj, "defaultActiveThreadPercentage") {
         None => None,
         Some(n) => {
-            let got = n.as_i64().ok_or(ConfigError::WrongType {
-                path: pct_path.clone(),
-                expected: "an integer",
-                got: type_name(n),
-            })?;
+            let got = match (n.as_i64(), n) {
+                (Some(got), _) => got,
+                // A whole number past i64 (2^64, 1e30) is a number out of range, not a wrong type.
+                (None, Value::Number(num))
+                    if num.as_u64().is_some() || num.as_f64().is_some_and(|f| f.fract() == 0.0) =>
+                {
+                    return Err(ConfigError::OutOfRange {
+                        path: pct_path,
+                        min: 1,
+                        max: 100,
+                        got: num.to_string(),
+                    });
+                }
+                (None, n) => {
+                    return Err(ConfigError::WrongType {
+                        path: pct_path,
+                        expected: "an integer",
+                        got: match n {
+                            Value::Number(_) => "a fraction",
+                            other => type_name(other),
+                        },
+                    });
+                }
+            };
             if !(1..=100).contains(&got) {
                 return Err(ConfigError::OutOfRange {
                     path: pct_path,
                     min: 1,
                     max: 100,
-                    got,
+                    got: got.to_string(),
                 });
             }
             Some(got as u32)
@@ -549,7 +569,7 @@ impl DeviceConfig {
                 path: "sharing.mps.defaultActiveThreadPercentage".into(),
                 min: 1,
                 max: 100,
-                got: i64::from(p),
+                got: p.to_string(),
             });
         }
         if let Some(q) = &mps.default_pinned_device_memory_limit {
@@ -949,6 +969,20 @@ mod tests {
             (
                 gpu(json!({"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 0}})),
                 "sharing.mps.defaultActiveThreadPercentage: must be between 1 and 100, got 0",
+            ),
+            (
+                gpu(
+                    json!({"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 18446744073709551615u64}}),
+                ),
+                "sharing.mps.defaultActiveThreadPercentage: must be between 1 and 100, got 18446744073709551615",
+            ),
+            (
+                gpu(json!({"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 1e30}})),
+                "sharing.mps.defaultActiveThreadPercentage: must be between 1 and 100, got 1e+30",
+            ),
+            (
+                gpu(json!({"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 25.5}})),
+                "sharing.mps.defaultActiveThreadPercentage: must be an integer, got a fraction",
             ),
             (
                 gpu(json!({"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": "50%"}})),

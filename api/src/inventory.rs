@@ -21,7 +21,8 @@ use serde::{Deserialize, Serialize};
     status = "NodeInventoryStatus",
     printcolumn = r#"{"name":"GPUs","type":"integer","jsonPath":".status.gpuCount"}"#,
     printcolumn = r#"{"name":"Ready","type":"boolean","jsonPath":".status.ready"}"#,
-    printcolumn = r#"{"name":"Status-Written","type":"date","jsonPath":".status.lastHeartbeatTime"}"#
+    printcolumn = r#"{"name":"Status-Written","type":"date","jsonPath":".status.lastHeartbeatTime"}"#,
+    printcolumn = r#"{"name":"Coexistence","type":"string","jsonPath":".status.conditions[?(@.type==\"Coexistence\")].reason"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct NodeInventorySpec {
@@ -68,6 +69,32 @@ pub struct NodeInventoryStatus {
     /// entry (see `GpuPolicy.spec.health`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub health: Vec<DeviceHealth>,
+    /// What the plugin found about the node, as Kubernetes conditions. `Coexistence`: `True` when no other
+    /// GPU manager is on the node; `False` when a device plugin advertises NVIDIA GPUs
+    /// (`DevicePluginAdvertisesGPUs`: the plugin then publishes no devices, unless `--coexistence warn`) or
+    /// another tool owns the MIG layout (`MigLayoutOwnedByMigManager`, `MigLayoutOwnedByGKE`: the plugin
+    /// leaves MIG alone); `Unknown` when it could not read its Node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<InventoryCondition>,
+}
+
+/// One condition of a node's inventory, shaped like `metav1.Condition`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InventoryCondition {
+    /// e.g. `Coexistence`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+    /// One CamelCase word for machines, e.g. `DevicePluginAdvertisesGPUs`.
+    pub reason: String,
+    /// What was found and what the plugin does about it, for people.
+    #[serde(default)]
+    pub message: String,
+    /// When `status` or `reason` last changed, on the plugin's clock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<Time>,
 }
 
 /// The health of one GPU (`mig` unset: the GPU and every device carved from it) or of one MIG device.

@@ -11,6 +11,7 @@
 //! device names are spelled, the node inventory custom resource and the opaque claim configuration.
 
 pub mod attributes;
+pub mod claim_list;
 pub mod config;
 pub mod device_name;
 pub mod health;

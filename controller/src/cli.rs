@@ -27,6 +27,40 @@ pub enum Command {
     /// Serve the validating admission webhook for ResourceClaims and ResourceClaimTemplates (HTTPS,
     /// `POST /validate`); reads DeviceClasses and ResourceSlices, writes nothing.
     Webhook(WebhookArgs),
+    /// Remove what the controller published, before its chart is deleted (the chart's pre-delete hook):
+    /// scale the controller to zero, wait for its pods, delete every ResourceSlice of the driver and the
+    /// leader Lease.
+    Uninstall(UninstallArgs),
+}
+
+#[derive(Debug, Clone, ClapArgs)]
+pub struct UninstallArgs {
+    /// Kubeconfig file; in-cluster configuration when absent.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The release namespace: the controller's Deployment and its leader Lease.
+    #[arg(long, env = "TESSERA_LEASE_NAMESPACE", default_value = "tessera-system")]
+    pub namespace: String,
+    /// The controller's Deployment.
+    #[arg(
+        long,
+        env = "TESSERA_CONTROLLER_DEPLOYMENT",
+        default_value = "tessera-controller"
+    )]
+    pub deployment: String,
+    /// Label selector of the controller's pods.
+    #[arg(
+        long,
+        env = "TESSERA_CONTROLLER_SELECTOR",
+        default_value = "app.kubernetes.io/name=tessera,app.kubernetes.io/component=controller"
+    )]
+    pub selector: String,
+    /// The leader-election Lease.
+    #[arg(long, env = "TESSERA_LEASE_NAME", default_value = "tessera-controller")]
+    pub lease_name: String,
+    /// Seconds to wait for the controller's pods to be gone.
+    #[arg(long, env = "TESSERA_UNINSTALL_WAIT", default_value_t = 60)]
+    pub wait: u64,
 }
 
 #[derive(Debug, Clone, ClapArgs)]
@@ -111,6 +145,28 @@ impl Args {
                 Ok(())
             }
             Some(Command::Webhook(args)) => Ok(crate::webhook::server::run(args).await?),
+            Some(Command::Uninstall(args)) => {
+                let client = crate::runtime::client(args.kubeconfig.as_deref()).await?;
+                let run = crate::uninstall::Uninstall {
+                    namespace: args.namespace,
+                    deployment: args.deployment,
+                    selector: args.selector,
+                    lease_name: args.lease_name,
+                    wait: std::time::Duration::from_secs(args.wait),
+                };
+                let report = run.run(client).await?;
+                println!(
+                    "tessera uninstall: controller scaled to 0: {}; ResourceSlices of {} deleted: {}; leader Lease \
+                     {}/{} deleted: {}",
+                    report.scaled_down,
+                    tessera_api::DRIVER_NAME,
+                    report.slices_deleted,
+                    run.namespace,
+                    run.lease_name,
+                    report.lease_deleted
+                );
+                Ok(())
+            }
         }
     }
 }

@@ -342,6 +342,7 @@ impl NodeBuilder {
             gpu_count: inv.spec.gpus.len() as u32,
             message: None,
             health: vec![],
+            conditions: vec![],
         });
         inv
     }

@@ -31,5 +31,6 @@ pub mod publisher;
 pub mod render;
 pub mod runtime;
 pub mod time;
+pub mod uninstall;
 pub mod validate;
 pub mod webhook;

@@ -59,6 +59,14 @@ pub enum Error {
     PatchPolicyStatus { name: String, source: ApiError },
 }
 
+/// What [`ClusterApi::replace_slice`] fails with when the slice no longer exists: deleted behind the
+/// controller's back (kubelet deletes its node's driver slices when it starts) before the slice watch told
+/// the controller. The writer creates it instead, in the same pass, rather than waiting for a retry while
+/// the pool is incomplete.
+#[derive(Debug, thiserror::Error)]
+#[error("ResourceSlice {0} does not exist")]
+pub struct SliceGone(pub String);
+
 /// The writes the controller makes.
 pub trait ClusterApi: Sync {
     fn create_slice(&self, slice: &ResourceSlice) -> impl Future<Output = Result<(), ApiError>> + Send;
@@ -417,10 +425,26 @@ async fn write<A: ClusterApi, G: WriteGate>(
         if !gate.may_write().await {
             return Ok(false);
         }
-        api.replace_slice(s).await.map_err(|source| Error::ReplaceSlice {
-            name: name(s),
-            source,
-        })?;
+        match api.replace_slice(s).await {
+            Ok(()) => {}
+            Err(gone) if gone.downcast_ref::<SliceGone>().is_some() => {
+                let mut fresh = s.clone();
+                fresh.metadata.resource_version = None;
+                fresh.metadata.uid = None;
+                api.create_slice(&fresh)
+                    .await
+                    .map_err(|source| Error::CreateSlice {
+                        name: name(s),
+                        source,
+                    })?;
+            }
+            Err(source) => {
+                return Err(Error::ReplaceSlice {
+                    name: name(s),
+                    source,
+                });
+            }
+        }
     }
     for n in deletes {
         if !gate.may_write().await {
@@ -554,10 +578,7 @@ impl ClusterApi for InMemoryApi {
     async fn replace_slice(&self, slice: &ResourceSlice) -> Result<(), ApiError> {
         self.write(|st| {
             let name = slice.metadata.name.clone().unwrap_or_default();
-            let current = st
-                .slices
-                .get(&name)
-                .ok_or_else(|| format!("resourceslices {name:?} not found"))?;
+            let current = st.slices.get(&name).ok_or_else(|| SliceGone(name.clone()))?;
             if current.metadata.resource_version != slice.metadata.resource_version {
                 return Err(format!("conflict updating resourceslices {name:?}").into());
             }

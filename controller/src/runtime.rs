@@ -108,10 +108,11 @@ impl ClusterApi for KubeApi {
     async fn replace_slice(&self, slice: &ResourceSlice) -> Result<(), ApiError> {
         let name = slice.metadata.name.clone().unwrap_or_default();
         let replaced = self.slices.replace(&name, &post_params(), slice).await;
-        crate::metrics::metrics()
-            .wrote("update", replaced)
-            .map(|_| ())
-            .map_err(Into::into)
+        match crate::metrics::metrics().wrote("update", replaced) {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.is_not_found() => Err(Box::new(crate::publisher::SliceGone(name))),
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn delete_slice(&self, name: &str) -> Result<(), ApiError> {
@@ -195,7 +196,7 @@ pub async fn probe_features(client: &Client) -> Result<ApiFeatures, kube::Error>
     Ok(features_from_probes(&results))
 }
 
-async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Client> {
+pub(crate) async fn client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Client> {
     let config = match kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path)

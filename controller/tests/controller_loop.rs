@@ -527,6 +527,33 @@ async fn slices_kubelet_deletes_are_republished_once_under_a_higher_generation()
 }
 
 #[tokio::test]
+async fn slices_deleted_before_the_watch_says_so_are_created_in_the_same_pass_as_the_updates() {
+    let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
+    let mut r = reconciler_for(&cluster, &api);
+    step(&mut r, &mut cluster, &api).await;
+    // node-a's inventory changes, and kubelet (starting) deletes node-a's slices; the controller's cache still
+    // shows them, so it plans updates of slices that are gone.
+    cluster.inventories[0] = node("node-a").gpus(GpuModel::H200, 8).build();
+    cluster.elapsed += 1;
+    let stale = cluster.snapshot(&api);
+    api.delete_where(|s| s.spec.node_name.as_deref() == Some("node-a"));
+    r.reconcile(&stale, &api, cluster.wall(), cluster.mono(), &|| true)
+        .await
+        .expect("an update of a deleted slice creates it instead of failing the pass");
+    let published = pools(&api);
+    assert!(
+        published.contains_key("node-a"),
+        "node-a's pool was not republished in the same pass"
+    );
+    assert!(validate_pool(&published["node-a"]).is_empty());
+    assert_eq!(
+        step(&mut r, &mut cluster, &api).await,
+        0,
+        "no write loop after the recovery"
+    );
+}
+
+#[tokio::test]
 async fn a_different_feature_set_changes_the_model_of_every_pool() {
     let (mut cluster, api) = (Cluster::two_nodes(), InMemoryApi::default());
     let mut r = reconciler_for(&cluster, &api);

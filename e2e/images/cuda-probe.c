@@ -6,7 +6,11 @@
 // then prints one line per fact, `<fact> key=value ...` with any free text (a device name, an error
 // string) last as `name=...`, for e2e/k8s/e2etest/realnode_test.go to parse:
 //
+//   loader ld_library_path=<LD_LIBRARY_PATH or "unset">
 //   lib soname=libcuda.so.1 path=<the loader's link-map name> real=<realpath> mount=yes|no
+//   ldcache file=<libcuda.so.1|libcuda.so|libnvidia-ml.so.1> path=<a path /etc/ld.so.cache maps it to>
+//   ldcache error=1 name=<strerror>          (no readable /etc/ld.so.cache)
+//   devlink path=<libcuda.so.1's dir>/libcuda.so target=<readlink or "none"> dlopen=ok|<dlerror>
 //   cuda.init rc=<CUresult> name=<cuGetErrorName>
 //   cuda.driver rc=<r> version=<cuDriverGetVersion>
 //   cuda.count rc=<r> count=<cuDeviceGetCount>
@@ -19,6 +23,12 @@
 //   nvml.gpu index=<i> uuid=<GPU-…> mig=<current MIG mode> migmax=<n> name=<nvmlDeviceGetName>
 //   nvml.mig gpu=<i> index=<slot> uuid=<MIG-…>
 //   exit code=<n>
+//
+// `ldcache` lines are every path in the loader's cache whose file name is one of the three (the cache's
+// string table holds each entry's key and path as NUL-terminated strings, in both cache formats): the
+// CDI hook's `update-ldcache` put them there. `devlink` is the development link `libcuda.so` beside the
+// loaded `libcuda.so.1` (the hook's `create-symlinks`) and whether dlopen("libcuda.so") works, as Triton and
+// `torch.compile` need; it runs last, so it cannot change which file the `lib` lines name.
 //
 // `mount=yes` says the resolved path is a mount point of this container (/proc/self/mountinfo): the file
 // came from the driver's bind mount (the CDI spec's), not from the image.
@@ -46,6 +56,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <unistd.h>
 
 // --- cuda.h ---
 typedef int CUresult;
@@ -124,6 +136,47 @@ static void *load(const char *soname) {
   if (!realpath(path, real)) snprintf(real, sizeof real, "%s", path);
   printf("lib soname=%s path=%s real=%s mount=%s\n", soname, path, real, is_mount_point(path) ? "yes" : "no");
   return lib;
+}
+
+// Every path in /etc/ld.so.cache whose file name is `name`.
+static void ldcache(void) {
+  FILE *f = fopen("/etc/ld.so.cache", "rb");
+  if (!f) {
+    printf("ldcache error=1 name=%s\n", strerror(errno));
+    return;
+  }
+  static char buf[8 << 20];
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char *names[] = {"libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1"};
+  for (size_t i = 0; i < n;) {
+    const char *str = buf + i;
+    size_t len = strnlen(str, n - i);
+    if (len > 0 && str[0] == '/') {
+      const char *base = strrchr(str, '/') + 1;
+      for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
+        if (strcmp(base, names[k]) == 0) printf("ldcache file=%s path=%s\n", names[k], str);
+    }
+    i += len + 1;
+  }
+}
+
+// The development link next to the loaded libcuda.so.1, and whether dlopen("libcuda.so") succeeds.
+static void devlink(void *cuda) {
+  struct link_map *map = NULL;
+  if (!cuda || dlinfo(cuda, RTLD_DI_LINKMAP, &map) != 0 || !map || !map->l_name) return;
+  char path[PATH_MAX];
+  snprintf(path, sizeof path, "%s", map->l_name);
+  char *slash = strrchr(path, '/');
+  if (!slash) return;
+  snprintf(slash + 1, sizeof path - (size_t)(slash + 1 - path), "libcuda.so");
+  char target[PATH_MAX];
+  ssize_t t = readlink(path, target, sizeof target - 1);
+  if (t < 0) snprintf(target, sizeof target, "none");
+  else target[t] = 0;
+  void *dev = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
+  printf("devlink path=%s target=%s dlopen=%s\n", path, target, dev ? "ok" : "failed");
 }
 
 static void format_uuid(char *out, size_t len, const char *prefix, const unsigned char *b) {
@@ -276,11 +329,15 @@ static int probe_cuda(void *cuda) {
 int main(void) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   printf("probe version=1\n");
+  const char *ld_path = getenv("LD_LIBRARY_PATH");
+  printf("loader ld_library_path=%s\n", ld_path ? ld_path : "unset");
   void *cuda = load("libcuda.so.1");
   void *nvml = load("libnvidia-ml.so.1");
   // NVML first: its MIG devices tell which CUDA UUIDs are MIG UUIDs.
   if (nvml) probe_nvml(nvml);
   int code = cuda ? probe_cuda(cuda) : 2;
+  ldcache();
+  devlink(cuda);
   printf("exit code=%d\n", code);
   return code;
 }

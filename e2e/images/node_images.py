@@ -12,8 +12,11 @@
   entries, each a regular file at the path the loader looks it up by (`/lib/x86_64-linux-gnu/libc.so.6`,
   `/lib64/ld-linux-x86-64.so.2`), as in tessera's own image (e2e/tools/image/oci_image.py). The driver's
   files themselves are not in the image: the CDI spec mounts them from the node's driver root, at
-  /usr/lib/x86_64-linux-gnu (an empty directory here), which the loader searches by default, so
-  dlopen("libcuda.so.1") finds them with no ld.so.cache and no LD_LIBRARY_PATH, as in NVIDIA's CUDA images.
+  /usr/lib/x86_64-linux-gnu (an empty directory here) or, for a GKE-style driver root, /usr/local/nvidia/lib64,
+  which no loader searches by default. The image has Ubuntu's loader configuration (/etc/ld.so.conf including
+  /etc/ld.so.conf.d/*.conf, and x86_64-linux-gnu.conf) but no /etc/ld.so.cache: tessera's CDI hook
+  (`update-ldcache`) builds the container's cache with the driver's directories in it, so dlopen("libcuda.so.1")
+  finds them through the cache with no LD_LIBRARY_PATH, wherever the driver root put them.
 
 Each is one layer; containerd's `ctr images import` reads the `io.containerd.image.name` annotation. The
 gzip, digests and the OCI layout come from e2e/tools/image/oci_image.py's helpers, so both are
@@ -38,6 +41,12 @@ CUDA_PROBE_REF = "tessera.dev/e2e/cuda-probe:1"
 # Where the driver's libraries are mounted (the host's path under the driver root; a default directory of
 # the loader's search on Debian/Ubuntu x86_64).
 DRIVER_LIBRARY_DIR = "usr/lib/x86_64-linux-gnu"
+# Ubuntu's loader configuration (libc-bin, libc6); no cache: the CDI hook makes the container's.
+LOADER_CONFIG = {
+    "etc/ld.so.conf": b"include /etc/ld.so.conf.d/*.conf\n",
+    "etc/ld.so.conf.d/libc.conf": b"/usr/local/lib\n",
+    "etc/ld.so.conf.d/x86_64-linux-gnu.conf": b"/usr/local/lib/x86_64-linux-gnu\n/lib/x86_64-linux-gnu\n/usr/lib/x86_64-linux-gnu\n",
+}
 
 
 def layer(files: dict[str, bytes], links: dict[str, str], dirs: list[str]) -> bytes:
@@ -98,9 +107,11 @@ def cuda_probe_layer(probe: Path, busybox: Path, driver_files: list[Path]) -> by
     if not any(Path(p).name.startswith("ld-linux") for p in files):
         raise ImageError(f"{probe} has no dynamic loader: the probe must be dynamically linked against glibc")
     files["usr/local/bin/cuda-probe"] = probe.read_bytes()
+    files.update(LOADER_CONFIG)
     files["bin/busybox"] = busybox.read_bytes()
     links = {f"bin/{a}": "busybox" for a in applets(busybox)}
-    dirs = {"bin", "tmp", "dev", "proc", "sys", "etc", "usr", "usr/bin", "usr/lib", DRIVER_LIBRARY_DIR, "usr/local", "usr/local/bin"}
+    dirs = {"bin", "tmp", "dev", "proc", "sys", "etc", "etc/ld.so.conf.d", "usr", "usr/bin", "usr/lib", DRIVER_LIBRARY_DIR,
+            "usr/local", "usr/local/bin"}
     for path in files:
         parent = Path(path).parent
         while str(parent) != ".":

@@ -24,10 +24,22 @@ case "$PROFILE" in
   debug) (cd "$REPO_ROOT" && cargo build "${PACKAGES[@]}") ;;
   *) echo "error: IMAGE_PROFILE must be release or debug, got $PROFILE" >&2; exit 2 ;;
 esac
+# tessera's CDI hook (kubelet-plugin/cdi-hook), which the plugin installs on the host and the container
+# runtime runs there: linked statically (glibc's static libc.a, libc6-dev), since the host's glibc may be
+# older than this machine's. Built on its own target dir, so the workspace's dynamic build is not redone.
+HOOK_TARGET="$TARGET/cdi-hook-static"
+HOOK_PROFILE_FLAG=()
+[[ "$PROFILE" == release ]] && HOOK_PROFILE_FLAG=(--release)
+(cd "$REPO_ROOT" && cargo rustc -p tessera-cdi-hook --bin tessera-cdi-hook "${HOOK_PROFILE_FLAG[@]}" \
+  --target-dir "$HOOK_TARGET" -- -C target-feature=+crt-static)
+HOOK="$HOOK_TARGET/$PROFILE/tessera-cdi-hook"
+ldd "$HOOK" 2>&1 | grep -q 'statically linked\|not a dynamic executable' \
+  || { echo "error: $HOOK is not statically linked" >&2; exit 1; }
 FILES=()
 for name in "${SIM_DRIVER[@]}"; do FILES+=(--file "$TARGET/$PROFILE/$name:/usr/lib/tessera-sim/$name"); done
 python3 "$REPO_ROOT/e2e/tools/image/oci_image.py" --out "$OUT" --ref "$REF" --version "$VERSION" \
-  --binary "$TARGET/$PROFILE/tessera-controller" --binary "$TARGET/$PROFILE/tessera-kubelet-plugin" "${FILES[@]}"
+  --binary "$TARGET/$PROFILE/tessera-controller" --binary "$TARGET/$PROFILE/tessera-kubelet-plugin" \
+  --binary "$HOOK" "${FILES[@]}"
 echo "image $REF: $OUT ($(du -h "$OUT" | cut -f1) archive)"
 
 if [[ "${1:-}" == --test ]]; then

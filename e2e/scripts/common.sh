@@ -76,14 +76,35 @@ write_proc() {
   chmod +x "$PROC_DIR/$name.sh"
 }
 
-# pid_of NAME: prints the pid if that process is alive and is one this run dir started.
+# proc_start PID: the process's start time (clock ticks since boot, field 22 of /proc/PID/stat, read after the
+# command name's closing parenthesis, which may itself hold spaces or parentheses). With the pid it names one
+# process for the machine's uptime: a pid the kernel hands out again gets another start time.
+proc_start() {
+  local stat
+  stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
+  stat="${stat##*) }"
+  # After "pid (comm) " the fields start at 3 (state); start time is field 22, the 20th of the rest.
+  awk '{ print $20 }' <<< "$stat"
+}
+
+# ours PID: true if the process's command line or environment names this run dir (every process `make up`
+# starts gets RUN_DIR in its environment or a path under it on its command line).
+ours() {
+  [[ -r "/proc/$1/cmdline" ]] || return 1
+  tr '\0' '\n' < "/proc/$1/cmdline" | grep -qF -e "$RUN_DIR" && return 0
+  tr '\0' '\n' < "/proc/$1/environ" 2>/dev/null | grep -qxF -e "TESSERA_E2E_RUN_DIR=$RUN_DIR"
+}
+
+# pid_of NAME: prints the pid if that process is alive and is the one this run dir started: the pid file holds
+# "pid start-time", and both must match (pid reuse), as must the command line or environment (ours).
 pid_of() {
-  local f="$PID_DIR/$1.pid" pid
+  local f="$PID_DIR/$1.pid" pid started now
   [[ -f "$f" ]] || return 1
-  pid="$(cat "$f")"
-  [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || return 1
-  # Guard against pid reuse: our processes always carry a path under the run dir or a binary we built.
-  tr '\0' ' ' < "/proc/$pid/cmdline" | grep -qF -e "$RUN_DIR" || return 1
+  read -r pid started < "$f" || [[ -n "${pid:-}" ]] || return 1
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+  now="$(proc_start "$pid")" || return 1
+  [[ -z "${started:-}" || "$started" == "$now" ]] || return 1
+  ours "$pid" || return 1
   echo "$pid"
 }
 
@@ -95,8 +116,8 @@ start_proc() {
     return 0
   fi
   echo "---- start $(date -Is) ----" >> "$LOG_DIR/$name.log"
-  setsid "$PROC_DIR/$name.sh" >> "$LOG_DIR/$name.log" 2>&1 < /dev/null &
-  echo $! > "$PID_DIR/$name.pid"
+  TESSERA_E2E_RUN_DIR="$RUN_DIR" setsid "$PROC_DIR/$name.sh" >> "$LOG_DIR/$name.log" 2>&1 < /dev/null &
+  echo "$! $(proc_start $!)" > "$PID_DIR/$name.pid"
   # setsid makes the process a session leader (sid = pid); helpers it spawns (the plugin's simulated MPS
   # control daemons, which deliberately outlive plugin restarts) stay in that session, so make down can
   # find them by session id.
@@ -124,17 +145,22 @@ expect_alive() {
   pid_of "$1" >/dev/null || die "$1 exited during startup" "$LOG_DIR/$1.log"
 }
 
-# stop_sessions: terminates, by pid, whatever is left in the sessions of processes this run dir started.
+# stop_sessions: terminates, by pid, whatever is left in the sessions of processes this run dir started, and
+# only what is ours (see ours): once every process of a session is gone its id can be handed out again, and
+# on a shared machine the new session may be another cluster's.
 stop_sessions() {
   [[ -f "$PID_DIR/sessions" ]] || return 0
-  local sids pids
+  local sids pids=() pid skipped=()
   sids="$(sort -u "$PID_DIR/sessions" | tr '\n' ' ')"
-  pids="$(ps -eo pid=,sid= | awk -v s=" $sids" '{ if (index(s, " " $2 " ")) print $1 }')"
-  [[ -n "$pids" ]] || return 0
-  echo "stopping leftover helper processes: $pids"
-  kill -TERM $pids 2>/dev/null || true
+  for pid in $(ps -eo pid=,sid= | awk -v s=" $sids" '{ if (index(s, " " $2 " ")) print $1 }'); do
+    if ours "$pid"; then pids+=("$pid"); else skipped+=("$pid"); fi
+  done
+  [[ ${#skipped[@]} == 0 ]] || echo "left alone (same session id, not started from $RUN_DIR): ${skipped[*]}"
+  [[ ${#pids[@]} -gt 0 ]] || return 0
+  echo "stopping leftover helper processes: ${pids[*]}"
+  kill -TERM "${pids[@]}" 2>/dev/null || true
   sleep 1
-  kill -KILL $pids 2>/dev/null || true
+  kill -KILL "${pids[@]}" 2>/dev/null || true
 }
 
 clusterctl() { "$BIN_DIR/clusterctl" "$@"; }

@@ -17,8 +17,9 @@ use tracing::{info, warn};
 
 use crate::{
     claims::KubeClaims,
+    coexistence::CoexistenceMode,
     driver::{self, SocketPaths},
-    driver_root::{DriverFiles, DriverRoot},
+    driver_root::{CdiHook, DriverFiles, DriverRoot},
     error::{Error, Result},
     gpu::{GpuBackend, nvml::NvmlBackend, simulated::SimulatedBackend},
     health::{Health, service::HealthService},
@@ -88,10 +89,17 @@ pub struct Args {
     #[arg(long, env = "TESSERA_MPS_SUPERVISOR_SOCKET")]
     mps_supervisor_socket: Option<PathBuf>,
 
-    /// Host path of NVIDIA's `nvidia-cdi-hook` (NVIDIA container toolkit); when set, every device also
-    /// gets its `update-ldcache` createContainer hook.
+    /// Host path of NVIDIA's `nvidia-cdi-hook` (NVIDIA container toolkit), to run instead of tessera's own
+    /// hook: the specs then call it for `create-symlinks`, `enable-cuda-compat` and `update-ldcache`, and
+    /// nothing is installed.
     #[arg(long, env = "TESSERA_CDI_HOOK")]
     cdi_hook: Option<PathBuf>,
+
+    /// Host directory tessera's CDI hook (`tessera-cdi-hook`, shipped next to this binary) is installed
+    /// into at start, and which CDI specs name; this process must see it at its host path (the chart's
+    /// stateDir is). Default: `<state dir>/bin`.
+    #[arg(long, env = "TESSERA_CDI_HOOK_DIR")]
+    cdi_hook_dir: Option<PathBuf>,
 
     /// kubeconfig file; without it the in-cluster configuration is used.
     #[arg(long, env = "KUBECONFIG")]
@@ -129,6 +137,25 @@ pub struct Args {
     )]
     boot_id_file: PathBuf,
 
+    /// What to do when another GPU manager is on the node: `refuse` publishes no devices next to a device
+    /// plugin that advertises `nvidia.com/gpu` or `nvidia.com/mig-*`, and leaves a MIG layout that
+    /// mig-manager (`nvidia.com/mig.config`) or GKE owns alone; `warn` serves as if alone. Either way the
+    /// NodeInventory's `Coexistence` condition says what was found.
+    #[arg(long, env = "TESSERA_COEXISTENCE", value_enum, default_value_t = CoexistenceMode::Refuse)]
+    coexistence: CoexistenceMode,
+
+    /// The host's `/proc` as this process sees it, where NVML's PIDs are: a share's processes are found
+    /// there (their cgroup names their pod). The chart mounts it read-only at `/host/proc`, so the plugin
+    /// needs no `hostPID`.
+    #[arg(long, env = "TESSERA_HOST_PROC", default_value = "/proc")]
+    host_proc: PathBuf,
+
+    /// Seconds between two reads of the driver root's version (nvml backend): a driver upgrade under the
+    /// running plugin makes it exit so that kubelet restarts it on the new driver (kubelet-plugin/README.md,
+    /// "Driver upgrades"). 0 turns the watch off.
+    #[arg(long, env = "TESSERA_DRIVER_WATCH_INTERVAL", default_value_t = crate::driver_watch::DEFAULT_WATCH_INTERVAL.as_secs())]
+    driver_watch_interval: u64,
+
     /// Log format.
     #[arg(long, env = "TESSERA_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -147,6 +174,9 @@ enum Command {
     /// Make a simulated GPU sick or well again (an XID, a double-bit ECC error, a lost GPU, a recovery);
     /// the running plugin notices within about a second.
     Simulate(SimulateArgs),
+    /// Wait until the NVIDIA driver is installed under the driver root (its `libnvidia-ml.so.1` and the
+    /// loaded kernel module), printing what is missing at intervals: the chart's init container.
+    WaitForDriver(WaitForDriverArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -223,9 +253,37 @@ enum SimulateAction {
         /// Node file, e.g. `gpus: [{model: H100-SXM5-80GB, count: 8}]`.
         #[arg(long)]
         node_file: PathBuf,
+        /// Whose driver root to imitate: `host` (usr/lib/x86_64-linux-gnu, usr/bin), `operator` (the GPU
+        /// Operator's distribution rootfs, with a decoy libc.so.6 and loader beside NVIDIA's libraries) or
+        /// `gke` (lib64/ and bin/ only).
+        #[arg(long, value_enum, default_value_t = crate::gpu::sim_driver_root::Layout::Host)]
+        layout: crate::gpu::sim_driver_root::Layout,
     },
     /// Set a synthetic load on a device (utilization and memory, for the per-claim usage metrics).
     Load(crate::gpu::simulated_load::LoadArgs),
+    /// Make a MIG device outside tessera, as mig-manager or `nvidia-smi mig -cgi <profile> -C` would:
+    /// MIG mode on, one GPU instance at the placement and one compute instance; prints it as JSON.
+    CreateMig {
+        #[arg(long)]
+        gpu: u32,
+        /// GPU-instance profile, e.g. `1g.10gb`.
+        #[arg(long)]
+        profile: String,
+        /// First memory slice of the placement.
+        #[arg(long, default_value_t = 0)]
+        start: u32,
+    },
+    /// Upgrade a simulated driver root in place to another driver version, as a driver container does:
+    /// new `<lib>.so.<version>` files, the soname links repointed, the old files removed, and the
+    /// simulated kernel module reporting the new version.
+    UpgradeDriver {
+        /// The driver root (`simulate driver-root --root`).
+        #[arg(long)]
+        root: PathBuf,
+        /// The new driver version, e.g. `580.200.01`.
+        #[arg(long)]
+        version: String,
+    },
 }
 
 /// The NVML errors `simulate fail-gpu` makes a GPU answer.
@@ -234,6 +292,23 @@ enum FailingError {
     LibraryMismatch,
     DriverNotLoaded,
     Uninitialized,
+}
+
+/// `simulate create-mig`: a MIG device no tessera claim owns, on the simulated kernel of `state_dir`.
+fn create_mig_out_of_band(state_dir: &Path, gpu: u32, profile: &str, start: u32) -> Result<()> {
+    let fail = |reason: String| Error::SimulateCreateMig { reason };
+    let kernel = crate::gpu::simulated::kernel_dir_in(state_dir).map_err(|e| fail(e.to_string()))?;
+    let backend = SimulatedBackend::open_kernel(&kernel).map_err(|e| fail(e.to_string()))?;
+    let discovered = backend.discover().map_err(|e| fail(e.to_string()))?;
+    let info = discovered
+        .gpus
+        .iter()
+        .find(|g| g.index == gpu)
+        .ok_or_else(|| fail(format!("--gpu {gpu}: the simulated node has no such GPU")))?;
+    let dev =
+        crate::mig::prepare_mig(&backend, info, profile, start, None).map_err(|e| fail(e.to_string()))?;
+    println!("{}", serde_json::to_string_pretty(&dev).unwrap_or_default());
+    Ok(())
 }
 
 impl SimulateArgs {
@@ -249,18 +324,38 @@ impl SimulateArgs {
                 .and_then(|kernel| load.run(&kernel))
                 .map_err(|source| Error::SimulateLoad { source });
         }
+        if let SimulateAction::CreateMig { gpu, profile, start } = &action {
+            return create_mig_out_of_band(&state_dir, *gpu, profile, *start);
+        }
+        if let SimulateAction::UpgradeDriver { root, version } = action {
+            let done = crate::gpu::sim_driver_root::upgrade(&root, &version)
+                .map_err(|source| Error::SimulateUpgradeDriver { source })?;
+            println!(
+                "upgraded {} from {} to {version} (removed {})",
+                root.display(),
+                done.from.as_deref().unwrap_or("an unversioned driver"),
+                done.removed
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            return Ok(());
+        }
         if let SimulateAction::DriverRoot {
             root,
             kernel,
             node_name,
             node_file,
+            layout,
         } = action
         {
             let make = || -> crate::gpu::Result<()> {
                 let spec = crate::gpu::simulated::NodeSpec::from_file(&node_file)?;
                 SimulatedBackend::from_spec(&node_name, &spec, &kernel)?;
                 let dirs = crate::gpu::sim_driver_root::artifact_dirs();
-                crate::gpu::sim_driver_root::install(&root, &kernel, &dirs)?.require_complete(&dirs)
+                crate::gpu::sim_driver_root::install_layout(&root, &kernel, &dirs, layout)?
+                    .require_complete(&dirs)
             };
             return make().map_err(|source| Error::SimulateDriverRoot { source });
         }
@@ -298,7 +393,12 @@ impl SimulateArgs {
             SimulateAction::Show => faults.faults().map(|f| {
                 println!("{}", serde_json::to_string_pretty(&f).unwrap_or_default());
             }),
-            SimulateAction::Load(_) | SimulateAction::DriverRoot { .. } => unreachable!("handled above"),
+            SimulateAction::Load(_)
+            | SimulateAction::DriverRoot { .. }
+            | SimulateAction::UpgradeDriver { .. }
+            | SimulateAction::CreateMig { .. } => {
+                unreachable!("handled above")
+            }
         };
         done.map_err(|source| Error::SimulateFault { source })
     }
@@ -329,6 +429,14 @@ struct MpsSupervisorArgs {
     /// Where this process sees `--driver-root` (the daemons run from here); by default the same path.
     #[arg(long, env = "TESSERA_CONTAINER_DRIVER_ROOT")]
     container_driver_root: Option<PathBuf>,
+
+    /// File holding the node's boot id; daemons recorded under another boot id are not restored.
+    #[arg(
+        long,
+        env = "TESSERA_BOOT_ID_FILE",
+        default_value = "/proc/sys/kernel/random/boot_id"
+    )]
+    boot_id_file: PathBuf,
 }
 
 impl MpsSupervisorArgs {
@@ -344,7 +452,12 @@ impl MpsSupervisorArgs {
         let private_shm = self.backend == BackendKind::Nvml;
         let manager =
             MpsManager::new(&self.state_dir, backend.mps_launcher(None)?).owning_children(private_shm);
-        crate::sharing::supervisor::serve(&self.socket, manager).map_err(|source| Error::MpsSupervisor {
+        let boot_id = std::fs::read_to_string(&self.boot_id_file).map_err(|source| Error::ReadBootId {
+            path: self.boot_id_file.clone(),
+            source,
+        })?;
+        let supervisor = crate::sharing::supervisor::Supervisor::new(manager, &boot_id);
+        crate::sharing::supervisor::serve(&self.socket, supervisor).map_err(|source| Error::MpsSupervisor {
             socket: self.socket.clone(),
             source,
         })
@@ -404,7 +517,8 @@ struct DiscoverArgs {
     #[arg(long, conflicts_with = "cdi")]
     mig_devices: bool,
 
-    /// With `--cdi`: the host path of `nvidia-cdi-hook`, as the plugin's `--cdi-hook`.
+    /// With `--cdi`: the host path of `nvidia-cdi-hook`, as the plugin's `--cdi-hook`; without it the spec
+    /// names tessera's hook where the plugin installs it by default (`/var/lib/tessera/bin`).
     #[arg(long, env = "TESSERA_CDI_HOOK")]
     cdi_hook: Option<PathBuf>,
 }
@@ -474,6 +588,7 @@ impl Args {
             pod_uid,
             cdi_dir,
             cdi_hook,
+            cdi_hook_dir,
             mps_supervisor_socket,
             kubeconfig,
             heartbeat_interval,
@@ -482,6 +597,9 @@ impl Args {
             health_addr,
             boot_id_file,
             ignored_xids,
+            coexistence,
+            host_proc,
+            driver_watch_interval,
             log_format: _,
         } = self;
         match command {
@@ -489,6 +607,7 @@ impl Args {
             Some(Command::MpsControlSim(args)) => return args.run(),
             Some(Command::MpsSupervisor(args)) => return args.run(),
             Some(Command::Simulate(args)) => return args.run(),
+            Some(Command::WaitForDriver(args)) => return args.run(),
             None => {}
         }
         let node_name = node_name.ok_or(Error::MissingNodeName)?;
@@ -500,6 +619,7 @@ impl Args {
         };
 
         let (stop_tx, stop_rx) = watch::channel(false);
+        let driver_change = Arc::new(std::sync::OnceLock::new());
         let mut sigterm = signal(SignalKind::terminate()).map_err(Error::Signals)?;
         let mut sigint = signal(SignalKind::interrupt()).map_err(Error::Signals)?;
         let signal_stop = stop_tx.clone();
@@ -569,6 +689,7 @@ impl Args {
                     state_dir,
                     cdi_dir,
                     cdi_hook,
+                    cdi_hook_dir,
                     mps_supervisor_socket,
                     kubeconfig,
                     heartbeat_interval,
@@ -580,6 +701,13 @@ impl Args {
                     health,
                     health_service,
                     ignored_xids,
+                    coexistence,
+                    host_proc,
+                    driver_watch: DriverWatchSetup {
+                        interval: Duration::from_secs(driver_watch_interval),
+                        change: driver_change.clone(),
+                        stop: stop_tx.clone(),
+                    },
                 };
                 setup.take_over(gate_tx, registration_rx, stop_rx.clone()).await
             }
@@ -607,6 +735,12 @@ impl Args {
         // The lock goes last: the calls in flight and the reconcile have finished, so the next instance
         // loads a checkpoint nothing changes any more.
         drop(lock);
+        if let Some(change) = driver_change.get() {
+            return Err(Error::DriverChanged {
+                from: change.from.clone(),
+                to: change.to.clone(),
+            });
+        }
         served
     }
 }
@@ -640,6 +774,24 @@ fn checked_pod_uid(uid: String) -> Result<String> {
     }
 }
 
+/// The hook the specs call: NVIDIA's at `nvidia` when given, else tessera's own, installed into `dir` from
+/// next to this executable. Without a shipped hook (a build without the `tessera-cdi-hook` crate) the specs
+/// carry mounts only, which the log says.
+fn cdi_hook_of(nvidia: Option<PathBuf>, dir: PathBuf) -> Result<Option<CdiHook>> {
+    if let Some(path) = nvidia {
+        return Ok(Some(CdiHook::nvidia(path)));
+    }
+    let Some(source) = crate::cdi::shipped_hook() else {
+        warn!(looked_next_to = ?std::env::current_exe().ok(),
+            "tessera-cdi-hook is not shipped next to this binary: containers get no ld.so.cache update, no \
+             libcuda.so link and no CUDA compat; build it (cargo build -p tessera-cdi-hook) or set --cdi-hook");
+        return Ok(None);
+    };
+    let path = crate::cdi::install_hook(&source, &dir)?;
+    info!(hook = %path.display(), from = %source.display(), "installed the CDI hook on the host");
+    Ok(Some(CdiHook::tessera(path)))
+}
+
 /// What the plugin needs to load the node state, once it owns it.
 struct NodeSetup {
     node_name: String,
@@ -647,6 +799,7 @@ struct NodeSetup {
     state_dir: PathBuf,
     cdi_dir: PathBuf,
     cdi_hook: Option<PathBuf>,
+    cdi_hook_dir: Option<PathBuf>,
     mps_supervisor_socket: Option<PathBuf>,
     kubeconfig: Option<PathBuf>,
     heartbeat_interval: u64,
@@ -655,6 +808,9 @@ struct NodeSetup {
     health: Arc<Health>,
     health_service: HealthService,
     ignored_xids: Vec<u32>,
+    coexistence: CoexistenceMode,
+    host_proc: PathBuf,
+    driver_watch: DriverWatchSetup,
 }
 
 impl NodeSetup {
@@ -672,6 +828,7 @@ impl NodeSetup {
             state_dir,
             cdi_dir,
             cdi_hook,
+            cdi_hook_dir,
             mps_supervisor_socket,
             kubeconfig,
             heartbeat_interval,
@@ -680,7 +837,11 @@ impl NodeSetup {
             health,
             health_service,
             ignored_xids,
+            coexistence,
+            host_proc,
+            driver_watch,
         } = self;
+        backend.ensure_uvm_nodes();
         let gpu_backend = backend.open(&node_name, &state_dir)?;
         let health_state_dir = state_dir.clone();
         let discovered = gpu_backend.discover().map_err(|source| Error::Discover {
@@ -695,6 +856,7 @@ impl NodeSetup {
             gpus: discovered.gpus,
         };
         info!(node = %node_name, backend = gpu_backend.name(), gpus = spec.gpus.len(), "discovered GPUs");
+        let driver_watcher = driver_watch.spawn(&backend, spec.driver_version.clone(), stop_rx.clone());
         for u in &discovered.unusable {
             warn!(gpu = u.index, reason = %u.reason, "a GPU is left out of the inventory");
         }
@@ -707,6 +869,12 @@ impl NodeSetup {
             .trim()
             .to_string();
         let client = kube_client(kubeconfig.as_deref()).await?;
+        // Another GPU manager on the node decides which GPUs are served and published (coexistence.rs).
+        let verdict = crate::coexistence::read_and_decide(&client, &node_name, coexistence).await;
+        crate::coexistence::log(&verdict);
+        let served_gpus = verdict.served_gpus(&spec.gpus);
+        let mut spec = spec;
+        spec.gpus = verdict.published_gpus(&spec.gpus);
 
         let sharer = Sharer::new(
             gpu_backend.clone(),
@@ -716,14 +884,14 @@ impl NodeSetup {
             backend.backend == BackendKind::Nvml && mps_supervisor_socket.is_none(),
         );
         let driver_root = backend.driver_root_of(gpu_backend.as_ref());
-        let files = DriverFiles::discover(&driver_root, spec.driver_version.as_deref())
-            .with_ldcache_hook(cdi_hook.clone());
+        let hook = cdi_hook_of(cdi_hook, cdi_hook_dir.unwrap_or_else(|| state_dir.join("bin")))?;
+        let files = DriverFiles::discover(&driver_root, spec.driver_version.as_deref()).with_hook(hook);
         info!(
             driver_root = %driver_root.host_path().display(),
             read_at = %driver_root.path().display(),
             libraries = files.libraries.len(),
             binaries = files.binaries.len(),
-            ldcache_hook = ?files.ldcache_hook,
+            hook = ?files.hook.as_ref().map(|h| &h.path),
             "found the driver files every container gets"
         );
         if files.libraries.is_empty() {
@@ -743,9 +911,13 @@ impl NodeSetup {
                 cdi_dir,
             },
             gpu_backend,
-            spec.gpus.clone(),
+            served_gpus,
             Arc::new(KubeClaims::new(client.clone())),
         );
+        let state = match verdict.keep_unowned_mig {
+            true => state.keeping_unowned_mig(verdict.summary().2),
+            false => state,
+        };
         let sweep = shared.clone();
         let state = preparers::with_preparers(state, &shared)
             .with_orphan_sweep(Arc::new(move |gpus| sweep.stop_orphaned_daemons(gpus)));
@@ -755,16 +927,34 @@ impl NodeSetup {
         info!(?recovery, "loaded the checkpoint");
 
         gate.send_replace(Some(state.clone()));
+        let spec_gpus = spec.gpus.clone();
+        let event_client = client.clone();
         health.set_gpus(spec.gpus.iter().map(|g| g.index));
         health_service.set_devices(reported_devices(state.clone()));
+        if !crate::gpu::usage::HostProc::new(&host_proc).looks_like_proc() {
+            warn!(host_proc = %host_proc.display(), "--host-proc shows no processes: shares' usage gauges \
+                will read 0; mount the host's /proc there read-only (the chart does, at /host/proc)");
+        }
         crate::metrics::metrics().register_node(
             crate::metrics::NodeCollector::new(state.clone(), usage_backend, Some(mps_daemons))
-                .with_health(health.clone()),
+                .with_health(health.clone())
+                .with_host_proc(crate::gpu::usage::HostProc::new(&host_proc)),
         );
         let gpu_count = spec.gpus.iter().map(|g| g.index + 1).max().unwrap_or(0);
         let source = backend.health_source(&health_state_dir, gpu_count, ignored_xids)?;
         crate::health::spawn_monitor(source, health.clone(), mig_map(state.clone()), stop_rx.clone())
             .map_err(Error::HealthMonitor)?;
+        let condition: crate::coexistence::SharedCondition = Arc::new(std::sync::Mutex::new(
+            crate::coexistence::next_condition(None, &verdict, k8s_openapi::jiff::Timestamp::now()),
+        ));
+        let recheck = tokio::spawn(crate::coexistence::recheck(
+            client.clone(),
+            node_name.clone(),
+            coexistence,
+            verdict,
+            condition.clone(),
+            stop_rx.clone(),
+        ));
         let publisher = InventoryPublisher::new(
             client,
             spec,
@@ -772,14 +962,35 @@ impl NodeSetup {
             registration_rx,
         )
         .with_problem_source({
-            let state = state.clone();
-            Arc::new(move || state.problems())
+            let (state, shared) = (state.clone(), shared.clone());
+            Arc::new(move || {
+                let mut problems = state.problems();
+                problems.extend(crate::sharing::daemons_down_problems(
+                    &shared.sharer.daemons_down(),
+                ));
+                problems
+            })
+        })
+        .with_condition_source({
+            let condition = condition.clone();
+            Arc::new(move || vec![condition.lock().unwrap_or_else(|e| e.into_inner()).clone()])
         })
         .with_health(health)
         .with_leases(leases);
         let publisher = tokio::spawn(publisher.run(stop_rx.clone()));
+        let watch = tokio::spawn(crate::mps_events::watch_and_report(
+            shared.sharer.clone(),
+            state.clone(),
+            Some(crate::mps_events::DaemonEvents::new(event_client, &node_name)),
+            spec_gpus,
+            crate::sharing::DAEMON_WATCH_INTERVAL,
+            stop_rx.clone(),
+        ));
         let reconcile = tokio::spawn(state.reconcile_periodically(RECONCILE_INTERVAL, stop_rx));
-        Ok(vec![publisher, reconcile])
+        Ok([publisher, reconcile, watch, recheck]
+            .into_iter()
+            .chain(driver_watcher)
+            .collect())
     }
 }
 
@@ -913,19 +1124,20 @@ fn dry_run_cdi_spec(
     found: &crate::gpu::NodeGpus,
     cdi_hook: Option<PathBuf>,
 ) -> Result<crate::cdi::Spec> {
-    let files =
-        DriverFiles::discover(driver_root, found.driver_version.as_deref()).with_ldcache_hook(cdi_hook);
+    let hook = match cdi_hook {
+        Some(path) => CdiHook::nvidia(path),
+        None => CdiHook::tessera(Path::new("/var/lib/tessera/bin").join(crate::cdi::HOOK_BINARY)),
+    };
+    let files = DriverFiles::discover(driver_root, found.driver_version.as_deref()).with_hook(Some(hook));
     let mut devices = Vec::with_capacity(found.gpus.len());
     for gpu in &found.gpus {
         let device = format!("gpu-{}", gpu.index);
-        let mut edits =
-            crate::edits::device_edits(backend, gpu, None, &device, &gpu.uuid).map_err(|source| {
-                Error::DryRunCdi {
-                    device: device.clone(),
-                    source,
-                }
-            })?;
-        edits.extend(crate::edits::driver_edits(&files));
+        let edits = crate::edits::device_edits(backend, gpu, None, &device, &gpu.uuid).map_err(|source| {
+            Error::DryRunCdi {
+                device: device.clone(),
+                source,
+            }
+        })?;
         devices.push(crate::cdi::Device {
             name: crate::cdi::device_name("dry-run", &device),
             container_edits: edits,
@@ -935,7 +1147,7 @@ fn dry_run_cdi_spec(
         cdi_version: crate::cdi::CDI_VERSION.to_string(),
         kind: crate::cdi::CDI_KIND.to_string(),
         devices,
-        container_edits: Default::default(),
+        container_edits: crate::edits::driver_edits(&files),
     })
 }
 
@@ -1050,4 +1262,117 @@ async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client> {
         None => kube::Config::incluster().map_err(|e| Error::KubeConfig(Box::new(e)))?,
     };
     kube::Client::try_from(config).map_err(|e| Error::KubeClient(Box::new(e)))
+}
+
+/// The driver upgrade watch of a plugin on the nvml backend (see [`crate::driver_watch`]): where a change
+/// goes and how the plugin is stopped.
+struct DriverWatchSetup {
+    /// Between two reads; zero: no watch.
+    interval: Duration,
+    /// Set by the watch; [`Args::run`] returns [`Error::DriverChanged`] after a clean shutdown.
+    change: Arc<std::sync::OnceLock<crate::driver_watch::DriverChange>>,
+    stop: watch::Sender<bool>,
+}
+
+impl DriverWatchSetup {
+    /// Starts the watch of the driver the plugin serves (`serving`, NVML's version), unless it is off, the
+    /// backend is simulated (no driver root), or NVML reported no version.
+    fn spawn(
+        self,
+        backend: &BackendArgs,
+        serving: Option<String>,
+        stop_rx: watch::Receiver<bool>,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        if self.interval.is_zero() || backend.backend != BackendKind::Nvml {
+            return None;
+        }
+        let Some(serving) = serving else {
+            warn!("NVML reported no driver version: a driver upgrade under the plugin goes unnoticed");
+            return None;
+        };
+        let root = DriverRoot::mounted(&backend.driver_root, backend.read_root());
+        let proc_root = crate::gpu::nvml::proc_root_for(backend.read_root());
+        Some(tokio::spawn(async move {
+            let change =
+                crate::driver_watch::watch_driver(root, proc_root, serving, self.interval, stop_rx).await;
+            if let Some(change) = change {
+                let message = change.message();
+                warn!(from = %change.from, to = %change.to, "{message}");
+                crate::driver_watch::write_termination_message(
+                    Path::new(crate::driver_watch::TERMINATION_LOG),
+                    &message,
+                );
+                let _ = self.change.set(change);
+                self.stop.send_replace(true);
+            }
+        }))
+    }
+}
+
+impl BackendArgs {
+    /// Creates the `nvidia-uvm` device nodes where a real driver's module is loaded without them, or says
+    /// how to load it ([`crate::driver_watch::check_uvm`]). Nothing for a simulated driver, whose `/proc`
+    /// is not the host's.
+    fn ensure_uvm_nodes(&self) {
+        if self.backend != BackendKind::Nvml {
+            return;
+        }
+        let proc_root = crate::gpu::nvml::proc_root_for(self.read_root());
+        if proc_root == Path::new("/proc") {
+            crate::driver_watch::check_uvm(Path::new("/dev"), &proc_root);
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+struct WaitForDriverArgs {
+    #[command(flatten)]
+    backend: BackendArgs,
+
+    /// Give up (exit 1) after this many seconds; 0, the default, waits as long as it takes (a driver
+    /// container may need minutes to build and load its module).
+    #[arg(long, env = "TESSERA_WAIT_FOR_DRIVER_TIMEOUT", default_value_t = 0)]
+    timeout: u64,
+
+    /// Seconds between two waiting messages in the log.
+    #[arg(long, env = "TESSERA_WAIT_FOR_DRIVER_REPORT_INTERVAL", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    report_interval: u64,
+}
+
+impl WaitForDriverArgs {
+    fn run(self) -> Result<()> {
+        if self.backend.backend != BackendKind::Nvml {
+            println!(
+                "the {:?} backend needs no driver: nothing to wait for",
+                self.backend.backend
+            );
+            return Ok(());
+        }
+        let root = DriverRoot::mounted(&self.backend.driver_root, self.backend.read_root());
+        let proc_root = || crate::gpu::nvml::proc_root_for(self.backend.read_root());
+        let options = crate::driver_watch::WaitOptions {
+            report_every: Duration::from_secs(self.report_interval),
+            timeout: (self.timeout > 0).then(|| Duration::from_secs(self.timeout)),
+            ..Default::default()
+        };
+        // Plain lines on stdout: what `kubectl logs -c wait-for-driver` shows.
+        match crate::driver_watch::wait_for_driver(&root, proc_root, options, |m| println!("{m}")) {
+            Ok(found) => {
+                println!(
+                    "the NVIDIA driver {} is installed: {} found, the kernel module is loaded",
+                    found.kernel.as_deref().unwrap_or("?"),
+                    found
+                        .nvml_library
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default()
+                );
+                Ok(())
+            }
+            Err(last) => Err(Error::WaitForDriver {
+                root: self.backend.driver_root.clone(),
+                waited_secs: self.timeout,
+                missing: last.missing(),
+            }),
+        }
+    }
 }

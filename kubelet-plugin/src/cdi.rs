@@ -5,10 +5,15 @@
 //! kubelet passes the fully qualified names ([`qualified_name`]) to the runtime, which reads the spec when the
 //! container is created. A per-claim file (rather than one node-wide spec) makes prepare and unprepare of
 //! different claims independent: no read-modify-write of a shared file.
+//!
+//! The driver's files and hook calls are the spec's own `containerEdits`, once per claim; a device's edits
+//! are its device nodes, env and (for a share) MPS mounts ([`crate::edits`]). The hook they call,
+//! `tessera-cdi-hook` (`kubelet-plugin/cdi-hook`), is installed on the host by [`install_hook`].
 
 use std::{
     fs,
     io::{self, Write},
+    os::unix::fs::{OpenOptionsExt, PermissionsExt},
     path::{Path, PathBuf},
 };
 
@@ -270,4 +275,103 @@ pub(crate) fn write_atomically(
     }
     drop(file);
     fs::rename(tmp, path)
+}
+
+/// File name of tessera's CDI hook binary, shipped next to the plugin's executable (`/usr/bin` in the
+/// image) and installed into the hook directory.
+pub const HOOK_BINARY: &str = "tessera-cdi-hook";
+
+/// The hook binary shipped with this executable: next to it (the image's `/usr/bin`, cargo's
+/// `target/<profile>`; a test in `target/<profile>/deps` looks one level up too).
+pub fn shipped_hook() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    let mut dirs = vec![dir.to_path_buf()];
+    if dir.file_name().is_some_and(|n| n == "deps")
+        && let Some(parent) = dir.parent()
+    {
+        dirs.push(parent.to_path_buf());
+    }
+    dirs.into_iter()
+        .map(|d| d.join(HOOK_BINARY))
+        .find(|p| fs::metadata(p).is_ok_and(|m| m.is_file()))
+}
+
+/// Installs the hook binary `source` as `<dir>/tessera-cdi-hook` (the path the specs name: `dir` is seen
+/// at its host path) and returns that path. A copy whose bytes already match is kept; otherwise the new
+/// file is written under a temporary name, made executable and renamed over the old one, so a runtime that
+/// runs the hook meanwhile starts the old binary or the new one, never a part of one.
+pub fn install_hook(source: &Path, dir: &Path) -> Result<PathBuf> {
+    let path = dir.join(HOOK_BINARY);
+    let err = |source_err| Error::InstallCdiHook {
+        source_path: source.to_path_buf(),
+        path: path.clone(),
+        source: source_err,
+    };
+    let bytes = fs::read(source).map_err(err)?;
+    if fs::read(&path).is_ok_and(|old| old == bytes) {
+        return Ok(path);
+    }
+    fs::create_dir_all(dir).map_err(err)?;
+    let tmp = dir.join(format!(".{HOOK_BINARY}.{}.tmp", std::process::id()));
+    let write = || -> io::Result<()> {
+        let _ = fs::remove_file(&tmp);
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o755)
+            .open(&tmp)?;
+        file.write_all(&bytes)?;
+        file.set_permissions(fs::Permissions::from_mode(0o755))?;
+        // Synced: a hook torn by a power loss would fail every container start after the reboot.
+        file.sync_data()?;
+        drop(file);
+        fs::rename(&tmp, &path)
+    };
+    write().map_err(|e| {
+        let _ = fs::remove_file(&tmp);
+        err(e)
+    })?;
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    #[test]
+    fn the_hook_is_installed_executable_replaced_by_rename_and_kept_when_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("built");
+        fs::write(&source, b"hook v1").unwrap();
+        let hooks = dir.path().join("state/bin");
+        let path = install_hook(&source, &hooks).unwrap();
+        assert_eq!(path, hooks.join(HOOK_BINARY));
+        assert_eq!(fs::read(&path).unwrap(), b"hook v1");
+        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o755);
+        let first = fs::metadata(&path).unwrap().ino();
+        install_hook(&source, &hooks).unwrap();
+        assert_eq!(
+            fs::metadata(&path).unwrap().ino(),
+            first,
+            "an unchanged hook is not rewritten"
+        );
+        // A runtime running the old one keeps its file; the name points at the new one.
+        let running = fs::File::open(&path).unwrap();
+        fs::write(&source, b"hook v2, longer").unwrap();
+        install_hook(&source, &hooks).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"hook v2, longer");
+        assert_eq!(io::read_to_string(&running).unwrap(), "hook v1");
+        assert_eq!(
+            fs::read_dir(&hooks).unwrap().count(),
+            1,
+            "no temporary file is left"
+        );
+        let e = install_hook(&dir.path().join("missing"), &hooks)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--cdi-hook-dir") && e.contains("missing"), "{e}");
+    }
 }

@@ -179,7 +179,9 @@ pub struct SharedDetail {
     /// Host directory of the MPS control daemon's pipes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mps_pipe_dir: Option<String>,
-    /// Limits applied to the share (thread percentage, pinned memory, time-slice), by name.
+    /// Limits applied to the share (thread percentage, pinned memory, time-slice), by name; for MPS also
+    /// the defaults its device's daemon was started with (`mpsDefaultActiveThreadPercentage`,
+    /// `mpsDefaultPinnedDeviceMemoryLimit`), so the plugin can start that daemon again after a restart.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub limits: BTreeMap<String, String>,
 }

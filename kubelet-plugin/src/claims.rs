@@ -12,6 +12,7 @@ use k8s_openapi::{
     apimachinery::pkg::api::resource::Quantity,
 };
 use kube::Api;
+pub use tessera_api::claim_list::{ClaimList, Unreadable};
 
 /// Error of a claim lookup, opaque to the state machine (it only reports it).
 pub type SourceError = Box<dyn std::error::Error + Send + Sync>;
@@ -27,15 +28,51 @@ pub trait ClaimSource: Send + Sync + 'static {
 
     /// Every ResourceClaim of the cluster. Recovery uses it to learn which claims are allocated to this
     /// node and reserved by a pod (there is no field selector for allocation results, so it filters).
-    fn list(&self) -> BoxFuture<'_, Result<Vec<ResourceClaim>, SourceError>>;
+    /// A claim that does not decode (any namespace, any driver) is listed as unreadable, never fails the list.
+    fn list(&self) -> BoxFuture<'_, Result<ClaimList, SourceError>>;
+
+    /// The capacity (`memory`, `compute`) this driver's ResourceSlices publish for `device` of `pool`,
+    /// or `None` when no slice lists it. A share slot's allocation carries no capacity, so this is where the
+    /// plugin learns the slot's size. Sources without slices have none.
+    fn device_capacity<'a>(
+        &'a self,
+        _pool: &'a str,
+        _device: &'a str,
+    ) -> BoxFuture<'a, Result<Option<BTreeMap<String, Quantity>>, SourceError>> {
+        Box::pin(async { Ok(None) })
+    }
 }
 
 /// A failed read of a claim, in words the claim's owner can act on: serde_json's bare `recursion limit
 /// exceeded` (a claim whose opaque configuration nests too deep to decode) names the configuration instead.
 pub fn read_error(error: kube::Error) -> SourceError {
+    if let kube::Error::SerdeError(e) = &error {
+        return format!(
+            "the ResourceClaim cannot be read: {}",
+            tessera_api::claim_list::cause_in_words(e)
+        )
+        .into();
+    }
     match tessera_api::config::too_deep_config_message(&error.to_string()) {
         Some(message) => message.into(),
         None => Box::new(error),
+    }
+}
+
+/// Logs each claim of `list` that does not decode, once per claim UID for the life of the process: a
+/// hostile claim must not write its error every minute on every node, but the operator must see it.
+pub fn warn_unreadable_once(list: &ClaimList) {
+    static LOGGED: std::sync::OnceLock<std::sync::Mutex<std::collections::BTreeSet<String>>> =
+        std::sync::OnceLock::new();
+    let logged = LOGGED.get_or_init(Default::default);
+    let mut logged = logged.lock().unwrap_or_else(|e| e.into_inner());
+    for u in &list.unreadable {
+        let id = u.uid.clone().unwrap_or_else(|| u.key());
+        if logged.insert(id) {
+            tracing::warn!(claim = %u.key(), cause = %u.cause,
+                "a ResourceClaim in the cluster cannot be decoded; every other claim is read, and records of \
+                 this one, if any, are kept until it can be read");
+        }
     }
 }
 
@@ -63,20 +100,40 @@ impl ClaimSource for KubeClaims {
         })
     }
 
-    fn list(&self) -> BoxFuture<'_, Result<Vec<ResourceClaim>, SourceError>> {
+    fn list(&self) -> BoxFuture<'_, Result<ClaimList, SourceError>> {
         Box::pin(async move {
-            let api: Api<ResourceClaim> = Api::all(self.client.clone());
-            let mut claims = Vec::new();
-            let mut params = kube::api::ListParams::default().limit(500);
-            // Paged, so a large cluster does not make one huge response.
-            loop {
-                let page = api.list(&params).await.map_err(|e| Box::new(e) as SourceError)?;
-                claims.extend(page.items);
-                match page.metadata.continue_.filter(|c| !c.is_empty()) {
-                    Some(token) => params = params.continue_token(&token),
-                    None => return Ok(claims),
-                }
-            }
+            tessera_api::claim_list::list_all(&self.client)
+                .await
+                .map_err(|e| Box::new(e) as SourceError)
+        })
+    }
+
+    fn device_capacity<'a>(
+        &'a self,
+        pool: &'a str,
+        device: &'a str,
+    ) -> BoxFuture<'a, Result<Option<BTreeMap<String, Quantity>>, SourceError>> {
+        Box::pin(async move {
+            use k8s_openapi::api::resource::v1::ResourceSlice;
+            let api: Api<ResourceSlice> = Api::all(self.client.clone());
+            let params = kube::api::ListParams::default().fields(&format!(
+                "spec.driver={},spec.nodeName={pool}",
+                tessera_api::DRIVER_NAME
+            ));
+            let slices = api.list(&params).await.map_err(read_error)?;
+            Ok(slices
+                .items
+                .iter()
+                .filter(|s| s.spec.pool.name == pool)
+                .flat_map(|s| s.spec.devices.iter().flatten())
+                .find(|d| d.name == device)
+                .map(|d| {
+                    d.capacity
+                        .iter()
+                        .flatten()
+                        .map(|(name, c)| (name.clone(), c.value.clone()))
+                        .collect()
+                }))
         })
     }
 }
@@ -90,8 +147,16 @@ impl<T: ClaimSource> ClaimSource for Arc<T> {
         (**self).get(namespace, name)
     }
 
-    fn list(&self) -> BoxFuture<'_, Result<Vec<ResourceClaim>, SourceError>> {
+    fn list(&self) -> BoxFuture<'_, Result<ClaimList, SourceError>> {
         (**self).list()
+    }
+
+    fn device_capacity<'a>(
+        &'a self,
+        pool: &'a str,
+        device: &'a str,
+    ) -> BoxFuture<'a, Result<Option<BTreeMap<String, Quantity>>, SourceError>> {
+        (**self).device_capacity(pool, device)
     }
 }
 
@@ -187,10 +252,10 @@ pub mod fake {
             DeviceRequestAllocationResult, OpaqueDeviceConfiguration, ResourceClaim,
             ResourceClaimConsumerReference, ResourceClaimSpec, ResourceClaimStatus,
         },
-        apimachinery::pkg::{apis::meta::v1::ObjectMeta, runtime::RawExtension},
+        apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::ObjectMeta, runtime::RawExtension},
     };
 
-    use super::{ClaimSource, SourceError};
+    use super::{ClaimList, ClaimSource, SourceError, Unreadable};
 
     /// Pool of the claims [`claim`] builds unless told otherwise; tests name their node this.
     pub const NODE: &str = "node-a";
@@ -202,6 +267,10 @@ pub mod fake {
         claims: Arc<Mutex<BTreeMap<String, ResourceClaim>>>,
         /// When set, every lookup fails with this message (an unreachable API server).
         failing: Arc<Mutex<Option<String>>>,
+        /// Claims the API server holds but that do not decode: listed as unreadable, and a get fails.
+        unreadable: Arc<Mutex<Vec<Unreadable>>>,
+        /// Device capacities the ResourceSlices publish, by `pool/device`.
+        capacities: Arc<Mutex<BTreeMap<String, BTreeMap<String, Quantity>>>>,
     }
 
     impl FakeClaims {
@@ -231,6 +300,32 @@ pub mod fake {
                 .remove(&format!("{namespace}/{name}"));
         }
 
+        /// Adds a claim that does not decode (as a lone surrogate in its parameters makes one).
+        pub fn insert_unreadable(&self, namespace: &str, name: &str, uid: &str, cause: &str) -> &Self {
+            self.unreadable
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Unreadable {
+                    namespace: Some(namespace.into()),
+                    name: Some(name.into()),
+                    uid: Some(uid.into()),
+                    cause: cause.into(),
+                });
+            self
+        }
+
+        /// Publishes `capacity` (`(name, quantity)` pairs) for `device` of `pool`, as a ResourceSlice would.
+        pub fn with_device_capacity(&self, pool: &str, device: &str, capacity: &[(&str, &str)]) -> &Self {
+            self.capacities.lock().unwrap_or_else(|e| e.into_inner()).insert(
+                format!("{pool}/{device}"),
+                capacity
+                    .iter()
+                    .map(|(n, q)| (n.to_string(), Quantity(q.to_string())))
+                    .collect(),
+            );
+            self
+        }
+
         /// Makes every lookup fail with `message` (`None` heals it).
         pub fn fail_with(&self, message: Option<&str>) {
             *self.failing.lock().unwrap_or_else(|e| e.into_inner()) = message.map(str::to_string);
@@ -250,29 +345,53 @@ pub mod fake {
                 .unwrap_or_else(|e| e.into_inner())
                 .get(&format!("{namespace}/{name}"))
                 .cloned();
+            let unreadable = self
+                .unreadable
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .find(|u| u.key() == format!("{namespace}/{name}"))
+                .map(|u| u.to_string());
             Box::pin(async move {
-                match failing {
-                    Some(message) => Err(message.into()),
-                    None => Ok(claim),
+                match (failing, unreadable) {
+                    (Some(message), _) | (None, Some(message)) => Err(message.into()),
+                    (None, None) => Ok(claim),
                 }
             })
         }
 
-        fn list(&self) -> BoxFuture<'_, Result<Vec<ResourceClaim>, SourceError>> {
+        fn list(&self) -> BoxFuture<'_, Result<ClaimList, SourceError>> {
             let failing = self.failing.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            let claims: Vec<ResourceClaim> = self
-                .claims
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .values()
-                .cloned()
-                .collect();
+            let list = ClaimList {
+                claims: self
+                    .claims
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .values()
+                    .cloned()
+                    .collect(),
+                unreadable: self.unreadable.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            };
             Box::pin(async move {
                 match failing {
                     Some(message) => Err(message.into()),
-                    None => Ok(claims),
+                    None => Ok(list),
                 }
             })
+        }
+
+        fn device_capacity<'a>(
+            &'a self,
+            pool: &'a str,
+            device: &'a str,
+        ) -> BoxFuture<'a, Result<Option<BTreeMap<String, Quantity>>, SourceError>> {
+            let capacity = self
+                .capacities
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&format!("{pool}/{device}"))
+                .cloned();
+            Box::pin(async move { Ok(capacity) })
         }
     }
 

@@ -6,12 +6,16 @@
 //!
 //! * read-only bind mounts of the driver's libraries (the versioned file and its soname link, both as
 //!   regular files: the runtime resolves the host's symlink) and binaries (`nvidia-smi`, …);
-//! * the library directory on the loader's search path without running `ldconfig` in the container: the
-//!   libraries are mounted at the host's library path with the driver root stripped, which on the common
-//!   layouts (`/usr/lib/x86_64-linux-gnu`, `/usr/lib64`, …) is a directory glibc searches by default, or
-//!   under `/usr/local/nvidia/lib64` (GKE, flat layouts), which NVIDIA's CUDA images put in
-//!   `LD_LIBRARY_PATH`. Where the node has NVIDIA's CDI hook, [`DriverFiles::with_ldcache_hook`] adds its
-//!   `update-ldcache` `createContainer` hook too, for images whose loader looks elsewhere.
+//! * the libraries at the host's library path with the driver root stripped (`/usr/lib/x86_64-linux-gnu`,
+//!   `/usr/lib64`, …), or under `/usr/local/nvidia/lib64` (GKE, flat layouts); every `*.so.<driver
+//!   version>` file of the driver's library directories is mounted, as NVIDIA's toolkit does, not only the
+//!   [`LIBRARIES`] it always looks for;
+//! * three `createContainer` hooks of tessera's own hook binary (`kubelet-plugin/cdi-hook`, installed on the
+//!   host at start, [`CdiHook`]), in the order NVIDIA's `nvcdi` emits them: `create-symlinks` (`libcuda.so
+//!   -> libcuda.so.1` and the other [`DEV_LINKS`]), `enable-cuda-compat` (the image's newer CUDA compat
+//!   driver first) and `update-ldcache` (the library directories in the container's `/etc/ld.so.cache`), so
+//!   the image's own loader finds the driver through its cache whatever it searches by default. With
+//!   `--cdi-hook` NVIDIA's `nvidia-cdi-hook` runs instead, with the same subcommands and arguments.
 //!
 //! This module only finds files (it is used by the NVML backend too); [`crate::edits::driver_edits`] turns
 //! them into CDI edits.
@@ -89,6 +93,17 @@ pub const LIBRARIES: [&str; 18] = [
     "libnvidia-opticalflow",
     "libnvcuvid",
     "libvdpau_nvidia",
+];
+
+/// Libraries that get an unversioned development link in the container (`libcuda.so -> libcuda.so.1`):
+/// programs that `dlopen("libcuda.so")` or link `-lcuda` at run time (Triton, `torch.compile`, vLLM) need it,
+/// and NVIDIA's `nvcdi` creates the same ones.
+pub const DEV_LINKS: [&str; 5] = [
+    "libcuda",
+    "libnvidia-ml",
+    "libnvidia-opticalflow",
+    "libnvidia-encode",
+    "libnvcuvid",
 ];
 
 /// Driver binaries handed to containers.
@@ -327,8 +342,8 @@ impl DriverRoot {
     }
 
     /// Where a file of this root (as this process sees it) appears in the workload's container: the same
-    /// path without the driver root when its directory is a standard one, else the `/usr/local/nvidia`
-    /// fallback.
+    /// path without the driver root when its directory is a standard one, else (and for GKE's layout, at
+    /// its path or with its shape: `lib64/` and no `usr/`) the `/usr/local/nvidia` fallback.
     fn container_path(&self, file: &Path, library: bool) -> Option<String> {
         let rel = file.strip_prefix(&self.root).ok()?;
         let dir = rel
@@ -337,8 +352,11 @@ impl DriverRoot {
             .unwrap_or_default();
         let name = rel.file_name()?.to_string_lossy().to_string();
         let standard: &[&str] = if library { &LIBRARY_DIRS } else { &BINARY_DIRS };
-        // The host's path says which layout this is: the plugin may see GKE's root at `/driver-root`.
-        let is_gke = self.host == Path::new(GKE_DRIVER_ROOT);
+        // GKE's layout is known by its host path (the plugin may see it at `/driver-root`) or by its shape
+        // wherever it lies: `lib64/` without `usr/`, no distribution root, so nothing of it belongs in the
+        // image's own /lib64.
+        let is_gke = self.host == Path::new(GKE_DRIVER_ROOT)
+            || (self.root.join("lib64").is_dir() && !self.root.join("usr").exists());
         if !is_gke && standard.contains(&dir.as_str()) {
             return Some(format!("/{dir}/{name}"));
         }
@@ -394,6 +412,32 @@ fn library_files(root: &DriverRoot, lib: &str, driver_version: Option<&str>) -> 
         .collect()
 }
 
+/// Every `<stem>.so.<driver version>` regular file in the directories where the driver's own [`LIBRARIES`]
+/// are (the toolkit mounts every file of the driver's version it finds there: graphics, NGX, … libraries
+/// tessera does not name), by stem, sorted; those of [`LIBRARIES`] left out (they are looked for anyway).
+fn versioned_stems(root: &DriverRoot, version: &str, found: &[(PathBuf, PathBuf)]) -> Vec<String> {
+    let suffix = format!(".so.{version}");
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for (named, _) in found {
+        if let Some(dir) = named.parent().and_then(|d| root.resolve(d))
+            && !dirs.contains(&dir)
+        {
+            dirs.push(dir);
+        }
+    }
+    let mut stems: Vec<String> = dirs
+        .iter()
+        .filter_map(|d| fs::read_dir(d).ok())
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter_map(|n| n.strip_suffix(&suffix).map(str::to_string))
+        .filter(|stem| !stem.is_empty() && !LIBRARIES.contains(&stem.as_str()))
+        .collect();
+    stems.sort();
+    stems.dedup();
+    stems
+}
+
 /// True for a file name of one of NVIDIA's [`LIBRARIES`]: `<lib>.so` or `<lib>.so.<anything>`.
 fn is_driver_library(name: &str) -> bool {
     LIBRARIES.iter().any(|lib| {
@@ -418,13 +462,43 @@ pub struct DriverFile {
     pub container_path: String,
 }
 
+/// The hook binary CDI specs run on the host (`createContainer`), and which one it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CdiHook {
+    /// Its path on the host (the runtime runs it outside the container).
+    pub path: PathBuf,
+    /// `argv[0]` the specs give it: `tessera-cdi-hook`, or `nvidia-cdi-hook` for NVIDIA's (`--cdi-hook`).
+    pub program: String,
+}
+
+impl CdiHook {
+    /// tessera's own hook, installed at `path` on the host.
+    pub fn tessera(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            program: "tessera-cdi-hook".into(),
+        }
+    }
+
+    /// NVIDIA's `nvidia-cdi-hook` at `path` on the host (same subcommands and arguments).
+    pub fn nvidia(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            program: "nvidia-cdi-hook".into(),
+        }
+    }
+}
+
 /// The driver files found under a root, turned into CDI edits common to every device.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DriverFiles {
     pub libraries: Vec<DriverFile>,
     pub binaries: Vec<DriverFile>,
-    /// `nvidia-cdi-hook` on the host, when the node has NVIDIA's container toolkit.
-    pub ldcache_hook: Option<PathBuf>,
+    /// The hook that links, caches and enables CUDA compat in the container; `None` only when no hook
+    /// binary could be installed (the plugin warns).
+    pub hook: Option<CdiHook>,
+    /// The driver's version, which `enable-cuda-compat` compares the image's compat driver with.
+    pub driver_version: Option<String>,
     /// A simulated driver's kernel directory (`R/tessera-sim`, see [`DriverFiles::discover`]), mounted
     /// read-only at [`SIMULATED_KERNEL_CONTAINER_PATH`]; `None` for a real driver.
     pub simulated_kernel: Option<DriverFile>,
@@ -443,12 +517,19 @@ impl DriverFiles {
                 container_path: root.container_path(named, library)?,
             })
         };
-        let mut libraries = Vec::new();
-        for lib in LIBRARIES {
-            for (named, resolved) in library_files(root, lib, driver_version) {
-                libraries.extend(file(&named, &resolved, true));
+        let mut found: Vec<(PathBuf, PathBuf)> = LIBRARIES
+            .iter()
+            .flat_map(|lib| library_files(root, lib, driver_version))
+            .collect();
+        if let Some(v) = driver_version {
+            for stem in versioned_stems(root, v, &found) {
+                found.extend(library_files(root, &stem, Some(v)));
             }
         }
+        let libraries = found
+            .iter()
+            .filter_map(|(named, resolved)| file(named, resolved, true))
+            .collect();
         let binaries = BINARIES
             .iter()
             .filter_map(|b| root.find_binary(b))
@@ -472,16 +553,36 @@ impl DriverFiles {
         Self {
             libraries,
             binaries,
-            ldcache_hook: None,
+            hook: None,
+            driver_version: driver_version.map(str::to_string),
             simulated_kernel,
         }
     }
 
-    /// Adds NVIDIA's `nvidia-cdi-hook update-ldcache` as a `createContainer` hook (the path is the host's:
-    /// the runtime runs hooks outside the container).
-    pub fn with_ldcache_hook(mut self, hook: Option<PathBuf>) -> Self {
-        self.ldcache_hook = hook;
+    /// The hook the specs run (see [`CdiHook`]); without one the container gets the mounts only.
+    pub fn with_hook(mut self, hook: Option<CdiHook>) -> Self {
+        self.hook = hook;
         self
+    }
+
+    /// `(target, link)` of every development link to create in the container: `<lib>.so -> <lib>.so.1`
+    /// next to each mounted `<lib>.so.1` of [`DEV_LINKS`].
+    pub fn dev_links(&self) -> Vec<(String, String)> {
+        let mut links = Vec::new();
+        for f in &self.libraries {
+            let Some((dir, name)) = f.container_path.rsplit_once('/') else {
+                continue;
+            };
+            if let Some(lib) = name.strip_suffix(".so.1")
+                && DEV_LINKS.contains(&lib)
+            {
+                let link = (name.to_string(), format!("{dir}/{lib}.so"));
+                if !links.contains(&link) {
+                    links.push(link);
+                }
+            }
+        }
+        links
     }
 
     /// Directories of the container that receive libraries.
@@ -628,6 +729,25 @@ mod tests {
     }
 
     #[test]
+    fn a_gke_shaped_root_elsewhere_maps_to_usr_local_nvidia_too() {
+        let layout = Layout::new().libs("lib64").bin("bin");
+        let root = DriverRoot::mounted("/srv/gke-like", layout.dir.path());
+        let files = DriverFiles::discover(&root, Some(VERSION));
+        assert_eq!(
+            container_paths(&files.libraries)[1],
+            format!("{FALLBACK_LIBRARY_DIR}/libcuda.so.1")
+        );
+        assert_eq!(
+            container_paths(&files.binaries),
+            [format!("{FALLBACK_BINARY_DIR}/nvidia-smi")]
+        );
+        assert_eq!(
+            files.libraries[1].host_path,
+            PathBuf::from(format!("/srv/gke-like/lib64/libcuda.so.{VERSION}"))
+        );
+    }
+
+    #[test]
     fn the_gke_layout_maps_to_usr_local_nvidia() {
         let root = DriverRoot::new(GKE_DRIVER_ROOT);
         assert_eq!(
@@ -679,6 +799,71 @@ mod tests {
             container_paths(&unversioned.libraries),
             ["/usr/lib64/libcuda.so.1", "/usr/lib64/libnvidia-ml.so.1"]
         );
+    }
+
+    #[test]
+    fn every_library_of_the_drivers_version_in_its_directory_is_mounted_with_its_soname_links() {
+        // As NVIDIA's toolkit: libraries tessera does not name (graphics, NGX, …) come along when they are
+        // of the driver's version; another version's, the distro's and an unversioned file do not.
+        let layout = Layout::new().libs("usr/lib/x86_64-linux-gnu");
+        let d = layout.dir.path().join("usr/lib/x86_64-linux-gnu");
+        fs::write(d.join(format!("libnvidia-glcore.so.{VERSION}")), b"stub").unwrap();
+        fs::write(d.join(format!("libnvidia-ngx.so.{VERSION}")), b"stub").unwrap();
+        symlink(
+            format!("libnvidia-ngx.so.{VERSION}"),
+            d.join("libnvidia-ngx.so.1"),
+        )
+        .unwrap();
+        fs::write(d.join("libnvidia-glcore.so.535.1"), b"old driver").unwrap();
+        fs::write(d.join("libc.so.6"), b"distro").unwrap();
+        fs::write(d.join("libfoo.so"), b"unversioned").unwrap();
+        // A directory of the root without the driver's own libraries is not listed.
+        fs::create_dir_all(layout.dir.path().join("usr/lib64")).unwrap();
+        fs::write(
+            layout.dir.path().join(format!("usr/lib64/libstray.so.{VERSION}")),
+            b"x",
+        )
+        .unwrap();
+        let files = DriverFiles::discover(&layout.root(), Some(VERSION));
+        let dir = "/usr/lib/x86_64-linux-gnu";
+        assert_eq!(
+            container_paths(&files.libraries),
+            [
+                format!("{dir}/libcuda.so.{VERSION}"),
+                format!("{dir}/libcuda.so.1"),
+                format!("{dir}/libnvidia-ml.so.{VERSION}"),
+                format!("{dir}/libnvidia-ml.so.1"),
+                format!("{dir}/libnvidia-glcore.so.{VERSION}"),
+                format!("{dir}/libnvidia-ngx.so.{VERSION}"),
+                format!("{dir}/libnvidia-ngx.so.1"),
+            ]
+        );
+        assert_eq!(
+            files.libraries[6].host_path,
+            d.join(format!("libnvidia-ngx.so.{VERSION}"))
+        );
+    }
+
+    #[test]
+    fn the_development_links_name_the_soname_next_to_each_mounted_library() {
+        let layout = Layout::new().libs("lib64");
+        let gke = DriverRoot::mounted(GKE_DRIVER_ROOT, layout.dir.path());
+        let files = DriverFiles::discover(&gke, Some(VERSION));
+        assert_eq!(
+            files.dev_links(),
+            [
+                (
+                    "libcuda.so.1".to_string(),
+                    format!("{FALLBACK_LIBRARY_DIR}/libcuda.so")
+                ),
+                (
+                    "libnvidia-ml.so.1".to_string(),
+                    format!("{FALLBACK_LIBRARY_DIR}/libnvidia-ml.so")
+                ),
+            ]
+        );
+        assert_eq!(files.container_library_dirs(), [FALLBACK_LIBRARY_DIR]);
+        assert_eq!(files.driver_version.as_deref(), Some(VERSION));
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! The CDI edits of one device: its device nodes and env; the driver's files come from
-//! [`crate::driver_root`].
+//! The CDI edits of one device (its device nodes and env) and of the driver (its files and hook calls,
+//! once per spec: [`driver_edits`]); the driver's files come from [`crate::driver_root`].
 //!
 //! `NVIDIA_VISIBLE_DEVICES=void` on every device: CDI merges the env of a claim's devices by key, last one
 //! wins, so a per-device UUID there names only one GPU of a two-GPU claim (and a container that references
@@ -74,9 +74,13 @@ pub fn device_edits(
     })
 }
 
-/// The mounts (and the ldcache hook, if any) every device carries: the driver's libraries and binaries,
-/// read-only at their container paths, and for a simulated driver its kernel directory at `/tessera-sim`
-/// (see [`crate::driver_root`]).
+/// The edits of the driver, the same for every device and so written once per spec (the spec-level
+/// `containerEdits`, which the runtime applies when any device of the spec is injected): the driver's
+/// libraries and binaries, read-only at their container paths, for a simulated driver its kernel directory
+/// at `/tessera-sim` (see [`crate::driver_root`]), and the hook's `createContainer` calls in the order
+/// NVIDIA's `nvcdi` writes them: `create-symlinks` (before the cache is built, so `libcuda.so` gets an
+/// entry), `enable-cuda-compat` (its configuration file must exist when the cache is built) and
+/// `update-ldcache`.
 pub fn driver_edits(files: &DriverFiles) -> ContainerEdits {
     let options: Vec<String> = MOUNT_OPTIONS.map(String::from).to_vec();
     let mounts = files
@@ -90,23 +94,40 @@ pub fn driver_edits(files: &DriverFiles) -> ContainerEdits {
             options: options.clone(),
         })
         .collect();
-    let hooks = files
-        .ldcache_hook
-        .iter()
-        .map(|hook| {
-            let mut args = vec!["nvidia-cdi-hook".to_string(), "update-ldcache".to_string()];
-            for dir in files.container_library_dirs() {
+    let mut hooks = Vec::new();
+    if let Some(hook) = &files.hook {
+        let call = |args: Vec<String>| Hook {
+            hook_name: "createContainer".into(),
+            path: hook.path.display().to_string(),
+            args: [hook.program.clone()].into_iter().chain(args).collect(),
+            env: vec![],
+        };
+        let links = files.dev_links();
+        if !links.is_empty() {
+            let mut args = vec!["create-symlinks".to_string()];
+            for (target, link) in links {
+                args.push("--link".into());
+                args.push(format!("{target}::{link}"));
+            }
+            hooks.push(call(args));
+        }
+        if let Some(version) = &files.driver_version {
+            hooks.push(call(vec![
+                "enable-cuda-compat".into(),
+                "--host-driver-version".into(),
+                version.clone(),
+            ]));
+        }
+        let dirs = files.container_library_dirs();
+        if !dirs.is_empty() {
+            let mut args = vec!["update-ldcache".to_string()];
+            for dir in dirs {
                 args.push("--folder".into());
                 args.push(dir);
             }
-            Hook {
-                hook_name: "createContainer".into(),
-                path: hook.display().to_string(),
-                args,
-                env: vec![],
-            }
-        })
-        .collect();
+            hooks.push(call(args));
+        }
+    }
     ContainerEdits {
         mounts,
         hooks,
@@ -119,10 +140,10 @@ mod tests {
     use std::{fs, os::unix::fs::symlink};
 
     use super::*;
-    use crate::driver_root::DriverRoot;
+    use crate::driver_root::{CdiHook, DriverRoot};
 
     #[test]
-    fn driver_edits_mount_every_file_read_only_and_add_the_ldcache_hook_only_when_given() {
+    fn driver_edits_mount_every_file_read_only_and_call_the_hook_to_link_enable_compat_and_cache() {
         let dir = tempfile::tempdir().unwrap();
         let lib = dir.path().join("usr/lib/x86_64-linux-gnu");
         let bin = dir.path().join("usr/bin");
@@ -148,18 +169,58 @@ mod tests {
                 .iter()
                 .all(|m| m.options == MOUNT_OPTIONS.map(String::from))
         );
-        assert!(edits.hooks.is_empty());
-        let hooked = driver_edits(&files.with_ldcache_hook(Some("/usr/bin/nvidia-cdi-hook".into())));
+        assert!(edits.hooks.is_empty(), "no hook binary, no hook calls");
+        assert!(
+            edits.env.is_empty() && edits.device_nodes.is_empty(),
+            "the driver's edits are no device's"
+        );
+        let hooked = driver_edits(
+            &files
+                .clone()
+                .with_hook(Some(CdiHook::tessera("/var/lib/tessera/bin/tessera-cdi-hook"))),
+        );
+        let calls: Vec<Vec<&str>> = hooked
+            .hooks
+            .iter()
+            .map(|h| h.args.iter().map(String::as_str).collect())
+            .collect();
         assert_eq!(
-            hooked.hooks[0].args,
+            calls,
             [
-                "nvidia-cdi-hook",
-                "update-ldcache",
-                "--folder",
-                "/usr/lib/x86_64-linux-gnu"
+                vec![
+                    "tessera-cdi-hook",
+                    "create-symlinks",
+                    "--link",
+                    "libcuda.so.1::/usr/lib/x86_64-linux-gnu/libcuda.so"
+                ],
+                vec![
+                    "tessera-cdi-hook",
+                    "enable-cuda-compat",
+                    "--host-driver-version",
+                    "580.1"
+                ],
+                vec![
+                    "tessera-cdi-hook",
+                    "update-ldcache",
+                    "--folder",
+                    "/usr/lib/x86_64-linux-gnu"
+                ],
             ]
         );
-        assert_eq!(hooked.hooks[0].hook_name, "createContainer");
+        assert!(
+            hooked.hooks.iter().all(
+                |h| h.hook_name == "createContainer" && h.path == "/var/lib/tessera/bin/tessera-cdi-hook"
+            )
+        );
+        // NVIDIA's hook takes the same calls under its own name.
+        let nvidia = driver_edits(&files.with_hook(Some(CdiHook::nvidia("/usr/bin/nvidia-cdi-hook"))));
+        assert!(
+            nvidia
+                .hooks
+                .iter()
+                .all(|h| h.args[0] == "nvidia-cdi-hook" && h.path == "/usr/bin/nvidia-cdi-hook")
+        );
+        assert_eq!(nvidia.hooks.len(), 3);
         assert!(
             !targets.contains(&"/tessera-sim"),
             "a real driver has no simulated kernel"

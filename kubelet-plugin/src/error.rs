@@ -40,6 +40,31 @@ pub enum Error {
         #[source]
         source: GpuError,
     },
+    /// `simulate upgrade-driver`: the simulated driver root could not be upgraded.
+    #[error("failed to upgrade the simulated driver root: {source}")]
+    SimulateUpgradeDriver {
+        #[source]
+        source: GpuError,
+    },
+    /// The driver under the running plugin changed version: the plugin stopped so that it is restarted on
+    /// the new one (exit status [`crate::driver_watch::DRIVER_CHANGED_EXIT_CODE`]).
+    #[error(
+        "the NVIDIA driver changed from {from} to {to} under the running plugin; restart it to load the new driver"
+    )]
+    DriverChanged { from: String, to: String },
+    /// `wait-for-driver --timeout` passed without the driver.
+    #[error(
+        "the NVIDIA driver did not appear under the driver root {root} within {waited_secs}s: {missing}; check the \
+         chart's driverRoot (the GPU Operator's is /run/nvidia/driver) and that the driver is installed"
+    )]
+    WaitForDriver {
+        root: PathBuf,
+        waited_secs: u64,
+        missing: String,
+    },
+    /// `simulate create-mig`: the out-of-band MIG device could not be made.
+    #[error("failed to make the MIG device: {reason}")]
+    SimulateCreateMig { reason: String },
     /// `simulate load`: the synthetic load could not be set.
     #[error("failed to set the simulated GPU load: {source}")]
     SimulateLoad {
@@ -59,6 +84,17 @@ pub enum Error {
     #[error("failed to run the MPS supervisor on {socket}: {source}")]
     MpsSupervisor {
         socket: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// tessera's CDI hook binary could not be installed on the host.
+    #[error(
+        "failed to install the CDI hook {source_path} at {path}: {source}; the hook directory \
+        (--cdi-hook-dir) must be a writable host directory this process sees at its host path"
+    )]
+    InstallCdiHook {
+        source_path: PathBuf,
+        path: PathBuf,
         #[source]
         source: io::Error,
     },
@@ -305,6 +341,17 @@ pub enum ClaimError {
     /// Node state (checkpoint or CDI spec) could not be written.
     #[error(transparent)]
     State(#[from] Box<Error>),
+}
+
+impl Error {
+    /// The process's exit status for this error: [`crate::driver_watch::DRIVER_CHANGED_EXIT_CODE`] for a
+    /// stop on a driver upgrade (a restart is what it asks for), 1 for every failure.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Self::DriverChanged { .. } => crate::driver_watch::DRIVER_CHANGED_EXIT_CODE,
+            _ => 1,
+        }
+    }
 }
 
 impl From<Error> for ClaimError {

@@ -34,7 +34,7 @@ use kube::{
 use tessera_api::{
     NodeInventory, NodeInventorySpec,
     heartbeat::{HEARTBEAT_LABEL, HEARTBEAT_LABEL_VALUE, leader_reads_node_leases, node_lease_name},
-    inventory::NodeInventoryStatus,
+    inventory::{InventoryCondition, NodeInventoryStatus},
 };
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
@@ -229,6 +229,7 @@ pub fn inventory_status(
         gpu_count: spec.gpus.len() as u32,
         message,
         health: vec![],
+        conditions: vec![],
     }
 }
 
@@ -248,6 +249,24 @@ pub fn with_problems(mut status: NodeInventoryStatus, problems: &[String]) -> No
 /// What the plugin reports as wrong besides registration (see [`with_problems`]).
 pub type Problems = std::sync::Arc<dyn Fn() -> Vec<String> + Send + Sync>;
 
+/// The status conditions to publish (the `Coexistence` condition, [`crate::coexistence`]).
+pub type Conditions = std::sync::Arc<dyn Fn() -> Vec<InventoryCondition> + Send + Sync>;
+
+/// `status` with `conditions`; a condition that is not `True` is also added to the message, so the one
+/// line `kubectl describe` and the controller's logs show says it too.
+pub fn with_conditions(
+    mut status: NodeInventoryStatus,
+    conditions: Vec<InventoryCondition>,
+) -> NodeInventoryStatus {
+    let loud: Vec<String> = conditions
+        .iter()
+        .filter(|c| c.status != "True")
+        .map(|c| format!("{} {} ({}): {}", c.type_, c.status, c.reason, c.message))
+        .collect();
+    status.conditions = conditions;
+    with_problems(status, &loud)
+}
+
 /// Server-side apply body of a status.
 fn status_patch(name: &str, status: &NodeInventoryStatus) -> serde_json::Value {
     serde_json::json!({
@@ -265,6 +284,7 @@ pub struct InventoryPublisher {
     heartbeat: Duration,
     registration: watch::Receiver<RegistrationState>,
     problems: Option<Problems>,
+    conditions: Option<Conditions>,
     health: Option<std::sync::Arc<crate::health::Health>>,
     leases: Option<LeaseConfig>,
     node_uid: Option<String>,
@@ -283,6 +303,7 @@ impl InventoryPublisher {
             heartbeat,
             registration,
             problems: None,
+            conditions: None,
             health: None,
             leases: None,
             node_uid: None,
@@ -309,6 +330,13 @@ impl InventoryPublisher {
         self
     }
 
+    /// Publishes `conditions()` in `status.conditions` (see [`with_conditions`]); a change is written at
+    /// the next heartbeat.
+    pub fn with_condition_source(mut self, conditions: Conditions) -> Self {
+        self.conditions = Some(conditions);
+        self
+    }
+
     /// Publishes until `stop` turns true. Writes nothing on the way out (see the module docs).
     pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
         let api: Api<NodeInventory> = Api::all(self.client.clone());
@@ -327,6 +355,9 @@ impl InventoryPublisher {
                 let status = inventory_status(&self.spec, &registration, Timestamp::now());
                 let problems = self.problems.as_ref().map(|p| p()).unwrap_or_default();
                 let mut status = with_problems(status, &problems);
+                if let Some(conditions) = &self.conditions {
+                    status = with_conditions(status, conditions());
+                }
                 if let Some(health) = &self.health {
                     status.health = health.status();
                 }
@@ -368,7 +399,7 @@ impl InventoryPublisher {
                 _ = stop.wait_for(|s| *s) => break,
             }
         }
-        info!(inventory = %name, "stopped heartbeating; the node's slices stay published");
+        info!(inventory = %name, "stopped heartbeating; the controller keeps this node's slices until its heartbeat timeout (kubelet deletes them sooner if this plugin does not register again)");
     }
 
     async fn publish_spec(&mut self, api: &Api<NodeInventory>) -> Result<(), kube::Error> {
@@ -507,6 +538,31 @@ mod tests {
             s.message.as_deref(),
             Some("waiting for kubelet to register the plugin; checkpoint corrupted")
         );
+    }
+
+    #[test]
+    fn a_condition_that_is_not_true_is_published_and_repeated_in_the_message() {
+        let ok = inventory_status(&spec(), &RegistrationState::Registered, Timestamp::now());
+        let condition = |status: &str| InventoryCondition {
+            type_: "Coexistence".into(),
+            status: status.into(),
+            reason: "DevicePluginAdvertisesGPUs".into(),
+            message: "a device plugin advertises nvidia.com/gpu: 8".into(),
+            last_transition_time: None,
+        };
+        let s = with_conditions(ok.clone(), vec![condition("False")]);
+        assert!(s.ready);
+        assert_eq!(s.conditions.len(), 1);
+        assert_eq!(
+            s.message.as_deref(),
+            Some(
+                "Coexistence False (DevicePluginAdvertisesGPUs): a device plugin advertises nvidia.com/gpu: 8"
+            )
+        );
+        let quiet = with_conditions(ok, vec![condition("True")]);
+        assert_eq!(quiet.message, None);
+        let v = status_patch("node-a", &s);
+        assert_eq!(v["status"]["conditions"][0]["type"], "Coexistence");
     }
 
     #[test]

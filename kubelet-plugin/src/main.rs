@@ -6,8 +6,13 @@ async fn main() {
     let args = Args::parse();
     args.init_tracing();
     if let Err(e) = args.run().await {
-        tracing::error!(error = %e, "tessera-kubelet-plugin failed");
+        // A stop on a driver upgrade is no failure: the plugin asks to be restarted (driver_watch.rs).
+        if e.exit_code() == 1 {
+            tracing::error!(error = %e, "tessera-kubelet-plugin failed");
+        } else {
+            tracing::warn!(error = %e, "tessera-kubelet-plugin stopped to be restarted");
+        }
         eprintln!("error: {e}");
-        std::process::exit(1);
+        std::process::exit(e.exit_code());
     }
 }

@@ -9,12 +9,16 @@
 //! | `tessera_plugin_prepared_claims` | | claims prepared on the node |
 //! | `tessera_plugin_prepared_devices` | `kind` (`gpu`, `mig`, `shared`) | devices of those claims |
 //! | `tessera_plugin_mps_daemons` | | MPS control daemons answering |
+//! | `tessera_plugin_mps_daemon_up` | `device` (the shared device's key: `gpu-0`, `gpu-1-mig-3g-40gb-4`) | 1 while the MPS daemon of a device with prepared MPS shares answers, 0 while those shares have no server |
 //! | `tessera_claim_gpu_utilization_ratio` | `namespace`, `pod`, `claim`, `request`, `device` | 0–1 of the device the claim runs on |
 //! | `tessera_claim_gpu_memory_used_bytes` | the same | memory the claim's processes use |
 //!
 //! The per-claim gauges are read from the GPU backend on every scrape ([`GpuBackend::usage`]): a whole GPU
 //! or MIG device reports its own usage (MIG: memory only, NVML has no utilization there), a share the sum
-//! of its own processes. `pod` is the pod (or pods, comma-separated) in the claim's `status.reservedFor`,
+//! of its own processes. A process is a share's when its environment names the claim (readable in the
+//! host's PID namespace with `CAP_SYS_PTRACE`), or else when its cgroup in the host's `/proc`
+//! (`--host-proc`) puts it in a pod the claim is reserved for and that pod has no other claim on the device
+//! ([`crate::gpu::usage`]). `pod` is the pod (or pods, comma-separated) in the claim's `status.reservedFor`,
 //! learned from the claim the plugin already reads at prepare and from the claim list of every reconcile
 //! (a minute apart, and at start): no request of its own reaches the API server.
 //!
@@ -41,7 +45,7 @@ use crate::{
     checkpoint::{Checkpoint, DeviceDetail, Phase},
     gpu::{
         GpuBackend,
-        usage::{DeviceUsage, UsageQuery},
+        usage::{DeviceUsage, HostProc, ProcessIdentity, ProcessUsage, UsageQuery},
     },
     sharing::mps::MpsManager,
     state::NodeState,
@@ -62,7 +66,14 @@ pub struct PluginMetrics {
     durations: Histograms,
     mig: Histograms,
     /// Pods reserving each claim, by claim UID (see the module comment).
-    pods: Mutex<HashMap<String, Vec<String>>>,
+    pods: Mutex<HashMap<String, Vec<ReservedPod>>>,
+}
+
+/// A pod in a claim's `status.reservedFor`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct ReservedPod {
+    name: String,
+    uid: String,
 }
 
 static METRICS: LazyLock<PluginMetrics> = LazyLock::new(PluginMetrics::new);
@@ -180,12 +191,15 @@ impl PluginMetrics {
         let Some(uid) = claim.metadata.uid.clone() else {
             return;
         };
-        let pods: Vec<String> = claim
+        let pods: Vec<ReservedPod> = claim
             .status
             .iter()
             .flat_map(|s| s.reserved_for.iter().flatten())
             .filter(|r| r.resource == "pods")
-            .map(|r| r.name.clone())
+            .map(|r| ReservedPod {
+                name: r.name.clone(),
+                uid: r.uid.to_ascii_lowercase(),
+            })
             .collect();
         self.pods
             .lock()
@@ -217,7 +231,16 @@ impl PluginMetrics {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(uid)
-            .map(|pods| pods.join(","))
+            .map(|pods| pods.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(","))
+            .unwrap_or_default()
+    }
+
+    fn pod_uids_of(&self, uid: &str) -> Vec<String> {
+        self.pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(uid)
+            .map(|pods| pods.iter().map(|p| p.uid.clone()).collect())
             .unwrap_or_default()
     }
 
@@ -248,6 +271,7 @@ pub struct NodeCollector {
     backend: Arc<dyn GpuBackend>,
     mps: Option<MpsManager>,
     health: Option<Arc<crate::health::Health>>,
+    host_proc: Option<HostProc>,
 }
 
 impl std::fmt::Debug for NodeCollector {
@@ -266,7 +290,14 @@ impl NodeCollector {
             backend,
             mps,
             health: None,
+            host_proc: None,
         }
+    }
+
+    /// Attributes shares' processes through the host's `/proc` at `host_proc` (see the module comment).
+    pub fn with_host_proc(mut self, host_proc: HostProc) -> Self {
+        self.host_proc = Some(host_proc);
+        self
     }
 
     /// Adds `tessera_plugin_device_healthy` from the device health model.
@@ -274,6 +305,27 @@ impl NodeCollector {
         self.health = Some(health);
         self
     }
+}
+
+/// `tessera_plugin_mps_daemon_up` samples: one per device with completed MPS shares in `checkpoint`.
+fn mps_daemons_up(checkpoint: &crate::checkpoint::Checkpoint, mps: &MpsManager) -> Vec<(Labels, f64)> {
+    let keys: std::collections::BTreeSet<String> = checkpoint
+        .claims
+        .values()
+        .filter(|c| c.phase == crate::checkpoint::Phase::PrepareCompleted)
+        .flat_map(|c| &c.devices)
+        .filter(
+            |d| matches!(&d.detail, DeviceDetail::Shared(s) if s.strategy.as_deref() != Some("TimeSlicing")),
+        )
+        .filter_map(|d| d.device.parse().ok())
+        .map(|d| crate::sharing::share_key(&d))
+        .collect();
+    keys.into_iter()
+        .map(|key| {
+            let up = if mps.is_running(&key) { 1.0 } else { 0.0 };
+            (vec![("device", key)], up)
+        })
+        .collect()
 }
 
 /// One claim device's usage, ready to be a sample.
@@ -307,6 +359,57 @@ pub fn claim_usage(
     backend: &dyn GpuBackend,
     pods_of: impl Fn(&str) -> String,
 ) -> Vec<ClaimUsage> {
+    claim_usage_attributed(checkpoint, backend, pods_of, &Attribution::default())
+}
+
+/// UIDs of the pods a claim (by UID) is reserved for.
+pub type PodUidsOf<'a> = &'a dyn Fn(&str) -> Vec<String>;
+
+/// How a share's processes are told apart when the backend names no owner (NVML never does).
+#[derive(Default)]
+pub struct Attribution<'a> {
+    /// The host's `/proc`, where NVML's PIDs are.
+    pub host_proc: Option<&'a HostProc>,
+    pub pod_uids_of: Option<PodUidsOf<'a>>,
+}
+
+impl Attribution<'_> {
+    /// True when process `p` is claim `record`'s on `device`: its environment says so, or its pod is one
+    /// the claim is reserved for and no other claim of that pod holds the device (then the claim is
+    /// ambiguous, and the process counts for none).
+    fn owns(
+        &self,
+        p: &ProcessUsage,
+        identity: &ProcessIdentity,
+        record: &crate::checkpoint::ClaimRecord,
+        device: &str,
+        checkpoint: &Checkpoint,
+    ) -> bool {
+        let claim_key = format!("{}/{}", record.namespace, record.name);
+        if let Some(o) = p.owner.as_ref().or(identity.owner.as_ref()) {
+            return o.claim == claim_key && o.device == device;
+        }
+        let (Some(pod), Some(pod_uids_of)) = (&identity.pod_uid, self.pod_uids_of) else {
+            return false;
+        };
+        let mut holders = checkpoint
+            .claims
+            .values()
+            .filter(|r| r.phase == Phase::PrepareCompleted)
+            .filter(|r| r.devices.iter().any(|d| d.device == device))
+            .filter(|r| pod_uids_of(&r.uid).contains(pod));
+        matches!((holders.next(), holders.next()), (Some(only), None) if only.uid == record.uid)
+    }
+}
+
+/// [`claim_usage`] with shares' processes attributed through the host's `/proc` (see [`Attribution`]).
+pub fn claim_usage_attributed(
+    checkpoint: &Checkpoint,
+    backend: &dyn GpuBackend,
+    pods_of: impl Fn(&str) -> String,
+    attribution: &Attribution<'_>,
+) -> Vec<ClaimUsage> {
+    let mut identities: HashMap<u32, ProcessIdentity> = HashMap::new();
     /// GPU, MIG ids and device name: what one backend read answers.
     type Target = (u32, Option<(u32, u32)>, String);
     let mut read: BTreeMap<Target, Option<DeviceUsage>> = BTreeMap::new();
@@ -316,7 +419,6 @@ pub fn claim_usage(
         .values()
         .filter(|r| r.phase == Phase::PrepareCompleted)
     {
-        let claim_key = format!("{}/{}", record.namespace, record.name);
         for device in &record.devices {
             let (gpu, mig, shared) = match &device.detail {
                 DeviceDetail::Gpu { gpu, .. } => (*gpu, None, false),
@@ -355,9 +457,14 @@ pub fn claim_usage(
                     .processes
                     .iter()
                     .filter(|p| {
-                        p.owner
-                            .as_ref()
-                            .is_some_and(|o| o.claim == claim_key && o.device == device.device)
+                        let identity = match (&p.owner, attribution.host_proc) {
+                            (None, Some(host)) => identities
+                                .entry(p.pid)
+                                .or_insert_with(|| host.identify(p.pid))
+                                .clone(),
+                            _ => ProcessIdentity::default(),
+                        };
+                        attribution.owns(p, &identity, record, &device.device, checkpoint)
                     })
                     .collect();
                 (
@@ -462,6 +569,13 @@ impl Collector for NodeCollector {
                 None,
                 &[(vec![], mps.running().len() as f64)],
             )?;
+            gauge(
+                &mut encoder,
+                "tessera_plugin_mps_daemon_up",
+                "1 while the MPS daemon of a device with prepared MPS shares answers, 0 while it does not.",
+                None,
+                &mps_daemons_up(&self.state.checkpoint(), mps),
+            )?;
         }
 
         if let Some(health) = &self.health {
@@ -476,7 +590,17 @@ impl Collector for NodeCollector {
 
         let m = metrics();
         m.forget_claims_not_in(&checkpoint);
-        let usage = claim_usage(&checkpoint, self.backend.as_ref(), |uid| m.pods_of(uid));
+        let pod_uids_of = |uid: &str| m.pod_uids_of(uid);
+        let attribution = Attribution {
+            host_proc: self.host_proc.as_ref(),
+            pod_uids_of: Some(&pod_uids_of),
+        };
+        let usage = claim_usage_attributed(
+            &checkpoint,
+            self.backend.as_ref(),
+            |uid| m.pods_of(uid),
+            &attribution,
+        );
         encode_claim_usage(&mut encoder, &usage)
     }
 }
@@ -562,6 +686,7 @@ mod tests {
             claim: claim.map(Into::into),
             utilization_percent: util,
             memory_bytes,
+            pid: None,
         }
     }
 
@@ -607,6 +732,70 @@ mod tests {
         assert_eq!(of("a").memory_used_bytes, Some(4 << 30));
         assert_eq!(of("b").utilization_ratio, Some(0.15));
         assert_eq!(of("b").pod, "pod-of-ub");
+    }
+
+    /// Issue 22 item 6: NVML names PIDs only; the chart's plugin has no host PID namespace, so a share's
+    /// processes are found through the host's /proc mounted into the pod and their pods' cgroups.
+    #[test]
+    fn a_shares_processes_are_found_by_their_pods_cgroup_under_either_driver_and_ambiguity_counts_for_none() {
+        use crate::gpu::usage::ProcFixture;
+        let (pod_a, pod_b, pod_ab) = (
+            "aaaaaaaa-0000-4000-8000-000000000001",
+            "bbbbbbbb-0000-4000-8000-000000000002",
+            "abababab-0000-4000-8000-000000000003",
+        );
+        let proc_fx = ProcFixture::new()
+            .cgroupfs_v1(5001, "burstable", pod_a)
+            .systemd_v2(5002, "besteffort", pod_b)
+            .cgroupfs_v1(5003, "guaranteed", pod_ab)
+            .file(5004, "cgroup", b"0::/system.slice/other.service\n");
+        let host = proc_fx.host();
+        let dir = tempfile::tempdir().unwrap();
+        let backend = SimulatedBackend::from_spec(
+            "node-a",
+            &NodeSpec::default().with_gpus("H100-SXM5-80GB", 2),
+            dir.path(),
+        )
+        .unwrap();
+        for (pid, util, gib) in [(5001, 30, 4u64), (5002, 15, 2), (5003, 20, 1), (5004, 25, 8)] {
+            let entry = LoadEntry {
+                pid: Some(pid),
+                ..load("gpu-1-shared", None, util, gib << 30)
+            };
+            simulated_load::set(dir.path(), entry).unwrap();
+        }
+        let mut checkpoint = Checkpoint::default();
+        for (uid, name) in [("ua", "a"), ("ub", "b"), ("uc", "c"), ("ud", "d")] {
+            let record = prepared(uid, "team", name, vec![("gpu", "gpu-1-shared", share_of(1))]);
+            checkpoint.claims.insert(record.uid.clone(), record);
+        }
+        // Claims c and d are both reserved for pod_ab: its process could be either's.
+        let reserved = |claim: &str| -> Vec<String> {
+            match claim {
+                "ua" => vec![pod_a.into()],
+                "ub" => vec![pod_b.into()],
+                "uc" | "ud" => vec![pod_ab.into()],
+                _ => vec![],
+            }
+        };
+        let attribution = Attribution {
+            host_proc: Some(&host),
+            pod_uids_of: Some(&reserved),
+        };
+        let usage = claim_usage_attributed(&checkpoint, &backend, |_| String::new(), &attribution);
+        let of = |claim: &str| usage.iter().find(|u| u.claim == claim).unwrap().clone();
+        assert_eq!(of("a").utilization_ratio, Some(0.3), "cgroupfs, cgroup v1");
+        assert_eq!(of("a").memory_used_bytes, Some(4 << 30));
+        assert_eq!(of("b").utilization_ratio, Some(0.15), "systemd, cgroup v2");
+        assert_eq!(of("c").utilization_ratio, Some(0.0));
+        assert_eq!(of("d").memory_used_bytes, Some(0));
+
+        // Without the host's /proc (the chart before issue 22) every share reads 0.
+        let blind = claim_usage(&checkpoint, &backend, |_| String::new());
+        assert!(
+            blind.iter().all(|u| u.utilization_ratio == Some(0.0)),
+            "{blind:?}"
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //!                     └─ any later step fails: destroy what this call created (and MIG mode back off)
 //!  unprepare_mig: destroy CI ─▶ destroy GI (NotFound = already gone) ─▶ last GI gone and Hopper+: MIG off
 //!  reconcile_at_start: destroy every GI/CI that no completed claim owns; MIG off where nothing is left
+//!                      (skipped where another tool owns the MIG layout: crate::coexistence)
 //! ```
 //!
 //! Callers serialize operations per GPU (the prepare state machine holds a per-GPU lock): MIG mode changes
@@ -423,8 +424,10 @@ pub struct ReconcileReport {
 /// is not one of `known` (the MIG devices of completed claims) is destroyed, which also rolls back claims
 /// whose prepare was interrupted. MIG mode is then turned off where no instance is left (Hopper and newer).
 ///
-/// MIG layouts made by hand or by other tools are removed too: on a node served by tessera, MIG instances
-/// exist only for claims. Instances that cannot be destroyed (processes still run on them) are logged and
+/// MIG layouts made by hand are removed too: on a node served by tessera, MIG instances exist only for
+/// claims. A layout another tool owns (mig-manager's `nvidia.com/mig.config`, GKE's partitions) is never
+/// passed here: the node state then keeps unowned instances ([`crate::state::NodeState::keeping_unowned_mig`])
+/// and serves its GPUs without MIG capability ([`crate::coexistence`]). Instances that cannot be destroyed (processes still run on them) are logged and
 /// left; the error of the first such failure is returned after every other GPU was handled.
 pub fn reconcile_at_start(
     backend: &dyn GpuBackend,

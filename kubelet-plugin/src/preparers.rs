@@ -1,8 +1,8 @@
 //! The device preparers the plugin runs: the one place that composes whole GPUs, MIG devices and shares.
 //!
 //! ```text
-//!  gpu-<i>                       GpuPreparer:    MIG off (Hopper+) ─▶ device nodes ─▶ + driver files
-//!  gpu-<i>-mig-<p>-<s>           MigPreparer:    create GI + CI (mig) ─▶ device + cap nodes ─▶ + driver files
+//!  gpu-<i>                       GpuPreparer:    MIG off (Hopper+) ─▶ device nodes
+//!  gpu-<i>-mig-<p>-<s>           MigPreparer:    create GI + CI (mig) ─▶ device + cap nodes
 //!  gpu-<i>-shared, …-share-<n>   SharedPreparer: MIG off on the first share ─▶ share (sharing) ─▶ edits
 //!  gpu-<i>-mig-…-shared          SharedPreparer: MIG device first (mig) ─▶ share on its UUID (sharing)
 //!                                                 last share gone ─▶ destroy the MIG device
@@ -31,15 +31,17 @@ use crate::{
     error::ClaimError,
     mig::{self, MigDevice, MigError},
     mig_records,
-    sharing::{DEFAULT_STRATEGY, ShareRequest, Sharer, SharingError, share_key, share_limits},
+    sharing::{DEFAULT_STRATEGY, DaemonNeed, ShareRequest, Sharer, SharingError, share_key, share_limits},
     state::{DeviceContext, DeviceKind, DevicePreparer, NodeState, WholeGpuPreparer},
 };
 
 /// Registers a preparer for every device kind: whole GPUs and MIG devices (each of which becomes a
-/// one-holder share when its config asks for sharing) and shared devices. The binary and the restart
+/// one-holder share when its config asks for sharing) and shared devices, and the driver's edits as every
+/// spec's own (once per claim, not per device). The binary and the restart
 /// tests assemble the plugin through this one function, so they cannot drift apart.
 pub fn with_preparers(state: NodeState, shared: &Arc<SharedPreparer>) -> NodeState {
     state
+        .with_spec_edits(edits::driver_edits(&shared.files))
         .with_preparer(
             DeviceKind::Gpu,
             Arc::new(GpuPreparer {
@@ -105,7 +107,7 @@ fn sharing_error(ctx: &DeviceContext) -> impl Fn(SharingError) -> ClaimError + '
 
 /// Prepares shares of GPUs and MIG placements (`gpu-<i>-shared`, `gpu-<i>-share-<n>`,
 /// `gpu-<i>-mig-<p>-<s>-shared`), and exclusive devices whose config asks for sharing among the claim's
-/// own containers. Holds the driver files every device of the plugin gets.
+/// own containers. Holds the driver files every spec of the plugin gets.
 pub struct SharedPreparer {
     pub sharer: Arc<Sharer>,
     files: DriverFiles,
@@ -130,6 +132,11 @@ impl SharedPreparer {
     /// Stops MPS daemons no prepared share uses any more. Call after [`crate::state::NodeState::recover`].
     pub fn stop_orphaned_daemons(&self, gpus: &[GpuInfo]) {
         self.sharer.stop_orphaned_daemons(gpus);
+    }
+
+    /// [`Sharer::watch_daemons`].
+    pub fn watch_daemons(&self, gpus: &[GpuInfo]) -> crate::sharing::DaemonWatch {
+        self.sharer.watch_daemons(gpus)
     }
 
     /// MIG devices behind shared MIG placements that still have holders.
@@ -288,7 +295,6 @@ impl DevicePreparer for SharedPreparer {
                 container_path: container.clone(),
                 options: ["rw", "nosuid", "nodev", "bind"].map(String::from).to_vec(),
             }));
-        edits.extend(edits::driver_edits(&self.files));
         let detail = SharedDetail {
             gpu: ctx.gpu.index,
             gpu_uuid: Some(ctx.gpu.uuid.clone()),
@@ -311,13 +317,19 @@ impl DevicePreparer for SharedPreparer {
     fn restore(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
         let DeviceDetail::Shared(d) = detail else { return };
         self.sharer.restore(&ctx.device, &holder(ctx), strategy_of(d));
+        if strategy_of(d) == SharingStrategy::Mps
+            && let Some(uuid) = &d.uuid
+        {
+            self.sharer
+                .restore_daemon(&ctx.device, DaemonNeed::from_limits(uuid, &d.limits));
+        }
         if let Some(dev) = d.mig.as_ref().and_then(|m| mig_records::device_of(&ctx.gpu, m)) {
             self.lock_migs().insert(share_key(&ctx.device), dev);
         }
     }
 }
 
-/// Whole GPUs: [`WholeGpuPreparer`] after turning an idle Hopper out of MIG mode, plus the driver files; a
+/// Whole GPUs: [`WholeGpuPreparer`] after turning an idle Hopper out of MIG mode; a
 /// claim whose `GpuConfig` asks for sharing among its own containers goes to the shared preparer.
 pub struct GpuPreparer {
     pub shared: Arc<SharedPreparer>,
@@ -344,9 +356,7 @@ impl DevicePreparer for GpuPreparer {
             device: ctx.device.to_string(),
             source,
         })?;
-        let (detail, mut edits) = WholeGpuPreparer.prepare(ctx, planned)?;
-        edits.extend(edits::driver_edits(&self.shared.files));
-        Ok((detail, edits))
+        WholeGpuPreparer.prepare(ctx, planned)
     }
 
     fn unprepare(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError> {
@@ -381,7 +391,7 @@ pub fn reset_compute_mode(
 }
 
 /// Exclusive MIG devices (`gpu-<i>-mig-<profile>-<start>`): one GPU instance and one compute instance
-/// spanning it, plus the driver files. A claim whose `MigConfig` asks for sharing between its own
+/// spanning it. A claim whose `MigConfig` asks for sharing between its own
 /// containers goes to the shared preparer instead.
 pub struct MigPreparer {
     pub shared: Arc<SharedPreparer>,
@@ -433,10 +443,7 @@ impl DevicePreparer for MigPreparer {
         .map_err(mig_error(ctx))?;
         let ids = Some((dev.gpu_instance, dev.compute_instance));
         match edits::device_edits(backend, &ctx.gpu, ids, &device, &dev.uuid) {
-            Ok(mut edits) => {
-                edits.extend(edits::driver_edits(&self.shared.files));
-                Ok((DeviceDetail::Mig(mig_records::detail_of(&dev, &ctx.gpu)), edits))
-            }
+            Ok(edits) => Ok((DeviceDetail::Mig(mig_records::detail_of(&dev, &ctx.gpu)), edits)),
             Err(source) => {
                 let _ = mig::unprepare_mig(backend, &ctx.gpu, &dev);
                 Err(ClaimError::PrepareDevice { device, source })

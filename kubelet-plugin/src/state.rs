@@ -65,6 +65,17 @@ pub struct ClaimRef {
     pub uid: String,
 }
 
+impl ClaimRef {
+    /// The names kubelet would send for `claim` (empty where the object lacks them).
+    pub fn of(claim: &ResourceClaim) -> Self {
+        Self {
+            namespace: claim.metadata.namespace.clone().unwrap_or_default(),
+            name: claim.metadata.name.clone().unwrap_or_default(),
+            uid: claim.metadata.uid.clone().unwrap_or_default(),
+        }
+    }
+}
+
 /// One prepared device, as returned to kubelet.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PreparedDevice {
@@ -160,8 +171,8 @@ pub trait DevicePreparer: Send + Sync + 'static {
 }
 
 /// Whole GPUs: the hardware is not touched; the CDI device exposes `/dev/nvidia<minor>` and the control
-/// devices ([`crate::edits::device_edits`]). The driver's files are added by the preparers of
-/// [`crate::preparers`], which know the driver root.
+/// devices ([`crate::edits::device_edits`]). The driver's files go to the spec's own edits
+/// ([`NodeState::with_spec_edits`]).
 pub struct WholeGpuPreparer;
 
 pub use crate::edits::CONTROL_DEVICES;
@@ -223,6 +234,9 @@ pub struct NodeState {
     gpu_locks: BTreeMap<u32, Arc<Mutex<()>>>,
     preparers: BTreeMap<DeviceKind, Arc<dyn DevicePreparer>>,
     cdi: CdiDir,
+    /// The spec-level edits of every claim's CDI spec: the driver's files and hook calls, the same for
+    /// every device, so once per spec rather than once per device ([`NodeState::with_spec_edits`]).
+    spec_edits: ContainerEdits,
     /// The checkpoint file and its version on disk (what every read sees).
     journal: Arc<Journal>,
     /// Set while the checkpoint on disk is corrupted: every prepare and unprepare is refused with it.
@@ -233,6 +247,9 @@ pub struct NodeState {
     sweeps: Vec<OrphanSweep>,
     /// What the last reconcile found wrong, for the inventory's message.
     problems: SyncMutex<Vec<String>>,
+    /// Why MIG instances no claim holds are kept rather than destroyed at start (another tool owns the
+    /// layout, or the plugin could not tell: [`crate::coexistence`]).
+    keep_unowned_mig: Option<String>,
 }
 
 /// A sweep of node-level leftovers over the node's GPUs (see [`NodeState::with_orphan_sweep`]).
@@ -353,6 +370,7 @@ impl NodeState {
             gpu_locks,
             preparers,
             cdi: CdiDir::new(config.cdi_dir),
+            spec_edits: ContainerEdits::default(),
             journal: Arc::new(Journal::new(
                 CheckpointStore::new(&config.state_dir),
                 Checkpoint {
@@ -364,12 +382,28 @@ impl NodeState {
             pending: SyncMutex::new(Pending::default()),
             sweeps: Vec::new(),
             problems: SyncMutex::new(Vec::new()),
+            keep_unowned_mig: None,
         }
+    }
+
+    /// Keeps the MIG instances no claim holds instead of destroying them at start, for `why` (mig-manager
+    /// or GKE owns the layout; the Node could not be read to tell). A claim's own instances still go with
+    /// its unprepare.
+    pub fn keeping_unowned_mig(mut self, why: impl Into<String>) -> Self {
+        self.keep_unowned_mig = Some(why.into());
+        self
     }
 
     /// Registers the preparer of a device kind (MIG, shares), replacing any earlier one.
     pub fn with_preparer(mut self, kind: DeviceKind, preparer: Arc<dyn DevicePreparer>) -> Self {
         self.preparers.insert(kind, preparer);
+        self
+    }
+
+    /// Sets the edits every claim's spec carries at its top level (the runtime applies them once when any
+    /// device of the spec is injected): the driver's mounts and hook calls ([`crate::edits::driver_edits`]).
+    pub fn with_spec_edits(mut self, edits: ContainerEdits) -> Self {
+        self.spec_edits = edits;
         self
     }
 
@@ -566,7 +600,12 @@ impl NodeState {
                 return recovery;
             }
         };
+        crate::claims::warn_unreadable_once(&listed);
+        // Claims that exist but do not decode: nothing may be concluded about them, so their records stay.
+        let unreadable: std::collections::BTreeSet<String> =
+            listed.unreadable.iter().map(|u| u.key()).collect();
         let by_key: BTreeMap<String, ResourceClaim> = listed
+            .claims
             .into_iter()
             .filter_map(|c| {
                 let key = claim_key(c.metadata.namespace.as_deref()?, c.metadata.name.as_deref()?);
@@ -578,7 +617,7 @@ impl NodeState {
         let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         if pending.adopt {
             let _all = self.lock_gpus(self.gpus.keys().copied()).await;
-            if let Err(e) = self.adopt(&pending, &by_key, &mut recovery) {
+            if let Err(e) = self.adopt(&pending, &by_key, &unreadable, &mut recovery) {
                 warn!(error = %e, "could not finish re-adopting prepared claims; retrying later");
                 *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = pending;
                 recovery.api_error = Some(e.to_string());
@@ -588,7 +627,7 @@ impl NodeState {
 
         // Reported as found, before cleaning may resolve them (an orphan holding a live claim's instance).
         recovery.conflicts = recovery::conflicts(&self.checkpoint());
-        self.clean_orphans(&by_key, &mut recovery).await;
+        self.clean_orphans(&by_key, &unreadable, &mut recovery).await;
         self.retry_failed(&mut recovery).await;
 
         let checkpoint = self.checkpoint();
@@ -622,11 +661,18 @@ impl NodeState {
         &self,
         pending: &Pending,
         by_key: &BTreeMap<String, ResourceClaim>,
+        unreadable: &std::collections::BTreeSet<String>,
         recovery: &mut Recovery,
     ) -> Result<()> {
         let mut checkpoint = self.checkpoint();
         for (uid, record) in &pending.old_records {
-            let claim = by_key.get(&claim_key(&record.namespace, &record.name));
+            let key = claim_key(&record.namespace, &record.name);
+            let claim = by_key.get(&key);
+            // A claim the API server holds but that does not decode may well be in use: kept like one.
+            let claim_use = |claim, uid: &str, node: &str| match unreadable.contains(&key) {
+                true => ClaimUse::InUse,
+                false => claim_use(claim, uid, node),
+            };
             if claim_use(claim, uid, &self.node_name) == ClaimUse::InUse {
                 // Checked first: a GPU missing at this boot shifts every later index, and the record's
                 // devices would be re-adopted onto other physical GPUs, with other pods' work.
@@ -724,9 +770,12 @@ impl NodeState {
         // placements the scheduler thinks free are free.
         let gpus: Vec<GpuInfo> = self.gpus.values().cloned().collect();
         let known = crate::mig_records::known_devices(checkpoint, &gpus);
-        match crate::mig::reconcile_at_start(self.backend.as_ref(), &gpus, &known) {
-            Ok(report) => recovery.destroyed_mig_instances += report.gpu_instances.len(),
-            Err(e) => warn!(error = %e, "could not remove every unknown MIG instance"),
+        match &self.keep_unowned_mig {
+            Some(why) => info!(reason = %why, "keeping the MIG instances no claim holds"),
+            None => match crate::mig::reconcile_at_start(self.backend.as_ref(), &gpus, &known) {
+                Ok(report) => recovery.destroyed_mig_instances += report.gpu_instances.len(),
+                Err(e) => warn!(error = %e, "could not remove every unknown MIG instance"),
+            },
         }
         for sweep in &self.sweeps {
             sweep(&gpus);
@@ -763,6 +812,7 @@ impl NodeState {
     async fn clean_orphans(
         self: &Arc<Self>,
         by_key: &BTreeMap<String, ResourceClaim>,
+        unreadable: &std::collections::BTreeSet<String>,
         recovery: &mut Recovery,
     ) {
         let candidates: Vec<ClaimRecord> = self
@@ -770,6 +820,7 @@ impl NodeState {
             .claims
             .into_values()
             .filter(|r| r.phase == Phase::PrepareCompleted)
+            .filter(|r| !unreadable.contains(&claim_key(&r.namespace, &r.name)))
             .filter(|r| {
                 let claim = by_key.get(&claim_key(&r.namespace, &r.name));
                 claim_use(claim, &r.uid, &self.node_name) == ClaimUse::Orphaned
@@ -1015,7 +1066,7 @@ impl NodeState {
             cdi_version: cdi::CDI_VERSION.to_string(),
             kind: cdi::CDI_KIND.to_string(),
             devices: cdi_devices,
-            container_edits: ContainerEdits::default(),
+            container_edits: self.spec_edits.clone(),
         };
         // A claim without devices of this driver needs no spec (CDI rejects specs without devices).
         if !spec.devices.is_empty()
@@ -1069,7 +1120,28 @@ impl NodeState {
                 name: claim.name.clone(),
             })?;
         crate::metrics::metrics().observe_claim(&rc);
-        self.plan_claim(claim, &rc)
+        let mut planned = self.plan_claim(claim, &rc)?;
+        for p in &mut planned {
+            // A share slot consumes its whole, fixed size, which only its ResourceSlice names (the
+            // allocation carries no capacity for it): the share's limits and its daemon's defaults.
+            if matches!(p.ctx.device, DeviceName::ShareSlot { .. })
+                && p.ctx.allocation.consumed_capacity.is_empty()
+            {
+                match self
+                    .claims
+                    .device_capacity(&p.record.pool, &p.record.device)
+                    .await
+                {
+                    Ok(Some(capacity)) => p.ctx.allocation.consumed_capacity = capacity,
+                    Ok(None) => warn!(device = %p.record.device,
+                        "no ResourceSlice lists this share slot: its MPS share gets the config's limits only"),
+                    Err(e) => warn!(device = %p.record.device, error = %e,
+                        "cannot read the share slot's size from its ResourceSlice: its MPS share gets the \
+                         config's limits only"),
+                }
+            }
+        }
+        Ok(planned)
     }
 
     /// Resolves each of this driver's devices of `rc` (the claim kubelet names as `claim`), touching nothing.

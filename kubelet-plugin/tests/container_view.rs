@@ -156,7 +156,18 @@ async fn every_device_mounts_the_driver_libraries_and_an_nvidia_smi_that_lists_t
     );
     for r in [&whole, &mig, &share] {
         let spec = spec_of(&state, r);
-        let mounts = &spec.devices[0].container_edits.mounts;
+        // The driver's files are the spec's own edits, once per claim; a device keeps its nodes and env.
+        assert!(
+            !spec.devices[0]
+                .container_edits
+                .mounts
+                .iter()
+                .any(|m| m.container_path.contains("libcuda")),
+            "{}: a device carries the driver's mounts: {:?}",
+            r.name,
+            spec.devices[0].container_edits
+        );
+        let mounts = &spec.container_edits.mounts;
         let by_target: BTreeMap<&str, &str> = mounts
             .iter()
             .map(|m| (m.container_path.as_str(), m.host_path.as_str()))
@@ -337,12 +348,26 @@ fn discover_cdi_prints_the_spec_a_claim_would_get_and_names_the_gpus_it_leaves_o
     let spec: Spec = serde_json::from_slice(&out.stdout).unwrap();
     let names: Vec<&str> = spec.devices.iter().map(|d| d.name.as_str()).collect();
     assert_eq!(names, ["dry-run-gpu-0", "dry-run-gpu-1"]);
+    assert!(
+        spec.container_edits
+            .mounts
+            .iter()
+            .any(|m| m.container_path == "/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+        "{:?}",
+        spec.container_edits
+    );
+    // Named once, where the plugin installs its hook by default.
+    assert!(
+        spec.container_edits
+            .hooks
+            .iter()
+            .any(|h| h.path == "/var/lib/tessera/bin/tessera-cdi-hook" && h.args[1] == "update-ldcache"),
+        "{:?}",
+        spec.container_edits.hooks
+    );
     for d in &spec.devices {
         assert!(
-            d.container_edits
-                .mounts
-                .iter()
-                .any(|m| m.container_path == "/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+            d.container_edits.mounts.is_empty() && d.container_edits.hooks.is_empty(),
             "{d:?}"
         );
         assert!(

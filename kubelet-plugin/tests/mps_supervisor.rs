@@ -44,14 +44,6 @@ fn share_claim() -> ResourceClaim {
         .build()
 }
 
-fn claim_ref(c: &ResourceClaim) -> ClaimRef {
-    ClaimRef {
-        namespace: c.metadata.namespace.clone().unwrap(),
-        name: c.metadata.name.clone().unwrap(),
-        uid: c.metadata.uid.clone().unwrap(),
-    }
-}
-
 /// The plugin as the binary assembles it with `--mps-supervisor-socket`, over `dir`.
 fn plugin(dir: &Path, claims: FakeClaims) -> (Arc<NodeState>, Arc<SharedPreparer>, Arc<SimulatedBackend>) {
     let state_dir = dir.join("state");
@@ -134,7 +126,7 @@ impl Drop for Cleanup {
 async fn play_plugin(dir: PathBuf) {
     let claims = FakeClaims::new();
     let c = share_claim();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     claims.insert(c);
     let (state, _, _) = plugin(&dir, claims);
     state.prepare(&r).await.unwrap();
@@ -203,7 +195,7 @@ async fn an_mps_daemon_outlives_a_killed_plugin_and_a_restarted_plugin_stops_it(
     assert_eq!(shared.sharer.mps().running(), vec!["gpu-0".to_string()]);
     assert_eq!(shared.sharer.mps().pid("gpu-0"), Some(daemon));
     assert_eq!(backend.compute_mode(0).unwrap(), ComputeMode::ExclusiveProcess);
-    state.unprepare(&claim_ref(&share_claim())).await.unwrap();
+    state.unprepare(&ClaimRef::of(&share_claim())).await.unwrap();
     wait_for("the daemon to exit", || !alive(daemon));
     assert!(shared.sharer.mps().running().is_empty());
     assert_eq!(backend.compute_mode(0).unwrap(), ComputeMode::Default);

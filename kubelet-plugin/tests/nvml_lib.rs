@@ -259,6 +259,43 @@ fn processes_are_listed_per_gpu_and_per_mig_device_and_named_ones_by_their_name(
     assert!(nvml.mig_mode(0).unwrap().current);
 }
 
+/// Issue 22 item 6: `simulate load --pid` stands for a container's process, which NVML names by its host
+/// PID with its memory and SM share; the backend leaves the owner to the metrics' host /proc lookup.
+#[test]
+fn a_synthetic_load_on_a_host_pid_is_reported_through_nvml_with_its_memory_and_sm_samples() {
+    use tessera_kubelet_plugin::gpu::{
+        simulated_load::{self, LoadEntry},
+        usage::UsageQuery,
+    };
+    let driver = SimDriver::new().gpus("H100-SXM5-80GB", 2).build();
+    let pid = std::process::id();
+    let entry = LoadEntry {
+        device: "gpu-1-shared".into(),
+        claim: None,
+        utilization_percent: 40,
+        memory_bytes: 3 << 30,
+        pid: Some(pid),
+    };
+    simulated_load::set(&driver.kernel, entry).unwrap();
+    let nvml = driver.nvml();
+    let query = |gpu| UsageQuery {
+        gpu,
+        mig: None,
+        device: "gpu-1-shared",
+    };
+    let usage = nvml.usage(&query(1)).unwrap();
+    assert_eq!(usage.utilization_percent, Some(40));
+    assert_eq!(usage.processes.len(), 1, "{usage:?}");
+    let p = &usage.processes[0];
+    assert_eq!(
+        (p.pid, p.sm_percent, p.memory_used_bytes),
+        (pid, Some(40), Some(3 << 30))
+    );
+    assert_eq!(p.owner, None, "NVML names PIDs only");
+    let idle = nvml.usage(&query(0)).unwrap();
+    assert_eq!((idle.utilization_percent, idle.processes.len()), (Some(0), 0));
+}
+
 #[test]
 fn mig_state_survives_a_plugin_restart_on_a_new_nvml_backend() {
     let driver = SimDriver::new().mig_gpus("B200", 2).build();
@@ -594,7 +631,7 @@ fn a_driver_root_read_at_its_container_path_gets_a_spec_that_names_its_host_path
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let spec: tessera_kubelet_plugin::cdi::Spec = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(spec.devices.len(), 2, "NVML was loaded from the container path");
-    let mounts = &spec.devices[0].container_edits.mounts;
+    let mounts = &spec.container_edits.mounts;
     let host_of = |target: &str| {
         mounts
             .iter()

@@ -64,16 +64,8 @@ impl Drop for StopDaemons {
     }
 }
 
-fn claim_ref(c: &ResourceClaim) -> ClaimRef {
-    ClaimRef {
-        namespace: c.metadata.namespace.clone().unwrap(),
-        name: c.metadata.name.clone().unwrap(),
-        uid: c.metadata.uid.clone().unwrap(),
-    }
-}
-
 fn add(node: &TestNode, c: ResourceClaim) -> ClaimRef {
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
     r
 }
@@ -407,6 +399,70 @@ async fn records_are_checked_against_the_api_while_serving() {
             .contains_key(&reserved_elsewhere.uid)
     );
     assert!(!plugin.state.cdi().spec_path(&running.shares[0].uid).exists());
+}
+
+#[tokio::test]
+async fn a_claim_that_does_not_decode_keeps_its_devices_and_spoils_no_other_claims_check() {
+    let node = TestNode::with_gpus(2);
+    let _stop = StopDaemons::new(&node);
+    let old = start(&node, "old-boot").await;
+    let running = run_pods(&node, &old).await;
+    drop(old);
+    // After a reboot the MIG claim's opaque parameters hold a lone surrogate (the API server accepts it), and
+    // a claim of another namespace nests too deep; share "a" was deleted meanwhile.
+    node.claims.remove("default", "m");
+    node.claims
+        .insert_unreadable("default", "m", &running.mig.uid, "a lone UTF-16 surrogate")
+        .insert_unreadable("other", "deep", "uid-deep", "nests deeper than 128 levels");
+    node.claims.remove("default", "a");
+
+    let new = start(&node, BOOT_ID).await;
+    assert_eq!(
+        new.recovery.api_error, None,
+        "one bad claim failed the whole list"
+    );
+    assert!(
+        new.recovery.adopted.contains(&running.mig.uid),
+        "{:?}",
+        new.recovery
+    );
+    assert!(
+        new.recovery.adopted.contains(&running.shares[1].uid),
+        "{:?}",
+        new.recovery
+    );
+    assert!(
+        !new.recovery.adopted.contains(&running.shares[0].uid),
+        "a deleted claim was re-adopted"
+    );
+    assert_eq!(
+        instances(&node, 1),
+        running.mig_instances,
+        "the undecodable claim's MIG instance was destroyed"
+    );
+    assert!(new.state.cdi().spec_path(&running.mig.uid).exists());
+    // Serving, the same: the undecodable claim is never judged orphaned.
+    let later = new.state.reconcile().await;
+    assert!(later.orphans_cleaned.is_empty(), "{later:?}");
+    assert!(new.state.checkpoint().claims.contains_key(&running.mig.uid));
+    // kubelet's retry of the prepared claim gets its devices (no read needed), while a new undecodable
+    // claim's prepare fails naming the cause, which kubelet shows in the pod's events.
+    assert_eq!(
+        new.state.prepare(&running.mig).await.unwrap()[0].device_name,
+        "gpu-1-mig-3g-40gb-4"
+    );
+    node.claims
+        .insert_unreadable("default", "fresh", "uid-fresh", "a lone UTF-16 surrogate");
+    let fresh = ClaimRef {
+        namespace: "default".into(),
+        name: "fresh".into(),
+        uid: "uid-fresh".into(),
+    };
+    let err = new.state.prepare(&fresh).await.unwrap_err().to_string();
+    assert!(
+        err.contains("surrogate") && err.contains("default/fresh"),
+        "{err}"
+    );
 }
 
 /// Whole GPUs for the `Shared` kind, with an unprepare that fails while `broken` is set (a GPU that fell

@@ -53,16 +53,8 @@ fn plugin(node: &TestNode) -> Plugin {
     }
 }
 
-fn claim_ref(c: &ResourceClaim) -> ClaimRef {
-    ClaimRef {
-        namespace: c.metadata.namespace.clone().unwrap(),
-        name: c.metadata.name.clone().unwrap(),
-        uid: c.metadata.uid.clone().unwrap(),
-    }
-}
-
 fn add(node: &TestNode, c: ResourceClaim) -> ClaimRef {
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
     r
 }

@@ -21,14 +21,6 @@ use tessera_kubelet_plugin::{
     state::{ClaimRef, DeviceContext, DeviceKind, DevicePreparer, NodeState, WholeGpuPreparer},
 };
 
-fn claim_ref(c: &k8s_openapi::api::resource::v1::ResourceClaim) -> ClaimRef {
-    ClaimRef {
-        namespace: c.metadata.namespace.clone().unwrap(),
-        name: c.metadata.name.clone().unwrap(),
-        uid: c.metadata.uid.clone().unwrap(),
-    }
-}
-
 /// Asserts the node holds no trace of any claim: no CDI spec, no checkpoint record.
 fn assert_nothing_written(node: &TestNode, state: &NodeState) {
     assert!(
@@ -51,7 +43,7 @@ fn assert_nothing_written(node: &TestNode, state: &NodeState) {
 async fn a_prepared_whole_gpu_gets_a_cdi_spec_with_its_device_nodes_and_env() {
     let node = TestNode::new();
     let c = claim("train").namespace("ml").allocated("gpu-5").build();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
     let state = node.state();
 
@@ -112,7 +104,7 @@ async fn a_prepared_whole_gpu_gets_a_cdi_spec_with_its_device_nodes_and_env() {
 async fn preparing_twice_returns_the_same_devices_without_reading_the_claim_again() {
     let node = TestNode::new();
     let c = claim("c0").allocated("gpu-0").allocated("gpu-1").build();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
     let state = node.state();
 
@@ -130,7 +122,7 @@ async fn preparing_twice_returns_the_same_devices_without_reading_the_claim_agai
 async fn concurrent_prepares_of_one_claim_prepare_it_once() {
     let node = TestNode::new();
     let c = claim("c0").allocated("gpu-0").build();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
     let state = node.state();
     let (a, b) = tokio::join!(state.prepare(&r), state.prepare(&r));
@@ -142,7 +134,7 @@ async fn concurrent_prepares_of_one_claim_prepare_it_once() {
 async fn unpreparing_twice_or_an_unknown_claim_succeeds() {
     let node = TestNode::new();
     let c = claim("c0").allocated("gpu-0").build();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
     let state = node.state();
     state.prepare(&r).await.unwrap();
@@ -164,7 +156,7 @@ async fn unpreparing_twice_or_an_unknown_claim_succeeds() {
 async fn a_prepared_claim_survives_a_restart_and_is_unprepared_afterwards() {
     let node = TestNode::new();
     let c = claim("c0").allocated("gpu-2").build();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
     let before = node.state().prepare(&r).await.unwrap();
 
@@ -237,7 +229,7 @@ async fn a_corrupted_checkpoint_is_kept_and_refuses_every_claim_naming_the_file_
     )
     .unwrap();
     let c = claim("c0").allocated("gpu-0").build();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
     let state = node.state_unrecovered(BOOT_ID);
     let refused = state
@@ -261,7 +253,7 @@ async fn a_corrupted_checkpoint_is_kept_and_refuses_every_claim_naming_the_file_
 async fn a_checkpoint_from_an_earlier_boot_is_discarded_with_its_cdi_specs_only_when_no_pod_uses_them() {
     let node = TestNode::new();
     let c = claim("c0").allocated("gpu-0").build();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
     let old_boot = Arc::new(node.state_unrecovered("old-boot"));
     old_boot.start().await.unwrap();
@@ -285,7 +277,7 @@ async fn prepare_fails(
     c: k8s_openapi::api::resource::v1::ResourceClaim,
     kubelet_uid: Option<&str>,
 ) -> String {
-    let mut r = claim_ref(&c);
+    let mut r = ClaimRef::of(&c);
     if let Some(uid) = kubelet_uid {
         r.uid = uid.into();
     }
@@ -407,7 +399,7 @@ async fn results_of_other_drivers_are_left_alone() {
         .on_node("anywhere")
         .allocated("eth0")
         .build();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
     let devices = node.state().prepare(&r).await.unwrap();
     assert_eq!(
@@ -501,7 +493,7 @@ async fn a_registered_mig_preparer_prepares_and_its_ids_reach_the_checkpoint() {
     let mig = Arc::new(FakeMig::default());
     let state = with_mig(&node, mig.clone());
     let c = claim("m").allocated("gpu-1-mig-3g-40gb-4").build();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
 
     state.prepare(&r).await.unwrap();
@@ -544,7 +536,7 @@ async fn a_failing_device_rolls_back_the_devices_prepared_before_it() {
         .allocated("gpu-1-mig-3g-40gb-4")
         .allocated("gpu-2-mig-3g-40gb-0")
         .build();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
 
     let err = state.prepare(&r).await.unwrap_err().to_string();
@@ -621,7 +613,7 @@ async fn a_claim_on_another_gpu_prepares_while_a_slow_gpu_is_busy() {
     let state = with_mig(&node, mig);
     let slow = claim("slow").allocated("gpu-0-mig-3g-40gb-0").build();
     let fast = claim("fast").allocated("gpu-1").build();
-    let (slow_ref, fast_ref) = (claim_ref(&slow), claim_ref(&fast));
+    let (slow_ref, fast_ref) = (ClaimRef::of(&slow), ClaimRef::of(&fast));
     node.claims.insert(slow).insert(fast);
 
     let slow_uid = slow_ref.uid.clone();
@@ -685,7 +677,7 @@ async fn a_whole_gpu_claim_is_recorded_once_when_prepared_with_no_prepare_starte
     state.recover().unwrap();
     let state = Arc::new(state);
     let c = claim("w").allocated("gpu-3").build();
-    let r = claim_ref(&c);
+    let r = ClaimRef::of(&c);
     node.claims.insert(c);
 
     state.prepare(&r).await.unwrap();
@@ -733,7 +725,7 @@ async fn concurrent_prepares_on_every_gpu_all_reach_the_checkpoint_on_disk_and_u
     let refs: Vec<ClaimRef> = (0..8)
         .map(|i| {
             let c = claim(&format!("c{i}")).allocated(&format!("gpu-{i}")).build();
-            let r = claim_ref(&c);
+            let r = ClaimRef::of(&c);
             node.claims.insert(c);
             r
         })

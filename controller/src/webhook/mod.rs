@@ -293,9 +293,9 @@ pub fn review_body(body: &[u8], classes: &dyn ClassCatalog) -> AdmissionReview<D
             Ok(request) => review(&request, classes).into_review(),
             Err(_) => AdmissionResponse::invalid("the AdmissionReview has no request").into_review(),
         },
-        Err(e) => match config::too_deep_config_message(&e.to_string()) {
+        Err(e) => match unreadable_message(&e) {
             Some(message) => match uid_of(body) {
-                Some(uid) => too_deep(uid, message).into_review(),
+                Some(uid) => unreadable(uid, message).into_review(),
                 None => AdmissionResponse::invalid(message).into_review(),
             },
             None => AdmissionResponse::invalid(format!("not an AdmissionReview: {e}")).into_review(),
@@ -303,7 +303,20 @@ pub fn review_body(body: &[u8], classes: &dyn ClassCatalog) -> AdmissionReview<D
     }
 }
 
-/// The request's uid from a body too deep to read whole: skipping a value needs no recursion.
+/// Why the object cannot be read, when the plugins could not read it either: nesting past the JSON reader's
+/// limit, or a lone UTF-16 surrogate (valid JSON the API server stores, but no Unicode string). Admitted,
+/// such a claim could never be prepared.
+fn unreadable_message(e: &serde_json::Error) -> Option<String> {
+    let text = e.to_string();
+    if let Some(message) = config::too_deep_config_message(&text) {
+        return Some(message);
+    }
+    (text.contains("surrogate") || text.contains("hex escape"))
+        .then(|| tessera_api::claim_list::cause_in_words(e))
+}
+
+/// The request's uid from a body too deep (or too odd) to read whole: skipping a value needs no recursion
+/// and decodes no string but the uid.
 fn uid_of(body: &[u8]) -> Option<String> {
     #[derive(serde::Deserialize)]
     struct Outer {
@@ -316,7 +329,7 @@ fn uid_of(body: &[u8]) -> Option<String> {
     serde_json::from_slice::<Outer>(body).ok().map(|o| o.request.uid)
 }
 
-fn too_deep(uid: String, message: String) -> AdmissionResponse {
+fn unreadable(uid: String, message: String) -> AdmissionResponse {
     // Built through a minimal request so the response carries the uid and the v1 type meta.
     let request: AdmissionRequest<DynamicObject> = serde_json::from_value(serde_json::json!({
         "uid": uid,

@@ -411,3 +411,23 @@ fn parameters_nesting_too_deep_to_read_are_refused_with_the_request_uid() {
         response.result.message
     );
 }
+
+#[test]
+fn parameters_holding_a_lone_surrogate_are_refused_with_the_request_uid_and_the_cause() {
+    let review = claim()
+        .request("gpu", "shared.gpu.tessera.dev")
+        .config(json!({"apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "GpuConfig", "note": "PLACEHOLDER"}))
+        .claim_review();
+    // serde_json cannot write a lone surrogate; the API server stores the escape as it came.
+    let body = serde_json::to_string(&review)
+        .unwrap()
+        .replace("PLACEHOLDER", "\\ud800");
+    let response = review_body(body.as_bytes(), &NoClasses).response.unwrap();
+    assert!(!response.allowed);
+    assert_eq!(response.uid, "705ab4f5-6393-11e8-b7cc-42010a800002");
+    assert!(
+        response.result.message.contains("lone UTF-16 surrogate"),
+        "{}",
+        response.result.message
+    );
+}

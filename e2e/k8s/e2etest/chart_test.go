@@ -2,6 +2,7 @@ package e2etest
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -13,6 +14,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 
@@ -135,9 +137,10 @@ func TestTheChartRendersObjectsTheAPIServerAcceptsForBothBackends(t *testing.T) 
 			objs := renderChart(t, helm, set...)
 			kinds := kindsOf(objs)
 			want := map[string]int{
-				"CustomResourceDefinition": 2, "ServiceAccount": 2, "ClusterRole": 2, "ClusterRoleBinding": 2,
-				"Role": 2, "RoleBinding": 2, "ValidatingAdmissionPolicy": 2, "ValidatingAdmissionPolicyBinding": 2,
-				"Deployment": 1, "PodDisruptionBudget": 1, "DaemonSet": 2, "GpuPolicy": 1,
+				// The uninstall hook brings one ServiceAccount, ClusterRole(Binding), Role(Binding) and Pod.
+				"CustomResourceDefinition": 2, "ServiceAccount": 3, "ClusterRole": 3, "ClusterRoleBinding": 3,
+				"Role": 3, "RoleBinding": 3, "ValidatingAdmissionPolicy": 2, "ValidatingAdmissionPolicyBinding": 2,
+				"Deployment": 1, "PodDisruptionBudget": 1, "DaemonSet": 2, "GpuPolicy": 1, "Pod": 1,
 			}
 			for kind, n := range want {
 				if kinds[kind] != n {
@@ -152,6 +155,13 @@ func TestTheChartRendersObjectsTheAPIServerAcceptsForBothBackends(t *testing.T) 
 				t.Errorf("nvml: %d DeviceClasses (want 3), %d ConfigMaps (want 0)", kinds["DeviceClass"], kinds["ConfigMap"])
 			}
 
+			// A dry run persists nothing, so the hook Pod's ServiceAccount admission needs the account itself.
+			hookSA := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "tessera-uninstall", Namespace: chartNamespace}}
+			if _, err := e.client.CoreV1().ServiceAccounts(chartNamespace).Create(ctxFor(t, 30*time.Second), hookSA, metav1.CreateOptions{}); err == nil {
+				t.Cleanup(func() {
+					_ = e.client.CoreV1().ServiceAccounts(chartNamespace).Delete(context.Background(), hookSA.Name, metav1.DeleteOptions{})
+				})
+			}
 			start := time.Now()
 			for _, o := range objs {
 				if err := applier.ApplyOne(ctxFor(t, 30*time.Second), o, chartNamespace); err != nil {
@@ -175,7 +185,7 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 		ru.MaxSurge.String() != "1" || ru.MaxUnavailable.String() != "0" {
 		t.Errorf("plugin update strategy %+v, want RollingUpdate maxSurge 1 maxUnavailable 0", plugin.Spec.UpdateStrategy)
 	}
-	wantPaths := []string{"/dev", "/run/nvidia/driver", "/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/lib/tessera", "/var/run/cdi"}
+	wantPaths := []string{"/dev", "/proc", "/run/nvidia/driver", "/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/lib/tessera", "/var/run/cdi"}
 	if got := hostPaths(plugin); strings.Join(got, ",") != strings.Join(wantPaths, ",") {
 		t.Errorf("plugin host paths %v, want %v", got, wantPaths)
 	}
@@ -201,9 +211,19 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 		"TESSERA_KUBELET_PLUGINS_DIR": "/var/lib/kubelet/plugins", "TESSERA_KUBELET_REGISTRY_DIR": "/var/lib/kubelet/plugins_registry",
 		"TESSERA_CDI_DIR": "/var/run/cdi", "TESSERA_STATE_DIR": "/var/lib/tessera",
 		"TESSERA_MPS_SUPERVISOR_SOCKET": "/var/lib/tessera/mps-supervisor.sock",
+		// Issue 22 items 5 and 6: refuse next to another GPU manager; shares' PIDs through the host's /proc.
+		"TESSERA_COEXISTENCE": "refuse", "TESSERA_HOST_PROC": "/host/proc",
 	} {
 		if env[k] != v {
 			t.Errorf("plugin env %s=%q, want %q", k, env[k], v)
+		}
+	}
+	if plugin.Spec.Template.Spec.HostPID {
+		t.Errorf("plugin pod has hostPID: the host's /proc, mounted read-only, is all the usage gauges need")
+	}
+	for _, m := range plugin.Spec.Template.Spec.Containers[0].VolumeMounts {
+		if m.MountPath == "/host/proc" && !m.ReadOnly {
+			t.Errorf("the host's /proc is mounted read-write at /host/proc")
 		}
 	}
 
@@ -228,6 +248,11 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 	}
 	if supervisor.Spec.UpdateStrategy.Type != appsv1.OnDeleteDaemonSetStrategyType {
 		t.Errorf("MPS supervisor update strategy %s, want OnDelete", supervisor.Spec.UpdateStrategy.Type)
+	}
+	// Every MPS server of the node runs in the supervisor's container: one memory limit over all of them
+	// would let one OOM kill end every share.
+	if lim := supervisor.Spec.Template.Spec.Containers[0].Resources.Limits; !lim.Memory().IsZero() {
+		t.Errorf("MPS supervisor memory limit %s, want none (a request only)", lim.Memory())
 	}
 	if got := containerEnv(supervisor)["TESSERA_MPS_SUPERVISOR_SOCKET"]; got != env["TESSERA_MPS_SUPERVISOR_SOCKET"] {
 		t.Errorf("supervisor socket %q, plugin's %q", got, env["TESSERA_MPS_SUPERVISOR_SOCKET"])

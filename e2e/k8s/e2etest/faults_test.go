@@ -523,7 +523,12 @@ func kill9(t *testing.T, name string) {
 	if err != nil {
 		t.Fatalf("pid of %s: %v", name, err)
 	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
+	// The pid file holds "pid start-time" (common.sh's start_proc); the pid is the first field.
+	fields := strings.Fields(string(data))
+	if len(fields) == 0 {
+		t.Fatalf("pid of %s: empty pid file", name)
+	}
+	pid, err := strconv.Atoi(fields[0])
 	if err != nil {
 		t.Fatalf("pid of %s: %v", name, err)
 	}

@@ -262,6 +262,12 @@ func claimTemplate(t *testing.T, ns, name, class string, opts ...claimOpt) strin
 // pod creates a pod whose container uses one claim generated from the template; node pins it.
 func pod(t *testing.T, ns, name, template, node string) *v1.Pod {
 	t.Helper()
+	return podUsing(t, ns, name, node, v1.PodResourceClaim{Name: "gpu", ResourceClaimTemplateName: ptr.To(template)})
+}
+
+// podUsing is a pause pod (on `node`, if not empty) whose one container uses `claim`, named "gpu".
+func podUsing(t *testing.T, ns, name, node string, claim v1.PodResourceClaim) *v1.Pod {
+	t.Helper()
 	p := &v1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: v1.PodSpec{
@@ -269,7 +275,7 @@ func pod(t *testing.T, ns, name, template, node string) *v1.Pod {
 				Name: "ctr", Image: "registry.k8s.io/pause:3.10",
 				Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
 			}},
-			ResourceClaims:                []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To(template)}},
+			ResourceClaims:                []v1.PodResourceClaim{claim},
 			TerminationGracePeriodSeconds: ptr.To[int64](1),
 		},
 	}

@@ -150,8 +150,23 @@ func installChart(t *testing.T, rn realNodeEnv) {
 		_ = e.client.CoordinationV1().Leases(chartNamespace).Delete(ctx, "tessera-node-"+rn.name, metav1.DeleteOptions{})
 		_ = e.client.ResourceV1().ResourceSlices().DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{FieldSelector: "spec.nodeName=" + rn.name})
 		proc(t, "start", "controller")
+		waitStandInsPublished(t)
 	})
 	helmRun(t, append([]string{"install", "tessera", chartDir(), "--namespace", chartNamespace}, helmSetArgs(rn.chartValues())...)...)
+}
+
+// waitStandInsPublished waits until the host controller `make up` runs has republished every stand-in node:
+// the chart's uninstall hook deletes every slice of the driver, and the scenarios that follow need theirs.
+func waitStandInsPublished(t *testing.T) {
+	t.Helper()
+	waitFor(t, "the host controller republishes the stand-in nodes", 2*time.Minute, func(ctx context.Context) (bool, string) {
+		for _, node := range e.nodes {
+			if n, err := driverSlices(ctx, node); err != nil || n == 0 {
+				return false, fmt.Sprintf("%s: %d slices (err %v)", node, n, err)
+			}
+		}
+		return true, ""
+	})
 }
 
 func waitFor(t *testing.T, what string, timeout time.Duration, cond func(ctx context.Context) (bool, string)) {
@@ -484,31 +499,49 @@ func (rn realNodeEnv) cdiSpecsFor(t *testing.T, uid types.UID) []string {
 	return out
 }
 
+// cdiEdits is what the e2e reads of a CDI spec's container edits.
+type cdiEdits struct {
+	Mounts []struct {
+		HostPath      string `json:"hostPath"`
+		ContainerPath string `json:"containerPath"`
+	} `json:"mounts"`
+	Hooks []struct {
+		HookName string   `json:"hookName"`
+		Path     string   `json:"path"`
+		Args     []string `json:"args"`
+	} `json:"hooks"`
+}
+
+// cdiSpecFile is a CDI spec's edits, the spec's own and each device's.
+type cdiSpecFile struct {
+	ContainerEdits cdiEdits `json:"containerEdits"`
+	Devices        []struct {
+		ContainerEdits cdiEdits `json:"containerEdits"`
+	} `json:"devices"`
+}
+
+// readSpec parses the CDI spec file f of the real node's CDI directory.
+func (rn realNodeEnv) readSpec(f string) (cdiSpecFile, error) {
+	var spec cdiSpecFile
+	data, err := os.ReadFile(filepath.Join(rn.cdiDir, f))
+	if err != nil {
+		return spec, err
+	}
+	if err := json.Unmarshal(data, &spec); err != nil {
+		return spec, fmt.Errorf("parse %s: %w", f, err)
+	}
+	return spec, nil
+}
+
 // checkSpecsNameHostPaths checks that every mount of the claim's CDI specs names a path of the host, where
 // the runtime reads it: the plugin pod reads the driver root at /driver-root (--container-driver-root), and
 // the specs must say rn.driverRoot, with the libraries under it.
 func (rn realNodeEnv) checkSpecsNameHostPaths(t *testing.T, name string, files []string) {
 	t.Helper()
-	type edits struct {
-		Mounts []struct {
-			HostPath      string `json:"hostPath"`
-			ContainerPath string `json:"containerPath"`
-		} `json:"mounts"`
-	}
 	for _, f := range files {
-		data, err := os.ReadFile(filepath.Join(rn.cdiDir, f))
+		spec, err := rn.readSpec(f)
 		if err != nil {
 			t.Errorf("%s: %v", name, err)
-			continue
-		}
-		var spec struct {
-			ContainerEdits edits `json:"containerEdits"`
-			Devices        []struct {
-				ContainerEdits edits `json:"containerEdits"`
-			} `json:"devices"`
-		}
-		if err := json.Unmarshal(data, &spec); err != nil {
-			t.Errorf("%s: parse %s: %v", name, f, err)
 			continue
 		}
 		all := spec.ContainerEdits.Mounts

@@ -3,7 +3,8 @@
 
 The root filesystem holds the given binaries under /usr/bin, any further files at the paths given for
 them (`--file SRC:DEST`: the simulated NVIDIA driver under /usr/lib/tessera-sim), exactly the shared
-libraries `ldd` says all of them load (at the paths the loader looks them up by, as regular files), and an
+libraries `ldd` says all of them load (at the paths the loader looks them up by, as regular files) with the
+rest of glibc that NVIDIA's driver libraries load (DRIVER_GLIBC), and an
 /etc/passwd and /etc/group with the non-root user the controller runs as: the same paths as
 deployments/container/Dockerfile's distroless stage. Deterministic: fixed mtimes and owners, sorted
 entries, gzip without a timestamp, so the same inputs give the same digests.
@@ -84,6 +85,27 @@ def shared_libraries(binary: Path) -> list[str]:
     return paths
 
 
+# glibc's libraries that NVIDIA's driver libraries and tools (libcuda, libnvidia-ml, nvidia-smi, the MPS
+# daemon) list as NEEDED and tessera's own binaries do not load: the plugin dlopens NVML and runs the MPS
+# tools under this image's loader, which must find them. Since glibc 2.34 they are stubs (the code is in
+# libc.so.6), but the loader still opens each file a library names.
+DRIVER_GLIBC = ("libpthread.so.0", "libdl.so.2", "librt.so.1")
+
+
+def driver_glibc(libs: Sequence[str]) -> list[str]:
+    """The DRIVER_GLIBC libraries of the glibc whose libc.so.6 is among `libs`, from libc's directory."""
+    libc = next((lib for lib in libs if os.path.basename(lib) == "libc.so.6"), None)
+    if libc is None:
+        return []
+    out = []
+    for name in DRIVER_GLIBC:
+        path = os.path.join(os.path.dirname(libc), name)
+        if not os.path.isfile(path):
+            raise ImageError(f"{path} is missing beside {libc}: NVIDIA's libraries need it (Debian: libc6)")
+        out.append(path)
+    return out
+
+
 def layer_tar(rootfs: Rootfs, mtime: int) -> bytes:
     buf = io.BytesIO()
     # USTAR/PAX with numeric owners only: no user names from this machine leak into the layer.
@@ -144,10 +166,10 @@ def build_rootfs(binaries: list[Path], files: Sequence[tuple[Path, str]] = ()) -
         if dest in rootfs.files:
             raise ImageError(f"two files for /{dest}")
         rootfs.add_file(dest, src.read_bytes(), 0o755)
-    for src, _ in placed:
-        for lib in shared_libraries(src):
-            # The file itself under the name the loader asks for: the image needs no symlinks or ld.so.cache.
-            rootfs.add_file(lib.lstrip("/"), Path(lib).resolve().read_bytes(), 0o755)
+    libs = [lib for src, _ in placed for lib in shared_libraries(src)]
+    for lib in libs + driver_glibc(libs):
+        # The file itself under the name the loader asks for: the image needs no symlinks or ld.so.cache.
+        rootfs.add_file(lib.lstrip("/"), Path(lib).resolve().read_bytes(), 0o755)
     rootfs.add_file("etc/passwd", PASSWD.encode(), 0o644)
     rootfs.add_file("etc/group", GROUP.encode(), 0o644)
     rootfs.add_dir("tmp", 0o1777)

@@ -25,7 +25,8 @@ import oci_image
 
 REPO = Path(__file__).resolve().parents[3]
 ARCHIVE = Path(os.environ.get("IMAGE_ARCHIVE", REPO / "target/image/tessera.tar"))
-BINARIES = ("tessera-controller", "tessera-kubelet-plugin")
+# tessera-cdi-hook is statically linked (the container runtime runs it on the host): it adds no library.
+BINARIES = ("tessera-controller", "tessera-kubelet-plugin", "tessera-cdi-hook")
 # The simulated driver (e2e/scripts/build-image.sh --file), where the plugin looks for it:
 # <exe dir>/../lib/tessera-sim (kubelet-plugin/src/gpu/sim_driver_root.rs).
 SIM_DIR = "usr/lib/tessera-sim"
@@ -110,6 +111,7 @@ class TheImageArchive(unittest.TestCase):
         wanted = set(programs) | {"etc/passwd", "etc/group"}
         for path in programs:
             wanted |= {lib.lstrip("/") for lib in oci_image.shared_libraries(self.rootfs / path)}
+        wanted |= {lib.lstrip("/") for lib in oci_image.driver_glibc(sorted("/" + f for f in wanted))}
         self.assertEqual(files, wanted)
         self.assertTrue(any("ld-linux" in f for f in files), files)
 
@@ -154,6 +156,18 @@ class TheImageArchive(unittest.TestCase):
         run = self.run_in_rootfs("0:0", smi, preload=f"/{SIM_DIR}/libnvidia_ml.so")
         self.assertEqual(run.returncode, 9, f"{run.stdout}{run.stderr}")
         self.assertIn("couldn't communicate with the NVIDIA driver", run.stdout)
+
+    def test_the_glibc_libraries_nvidias_libraries_need_are_beside_libc_and_load_under_the_images_loader(self) -> None:
+        libc = next(self.rootfs.glob("**/libc.so.6"))
+        for name in oci_image.DRIVER_GLIBC:
+            lib = libc.parent / name
+            self.assertTrue(lib.is_file(), f"{name} is not beside {libc.relative_to(self.rootfs)}")
+            # Loaded before the plugin by the image's own loader (in a chroot when root): a library the
+            # loader cannot load is reported as "cannot be preloaded" and skipped.
+            run = self.run_in_rootfs("0:0", "/usr/bin/tessera-kubelet-plugin", "--version", preload="/" + str(lib.relative_to(self.rootfs)))
+            self.assertEqual(run.returncode, 0, f"{name}: {run.stderr}")
+            self.assertNotIn("cannot be preloaded", run.stderr, name)
+            self.assertIn("tessera-kubelet-plugin", run.stdout, name)
 
     def test_building_again_from_the_same_binaries_gives_the_same_manifest_digest(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:

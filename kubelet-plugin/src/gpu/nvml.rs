@@ -266,8 +266,19 @@ pub fn char_device_from_host(path: &str, proc_root: &Path) -> Result<CharDevice>
             major: 195,
             minor: 254,
         }),
-        "/dev/nvidia-uvm" => from_proc("nvidia-uvm", 0),
-        "/dev/nvidia-uvm-tools" => from_proc("nvidia-uvm", 1),
+        // CUDA cannot run without it: the error names the fix (driver_watch.rs creates the nodes of a
+        // loaded module at start, so only a module that is not loaded gets here).
+        "/dev/nvidia-uvm" | "/dev/nvidia-uvm-tools" => {
+            let minor = u32::from(path.ends_with("-tools"));
+            from_proc("nvidia-uvm", minor).map_err(|_| {
+                GpuError::NotFound(format!(
+                    "character device {path}: the nvidia-uvm kernel module is not loaded ({} lists no \
+                     nvidia-uvm); {}",
+                    proc_root.join("devices").display(),
+                    crate::driver_watch::UVM_FIX
+                ))
+            })
+        }
         _ => {
             if let Some(n) = path.strip_prefix("/dev/nvidia-caps/nvidia-cap").and_then(number) {
                 from_proc("nvidia-caps", n)
@@ -1000,10 +1011,11 @@ impl NvmlBackend {
     /// Whole GPU: `nvmlDeviceGetUtilizationRates` and `nvmlDeviceGetMemoryInfo`. MIG device: the memory of
     /// the processes NVML places on its GPU and compute instance, and no utilization (NVML reports none on
     /// MIG-enabled GPUs). Processes: `nvmlDeviceGetComputeRunningProcesses` (memory) joined with
-    /// `nvmlDeviceGetProcessUtilization` (SM percent, samples since one second ago), each process's owner
-    /// from its environment.
+    /// `nvmlDeviceGetProcessUtilization` (SM percent, samples since one second ago). NVML's PIDs are the
+    /// host's, so owners are left to the metrics, which look them up in the host's `/proc` (`--host-proc`),
+    /// not in this process's, which in a pod is another PID namespace.
     fn device_usage(&self, query: &super::usage::UsageQuery<'_>) -> Result<super::usage::DeviceUsage> {
-        use super::usage::{DeviceUsage, ProcessUsage, owner_of_pid};
+        use super::usage::{DeviceUsage, ProcessUsage};
         use nvml_wrapper::enums::device::UsedGpuMemory;
 
         let device = self.device(query.gpu)?;
@@ -1017,7 +1029,6 @@ impl NvmlBackend {
             .unwrap_or_default();
         // NOT_FOUND: no process ran in the window; NOT_SUPPORTED: MIG mode or an old GPU.
         let samples = device.process_utilization_stats(since).unwrap_or_default();
-        let proc_root = std::path::Path::new("/proc");
         let processes: Vec<ProcessUsage> = procs
             .into_iter()
             .filter(|p| match query.mig {
@@ -1031,7 +1042,7 @@ impl NvmlBackend {
                     UsedGpuMemory::Used(bytes) => Some(bytes),
                     UsedGpuMemory::Unavailable => None,
                 },
-                owner: owner_of_pid(proc_root, p.pid),
+                owner: None,
             })
             .collect();
         if query.mig.is_some() {
@@ -1261,5 +1272,26 @@ mod tests {
         // An existing node is stat'ed: /dev/null is 1:3 on every Linux.
         assert_eq!(d("/dev/null").unwrap(), (1, 3));
         assert!(matches!(d("/"), Err(GpuError::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn a_missing_uvm_device_of_a_module_that_is_not_loaded_names_the_modprobe_that_fixes_it() {
+        let proc_root = tempfile::tempdir().unwrap();
+        fs::write(
+            proc_root.path().join("devices"),
+            "Character devices:\n195 nvidia-frontend\n\nBlock devices:\n",
+        )
+        .unwrap();
+        let got = char_device_from_host("/dev/nvidia-uvm", proc_root.path());
+        if Path::new("/dev/nvidia-uvm").exists() {
+            // A GPU machine: the node is there and numbered from itself.
+            assert!(got.is_ok(), "{got:?}");
+            return;
+        }
+        let e = got.unwrap_err().to_string();
+        assert!(
+            e.contains("/dev/nvidia-uvm") && e.contains("not loaded") && e.contains("modprobe nvidia-uvm"),
+            "{e}"
+        );
     }
 }

@@ -18,6 +18,18 @@
 //! the dynamic loader loads one inode once per process, so two roots sharing an inode would share one
 //! library instance, and with it one kernel.
 //!
+//! **Layouts** ([`Layout`]), the three a node has its driver in:
+//!
+//! * `host` (the default, above): the driver installed in the host's `/` by distribution packages;
+//! * `operator`: the GPU Operator's driver container rootfs (`/run/nvidia/driver`), a whole distribution:
+//!   the same files plus the distribution's own `libc.so.6` and loader beside NVIDIA's libraries in
+//!   `usr/lib/x86_64-linux-gnu` (and the loader in `usr/lib64`), merged-/usr links `lib -> usr/lib`,
+//!   `lib64 -> usr/lib64`, `bin -> usr/bin`, `sbin -> usr/sbin`, and `etc/os-release`. The libc and loader
+//!   are deliberate decoys: copies of the simulated `libcuda.so` under those names, valid shared objects
+//!   that define none of glibc's symbol versions, so a program of another glibc that loads them dies at
+//!   once, as with a real driver container of another distribution;
+//! * `gke`: GKE's `/home/kubernetes/bin/nvidia`: `lib64/` and `bin/` only, no `usr/`, no libc.
+//!
 //! The artifacts are looked for in [`ARTIFACTS_ENV`] when set, else next to the running executable
 //! (`target/debug` holds the plugin and the cdylibs; a test in `target/debug/deps` looks one level up
 //! too), else in `<exe dir>/../lib/tessera-sim` (an installed layout).
@@ -33,7 +45,7 @@ use tracing::warn;
 
 use super::{
     GpuError, Result,
-    simulated::{KERNEL_DIR_NAME, SIMULATED_DRIVER_VERSION},
+    simulated::{KERNEL_DIR_NAME, KERNEL_VERSION_FILE, SIMULATED_DRIVER_VERSION, kernel_version_text},
 };
 
 /// Directory of the built artifacts, overriding the executable's directory.
@@ -42,6 +54,50 @@ pub const ARTIFACTS_ENV: &str = "TESSERA_SIM_DRIVER_DIR";
 pub const LIBRARY_DIR: &str = "usr/lib/x86_64-linux-gnu";
 /// Where programs go under the root.
 pub const BINARY_DIR: &str = "usr/bin";
+
+/// Which node's driver root to imitate (see the module comment).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Layout {
+    /// Host-installed drivers: `usr/lib/x86_64-linux-gnu`, `usr/bin`.
+    #[default]
+    Host,
+    /// The GPU Operator's driver container: a distribution rootfs with its own (decoy) libc and loader.
+    Operator,
+    /// GKE's `lib64/` and `bin/`, no libc.
+    Gke,
+}
+
+impl Layout {
+    /// Where the libraries go under the root.
+    pub fn library_dir(self) -> &'static str {
+        match self {
+            Layout::Host | Layout::Operator => LIBRARY_DIR,
+            Layout::Gke => "lib64",
+        }
+    }
+
+    /// Where the programs go under the root.
+    pub fn binary_dir(self) -> &'static str {
+        match self {
+            Layout::Host | Layout::Operator => BINARY_DIR,
+            Layout::Gke => "bin",
+        }
+    }
+}
+
+/// The Operator layout's decoys: the distribution's libc and loader, where a Debian-family rootfs has them.
+pub const DECOYS: [&str; 3] = [
+    "usr/lib/x86_64-linux-gnu/libc.so.6",
+    "usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+    "usr/lib64/ld-linux-x86-64.so.2",
+];
+/// The Operator layout's merged-/usr links.
+const MERGED_USR: [(&str, &str); 4] = [
+    ("lib", "usr/lib"),
+    ("lib64", "usr/lib64"),
+    ("bin", "usr/bin"),
+    ("sbin", "usr/sbin"),
+];
 
 /// One built file and where it goes in the driver root.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,11 +141,20 @@ pub const ARTIFACTS: [Artifact; 5] = [
 ];
 
 impl Artifact {
-    /// Path of the installed file relative to the root.
+    /// Path of the installed file relative to the root (host layout).
     pub fn installed_name(&self) -> String {
+        self.installed_name_in(Layout::Host)
+    }
+
+    /// Path of the installed file relative to a root of `layout`.
+    pub fn installed_name_in(&self, layout: Layout) -> String {
         match self.soname {
-            Some(_) => format!("{LIBRARY_DIR}/{}.{SIMULATED_DRIVER_VERSION}", self.installed),
-            None => format!("{BINARY_DIR}/{}", self.installed),
+            Some(_) => format!(
+                "{}/{}.{SIMULATED_DRIVER_VERSION}",
+                layout.library_dir(),
+                self.installed
+            ),
+            None => format!("{}/{}", layout.binary_dir(), self.installed),
         }
     }
 }
@@ -164,14 +229,19 @@ fn display_dirs(dirs: &[PathBuf]) -> String {
 /// holds each artifact: copies what is found, reports what is not, and points `root/tessera-sim` at the
 /// kernel (a relative link when the root lies in the kernel directory, so the pair can move together).
 pub fn install(root: &Path, kernel_dir: &Path, dirs: &[PathBuf]) -> Result<Installed> {
-    install_as(root, kernel_dir, dirs, Files::LinkedWherePossible)
+    install_as(root, kernel_dir, dirs, Files::LinkedWherePossible, Layout::Host)
+}
+
+/// Like [`install`], in the given [`Layout`].
+pub fn install_layout(root: &Path, kernel_dir: &Path, dirs: &[PathBuf], layout: Layout) -> Result<Installed> {
+    install_as(root, kernel_dir, dirs, Files::LinkedWherePossible, layout)
 }
 
 /// Like [`install`] with every file a copy of its own, never a hard link to the artifact. The dynamic
 /// loader maps a file (an inode) once per process, so two driver roots that one process loads NVML from
 /// (tests running in parallel) must not share an inode, or they share one library instance and its kernel.
 pub fn install_copied(root: &Path, kernel_dir: &Path, dirs: &[PathBuf]) -> Result<Installed> {
-    install_as(root, kernel_dir, dirs, Files::Copied)
+    install_as(root, kernel_dir, dirs, Files::Copied, Layout::Host)
 }
 
 /// How the artifacts become files of the driver root.
@@ -181,7 +251,13 @@ enum Files {
     Copied,
 }
 
-fn install_as(root: &Path, kernel_dir: &Path, dirs: &[PathBuf], files: Files) -> Result<Installed> {
+fn install_as(
+    root: &Path,
+    kernel_dir: &Path,
+    dirs: &[PathBuf],
+    files: Files,
+    layout: Layout,
+) -> Result<Installed> {
     let err = |path: &Path, e: std::io::Error| GpuError::SimulatedState {
         path: path.display().to_string(),
         reason: format!("cannot install the simulated driver root: {e}"),
@@ -192,13 +268,38 @@ fn install_as(root: &Path, kernel_dir: &Path, dirs: &[PathBuf], files: Files) ->
             installed.missing.push(artifact.built);
             continue;
         };
-        let dest = root.join(artifact.installed_name());
+        let dest = root.join(artifact.installed_name_in(layout));
         copy_if_changed(&source, &dest, files).map_err(|e| err(&dest, e))?;
         if let (Some(soname), Some(file)) = (artifact.soname, dest.file_name()) {
-            let link = root.join(LIBRARY_DIR).join(soname);
+            let link = root.join(layout.library_dir()).join(soname);
             replace_symlink(Path::new(file), &link).map_err(|e| err(&link, e))?;
         }
     }
+    if layout == Layout::Operator {
+        // A decoy needs a shared object that is no glibc: the simulated libcuda (present when the root is
+        // complete; `require_complete` reports it otherwise).
+        if let Some(decoy) = dirs.iter().map(|d| d.join("libcuda.so")).find(|p| p.is_file()) {
+            for name in DECOYS {
+                let dest = root.join(name);
+                copy_if_changed(&decoy, &dest, Files::Copied).map_err(|e| err(&dest, e))?;
+            }
+        }
+        for dir in ["usr/lib", "usr/lib64", "usr/sbin", "etc"] {
+            fs::create_dir_all(root.join(dir)).map_err(|e| err(&root.join(dir), e))?;
+        }
+        for (link, target) in MERGED_USR {
+            replace_symlink(Path::new(target), &root.join(link)).map_err(|e| err(&root.join(link), e))?;
+        }
+        let release = root.join("etc/os-release");
+        fs::write(
+            &release,
+            "NAME=\"tessera simulated driver container\"\nID=ubuntu\nVERSION_ID=\"24.04\"\n",
+        )
+        .map_err(|e| err(&release, e))?;
+    }
+    // The libraries just installed are SIMULATED_DRIVER_VERSION's, and so is the module (again, after an
+    // `upgrade`).
+    set_kernel_version(kernel_dir, SIMULATED_DRIVER_VERSION)?;
     let link = root.join(KERNEL_DIR_NAME);
     let kernel_abs = fs::canonicalize(kernel_dir).map_err(|e| err(kernel_dir, e))?;
     let root_abs = fs::canonicalize(root).or_else(|_| {
@@ -215,6 +316,94 @@ fn install_as(root: &Path, kernel_dir: &Path, dirs: &[PathBuf], files: Files) ->
         replace_symlink(&target, &link).map_err(|e| err(&link, e))?;
     }
     Ok(installed)
+}
+
+/// Makes the simulated kernel `kernel_dir` report driver `version` (`proc/driver/nvidia/version`), as
+/// loading another kernel module does. Left alone when it already does.
+pub fn set_kernel_version(kernel_dir: &Path, version: &str) -> Result<()> {
+    let file = kernel_dir.join("proc").join(KERNEL_VERSION_FILE);
+    let text = kernel_version_text(version);
+    if fs::read_to_string(&file).ok().as_deref() == Some(text.as_str()) {
+        return Ok(());
+    }
+    let write = || -> std::io::Result<()> {
+        let dir = file.parent().unwrap_or(Path::new("."));
+        fs::create_dir_all(dir)?;
+        let tmp = dir.join(format!(".version.{}.tmp", std::process::id()));
+        fs::write(&tmp, &text)?;
+        fs::rename(&tmp, &file)
+    };
+    write().map_err(|e| GpuError::SimulatedState {
+        path: file.display().to_string(),
+        reason: format!("cannot write the simulated kernel module's version: {e}"),
+    })
+}
+
+/// What [`upgrade`] replaced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Upgraded {
+    /// The version the soname links pointed at before (`None`: a link's target named no version).
+    pub from: Option<String>,
+    /// Library files of other versions that were removed.
+    pub removed: Vec<PathBuf>,
+}
+
+/// Upgrades the simulated driver root `root` in place to driver `version`, as a driver container or a
+/// package upgrade does: each library gets a new file `<lib>.so.<version>` (a copy of the one its soname
+/// link leads to, so a new inode: a process or container that has the old one mapped or bind mounted keeps
+/// it), its soname link is repointed by rename, the other versions' files are removed, and then the
+/// simulated kernel module behind `root/tessera-sim` reports `version`. Libraries first: a plugin that
+/// reads the root in between sees sources that disagree and waits (`driver_watch`).
+pub fn upgrade(root: &Path, version: &str) -> Result<Upgraded> {
+    if crate::driver_watch::version_in_name(Path::new(&format!("x.so.{version}")), "x").is_none() {
+        return Err(GpuError::InvalidArgument(format!(
+            "--version {version:?} is not a driver version such as 580.159.03 (digits and dots)"
+        )));
+    }
+    let lib_dir = root.join(LIBRARY_DIR);
+    let err = |path: &Path, e: std::io::Error| GpuError::SimulatedState {
+        path: path.display().to_string(),
+        reason: format!("cannot upgrade the simulated driver root: {e}"),
+    };
+    let mut from = None;
+    let mut removed = Vec::new();
+    for artifact in ARTIFACTS {
+        let Some(soname) = artifact.soname else {
+            continue;
+        };
+        let stem = artifact.installed.trim_end_matches(".so");
+        let link = lib_dir.join(soname);
+        let current = fs::read_link(&link).map(|t| lib_dir.join(t)).map_err(|e| {
+            GpuError::SimulatedState {
+                path: link.display().to_string(),
+                reason: format!(
+                    "no soname link to upgrade ({e}); make the root with `tessera-kubelet-plugin simulate driver-root` first"
+                ),
+            }
+        })?;
+        if from.is_none() {
+            from = crate::driver_watch::version_in_name(&current, stem);
+        }
+        let name = format!("{}.{version}", artifact.installed);
+        let new = lib_dir.join(&name);
+        if current != new {
+            copy_if_changed(&current, &new, Files::Copied).map_err(|e| err(&new, e))?;
+        }
+        replace_symlink(Path::new(&name), &link).map_err(|e| err(&link, e))?;
+        for entry in fs::read_dir(&lib_dir).map_err(|e| err(&lib_dir, e))?.flatten() {
+            let path = entry.path();
+            let other = crate::driver_watch::version_in_name(&path, stem);
+            if other.is_some_and(|v| v != version) && entry.file_type().is_ok_and(|t| t.is_file()) {
+                fs::remove_file(&path).map_err(|e| err(&path, e))?;
+                removed.push(path);
+            }
+        }
+    }
+    let kernel =
+        fs::canonicalize(root.join(KERNEL_DIR_NAME)).map_err(|e| err(&root.join(KERNEL_DIR_NAME), e))?;
+    set_kernel_version(&kernel, version)?;
+    removed.sort();
+    Ok(Upgraded { from, removed })
 }
 
 /// Copies `source` to `dest` through a temporary file renamed over it, unless `dest` already has
@@ -316,6 +505,56 @@ mod tests {
     }
 
     #[test]
+    fn the_operator_layout_is_a_distro_rootfs_with_decoys_and_the_gke_layout_has_no_usr() {
+        let built = tempfile::tempdir().unwrap();
+        artifacts_in(
+            built.path(),
+            &[
+                "libnvidia_ml.so",
+                "libcuda.so",
+                "nvidia-smi",
+                "nvidia-cuda-mps-control",
+                "nvidia-cuda-mps-server",
+            ],
+        );
+        let kernel = tempfile::tempdir().unwrap();
+        let roots = tempfile::tempdir().unwrap();
+        let dirs = [built.path().to_path_buf()];
+        let op = roots.path().join("operator");
+        install_layout(&op, kernel.path(), &dirs, Layout::Operator)
+            .unwrap()
+            .require_complete(&dirs)
+            .unwrap();
+        for decoy in DECOYS {
+            assert_eq!(
+                fs::read_to_string(op.join(decoy)).unwrap(),
+                "built libcuda.so",
+                "{decoy}"
+            );
+        }
+        assert_eq!(fs::read_link(op.join("lib64")).unwrap(), Path::new("usr/lib64"));
+        assert!(op.join("bin/nvidia-smi").is_file(), "bin -> usr/bin");
+        assert!(op.join(format!("{LIBRARY_DIR}/libcuda.so.1")).is_file());
+        let gke = roots.path().join("gke");
+        install_layout(&gke, kernel.path(), &dirs, Layout::Gke)
+            .unwrap()
+            .require_complete(&dirs)
+            .unwrap();
+        assert_eq!(
+            fs::read_link(gke.join("lib64/libnvidia-ml.so.1")).unwrap(),
+            Path::new(&format!("libnvidia-ml.so.{SIMULATED_DRIVER_VERSION}"))
+        );
+        assert!(gke.join("bin/nvidia-cuda-mps-control").is_file());
+        let top: Vec<String> = fs::read_dir(&gke)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        assert_eq!(top, ["bin", "lib64", KERNEL_DIR_NAME]);
+    }
+
+    #[test]
     fn a_reinstall_replaces_a_changed_file_by_rename_so_a_mapped_copy_survives() {
         let built = tempfile::tempdir().unwrap();
         artifacts_in(built.path(), &["libnvidia_ml.so"]);
@@ -351,5 +590,51 @@ mod tests {
             Path::new(".."),
             "a root inside its kernel links to it relatively"
         );
+    }
+
+    #[test]
+    fn an_upgrade_in_place_repoints_the_sonames_at_new_files_and_changes_the_kernels_version() {
+        use std::os::unix::fs::MetadataExt;
+        let built = tempfile::tempdir().unwrap();
+        artifacts_in(built.path(), &["libnvidia_ml.so", "libcuda.so"]);
+        let kernel = tempfile::tempdir().unwrap();
+        let r = kernel.path().join("driver-root");
+        install(&r, kernel.path(), &[built.path().to_path_buf()]).unwrap();
+        let lib = r.join(LIBRARY_DIR);
+        let old = lib.join(format!("libcuda.so.{SIMULATED_DRIVER_VERSION}"));
+        let held = File::open(&old).unwrap();
+        let version = || crate::gpu::simulated::kernel_driver_version(kernel.path());
+        assert_eq!(version().as_deref(), Some(SIMULATED_DRIVER_VERSION));
+
+        let done = upgrade(&r, "580.200.01").unwrap();
+        assert_eq!(done.from.as_deref(), Some(SIMULATED_DRIVER_VERSION));
+        assert_eq!(done.removed.len(), 2, "{:?}", done.removed);
+        assert_eq!(
+            fs::read_link(lib.join("libcuda.so.1")).unwrap(),
+            Path::new("libcuda.so.580.200.01")
+        );
+        assert!(!old.exists(), "the old version's file is gone from the root");
+        let new_ino = fs::metadata(lib.join("libcuda.so.580.200.01")).unwrap().ino();
+        assert_ne!(
+            new_ino,
+            held.metadata().unwrap().ino(),
+            "a new file, not the old one renamed"
+        );
+        assert_eq!(
+            std::io::read_to_string(&held).unwrap(),
+            "built libcuda.so",
+            "the open file still reads"
+        );
+        assert_eq!(version().as_deref(), Some("580.200.01"));
+
+        // Back again, and a reinstall puts the built version back in the kernel too.
+        upgrade(&r, SIMULATED_DRIVER_VERSION).unwrap();
+        assert_eq!(version().as_deref(), Some(SIMULATED_DRIVER_VERSION));
+        upgrade(&r, "580.200.01").unwrap();
+        install(&r, kernel.path(), &[built.path().to_path_buf()]).unwrap();
+        assert_eq!(version().as_deref(), Some(SIMULATED_DRIVER_VERSION));
+
+        let e = upgrade(&r, "latest").unwrap_err().to_string();
+        assert!(e.contains("--version") && e.contains("latest"), "{e}");
     }
 }

@@ -3,7 +3,9 @@
 //!
 //! Loads live in `<state dir>/simulated-load.json`, next to the simulated hardware state and like it
 //! surviving a plugin restart, one entry per device (and claim, for shares). Each entry stands for one
-//! process on the device, whose environment names the claim and device as a prepared container's would.
+//! process on the device: with `--claim`, one whose environment names the claim and device as a prepared
+//! container's would; with `--pid`, a real process of the host (a container's), which the plugin then
+//! attributes through the host's `/proc` as it does NVML's PIDs (the simulated NVML reports these too).
 //! The file has a lock of its own (`state_file`): load changes must not wait behind, or block, MIG
 //! operations.
 
@@ -35,6 +37,9 @@ pub struct LoadEntry {
     pub claim: Option<String>,
     pub utilization_percent: u32,
     pub memory_bytes: u64,
+    /// A real host process to stand for (a container's), instead of a synthetic PID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,7 +81,7 @@ pub fn set(state_dir: &Path, entry: LoadEntry) -> Result<()> {
     }
     update(state_dir, |file| {
         file.loads
-            .retain(|l| !(l.device == entry.device && l.claim == entry.claim));
+            .retain(|l| !(l.device == entry.device && l.claim == entry.claim && l.pid == entry.pid));
         file.loads.push(entry);
     })
 }
@@ -113,7 +118,7 @@ pub fn usage(state_dir: &Path, query: &UsageQuery<'_>) -> Result<DeviceUsage> {
         .enumerate()
         .filter(|(_, l)| on_device(l))
         .map(|(i, l)| ProcessUsage {
-            pid: FIRST_SYNTHETIC_PID + i as u32,
+            pid: l.pid.unwrap_or(FIRST_SYNTHETIC_PID + i as u32),
             sm_percent: query.mig.is_none().then_some(l.utilization_percent),
             memory_used_bytes: Some(l.memory_bytes),
             owner: l.claim.as_ref().map(|claim| ProcessOwner {
@@ -151,6 +156,10 @@ pub struct LoadArgs {
     /// Memory in use, as a quantity (`20Gi`, `512Mi`).
     #[arg(long, env = "TESSERA_LOAD_MEMORY", default_value = "0", value_parser = super::usage::parse_bytes)]
     pub memory: u64,
+    /// The host PID of the process that makes the load (a container's); the plugin finds its claim
+    /// through the host's `/proc` (`--host-proc`), as for NVML's processes.
+    #[arg(long, env = "TESSERA_LOAD_PID")]
+    pub pid: Option<u32>,
     /// Remove the loads of `--device` (of every device without it) instead of setting one.
     #[arg(long)]
     pub clear: bool,
@@ -164,6 +173,7 @@ impl LoadArgs {
             claim,
             util,
             memory,
+            pid,
             clear: remove,
         } = self;
         if remove {
@@ -179,6 +189,7 @@ impl LoadArgs {
                     claim,
                     utilization_percent: util,
                     memory_bytes: memory,
+                    pid,
                 },
             )?;
         }
@@ -198,6 +209,7 @@ mod tests {
             claim: claim.map(Into::into),
             utilization_percent: util,
             memory_bytes: gib << 30,
+            pid: None,
         }
     }
 
@@ -243,6 +255,29 @@ mod tests {
         assert_eq!(list(dir.path()).unwrap().len(), 1);
         clear(dir.path(), None).unwrap();
         assert!(list(dir.path()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_load_of_a_real_process_reports_that_pid_and_names_no_owner() {
+        let dir = tempfile::tempdir().unwrap();
+        let entry = LoadEntry {
+            pid: Some(4242),
+            ..load("gpu-1-shared", None, 40, 1)
+        };
+        set(dir.path(), entry).unwrap();
+        let u = usage(
+            dir.path(),
+            &UsageQuery {
+                gpu: 1,
+                mig: None,
+                device: "gpu-1-shared",
+            },
+        )
+        .unwrap();
+        assert_eq!(u.processes.len(), 1);
+        assert_eq!(u.processes[0].pid, 4242);
+        assert_eq!(u.processes[0].owner, None, "the plugin finds it through /proc");
+        assert_eq!(u.utilization_percent, Some(40));
     }
 
     #[test]

@@ -8,14 +8,19 @@
 //!
 //! | Limit | Set by | Enforced by | A hostile container can |
 //! |---|---|---|---|
-//! | MPS: device access | plugin: GPU in `EXCLUSIVE_PROCESS` while the daemon runs (whole GPUs) | driver: only the MPS server opens the GPU | nothing more: every CUDA process goes through the server |
-//! | MPS: compute share (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) | CDI env from `compute` capacity or `defaultActiveThreadPercentage` | MPS server, per client context | unset it and get the daemon default (config default, else 100%) |
-//! | MPS: pinned memory (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<N>M`) | CDI env from `memory` capacity or the config's limits | MPS server, per client context | unset it and get the daemon default (config default, else none) |
+//! | MPS: device access | plugin: GPU in `EXCLUSIVE_PROCESS` while the daemon runs (whole GPUs) | driver: only the MPS server opens the GPU | not open the GPU past the server; but see the control socket |
+//! | MPS: the daemon's control socket (`<pipe dir>/control`, mounted read-write: every CUDA client needs it) | — | nothing: NVIDIA's daemon takes control commands from any client of its user (root in both by default), and `nvidia-cuda-mps-control` is in every container | `quit` the daemon (every share of the device loses its server until the plugin's watch or the supervisor's watchdog starts it again, within seconds) or change the defaults other tenants' servers start with |
+//! | MPS: compute share (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) | CDI env from `compute` capacity or `defaultActiveThreadPercentage` | MPS server, per client context, as the client declares it | unset it and get the daemon default (a share slot's size, else the config default, else 100%) |
+//! | MPS: pinned memory (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<N>M`) | CDI env from `memory` capacity or the config's limits | MPS server, per client context, as the client declares it | unset it and get the daemon default (a share slot's size, else the config default, else none) |
 //! | MPS: IPC (`/dev/shm`) | with the supervisor: a tmpfs per daemon, the daemon's own `/dev/shm`, mounted only into its clients; without it on real GPUs the host's `/dev/shm`; a per-daemon dir on the simulated backend | kernel (mount namespaces) | with the supervisor: see only its own daemon's segments; without it: other host segments |
 //! | MPS: fault isolation | — | none: a fatal fault in one client reaches all clients of the daemon | crash the other shares' work |
 //! | Time-slicing: interval | first share's config (`timeSlicing.interval`), reset after the last | driver scheduler | nothing (no per-share limit exists) |
 //! | Time-slicing: memory, compute | — | nothing | use all memory and compute of the GPU |
 //! | Strategy per device | plugin: one strategy per device, checked at prepare | plugin | — |
+//!
+//! So MPS limits bind cooperative tenants only: the tenants of one daemon must trust each other (MIG
+//! isolates tenants that do not). `kubelet-plugin/README.md` ("What a tenant of a shared MPS daemon can and
+//! cannot do") says the same for users.
 //!
 //! This module shares a device that exists: a whole GPU, or a MIG device the caller made. It knows neither
 //! MIG nor the prepare state machine; [`crate::preparers`] composes "MIG, then share on it".
@@ -203,6 +208,61 @@ pub struct Sharer {
     time_slices: TimeSliceRecord,
     /// On real GPUs MPS clients must share the host's /dev/shm with the daemon.
     real_hardware: bool,
+    /// The MPS daemon each device with MPS shares needs, by key: what [`Sharer::watch_daemons`] starts
+    /// again when it is gone. Also the lock that orders the watch against first prepares and last
+    /// unprepares, so the watch never starts a daemon a teardown just stopped.
+    daemons: Mutex<BTreeMap<String, DaemonNeed>>,
+    /// Devices whose daemon the last watch found down, since when.
+    down: Mutex<BTreeMap<String, DaemonDown>>,
+}
+
+/// The MPS daemon of a shared device: its device UUID and the defaults it was started with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DaemonNeed {
+    pub uuid: String,
+    pub defaults: DaemonDefaults,
+}
+
+/// A device whose MPS daemon does not answer.
+#[derive(Clone, Debug)]
+pub struct DaemonDown {
+    /// When the watch first found it down.
+    pub since: std::time::Instant,
+    /// Why the last start failed, if it was tried.
+    pub error: Option<String>,
+}
+
+/// What one [`Sharer::watch_daemons`] found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DaemonWatch {
+    /// Keys whose daemon answered.
+    pub up: Vec<String>,
+    /// Keys whose daemon was down and was started again.
+    pub restarted: Vec<String>,
+    /// Keys whose daemon is down and could not be started.
+    pub down: Vec<String>,
+    /// Daemons that ran with no prepared share and were stopped.
+    pub stopped: Vec<String>,
+}
+
+/// The checkpoint's names (in [`PreparedShare::limits`]) of the daemon defaults of a share's device.
+pub const DAEMON_THREAD_LIMIT: &str = "mpsDefaultActiveThreadPercentage";
+pub const DAEMON_PINNED_LIMIT: &str = "mpsDefaultPinnedDeviceMemoryLimit";
+
+impl DaemonNeed {
+    /// The daemon a restored share names in its checkpoint limits (see [`DAEMON_THREAD_LIMIT`]); a
+    /// record written before they were kept gives no defaults.
+    pub fn from_limits(uuid: &str, limits: &BTreeMap<String, String>) -> Self {
+        Self {
+            uuid: uuid.to_string(),
+            defaults: DaemonDefaults {
+                active_thread_percentage: limits.get(DAEMON_THREAD_LIMIT).and_then(|v| v.parse().ok()),
+                pinned_memory_bytes: limits
+                    .get(DAEMON_PINNED_LIMIT)
+                    .and_then(|v| mps::parse_mem_limit(v)),
+            },
+        }
+    }
 }
 
 impl Sharer {
@@ -215,7 +275,98 @@ impl Sharer {
             users: ShareUsers::default(),
             time_slices,
             real_hardware,
+            daemons: Mutex::default(),
+            down: Mutex::default(),
         }
+    }
+
+    fn lock_daemons(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, DaemonNeed>> {
+        self.daemons.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Re-registers the MPS daemon of a share prepared before a restart (from its checkpoint record), so
+    /// the watch starts it again should it go. The first restored share of a device decides.
+    pub fn restore_daemon(&self, device: &DeviceName, need: DaemonNeed) {
+        self.lock_daemons().entry(share_key(device)).or_insert(need);
+    }
+
+    /// The devices whose MPS daemon the last watch found down.
+    pub fn daemons_down(&self) -> BTreeMap<String, DaemonDown> {
+        self.down.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Checks the MPS daemon of every device with prepared MPS shares: one that does not answer (its
+    /// supervisor was replaced, it crashed) is started again with the defaults it had, and stays reported
+    /// ([`Sharer::daemons_down`], a WARN line when found and when back) until it answers; a daemon that
+    /// runs with no prepared share (a stop lost in a crash) is stopped. Call periodically, after the
+    /// shares were restored.
+    pub fn watch_daemons(&self, gpus: &[GpuInfo]) -> DaemonWatch {
+        let mut out = DaemonWatch::default();
+        let daemons = self.lock_daemons();
+        // Never held across a start: the inventory reads it from an async task.
+        let down = || self.down.lock().unwrap_or_else(|e| e.into_inner());
+        for (key, need) in daemons.iter() {
+            if self.users.count(key) == 0 {
+                continue;
+            }
+            if self.mps.is_running(key) {
+                if let Some(was) = down().remove(key) {
+                    info!(key, after = ?was.since.elapsed(), "the MPS daemon of a prepared share is back");
+                }
+                out.up.push(key.clone());
+                continue;
+            }
+            let since = down()
+                .entry(key.clone())
+                .or_insert_with(|| {
+                    warn!(
+                        key,
+                        shares = self.users.count(key),
+                        "the MPS daemon of prepared shares does not answer: their CUDA clients have no \
+                         server; starting it again"
+                    );
+                    DaemonDown {
+                        since: std::time::Instant::now(),
+                        error: None,
+                    }
+                })
+                .since;
+            match self.mps.start(key, &need.uuid, need.defaults) {
+                Ok(_) => {
+                    info!(key, after = ?since.elapsed(), "started the MPS daemon of prepared shares again");
+                    down().remove(key);
+                    out.restarted.push(key.clone());
+                }
+                Err(e) => {
+                    let e = e.to_string();
+                    if let Some(entry) = down().get_mut(key) {
+                        if entry.error.as_deref() != Some(e.as_str()) {
+                            warn!(key, error = %e, "cannot start the MPS daemon of prepared shares; retrying");
+                        }
+                        entry.error = Some(e);
+                    }
+                    out.down.push(key.clone());
+                }
+            }
+        }
+        down().retain(|key, _| daemons.contains_key(key));
+        for key in self.mps.running() {
+            if daemons.contains_key(&key) || self.users.count(&key) > 0 {
+                continue;
+            }
+            let Ok(device) = key.parse::<DeviceName>() else {
+                continue;
+            };
+            let Some(gpu) = gpus.iter().find(|g| g.index == device.gpu()) else {
+                continue;
+            };
+            info!(key, "stopping an MPS daemon no prepared claim uses");
+            match self.teardown_locked(gpu, &key, SharingStrategy::Mps, &device) {
+                Ok(()) => out.stopped.push(key),
+                Err(e) => warn!(key, error = %e, "could not stop an orphaned MPS daemon"),
+            }
+        }
+        out
     }
 
     pub fn users(&self) -> &ShareUsers {
@@ -268,6 +419,11 @@ impl Sharer {
         match req.strategy {
             SharingStrategy::Mps => {
                 let limits = share_limits(req.consumed, req.mps, &req.device.to_string())?;
+                let mut daemons = self.lock_daemons();
+                let need = daemons.get(key).cloned().unwrap_or_else(|| DaemonNeed {
+                    uuid: req.uuid.to_string(),
+                    defaults: daemon_defaults(req, limits),
+                });
                 if !self.mps.is_running(key) {
                     if !mig {
                         // Only the MPS server may own the GPU, so clients cannot bypass it.
@@ -275,13 +431,16 @@ impl Sharer {
                             .set_compute_mode(gpu, ComputeMode::ExclusiveProcess)
                             .map_err(|source| SharingError::ComputeMode { gpu, source })?;
                     }
-                    let defaults = DaemonDefaults {
-                        active_thread_percentage: req.mps.and_then(|m| m.default_active_thread_percentage),
-                        pinned_memory_bytes: req
-                            .mps
-                            .and_then(|m| m.pinned_limit_bytes(&req.device.to_string())),
-                    };
-                    self.mps.start(key, req.uuid, defaults)?;
+                    self.mps.start(key, &need.uuid, need.defaults)?;
+                }
+                daemons.insert(key.to_string(), need.clone());
+                drop(daemons);
+                if let Some(p) = need.defaults.active_thread_percentage {
+                    out.limits.insert(DAEMON_THREAD_LIMIT.into(), p.to_string());
+                }
+                if let Some(b) = need.defaults.pinned_memory_bytes {
+                    out.limits
+                        .insert(DAEMON_PINNED_LIMIT.into(), format!("{}M", b >> 20));
                 }
                 let dirs = self.mps.dirs(key);
                 let (env, mounts) = mps::client_edits(&dirs, limits, self.real_hardware);
@@ -336,6 +495,19 @@ impl Sharer {
         strategy: SharingStrategy,
         device: &DeviceName,
     ) -> Result<(), SharingError> {
+        let mut daemons = self.lock_daemons();
+        daemons.remove(key);
+        self.teardown_locked(gpu, key, strategy, device)
+    }
+
+    /// [`Sharer::teardown`] with the daemon lock held by the caller.
+    fn teardown_locked(
+        &self,
+        gpu: &GpuInfo,
+        key: &str,
+        strategy: SharingStrategy,
+        device: &DeviceName,
+    ) -> Result<(), SharingError> {
         let index = gpu.index;
         let mig = on_mig(device);
         match strategy {
@@ -373,6 +545,43 @@ impl Sharer {
                 warn!(key, error = %e, "could not stop an orphaned MPS daemon");
             }
         }
+    }
+}
+
+/// How often the plugin checks the MPS daemons of prepared shares ([`Sharer::watch_daemons`]).
+/// Short, so an outage of a second or two (a supervisor's restart) is seen and reported; each watch asks
+/// every daemon one cheap query (`get_default_active_thread_percentage`, NVIDIA's own health probe).
+pub const DAEMON_WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// One sentence per device whose MPS daemon is down, for the NodeInventory's message.
+pub fn daemons_down_problems(down: &BTreeMap<String, DaemonDown>) -> Vec<String> {
+    down.iter()
+        .map(|(key, d)| {
+            let why = d.error.as_deref().map(|e| format!(": {e}")).unwrap_or_default();
+            format!(
+                "the MPS daemon of {key} has not answered for {}s; its prepared shares have no MPS server{why}",
+                d.since.elapsed().as_secs()
+            )
+        })
+        .collect()
+}
+
+/// The defaults the MPS daemon of a share's device starts with (the first share's): for a share slot the
+/// slot's own limits (all slots of a GPU are equal, so a client that drops its `CUDA_MPS_*` environment
+/// still cannot exceed a slot), else the config's `defaultActiveThreadPercentage` and pinned memory
+/// limit, else none.
+fn daemon_defaults(req: &ShareRequest<'_>, limits: ShareLimits) -> DaemonDefaults {
+    if matches!(req.device, DeviceName::ShareSlot { .. }) {
+        return DaemonDefaults {
+            active_thread_percentage: limits.active_thread_percentage,
+            pinned_memory_bytes: limits.pinned_memory_bytes,
+        };
+    }
+    DaemonDefaults {
+        active_thread_percentage: req.mps.and_then(|m| m.default_active_thread_percentage),
+        pinned_memory_bytes: req
+            .mps
+            .and_then(|m| m.pinned_limit_bytes(&req.device.to_string())),
     }
 }
 
@@ -481,6 +690,31 @@ mod tests {
             .to_string();
         assert!(!message.contains("uid-of"), "{message}");
         assert!(message.contains("by 2 other claim(s)"), "{message}");
+    }
+
+    #[test]
+    fn a_checkpoint_record_gives_back_the_daemon_defaults_and_an_old_record_none() {
+        let limits: BTreeMap<String, String> = [
+            ("activeThreadPercentage".to_string(), "25".to_string()),
+            (DAEMON_THREAD_LIMIT.to_string(), "40".to_string()),
+            (DAEMON_PINNED_LIMIT.to_string(), "20480M".to_string()),
+        ]
+        .into();
+        assert_eq!(
+            DaemonNeed::from_limits("GPU-1", &limits),
+            DaemonNeed {
+                uuid: "GPU-1".into(),
+                defaults: DaemonDefaults {
+                    active_thread_percentage: Some(40),
+                    pinned_memory_bytes: Some(20 << 30),
+                },
+            }
+        );
+        let old: BTreeMap<String, String> = [("activeThreadPercentage".to_string(), "25".to_string())].into();
+        assert_eq!(
+            DaemonNeed::from_limits("GPU-1", &old).defaults,
+            DaemonDefaults::default()
+        );
     }
 
     #[test]

@@ -47,14 +47,17 @@
 //!
 //! Enforcement, honestly:
 //! * Thread percentage: the client's env var can only *lower* the server's limit, and a process can unset
-//!   it; the daemon's default (set from the config's `defaultActiveThreadPercentage`, else 100) is what an
-//!   env-less client gets. MPS applies `set_default_*` only to servers spawned later, so the defaults are
+//!   it; the daemon's default (a share slot's size, else the config's `defaultActiveThreadPercentage`, else
+//!   100) is what an env-less client gets. MPS applies `set_default_*` only to servers spawned later, so the defaults are
 //!   fixed by the first share.
 //! * Pinned memory: enforced by the MPS server per client context, with the limit the client declares
-//!   through its env; a client that unsets it gets the daemon default (the config's
-//!   `defaultPinnedDeviceMemoryLimit`, else none).
+//!   through its env; a client that unsets it gets the daemon default (a share slot's size, else the
+//!   config's `defaultPinnedDeviceMemoryLimit`, else none).
 //! * So the per-claim limits bind cooperative workloads; a hostile container on the same device can take
 //!   up to the daemon defaults. A fault in one client reaches every client of the daemon.
+//! * And every client can talk to the daemon: the control socket a CUDA client needs is the one control
+//!   commands go to, so a tenant can `quit` its device's daemon (the watches start it again) or change the
+//!   defaults later servers get ([`super`]'s table).
 
 use std::{
     collections::HashMap,
@@ -521,7 +524,24 @@ impl MpsManager {
                     reason: e.to_string(),
                 });
         }
+        self.quit(key)?;
         let dirs = self.dirs(key);
+        if self.private_shm {
+            private_shm::release(&dirs.shm);
+        }
+        if let Err(e) = fs::remove_dir_all(&dirs.root)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            warn!(key, error = %e, "could not remove the MPS daemon directory");
+        }
+        Ok(())
+    }
+
+    /// Stops the daemon for `key` (`quit`) and waits for it to exit, keeping its directories: the pipe and
+    /// `/dev/shm` directories are bind-mounted into the running clients' containers, so a daemon started
+    /// later for the same key (the next supervisor's restore) must serve from the very same directories.
+    /// Succeeds when no daemon runs. Local daemons only (not forwarded to a supervisor).
+    pub fn quit(&self, key: &str) -> Result<()> {
         let pid = self.pid(key);
         if pid.is_some() || self.is_running(key) {
             if let Err(e) = self.send(key, "quit") {
@@ -545,14 +565,6 @@ impl MpsManager {
         }
         if let Some(owned) = &self.owned {
             owned.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
-        }
-        if self.private_shm {
-            private_shm::release(&dirs.shm);
-        }
-        if let Err(e) = fs::remove_dir_all(&dirs.root)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            warn!(key, error = %e, "could not remove the MPS daemon directory");
         }
         Ok(())
     }

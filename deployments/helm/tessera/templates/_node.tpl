@@ -23,8 +23,10 @@ driver root, which is mounted at tessera.containerDriverRoot. */}}
 - name: state
   hostPath: {path: {{ .Values.stateDir | quote }}, type: DirectoryOrCreate}
 {{- if eq .Values.backend "nvml" }}
+# DirectoryOrCreate: a driver container mounts the driver there after this pod starts (HostToContainer
+# shows it); until then wait-for-driver waits on the empty directory.
 - name: driver-root
-  hostPath: {path: {{ .Values.driverRoot | quote }}, type: Directory}
+  hostPath: {path: {{ .Values.driverRoot | quote }}, type: DirectoryOrCreate}
 # MIG device nodes (/dev/nvidia-caps/…) appear after the pod starts; a privileged container's /dev is a copy.
 - name: dev
   hostPath: {path: /dev, type: Directory}
@@ -37,6 +39,43 @@ Where the node components see the host's driverRoot: a fixed path of their own, 
 host's paths in CDI specs (--driver-root vs --container-driver-root, kubelet-plugin/README.md).
 */}}
 {{- define "tessera.containerDriverRoot" -}}/driver-root{{- end }}
+
+{{/*
+The init container of both node pods (nvml only): waits until the driver is installed under driverRoot,
+printing what is missing every 30 s, so a node whose driver container is still working shows Init:0/1 and
+a reason instead of a crash loop. It reads the driver root as the plugin does (and the state dir, where a
+simulated driver's kernel lives), nothing else, with no capability.
+*/}}
+{{- define "tessera.waitForDriver" -}}
+{{- if eq .Values.backend "nvml" }}
+initContainers:
+  - name: wait-for-driver
+    image: {{ include "tessera.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command: ["/usr/bin/tessera-kubelet-plugin", "wait-for-driver"]
+    env:
+      {{- include "tessera.nodeEnv" . | nindent 6 }}
+      - name: TESSERA_WAIT_FOR_DRIVER_TIMEOUT
+        value: {{ .Values.driver.waitTimeout | quote }}
+    securityContext:
+      runAsUser: 0
+      allowPrivilegeEscalation: false
+      capabilities: {drop: ["ALL"]}
+      readOnlyRootFilesystem: true
+    resources:
+      requests: {cpu: 10m, memory: 16Mi}
+      limits: {memory: 64Mi}
+    volumeMounts:
+      - name: driver-root
+        mountPath: {{ include "tessera.containerDriverRoot" . | quote }}
+        readOnly: true
+        mountPropagation: HostToContainer
+      - name: state
+        mountPath: {{ .Values.stateDir | quote }}
+        readOnly: true
+        mountPropagation: HostToContainer
+{{- end }}
+{{- end }}
 
 {{- define "tessera.nodeMounts" -}}
 {{- if eq .Values.backend "nvml" }}

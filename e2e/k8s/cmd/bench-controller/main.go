@@ -964,7 +964,12 @@ func readPid(path string) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	return strconv.Atoi(strings.TrimSpace(string(raw)))
+	// common.sh's pid files hold "pid start-time"; the pid is the first field.
+	fields := strings.Fields(string(raw))
+	if len(fields) == 0 {
+		return 0, fmt.Errorf("empty pid file %s", path)
+	}
+	return strconv.Atoi(fields[0])
 }
 
 func mib(b int64) string {

@@ -48,8 +48,8 @@ use tessera_kubelet_plugin::{
     gpu::{
         ComputeMode, GpuBackend,
         simulated::{
-            DEV_ROOT_ENV, DeviceView, SIMULATED_CUDA_DRIVER_VERSION, SIMULATED_DRIVER_VERSION,
-            SimulatedBackend, locate_kernel, mig_minors_by_formula,
+            DEV_ROOT_ENV, DeviceView, SIMULATED_CUDA_DRIVER_VERSION, SimulatedBackend, kernel_driver_version,
+            library_driver_version, locate_kernel, mapped_inode, mig_minors_by_formula,
         },
     },
     sharing::mps::{CLIENT_CONNECT, ClientGrant, parse_mem_limit, send_control},
@@ -336,12 +336,14 @@ fn init() -> Result<Driver, CUresult> {
         ));
         return Err(CUDA_ERROR_NO_DEVICE);
     };
-    // The kernel module and the library must be the same driver version, as with NVIDIA's.
-    if let Ok(version) = std::fs::read_to_string(dir.join("proc/driver/nvidia/version"))
-        && !version.contains(SIMULATED_DRIVER_VERSION)
+    // The kernel module and the library must be the same driver version, as with NVIDIA's: after a
+    // driver upgrade a container that still has the old library fails here.
+    let own = library_driver_version(&path, mapped_inode(cuInit as *const c_void as usize), "libcuda");
+    if let Some(kernel) = kernel_driver_version(&dir)
+        && kernel != own
     {
         debug(&format!(
-            "kernel module version in {} is not {SIMULATED_DRIVER_VERSION}",
+            "the kernel module in {} is driver {kernel}, this library {own}",
             dir.display()
         ));
         return Err(CUDA_ERROR_SYSTEM_DRIVER_MISMATCH);

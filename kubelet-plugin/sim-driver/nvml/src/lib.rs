@@ -49,9 +49,10 @@ use tessera_kubelet_plugin::gpu::{
     ComputeMode, GpuBackend, GpuError, TimeSlice,
     models::{Architecture, GpuModel},
     simulated::{
-        DeviceView, MigDevice, SIMULATED_CUDA_DRIVER_VERSION, SIMULATED_DRIVER_VERSION, SimulatedBackend,
-        SimulatedFault, SimulatedGpu, locate_kernel,
+        DeviceView, MigDevice, SIMULATED_CUDA_DRIVER_VERSION, SimulatedBackend, SimulatedFault, SimulatedGpu,
+        kernel_driver_version, library_driver_version, locate_kernel, mapped_inode,
     },
+    usage::{ProcessUsage, UsageQuery},
 };
 
 // === NVML return codes (nvml.h) ===
@@ -204,6 +205,20 @@ fn own_path() -> Option<PathBuf> {
     }
 }
 
+/// The driver version of this library file, fixed at its first use (see `library_driver_version`): the
+/// version `nvmlSystemGetDriverVersion` reports, which a plugin names in its CDI specs.
+fn own_version() -> &'static str {
+    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    VERSION.get_or_init(|| {
+        let own = own_path().unwrap_or_default();
+        library_driver_version(
+            &own,
+            mapped_inode(nvmlInit_v2 as *const c_void as usize),
+            "libnvidia-ml",
+        )
+    })
+}
+
 fn init() -> R {
     let mut g = global();
     if g.init_count > 0 {
@@ -213,6 +228,11 @@ fn init() -> R {
     let kernel = own_path()
         .and_then(|p| locate_kernel(&p))
         .ok_or(DRIVER_NOT_LOADED)?;
+    // As NVIDIA's: a library of another driver version than the loaded kernel module refuses to start
+    // ("Driver/library version mismatch"), which is what a container keeps after a driver upgrade.
+    if kernel_driver_version(&kernel).is_some_and(|k| k != own_version()) {
+        return Err(LIB_RM_VERSION_MISMATCH);
+    }
     let sim = SimulatedBackend::open_kernel(&kernel).map_err(|e| match e {
         GpuError::SimulatedState { .. } if !kernel.exists() => DRIVER_NOT_LOADED,
         _ => UNKNOWN,
@@ -577,7 +597,7 @@ pub extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
 pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
     // SAFETY: by the caller's contract.
     let version = unsafe { OutStr::new(version, length) };
-    answer(version, |_| Ok(SIMULATED_DRIVER_VERSION.to_string()))
+    answer(version, |_| Ok(own_version().to_string()))
 }
 
 /// # Safety
@@ -588,7 +608,7 @@ pub unsafe extern "C" fn nvmlSystemGetNVMLVersion(version: *mut c_char, length: 
         // NVML's version is the CUDA major before the driver version, e.g. 13.580.159.03.
         let major = SIMULATED_CUDA_DRIVER_VERSION.split('.').next().unwrap_or("13");
         // SAFETY: by the caller's contract.
-        unsafe { out_str(version, length, &format!("{major}.{SIMULATED_DRIVER_VERSION}")) }
+        unsafe { out_str(version, length, &format!("{major}.{}", own_version())) }
     })
 }
 
@@ -1187,11 +1207,24 @@ pub extern "C" fn nvmlDeviceSetComputeMode(device: nvmlDevice_t, mode: nvmlCompu
     })
 }
 
+/// The synthetic load's processes on GPU `gpu` (`tessera-kubelet-plugin simulate load`, in the kernel's
+/// `simulated-load.json`): each stands for a process (`--pid`: a real one of the host, as NVML names host
+/// PIDs) using its memory and SM share of the whole GPU. Loads set on MIG devices show here too, without
+/// their instance ids. A load file that cannot be read is no load.
+fn load_processes(lib: &Lib, gpu: u32) -> Vec<ProcessUsage> {
+    let query = UsageQuery {
+        gpu,
+        mig: None,
+        device: "",
+    };
+    lib.sim.usage(&query).map(|u| u.processes).unwrap_or_default()
+}
+
 /// Processes of a GPU (each with its MIG device's ids) or of one MIG device.
 fn processes(lib: &Lib, device: nvmlDevice_t) -> R<Vec<nvmlProcessInfo_t>> {
     let d = lib.dev(device)?;
     let all = lib.sim.running_processes(d.gpu).map_err(model_err)?;
-    Ok(all
+    let mut out: Vec<nvmlProcessInfo_t> = all
         .into_iter()
         .filter(|p| match &d.mig {
             None => true,
@@ -1203,7 +1236,16 @@ fn processes(lib: &Lib, device: nvmlDevice_t) -> R<Vec<nvmlProcessInfo_t>> {
             gpuInstanceId: p.mig.map_or(NO_INSTANCE, |(gi, _)| gi),
             computeInstanceId: p.mig.map_or(NO_INSTANCE, |(_, ci)| ci),
         })
-        .collect())
+        .collect();
+    if d.mig.is_none() {
+        out.extend(load_processes(lib, d.gpu).into_iter().map(|p| nvmlProcessInfo_t {
+            pid: p.pid,
+            usedGpuMemory: p.memory_used_bytes.unwrap_or(VALUE_NOT_AVAILABLE),
+            gpuInstanceId: NO_INSTANCE,
+            computeInstanceId: NO_INSTANCE,
+        }));
+    }
+    Ok(out)
 }
 
 /// # Safety
@@ -1285,27 +1327,50 @@ pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v2(
     unsafe { nvmlDeviceGetGraphicsRunningProcesses_v3(device, count, infos) }
 }
 
-/// No utilization samples are recorded: NOT_FOUND, as NVML answers when no process ran in the window.
+/// One sample per process of the synthetic load (its SM share), stamped now; NOT_FOUND without load, as
+/// NVML answers when no process ran in the window.
 ///
 /// # Safety
 /// Pointers are null or valid.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
     device: nvmlDevice_t,
-    _utilization: *mut nvmlProcessUtilizationSample_t,
+    utilization: *mut nvmlProcessUtilizationSample_t,
     count: *mut c_uint,
     _last_seen: c_ulonglong,
 ) -> nvmlReturn_t {
     ffi(|| {
         let lib = lib()?;
-        lib.gpu(device)?;
+        let gpu = lib.gpu(device)?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros() as c_ulonglong)
+            .unwrap_or_default();
+        let samples: Vec<nvmlProcessUtilizationSample_t> = load_processes(&lib, gpu)
+            .into_iter()
+            .filter_map(|p| {
+                Some(nvmlProcessUtilizationSample_t {
+                    pid: p.pid,
+                    timeStamp: now,
+                    smUtil: p.sm_percent?,
+                    memUtil: 0,
+                    encUtil: 0,
+                    decUtil: 0,
+                })
+            })
+            .collect();
+        if samples.is_empty() {
+            // SAFETY: by the caller's contract.
+            unsafe { out(count, 0)? };
+            return Err(NOT_FOUND);
+        }
         // SAFETY: by the caller's contract.
-        unsafe { out(count, 0)? };
-        Err(NOT_FOUND)
+        unsafe { out_array(utilization, count, samples) }
     })
 }
 
-/// Idle; NOT_SUPPORTED on a MIG-enabled GPU (NVML reports no utilization there).
+/// The synthetic load's SM use (idle without one); NOT_SUPPORTED on a MIG-enabled GPU (NVML reports no
+/// utilization there).
 ///
 /// # Safety
 /// `utilization` is null or valid.
@@ -1321,7 +1386,11 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
         if lib.sim.mig_mode(gpu).map_err(model_err)?.current {
             return Err(NOT_SUPPORTED);
         }
-        Ok(nvmlUtilization_t { gpu: 0, memory: 0 })
+        let busy: u32 = load_processes(lib, gpu).iter().filter_map(|p| p.sm_percent).sum();
+        Ok(nvmlUtilization_t {
+            gpu: busy.min(100),
+            memory: 0,
+        })
     })
 }
 

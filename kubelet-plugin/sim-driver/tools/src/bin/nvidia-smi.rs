@@ -1,5 +1,6 @@
 //! tessera's simulated `nvidia-smi`: like NVIDIA's, a program over `libnvidia-ml.so.1`, which it loads by
-//! soname (the loader's path, `LD_PRELOAD`, or the driver root's library directory next to it). It sees
+//! soname (the loader's path, `LD_PRELOAD`, its cache), else from the driver root's library directory next
+//! to it ([`open_nvml`]). It sees
 //! what the library shows the process: on the node every GPU, in a container the GPUs whose device nodes
 //! it was given.
 //!
@@ -149,7 +150,7 @@ struct Selected<'n> {
 }
 
 fn run(req: &Request) -> Outcome {
-    let nvml = Nvml::builder().lib_path(OsStr::new(NVML_SONAME)).init()?;
+    let nvml = open_nvml()?;
     let count = nvml.device_count()?;
     if count == 0 {
         return Err(fail(exit::NOT_FOUND, "No devices were found"));
@@ -365,6 +366,29 @@ fn set_timeslice(selected: &[Selected<'_>], slice: u32) -> Outcome {
         println!("Set timeslice to {slice} for GPU {}", s.device.pci_info()?.bus_id);
     }
     Ok(())
+}
+
+/// NVML by soname, where the loader finds it (`LD_LIBRARY_PATH`, its cache, its default directories), as
+/// NVIDIA's nvidia-smi loads it; failing that, the driver root's own library next to this program
+/// (`R/usr/bin` → `R/usr/lib/x86_64-linux-gnu`, GKE's `bin` → `lib64`), opened by path. Not a run path:
+/// a run path would also apply to this program's own `libc.so.6`, and the library directory of a GPU
+/// Operator rootfs holds the distribution's, which kills a program of another glibc before `main`.
+fn open_nvml() -> Result<Nvml, NvmlError> {
+    let err = match Nvml::builder().lib_path(OsStr::new(NVML_SONAME)).init() {
+        Err(e @ (NvmlError::LibloadingError(_) | NvmlError::LibraryNotFound)) => e,
+        other => return other,
+    };
+    let Some(bin) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|p| p.to_path_buf()))
+    else {
+        return Err(err);
+    };
+    ["../lib/x86_64-linux-gnu", "../lib64", "../lib"]
+        .iter()
+        .map(|d| bin.join(d).join(NVML_SONAME))
+        .find(|p| p.is_file())
+        .map_or(Err(err), |lib| Nvml::builder().lib_path(lib.as_os_str()).init())
 }
 
 /// A symbol of the already loaded NVML library (looked up by soname, without loading another copy).
