@@ -443,7 +443,7 @@ fn a_pod_whose_claim_is_not_generated_yet_is_explained_from_its_template() {
 }
 
 #[test]
-fn a_claim_naming_a_missing_class_says_the_class_does_not_exist() {
+fn a_claim_naming_a_missing_class_says_the_class_does_not_exist_and_names_tesseras_classes() {
     let c = cluster()
         .node("gpu-node-0", "h100-whole")
         .claim(claim("typo").exactly("gpu", ask("gpus.tessera.dev")));
@@ -452,9 +452,10 @@ fn a_claim_naming_a_missing_class_says_the_class_does_not_exist() {
 
     assert!(!report.fits);
     assert!(
-        report
-            .summary
-            .ends_with("DeviceClass gpus.tessera.dev does not exist"),
+        report.summary.ends_with(
+            "DeviceClass gpus.tessera.dev does not exist; did you mean gpu.tessera.dev?; \
+             tessera's classes: gpu.tessera.dev, mig.gpu.tessera.dev, shared.gpu.tessera.dev"
+        ),
         "{}",
         report.summary
     );

@@ -5,12 +5,12 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use k8s_openapi::api::{
-    core::v1::Pod,
-    resource::v1::{DeviceClass, ResourceClaimTemplate, ResourceSlice},
+    core::v1::{Event, Node, Pod},
+    resource::v1::{DeviceClass, DeviceTaintRule, ResourceClaimTemplate, ResourceSlice},
 };
 use kube::{
     Api, Client, Config,
-    api::ListParams,
+    api::{ApiResource, DynamicObject, GroupVersionKind, ListParams},
     config::{KubeConfigOptions, Kubeconfig},
 };
 
@@ -18,22 +18,26 @@ use super::{Cluster, ExplainError, Target, explain, input};
 
 /// What explain leaves out, shown in `--help`.
 pub const NOT_MODELLED: &str = "\
-Scope: each node is evaluated on its own, as the scheduler's filter does: every request alone (with its \
-firstAvailable alternatives in order), then all pending claims of the pod together (with their matchAttribute and \
-distinctAttribute constraints), with the devices, \
-shared counters (MIG placements) and consumable capacity (shares) that allocated claims already hold. \
-Not modelled: slices selected by nodeSelector or \
-per-device node selection (only nodeName and allNodes slices count), DeviceTaintRules, binding \
-conditions, claims the scheduler has reserved but not yet written, nodes that serve an extended resource \
-(nvidia.com/gpu) through a device plugin (a pod asking for one is explained as the claim the scheduler \
-makes from the DeviceClass with that extendedResourceName), node affinity and every non-DRA scheduling \
-condition. A selector that \
-fails at runtime (a missing attribute) ends a node's evaluation with that error where the allocator would \
+Scope: each node is evaluated on its own, as the scheduler's filter does: for a pod not yet placed, first \
+its own constraints (nodeName, a cordoned node, nodeSelector, required node affinity, node taints against \
+its tolerations, extended resources no DeviceClass serves against the node's allocatable), then every \
+request alone (with its firstAvailable alternatives in order), then all pending claims of the pod together \
+(with their matchAttribute and distinctAttribute constraints), with the devices, shared counters (MIG \
+placements), consumable capacity (shares) that allocated claims already hold, and the taints of \
+DeviceTaintRules (where the API server serves them; their driver, pool and device selector). For a pod whose \
+claims are allocated but that does not start, the FailedPrepareDynamicResources event kubelet last reported. \
+Not modelled: slices selected by nodeSelector or per-device node selection (only nodeName and allNodes \
+slices count), v1alpha3 DeviceTaintRules' class and CEL selectors, binding conditions, claims the scheduler \
+has reserved but not yet written, cpu, memory and pod-count fit, inter-pod affinity, topology spread, and \
+other pods' use of a device plugin's extended resource (a pod asking for one a DeviceClass serves through \
+extendedResourceName is explained as the claim the scheduler makes from that class). A selector that fails \
+at runtime (a missing attribute) ends a node's evaluation with that error where the allocator would \
 evaluate it, as the scheduler does; the device is listed with the error.";
 
 const EXIT_CODES: &str = "\
 Exit status: 0 when everything fits on some node (or is allocated already), 1 when something does not \
-fit, 2 on errors (object not found, API server unreachable, malformed file).";
+fit or the pod cannot start (its own constraints rule out every node, or kubelet cannot prepare its \
+allocated claims), 2 on errors (object not found, API server unreachable, malformed file).";
 
 /// tessera's kubectl plugin.
 #[derive(Debug, Parser)]
@@ -67,8 +71,8 @@ pub struct ExplainArgs {
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value = "text")]
     pub output: Output,
-    /// Read DeviceClasses, ResourceSlices, ResourceClaims, Pods and ResourceClaimTemplates from this JSON
-    /// or YAML List instead of the API server.
+    /// Read DeviceClasses, ResourceSlices, ResourceClaims, Pods and ResourceClaimTemplates (and, when
+    /// given, Nodes, Events and DeviceTaintRules) from this JSON or YAML List instead of the API server.
     #[arg(long)]
     pub from_file: Option<PathBuf>,
     /// Kubeconfig file (as kubectl: KUBECONFIG, then ~/.kube/config, then in-cluster).
@@ -129,10 +133,15 @@ async fn from_cluster(client: Client, target: &Target) -> Result<Cluster, Explai
         ))
         .await?,
         pods: Vec::new(),
+        nodes: Vec::new(),
+        events: Vec::new(),
+        taint_rules: taint_rules(&client).await,
     };
     // One claim that does not decode (a lone surrogate, too deep a nesting, in any namespace) must not make
     // explain fail for everyone: it is left out, and said so.
-    let listed = tessera_api::claim_list::list_all(&client).await.map_err(cluster_error)?;
+    let listed = tessera_api::claim_list::list_all(&client)
+        .await
+        .map_err(cluster_error)?;
     for u in &listed.unreadable {
         let named = match target {
             Target::Claim { namespace, name } => {
@@ -147,12 +156,77 @@ async fn from_cluster(client: Client, target: &Target) -> Result<Cluster, Explai
     }
     cluster.claims = listed.claims;
     if let Target::Pod { name, .. } = target {
-        let pods: Api<Pod> = Api::namespaced(client, &namespace);
+        let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
         if let Some(pod) = pods.get_opt(name).await.map_err(cluster_error)? {
             cluster.pods.push(pod);
         }
+        // Nodes and events are what a pod's own constraints and kubelet's word need; a user who may not
+        // read them still gets the claims' answer, told what is left out.
+        match list(Api::<Node>::all(client.clone())).await {
+            Ok(nodes) => cluster.nodes = nodes,
+            Err(e) => eprintln!(
+                "warning: cannot list nodes ({e}); the pod's nodeSelector, affinity, tolerations and extended \
+                 resources are not checked"
+            ),
+        }
+        let events: Api<Event> = Api::namespaced(client, &namespace);
+        let params =
+            ListParams::default().fields(&format!("involvedObject.kind=Pod,involvedObject.name={name}"));
+        match events.list(&params).await {
+            Ok(list) => cluster.events = list.items,
+            Err(e) => {
+                eprintln!("warning: cannot list the pod's events ({e}); a prepare failure is not shown")
+            }
+        }
     }
     Ok(cluster)
+}
+
+/// The DeviceTaintRules, from the newest `resource.k8s.io` version the API server lists them in; none
+/// where it serves none (before 1.33, or its feature off), so nothing is guessed.
+async fn taint_rules(client: &Client) -> Vec<DeviceTaintRule> {
+    for version in ["v1", "v1beta2", "v1alpha3"] {
+        let gv = format!("resource.k8s.io/{version}");
+        let Ok(resources) = client.list_api_group_resources(&gv).await else {
+            continue;
+        };
+        if !resources.resources.iter().any(|r| r.name == "devicetaintrules") {
+            continue;
+        }
+        let gvk = GroupVersionKind::gvk("resource.k8s.io", version, "DeviceTaintRule");
+        let api: Api<DynamicObject> = Api::all_with(
+            client.clone(),
+            &ApiResource::from_gvk_with_plural(&gvk, "devicetaintrules"),
+        );
+        let listed = match api.list(&ListParams::default()).await {
+            Ok(l) => l.items,
+            Err(e) => {
+                eprintln!("warning: cannot list DeviceTaintRules ({e}); the taints they add are not counted");
+                return Vec::new();
+            }
+        };
+        // The older versions' selector and taint have the same fields explain reads (driver, pool,
+        // device; key, value, effect).
+        return listed
+            .into_iter()
+            .filter_map(|o| {
+                let name = o.metadata.name.clone();
+                serde_json::to_value(&o)
+                    .ok()
+                    .and_then(|mut v| {
+                        v["apiVersion"] = serde_json::Value::String("resource.k8s.io/v1".into());
+                        serde_json::from_value::<DeviceTaintRule>(v).ok()
+                    })
+                    .or_else(|| {
+                        eprintln!(
+                            "warning: DeviceTaintRule {name:?} does not decode; its taint is not counted"
+                        );
+                        None
+                    })
+            })
+            .collect();
+    }
+    Vec::new()
 }
 
 /// Runs explain; returns the exit status (0 fits, 1 does not fit, 2 error), having printed the answer.

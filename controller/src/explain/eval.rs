@@ -22,6 +22,8 @@ pub enum Failure {
     },
     Selector {
         expression: String,
+        /// What the device has of the attributes and capacities the expression names, as `name = value`.
+        seen: Vec<String>,
     },
     SelectorError {
         message: String,
@@ -101,7 +103,12 @@ impl std::fmt::Display for Failure {
             Failure::ClassSelector { class, expression } => {
                 write!(f, "not in class {class}: selector `{expression}` is false")
             }
-            Failure::Selector { expression } => write!(f, "selector `{expression}` is false"),
+            Failure::Selector { expression, seen } if seen.is_empty() => {
+                write!(f, "selector `{expression}` is false")
+            }
+            Failure::Selector { expression, seen } => {
+                write!(f, "selector `{expression}` is false ({})", seen.join(", "))
+            }
             Failure::SelectorError { message } => write!(f, "selector fails: {message}"),
             Failure::PoolIncomplete => write!(f, "its pool is being updated (not all slices published)"),
             Failure::NoCapacity { name } => write!(f, "has no capacity {name}"),
@@ -306,13 +313,78 @@ fn tolerates(t: &DeviceToleration, taint: &DeviceTaint) -> bool {
 }
 
 fn untolerated_taint(alt: &Alternative, dev: &NodeDevice<'_>) -> Option<String> {
-    dev.device.taints.iter().flatten().find_map(|taint| {
+    // The slice's own taints, then those DeviceTaintRules add (the scheduler sees both alike).
+    let own = dev.device.taints.iter().flatten().map(|t| (t, None));
+    let ruled = dev.rule_taints.iter().map(|(rule, t)| (t, Some(rule.as_str())));
+    own.chain(ruled).find_map(|(taint, rule)| {
         let blocks = matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute");
+        let from = rule.map(|r| format!(", DeviceTaintRule {r}")).unwrap_or_default();
         (blocks && !alt.tolerations.iter().any(|t| tolerates(t, taint))).then(|| match &taint.value {
-            Some(v) if !v.is_empty() => format!("{}={v} ({})", taint.key, taint.effect),
-            _ => format!("{} ({})", taint.key, taint.effect),
+            Some(v) if !v.is_empty() => format!("{}={v} ({}{from})", taint.key, taint.effect),
+            _ => format!("{} ({}{from})", taint.key, taint.effect),
         })
     })
+}
+
+/// `device.attributes["domain"].name` and `device.capacity["domain"].name` as the expression names them,
+/// each with the device's value, so a false selector shows what it compared against.
+pub fn referenced_values(expression: &str, dev: &NodeDevice<'_>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for kind in ["attributes", "capacity"] {
+        let opener = format!("device.{kind}[");
+        let mut rest = expression;
+        while let Some(at) = rest.find(&opener) {
+            rest = &rest[at + opener.len()..];
+            let Some(quote) = rest.chars().next().filter(|c| *c == '"' || *c == '\'') else {
+                continue;
+            };
+            let Some(end) = rest[1..].find(quote) else { break };
+            let domain = &rest[1..1 + end];
+            let after = &rest[1 + end + 1..];
+            let Some(after) = after.strip_prefix("].") else {
+                continue;
+            };
+            let id: String = after
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            if id.is_empty() {
+                continue;
+            }
+            let qualified = format!("{domain}/{id}");
+            let bare = (domain == dev.id.0).then_some(id.as_str());
+            let value = if kind == "attributes" {
+                let attrs = dev.device.attributes.as_ref();
+                attrs
+                    .and_then(|a| a.get(&qualified).or_else(|| bare.and_then(|b| a.get(b))))
+                    .map(|a| {
+                        if let Some(i) = a.int {
+                            i.to_string()
+                        } else if let Some(b) = a.bool {
+                            b.to_string()
+                        } else if let Some(s) = &a.string {
+                            format!("{s:?}")
+                        } else if let Some(v) = &a.version {
+                            format!("version {v}")
+                        } else {
+                            "(no value)".into()
+                        }
+                    })
+            } else {
+                let caps = dev.device.capacity.as_ref();
+                caps.and_then(|c| c.get(&qualified).or_else(|| bare.and_then(|b| c.get(b))))
+                    .map(|c| c.value.0.clone())
+            };
+            let shown = format!(
+                "device.{kind}[\"{domain}\"].{id} = {}",
+                value.unwrap_or_else(|| "(absent)".into())
+            );
+            if !out.contains(&shown) {
+                out.push(shown);
+            }
+        }
+    }
+    out
 }
 
 /// Compiled selectors, shared by every node and request.
@@ -375,6 +447,7 @@ impl<'c> Selectors<'c> {
                 Ok(false) => {
                     return Err(Failure::Selector {
                         expression: expression.clone(),
+                        seen: referenced_values(expression, dev),
                     });
                 }
                 Err(message) => return Err(Failure::SelectorError { message }),

@@ -1,6 +1,8 @@
 //! `--from-file`: a JSON or YAML `List` (or several YAML documents) of DeviceClasses, ResourceSlices,
-//! ResourceClaims, Pods and ResourceClaimTemplates, as `kubectl get … -o json` prints them. Other kinds
-//! (Nodes, Events, …) are skipped so a whole `kubectl get` dump can be fed in.
+//! ResourceClaims, Pods and ResourceClaimTemplates, as `kubectl get … -o json` prints them, and optionally
+//! Nodes (for a pod's nodeSelector, affinity, taints and extended resources), core/v1 Events (for the
+//! prepare failure kubelet reported) and DeviceTaintRules. Other kinds are skipped so a whole `kubectl get`
+//! dump can be fed in.
 
 use std::path::Path;
 
@@ -100,6 +102,24 @@ fn add(cluster: &mut Cluster, path: &str, v: Value, list_kind: Option<&str>) -> 
         "ResourceClaim" => cluster.claims.push(typed(path, &what, v)?),
         "ResourceClaimTemplate" => cluster.templates.push(typed(path, &what, v)?),
         "Pod" => cluster.pods.push(typed(path, &what, v)?),
+        "Node" => cluster.nodes.push(typed(path, &what, v)?),
+        // events.k8s.io/v1 Events name the pod differently (`regarding`); kubectl get events prints v1.
+        "Event" if matches!(api_version, "" | "v1") => cluster.events.push(typed(path, &what, v)?),
+        "DeviceTaintRule" => {
+            if !matches!(
+                api_version,
+                "" | "resource.k8s.io/v1" | "resource.k8s.io/v1beta2" | "resource.k8s.io/v1alpha3"
+            ) {
+                return Err(file_error(
+                    path,
+                    format!("{what} is {api_version}; export it as resource.k8s.io/v1"),
+                ));
+            }
+            // The older versions carry the same selector and taint fields explain reads.
+            let mut v = v;
+            v["apiVersion"] = Value::String("resource.k8s.io/v1".into());
+            cluster.taint_rules.push(typed(path, &what, v)?);
+        }
         _ => {}
     }
     Ok(())

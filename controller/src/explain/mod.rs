@@ -16,14 +16,15 @@ pub mod cli;
 pub mod eval;
 pub mod input;
 pub mod model;
+pub mod pod;
 pub mod report;
 pub mod request;
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::{
-    core::v1::Pod,
-    resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice},
+    core::v1::{Event, Node, Pod},
+    resource::v1::{DeviceClass, DeviceTaintRule, ResourceClaim, ResourceClaimTemplate, ResourceSlice},
 };
 
 use self::{
@@ -68,6 +69,13 @@ pub struct Cluster {
     pub claims: Vec<ResourceClaim>,
     pub pods: Vec<Pod>,
     pub templates: Vec<ResourceClaimTemplate>,
+    /// The nodes, for a pod's nodeSelector, affinity, taints and extended resources; empty when unknown
+    /// (a file without Nodes), and then those checks are left out.
+    pub nodes: Vec<Node>,
+    /// The target pod's events, for the prepare failure kubelet reports.
+    pub events: Vec<Event>,
+    /// DeviceTaintRules, where the API server serves them.
+    pub taint_rules: Vec<DeviceTaintRule>,
 }
 
 /// What to explain.
@@ -264,43 +272,9 @@ fn resolve(cluster: &Cluster, target: &Target) -> Result<Resolved, ExplainError>
 /// resource, as many devices as the pod needs at once (its containers together, or its largest init
 /// container if that is more).
 fn extended_resource_claim(cluster: &Cluster, pod: &Pod, namespace: &str, name: &str) -> Option<ClaimInput> {
-    let spec = pod.spec.as_ref()?;
-    let class_for = |resource: &str| -> Option<String> {
-        cluster.classes.iter().find_map(|c| {
-            let class = c.metadata.name.clone()?;
-            let served = c.spec.as_ref().and_then(|s| s.extended_resource_name.as_deref()) == Some(resource)
-                || resource == format!("deviceclass.resource.kubernetes.io/{class}");
-            served.then_some(class)
-        })
-    };
-    let amounts = |c: &k8s_openapi::api::core::v1::Container| -> BTreeMap<String, i64> {
-        let r = c.resources.as_ref();
-        let mut out = BTreeMap::new();
-        for list in [
-            r.and_then(|r| r.requests.as_ref()),
-            r.and_then(|r| r.limits.as_ref()),
-        ] {
-            for (k, q) in list.into_iter().flatten() {
-                if let Some(v) = Quantity::parse(&q.0).ok().and_then(|q| q.as_integer()) {
-                    let e = out.entry(k.clone()).or_insert(0);
-                    *e = (*e).max(v);
-                }
-            }
-        }
-        out
-    };
-    let mut need: BTreeMap<String, i64> = BTreeMap::new();
-    for c in &spec.containers {
-        for (k, v) in amounts(c) {
-            *need.entry(k).or_insert(0) += v;
-        }
-    }
-    for c in spec.init_containers.iter().flatten() {
-        for (k, v) in amounts(c) {
-            let e = need.entry(k).or_insert(0);
-            *e = (*e).max(v);
-        }
-    }
+    let class_for =
+        |resource: &str| pod::class_serving(&cluster.classes, resource).and_then(|c| c.metadata.name.clone());
+    let need = pod::pod_needs(pod);
     let requests: Vec<request::Request> = need
         .into_iter()
         .filter(|(_, v)| *v > 0)
@@ -436,8 +410,69 @@ fn grouped_reason(model: &NodeModel<'_>, alt: &Alternative, diag: &Diagnosis) ->
     }
 }
 
+/// A class that does not exist, with the closest name and the tessera classes there are.
+fn missing_class(name: &str, classes: &[DeviceClass]) -> String {
+    let tessera: Vec<&str> = classes
+        .iter()
+        .filter(|c| {
+            let named = c
+                .metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.ends_with(tessera_api::DRIVER_NAME));
+            let selects = c
+                .spec
+                .as_ref()
+                .and_then(|s| s.selectors.as_ref())
+                .into_iter()
+                .flatten()
+                .filter_map(|s| s.cel.as_ref())
+                .any(|cel| cel.expression.contains(tessera_api::DRIVER_NAME));
+            named || selects
+        })
+        .filter_map(|c| c.metadata.name.as_deref())
+        .collect();
+    let mut out = format!("DeviceClass {name} does not exist");
+    let closest = classes
+        .iter()
+        .filter_map(|c| c.metadata.name.as_deref())
+        .map(|c| (edit_distance(name, c), c))
+        .min();
+    if let Some((d, c)) = closest
+        && d <= name.len().max(c.len()) / 3
+    {
+        out.push_str(&format!("; did you mean {c}?"));
+    }
+    if tessera.is_empty() {
+        out.push_str(&format!(
+            "; no DeviceClass selects {} devices (is tessera's chart installed?)",
+            tessera_api::DRIVER_NAME
+        ));
+    } else {
+        out.push_str(&format!("; tessera's classes: {}", tessera.join(", ")));
+    }
+    out
+}
+
+/// Levenshtein distance, for "did you mean".
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
 /// The node-level reason an alternative does not fit, from its diagnosis.
 fn alternative_reason(
+    classes: &[DeviceClass],
     model: &NodeModel<'_>,
     alt: &Alternative,
     class_found: bool,
@@ -446,7 +481,7 @@ fn alternative_reason(
     constraints: &[request::Constraint],
 ) -> String {
     if !class_found {
-        return format!("DeviceClass {} does not exist", alt.class);
+        return missing_class(&alt.class, classes);
     }
     if let Outcome::Error(message) = outcome {
         return format!("the scheduler stops with an error: {message}");
@@ -570,10 +605,64 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
     let resolved = resolve(cluster, target)?;
     let state = AllocatedState::from_claims(&cluster.claims, &resolved.exclude);
     let mut selectors = Selectors::new(&cluster.classes);
-    let nodes = model::node_names(&cluster.slices);
+    let pod = match target {
+        Target::Pod { namespace, name } => find(&cluster.pods, namespace, name),
+        _ => None,
+    };
+    let bound = pod
+        .and_then(|p| p.spec.as_ref())
+        .and_then(|s| s.node_name.as_deref())
+        .is_some_and(|n| !n.is_empty());
+    // A pod the scheduler has not placed yet is filtered per node before its claims are looked at.
+    let unplaced = pod.filter(|_| !bound);
+    let mut nodes = model::node_names(&cluster.slices);
+    if unplaced.is_some() && resolved.pending.is_empty() && !cluster.nodes.is_empty() {
+        nodes = cluster
+            .nodes
+            .iter()
+            .filter_map(|n| n.metadata.name.clone())
+            .collect();
+        nodes.sort();
+    }
+    let total_nodes = nodes.len();
+    // Per node: why the pod itself cannot go there.
+    let mut excluded: Vec<(String, String)> = Vec::new();
+    // Reasons that hold on every node, found without Node objects.
+    let mut everywhere: Option<String> = None;
+    if let Some(pod) = unplaced {
+        if cluster.nodes.is_empty() {
+            if let Some((resource, need)) = pod::unserved_extended(pod, &cluster.classes).into_iter().next() {
+                everywhere = Some(format!(
+                    "Insufficient {resource}: the pod asks for {need} and no DeviceClass serves it \
+                     (spec.extendedResourceName); add the Nodes to the input to check a device plugin's allocatable"
+                ));
+            }
+        } else {
+            nodes.retain(|n| {
+                let reason = match cluster
+                    .nodes
+                    .iter()
+                    .find(|o| o.metadata.name.as_deref() == Some(n))
+                {
+                    Some(node) => pod::node_failure(pod, node, &cluster.classes),
+                    None => Some("no Node of this name (its slices outlive it)".into()),
+                };
+                match reason {
+                    Some(r) => {
+                        excluded.push((n.clone(), r));
+                        false
+                    }
+                    None => true,
+                }
+            });
+        }
+    }
+    let prepare = pod
+        .filter(|_| bound && resolved.pending.is_empty() && !resolved.allocated.is_empty())
+        .and_then(|p| pod::prepare_failure(p, &cluster.events));
     let models: Vec<NodeModel<'_>> = nodes
         .iter()
-        .map(|n| NodeModel::build(n, &cluster.slices, &state))
+        .map(|n| NodeModel::build(n, &cluster.slices, &state, &cluster.taint_rules))
         .collect();
     let tessera_only = cluster
         .slices
@@ -670,7 +759,15 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
                         asks: asks(alt),
                         fits,
                         reason: (!fits).then(|| {
-                            alternative_reason(model, alt, class_found, &diag, &outcome, &claim.constraints)
+                            alternative_reason(
+                                &cluster.classes,
+                                model,
+                                alt,
+                                class_found,
+                                &diag,
+                                &outcome,
+                                &claim.constraints,
+                            )
                         }),
                         closest,
                     });
@@ -695,6 +792,8 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
             {
                 let who = if tessera_only { "tessera device" } else { "device" };
                 format!("no {who} offers {asked}; the largest is {offered} ({device})")
+            } else if per_node.is_empty() && !excluded.is_empty() {
+                "no node is left once the pod's own constraints are applied (nodes: below)".to_string()
             } else if per_node.is_empty() {
                 "no node publishes devices".to_string()
             } else {
@@ -796,6 +895,17 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
         });
     }
 
+    for (node, reason) in &excluded {
+        node_verdicts.push(NodeVerdict {
+            node: node.clone(),
+            fits: false,
+            undecided: false,
+            reason: Some(reason.clone()),
+        });
+    }
+    node_verdicts.sort_by(|a, b| a.node.cmp(&b.node));
+    let by_reason = group_by_reason(&excluded);
+
     let label = target.label();
     let pending = !resolved.pending.is_empty();
     let fit_nodes: Vec<&str> = node_verdicts
@@ -803,8 +913,24 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
         .filter(|n| n.fits)
         .map(|n| n.node.as_str())
         .collect();
-    let fits = !pending || !fit_nodes.is_empty();
-    let summary = if !pending {
+    let all_excluded = !excluded.is_empty() && models.is_empty();
+    let fits =
+        everywhere.is_none() && prepare.is_none() && !all_excluded && (!pending || !fit_nodes.is_empty());
+    let of_nodes = format!(
+        "any of {total_nodes} node{}",
+        if total_nodes == 1 { "" } else { "s" }
+    );
+    let summary = if let Some(p) = &prepare {
+        let first = p.message.lines().next().unwrap_or("");
+        format!(
+            "{label}: every claim is allocated, but kubelet on {} cannot prepare them: {first}",
+            p.node
+        )
+    } else if let Some(why) = &everywhere {
+        format!("{label} does not fit: {why}")
+    } else if all_excluded {
+        format!("{label} does not fit on {of_nodes}: {by_reason}")
+    } else if !pending {
         match (target, resolved.allocated.as_slice()) {
             (Target::Claim { .. }, [(_, devices)]) => format!("{label} is allocated already: {devices}"),
             (_, []) => format!("{label} asks for no devices"),
@@ -827,11 +953,11 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
                 format!("{claim}request {}: {}", r.name, r.summary)
             })
             .unwrap_or_else(|| "each request fits alone, but not all together on one node".into());
-        format!(
-            "{label} does not fit on any of {} node{}: {why}",
-            models.len(),
-            if models.len() == 1 { "" } else { "s" }
-        )
+        if excluded.is_empty() {
+            format!("{label} does not fit on {of_nodes}: {why}")
+        } else {
+            format!("{label} does not fit on {of_nodes}: {why}; {by_reason}")
+        }
     };
     for (claim, reqs) in resolved.pending.iter().zip(request_reports) {
         claims_out.push(ClaimReport {
@@ -844,9 +970,35 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
         target: label,
         fits,
         summary,
+        pod_nodes: !excluded.is_empty(),
+        kubelet: prepare.map(|p| {
+            format!(
+                "kubelet on {} reported FailedPrepareDynamicResources ({} time{}): {}",
+                p.node,
+                p.count,
+                if p.count == 1 { "" } else { "s" },
+                p.message
+            )
+        }),
         nodes: node_verdicts,
         claims: claims_out,
     })
+}
+
+/// `node-a, node-b: reason; node-c: other reason`, the nodes of each reason together, first seen first.
+fn group_by_reason(excluded: &[(String, String)]) -> String {
+    let mut groups: Vec<(&str, Vec<&str>)> = Vec::new();
+    for (node, reason) in excluded {
+        match groups.iter_mut().find(|(r, _)| r == reason) {
+            Some((_, nodes)) => nodes.push(node),
+            None => groups.push((reason, vec![node])),
+        }
+    }
+    groups
+        .iter()
+        .map(|(r, nodes)| format!("{}: {r}", nodes.join(", ")))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// Whether, on every node and for every alternative, capacity was the furthest any device got.

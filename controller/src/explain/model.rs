@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::resource::v1::{Device, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{Device, DeviceTaint, DeviceTaintRule, ResourceClaim, ResourceSlice};
 
 use crate::cel::{DeviceView, Quantity};
 
@@ -24,6 +24,8 @@ pub struct NodeDevice<'a> {
     pub view: DeviceView,
     /// Whether the device's pool is complete (all its slices of the newest generation are present).
     pub pool_complete: bool,
+    /// Taints DeviceTaintRules put on the device, with the rule's name.
+    pub rule_taints: Vec<(String, DeviceTaint)>,
 }
 
 impl NodeDevice<'_> {
@@ -146,12 +148,32 @@ pub fn node_names(slices: &[ResourceSlice]) -> Vec<String> {
     set.into_iter().collect()
 }
 
+/// The taints of the rules whose selector (driver, pool, device; each optional) names the device.
+pub fn rule_taints(rules: &[DeviceTaintRule], id: &DeviceId) -> Vec<(String, DeviceTaint)> {
+    rules
+        .iter()
+        .filter(|r| {
+            let s = r.spec.device_selector.as_ref();
+            let is = |want: Option<&String>, have: &str| want.is_none_or(|w| w == have);
+            is(s.and_then(|s| s.driver.as_ref()), &id.0)
+                && is(s.and_then(|s| s.pool.as_ref()), &id.1)
+                && is(s.and_then(|s| s.device.as_ref()), &id.2)
+        })
+        .map(|r| (r.metadata.name.clone().unwrap_or_default(), r.spec.taint.clone()))
+        .collect()
+}
+
 fn targets(slice: &ResourceSlice, node: &str) -> bool {
     slice.spec.node_name.as_deref() == Some(node) || slice.spec.all_nodes == Some(true)
 }
 
 impl<'a> NodeModel<'a> {
-    pub fn build(node: &str, slices: &'a [ResourceSlice], state: &AllocatedState) -> Self {
+    pub fn build(
+        node: &str,
+        slices: &'a [ResourceSlice],
+        state: &AllocatedState,
+        rules: &[DeviceTaintRule],
+    ) -> Self {
         let mut model = NodeModel {
             name: node.to_string(),
             devices: Vec::new(),
@@ -198,6 +220,7 @@ impl<'a> NodeModel<'a> {
                     if targets(s, node) {
                         model.devices.push(NodeDevice {
                             view: DeviceView::from_device(&pool_id.0, d),
+                            rule_taints: rule_taints(rules, &id),
                             id,
                             device: d,
                             pool_complete: complete,

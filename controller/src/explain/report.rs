@@ -14,7 +14,14 @@ pub struct Report {
     /// Whether every pending claim fits, all requests together, on at least one node.
     pub fits: bool,
     pub summary: String,
-    /// The claims together, per node.
+    /// Whether the pod itself (nodeSelector, affinity, taints, extended resources) rules out some nodes;
+    /// their verdicts then carry the reason.
+    #[serde(skip)]
+    pub pod_nodes: bool,
+    /// For a pod whose claims are allocated but that does not start: what kubelet reported.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kubelet: Option<String>,
+    /// The claims together (and the pod's own constraints), per node.
     pub nodes: Vec<NodeVerdict>,
     pub claims: Vec<ClaimReport>,
 }
@@ -89,6 +96,16 @@ impl Report {
     pub fn to_text(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(out, "{}", self.summary);
+        if let Some(kubelet) = &self.kubelet {
+            let _ = writeln!(out, "\n{kubelet}");
+        }
+        if self.pod_nodes {
+            let _ = writeln!(out, "\nnodes:");
+            for n in &self.nodes {
+                let reason = n.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default();
+                let _ = writeln!(out, "  {}: {}{reason}", n.node, verdict(n.fits));
+            }
+        }
         for claim in &self.claims {
             if let Some(allocated) = &claim.allocated {
                 let _ = writeln!(out, "\n{}: allocated: {allocated}", claim.claim);
@@ -111,7 +128,7 @@ impl Report {
         }
         // With one request the per-node verdict above is already the whole answer.
         let requests: usize = self.claims.iter().map(|c| c.requests.len()).sum();
-        if requests > 1 && !self.nodes.is_empty() {
+        if requests > 1 && !self.nodes.is_empty() && !self.pod_nodes {
             let _ = writeln!(out, "\nall requests together:");
             for n in &self.nodes {
                 let reason = n.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default();
