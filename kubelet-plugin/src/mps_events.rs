@@ -159,7 +159,8 @@ pub async fn watch_and_report(
             return;
         }
         let (s, g) = (sharer.clone(), gpus.clone());
-        match tokio::task::spawn_blocking(move || s.watch_daemons(&g)).await {
+        let settled = state.records_settled();
+        match tokio::task::spawn_blocking(move || s.watch_daemons(&g, settled)).await {
             Ok(watch) => {
                 if let Some(events) = &events {
                     events.report(&state, &watch).await;

@@ -135,8 +135,8 @@ impl SharedPreparer {
     }
 
     /// [`Sharer::watch_daemons`].
-    pub fn watch_daemons(&self, gpus: &[GpuInfo]) -> crate::sharing::DaemonWatch {
-        self.sharer.watch_daemons(gpus)
+    pub fn watch_daemons(&self, gpus: &[GpuInfo], stop_orphans: bool) -> crate::sharing::DaemonWatch {
+        self.sharer.watch_daemons(gpus, stop_orphans)
     }
 
     /// MIG devices behind shared MIG placements that still have holders.

@@ -949,6 +949,14 @@ impl NodeState {
         self.refused.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Whether the records say what runs on the node: false while a checkpoint of another boot (or none)
+    /// waits for the API server to tell which claims are in use, and while a corrupted one is refused.
+    /// Until then nothing may be judged orphaned: a daemon or instance without a record may be a running
+    /// pod's.
+    pub fn records_settled(&self) -> bool {
+        self.refused().is_none() && !self.pending.lock().unwrap_or_else(|e| e.into_inner()).adopt
+    }
+
     fn check_not_refused(&self) -> Result<(), ClaimError> {
         match self.refused() {
             Some(r) => Err(refused_error(&r)),

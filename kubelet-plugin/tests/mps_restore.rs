@@ -392,7 +392,7 @@ async fn the_plugin_starts_a_prepared_shares_daemon_again_with_the_defaults_its_
     let first = mps.pid("gpu-0").expect("the share's daemon");
     cleanup.pids.push(first);
     assert_eq!(settings(&state_dir, "gpu-0"), ("60.0".into(), "8192M".into()));
-    let watch = shared.watch_daemons(&gpus);
+    let watch = shared.watch_daemons(&gpus, true);
     assert_eq!(watch.up, ["gpu-0"], "{watch:?}");
 
     // The plugin restarts; then the daemon is gone (its supervisor replaced, a crash).
@@ -400,7 +400,7 @@ async fn the_plugin_starts_a_prepared_shares_daemon_again_with_the_defaults_its_
     let (state, shared, _) = plugin(dir, FakeClaims::new());
     kill9(first);
     wait_for("the daemon to die", Duration::from_secs(10), || !alive(first));
-    let watch = shared.watch_daemons(&gpus);
+    let watch = shared.watch_daemons(&gpus, true);
     assert_eq!(watch.restarted, ["gpu-0"], "{watch:?}");
     let again = mps.pid("gpu-0").expect("the daemon started again");
     cleanup.pids.push(again);
@@ -415,13 +415,13 @@ async fn the_plugin_starts_a_prepared_shares_daemon_again_with_the_defaults_its_
     // A daemon no prepared share uses (a stop lost in a crash) is stopped by the watch.
     mps.start("gpu-1", GPU1, DaemonDefaults::default()).unwrap();
     cleanup.pids.extend(mps.pid("gpu-1"));
-    let watch = shared.watch_daemons(&gpus);
+    let watch = shared.watch_daemons(&gpus, true);
     assert_eq!(watch.stopped, ["gpu-1"], "{watch:?}");
     assert_eq!(mps.pid("gpu-1"), None);
 
     state.unprepare(&ClaimRef::of(&c)).await.unwrap();
     assert!(mps.running().is_empty());
-    let watch = shared.watch_daemons(&gpus);
+    let watch = shared.watch_daemons(&gpus, true);
     assert!(watch.restarted.is_empty() && watch.up.is_empty(), "{watch:?}");
 }
 
@@ -475,7 +475,7 @@ async fn a_share_whose_daemon_cannot_start_stays_reported_down_until_it_is_back(
     for pid in cleanup.pids.clone() {
         kill9(pid);
     }
-    let watch = sharer.watch_daemons(&gpus);
+    let watch = sharer.watch_daemons(&gpus, true);
     assert_eq!(watch.down, ["gpu-0"], "{watch:?}");
     let problems = tessera_kubelet_plugin::sharing::daemons_down_problems(&sharer.daemons_down());
     assert_eq!(problems.len(), 1);
@@ -490,7 +490,7 @@ async fn a_share_whose_daemon_cannot_start_stays_reported_down_until_it_is_back(
         mps.is_running("gpu-0")
     });
     cleanup.pids.extend(mps.pid("gpu-0"));
-    let watch = sharer.watch_daemons(&gpus);
+    let watch = sharer.watch_daemons(&gpus, true);
     assert_eq!(watch.up, ["gpu-0"], "{watch:?}");
     assert!(sharer.daemons_down().is_empty());
 }

@@ -22,6 +22,7 @@ use tessera_kubelet_plugin::{
     },
     claims::fake::{NODE, claim},
     error::ClaimError,
+    gpu::GpuBackend,
     state::{ClaimRef, DeviceContext, DeviceKind, DevicePreparer, NodeState, Recovery, WholeGpuPreparer},
 };
 
@@ -350,6 +351,33 @@ async fn a_record_of_a_claim_that_does_not_exist_is_dropped_without_taking_the_l
     );
     assert!(!second.state.checkpoint().claims.contains_key("ghost-uid"));
     assert_devices_intact(&node, &second, &running);
+}
+
+#[tokio::test]
+async fn the_daemon_watch_stops_no_daemon_while_a_checkpoint_of_another_boot_waits_for_the_api() {
+    let node = TestNode::with_gpus(2);
+    let _stop = StopDaemons::new(&node);
+    let old = start(&node, "old-boot").await;
+    let running = run_pods(&node, &old).await;
+    drop(old);
+    // The new boot cannot ask the API yet: nothing says the shares' daemon has no users.
+    node.claims.fail_with(Some("connection refused"));
+    let new = start(&node, BOOT_ID).await;
+    assert!(!new.state.records_settled());
+    let gpus = node.backend.discover().unwrap().gpus;
+    let watch = new.mps.watch_daemons(&gpus, new.state.records_settled());
+    assert!(
+        watch.stopped.is_empty(),
+        "the watch stopped a running share's daemon: {watch:?}"
+    );
+    assert_eq!(new.mps.mps().pid("gpu-0"), Some(running.daemon));
+
+    node.claims.fail_with(None);
+    new.state.reconcile().await;
+    assert!(new.state.records_settled());
+    let watch = new.mps.watch_daemons(&gpus, new.state.records_settled());
+    assert!(watch.stopped.is_empty(), "{watch:?}");
+    assert_devices_intact(&node, &new, &running);
 }
 
 #[tokio::test]

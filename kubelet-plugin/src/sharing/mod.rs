@@ -298,9 +298,11 @@ impl Sharer {
     /// Checks the MPS daemon of every device with prepared MPS shares: one that does not answer (its
     /// supervisor was replaced, it crashed) is started again with the defaults it had, and stays reported
     /// ([`Sharer::daemons_down`], a WARN line when found and when back) until it answers; a daemon that
-    /// runs with no prepared share (a stop lost in a crash) is stopped. Call periodically, after the
-    /// shares were restored.
-    pub fn watch_daemons(&self, gpus: &[GpuInfo]) -> DaemonWatch {
+    /// runs with no prepared share (a stop lost in a crash) is stopped, but only when `stop_orphans`: while
+    /// the node's records are not settled ([`crate::state::NodeState::records_settled`]: a checkpoint of
+    /// another boot awaiting the API, a corrupted one refused) a daemon without a share may be a running
+    /// pod's. Call periodically, after the shares were restored.
+    pub fn watch_daemons(&self, gpus: &[GpuInfo], stop_orphans: bool) -> DaemonWatch {
         let mut out = DaemonWatch::default();
         let daemons = self.lock_daemons();
         // Never held across a start: the inventory reads it from an async task.
@@ -350,6 +352,9 @@ impl Sharer {
             }
         }
         down().retain(|key, _| daemons.contains_key(key));
+        if !stop_orphans {
+            return out;
+        }
         for key in self.mps.running() {
             if daemons.contains_key(&key) || self.users.count(&key) > 0 {
                 continue;
