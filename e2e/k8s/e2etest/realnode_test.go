@@ -455,20 +455,28 @@ func keys(m map[string]string) []string {
 func (rn realNodeEnv) lastReport(t *testing.T, p *v1.Pod) (string, time.Time) {
 	t.Helper()
 	path := filepath.Join(rn.dir, "pod-logs", fmt.Sprintf("%s_%s_%s", p.Namespace, p.Name, p.UID), "hold", "0.log")
-	data, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("the holding container's log: %v", err)
-	}
-	lines := strings.Split(strings.TrimSpace(string(data)), "\n")
-	for i := len(lines) - 1; i >= 0; i-- {
-		// CRI log format: <RFC3339Nano> <stream> <F|P> <text>
-		f := strings.SplitN(lines[i], " ", 4)
-		if len(f) == 4 && strings.HasPrefix(f[3], "sees ") {
-			ts, _ := time.Parse(time.RFC3339Nano, f[0])
-			return f[3], ts
+	// A container that has just started may not have written its first report yet: wait for it.
+	var data []byte
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		var err error
+		data, err = os.ReadFile(path)
+		if err != nil && time.Now().After(deadline) {
+			t.Fatalf("the holding container's log: %v", err)
+		}
+		lines := strings.Split(strings.TrimSpace(string(data)), "\n")
+		for i := len(lines) - 1; i >= 0; i-- {
+			// CRI log format: <RFC3339Nano> <stream> <F|P> <text>
+			f := strings.SplitN(lines[i], " ", 4)
+			if len(f) == 4 && strings.HasPrefix(f[3], "sees ") {
+				ts, _ := time.Parse(time.RFC3339Nano, f[0])
+				return f[3], ts
+			}
+		}
+		if time.Now().After(deadline) {
+			break
 		}
 	}
-	t.Fatalf("%s has no report line:\n%s", path, data)
+	t.Fatalf("%s has no report line after 30 s:\n%s", path, data)
 	return "", time.Time{}
 }
 
