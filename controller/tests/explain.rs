@@ -2,18 +2,16 @@
 //! ships: the motivating 200Gi claim, MIG placements held by named claims, taints, firstAvailable, counts,
 //! pods and templates, malformed files, and the binary's exit codes.
 
+mod support;
+
 use std::{path::PathBuf, process::Command};
 
 use k8s_openapi::api::{
     core::v1::Pod,
-    resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice},
+    resource::v1::{ResourceClaim, ResourceClaimTemplate},
 };
 use serde_json::{Value, json};
 use tessera_controller::explain::{Cluster, ExplainError, Target, explain, input, report::Report};
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 // === fixtures ===
 
@@ -23,14 +21,7 @@ struct ClusterBuilder {
 }
 
 fn cluster() -> ClusterBuilder {
-    let classes = ["gpu.tessera.dev", "mig.gpu.tessera.dev", "shared.gpu.tessera.dev"]
-        .iter()
-        .map(|c| {
-            let path = repo().join(format!("deployments/classes/{c}.yaml"));
-            let text = std::fs::read_to_string(&path).unwrap();
-            serde_norway::from_str::<DeviceClass>(&text).unwrap()
-        })
-        .collect();
+    let classes = support::shipped_classes();
     ClusterBuilder {
         cluster: Cluster {
             classes,
@@ -42,15 +33,9 @@ fn cluster() -> ClusterBuilder {
 impl ClusterBuilder {
     /// A node publishing what the controller renders for the golden case (e.g. `h100-shared`: 8 H100s).
     fn node(mut self, node: &str, golden: &str) -> Self {
-        let path = repo().join(format!("controller/tests/golden/{golden}.json"));
-        let mut slices: Vec<ResourceSlice> =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        for (i, s) in slices.iter_mut().enumerate() {
-            s.metadata.name = Some(format!("{node}-gpu.tessera.dev-{i}"));
-            s.spec.pool.name = node.to_string();
-            s.spec.node_name = Some(node.to_string());
-        }
-        self.cluster.slices.extend(slices);
+        self.cluster
+            .slices
+            .extend(support::golden_slices_on(node, golden));
         self
     }
 

@@ -3,18 +3,14 @@
 //! false CEL selectors with the value they saw, missing classes, and kubelet's prepare failures; over the
 //! slices tessera really renders (the golden files) and the classes it ships.
 
-use std::path::PathBuf;
+mod support;
 
 use k8s_openapi::api::{
     core::v1::{Event, Node, Pod},
-    resource::v1::{DeviceClass, DeviceTaintRule, ResourceClaim, ResourceSlice},
+    resource::v1::{DeviceTaintRule, ResourceClaim},
 };
 use serde_json::{Value, json};
 use tessera_controller::explain::{Cluster, Target, explain, input, report::Report};
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 // === fixtures ===
 
@@ -24,13 +20,7 @@ struct ClusterBuilder {
 
 /// tessera's DeviceClasses, nothing else.
 fn cluster() -> ClusterBuilder {
-    let classes = ["gpu.tessera.dev", "mig.gpu.tessera.dev", "shared.gpu.tessera.dev"]
-        .iter()
-        .map(|c| {
-            let text = std::fs::read_to_string(repo().join(format!("deployments/classes/{c}.yaml"))).unwrap();
-            serde_norway::from_str::<DeviceClass>(&text).unwrap()
-        })
-        .collect();
+    let classes = support::shipped_classes();
     ClusterBuilder {
         cluster: Cluster {
             classes,
@@ -42,16 +32,9 @@ fn cluster() -> ClusterBuilder {
 impl ClusterBuilder {
     /// A Node (as `node` builds it) publishing what the controller renders for `golden` (8 H100s whole).
     fn node(mut self, node: NodeBuilder, golden: &str) -> Self {
-        let name = node.name.clone();
-        let text =
-            std::fs::read_to_string(repo().join(format!("controller/tests/golden/{golden}.json"))).unwrap();
-        let mut slices: Vec<ResourceSlice> = serde_json::from_str(&text).unwrap();
-        for (i, s) in slices.iter_mut().enumerate() {
-            s.metadata.name = Some(format!("{name}-gpu.tessera.dev-{i}"));
-            s.spec.pool.name = name.clone();
-            s.spec.node_name = Some(name.clone());
-        }
-        self.cluster.slices.extend(slices);
+        self.cluster
+            .slices
+            .extend(support::golden_slices_on(&node.name, golden));
         self.cluster.nodes.push(node.build());
         self
     }

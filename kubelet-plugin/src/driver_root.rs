@@ -135,9 +135,6 @@ pub struct DriverRoot {
     host: PathBuf,
 }
 
-/// How many symlinks [`DriverRoot::resolve`] follows before it gives up (Linux's `MAXSYMLINKS`).
-const MAX_SYMLINKS: u32 = 40;
-
 impl DriverRoot {
     /// A root this process sees at its host path (a plugin on the host, or a container that mounts it there).
     pub fn new(root: impl Into<PathBuf>) -> Self {
@@ -181,44 +178,8 @@ impl DriverRoot {
     /// starts again at the root and `..` stops at it, as a process chrooted into the driver's filesystem
     /// sees it. `None` when a component does not exist or the links loop.
     pub fn resolve(&self, path: &Path) -> Option<PathBuf> {
-        use std::path::Component;
         let rel = path.strip_prefix(&self.root).ok()?;
-        // Components still to walk, last first (so a link's target is pushed in front of the rest).
-        let mut todo: Vec<std::ffi::OsString> = Vec::new();
-        let push = |todo: &mut Vec<std::ffi::OsString>, p: &Path| {
-            for c in p.components().rev() {
-                match c {
-                    Component::Normal(n) => todo.push(n.to_os_string()),
-                    Component::ParentDir => todo.push("..".into()),
-                    Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
-                }
-            }
-        };
-        push(&mut todo, rel);
-        let mut done = PathBuf::new();
-        let mut links = 0;
-        while let Some(name) = todo.pop() {
-            if name == ".." {
-                done.pop();
-                continue;
-            }
-            let next = self.root.join(&done).join(&name);
-            let meta = fs::symlink_metadata(&next).ok()?;
-            if !meta.file_type().is_symlink() {
-                done.push(&name);
-                continue;
-            }
-            links += 1;
-            if links > MAX_SYMLINKS {
-                return None;
-            }
-            let target = fs::read_link(&next).ok()?;
-            if target.is_absolute() {
-                done.clear();
-            }
-            push(&mut todo, &target);
-        }
-        Some(self.root.join(done))
+        tessera_cdi_hook::resolve_existing_in(&self.root, rel)
     }
 
     /// The root's library directories that exist, in search order (GKE's `lib64` is in the list).

@@ -5,6 +5,8 @@
 //! with the defaults its checkpoint kept). Real processes throughout: the simulated daemon is the plugin
 //! binary's `mps-control-sim`, the supervisor its `mps-supervisor`.
 
+mod common;
+
 use std::{
     fs,
     os::unix::fs::MetadataExt,
@@ -17,21 +19,20 @@ use std::{
 use tessera_api::DeviceName;
 use tessera_kubelet_plugin::{
     claims::fake::{FakeClaims, NODE, claim},
-    driver_root::DriverFiles,
     gpu::{
         GpuBackend,
         simulated::{NodeSpec, SimulatedBackend},
     },
-    preparers::{SharedPreparer, with_preparers},
+    preparers::SharedPreparer,
     sharing::{
         Sharer,
         mps::{DaemonDefaults, Launcher, MpsManager, send_control},
         supervisor::{self, DaemonRecord, RECORD_FILE, Request, Supervisor},
     },
-    state::{ClaimRef, NodeState, StateConfig},
+    state::{ClaimRef, NodeState},
 };
 
-const BOOT: &str = "11111111-2222-3333-4444-555555555555";
+use common::BOOT_ID as BOOT;
 const GPU0: &str = "GPU-0a1b2c3d-0000-1111-2222-333344445555";
 const GPU1: &str = "GPU-0a1b2c3d-0000-1111-2222-333344446666";
 
@@ -347,33 +348,10 @@ fn share_claim() -> k8s_openapi::api::resource::v1::ResourceClaim {
 
 /// The plugin as the binary assembles it, over `dir`, with daemons it starts itself (no supervisor).
 fn plugin(dir: &Path, claims: FakeClaims) -> (Arc<NodeState>, Arc<SharedPreparer>, Arc<SimulatedBackend>) {
-    let state_dir = dir.join("state");
-    let backend = Arc::new(
-        SimulatedBackend::from_spec(
-            NODE,
-            &NodeSpec::default().with_gpus("H100-SXM5-80GB", 2),
-            &state_dir,
-        )
-        .unwrap(),
-    );
-    let shared = Arc::new(SharedPreparer::new(
-        Arc::new(Sharer::new(backend.clone(), simulated(&state_dir), false)),
-        DriverFiles::default(),
-    ));
-    let state = NodeState::new(
-        StateConfig {
-            node_name: NODE.into(),
-            boot_id: BOOT.into(),
-            state_dir,
-            cdi_dir: dir.join("cdi"),
-        },
-        backend.clone(),
-        backend.discover().unwrap().gpus,
-        Arc::new(claims),
-    );
-    let state = with_preparers(state, &shared);
-    state.recover().unwrap();
-    (Arc::new(state), shared, backend)
+    let launcher = Launcher::Simulated {
+        program: plugin_binary(),
+    };
+    common::assembled_plugin(dir, 2, launcher, claims)
 }
 
 #[tokio::test]

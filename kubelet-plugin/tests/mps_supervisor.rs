@@ -2,6 +2,8 @@
 //! the plugin binary's `mps-supervisor`, the plugin a child process of this test that is SIGKILLed while a
 //! share is prepared), a restarted plugin re-attaches to the daemon and its unprepare stops it.
 
+mod common;
+
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -12,22 +14,16 @@ use std::{
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use tessera_kubelet_plugin::{
-    claims::fake::{FakeClaims, NODE, claim},
-    driver_root::DriverFiles,
-    gpu::{
-        ComputeMode, GpuBackend,
-        simulated::{NodeSpec, SimulatedBackend},
-    },
-    preparers::{SharedPreparer, with_preparers},
+    claims::fake::{FakeClaims, claim},
+    gpu::{ComputeMode, GpuBackend, simulated::SimulatedBackend},
+    preparers::SharedPreparer,
     sharing::{
-        Sharer,
-        mps::{Launcher, MpsManager},
+        mps::Launcher,
         supervisor::{self, Request},
     },
-    state::{ClaimRef, NodeState, StateConfig},
+    state::{ClaimRef, NodeState},
 };
 
-const BOOT_ID: &str = "11111111-2222-3333-4444-555555555555";
 /// Set in the child process: it plays the plugin over this directory until it is killed.
 const PLUGIN_DIR_ENV: &str = "TESSERA_TEST_PLUGIN_DIR";
 const TEST_NAME: &str = "an_mps_daemon_outlives_a_killed_plugin_and_a_restarted_plugin_stops_it";
@@ -46,39 +42,10 @@ fn share_claim() -> ResourceClaim {
 
 /// The plugin as the binary assembles it with `--mps-supervisor-socket`, over `dir`.
 fn plugin(dir: &Path, claims: FakeClaims) -> (Arc<NodeState>, Arc<SharedPreparer>, Arc<SimulatedBackend>) {
-    let state_dir = dir.join("state");
-    let backend = Arc::new(
-        SimulatedBackend::from_spec(
-            NODE,
-            &NodeSpec::default().with_gpus("H100-SXM5-80GB", 1),
-            &state_dir,
-        )
-        .unwrap(),
-    );
-    let mps = MpsManager::new(
-        &state_dir,
-        Launcher::Supervisor {
-            socket: dir.join("supervisor.sock"),
-        },
-    );
-    let shared = Arc::new(SharedPreparer::new(
-        Arc::new(Sharer::new(backend.clone(), mps, false)),
-        DriverFiles::default(),
-    ));
-    let state = NodeState::new(
-        StateConfig {
-            node_name: NODE.into(),
-            boot_id: BOOT_ID.into(),
-            state_dir,
-            cdi_dir: dir.join("cdi"),
-        },
-        backend.clone(),
-        backend.discover().unwrap().gpus,
-        Arc::new(claims),
-    );
-    let state = with_preparers(state, &shared);
-    state.recover().unwrap();
-    (Arc::new(state), shared, backend)
+    let launcher = Launcher::Supervisor {
+        socket: dir.join("supervisor.sock"),
+    };
+    common::assembled_plugin(dir, 1, launcher, claims)
 }
 
 fn alive(pid: u32) -> bool {

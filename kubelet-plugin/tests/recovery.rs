@@ -22,7 +22,6 @@ use tessera_kubelet_plugin::{
     },
     claims::fake::{NODE, claim},
     error::ClaimError,
-    gpu::GpuBackend,
     state::{ClaimRef, DeviceContext, DeviceKind, DevicePreparer, NodeState, Recovery, WholeGpuPreparer},
 };
 

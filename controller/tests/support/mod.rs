@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
+use k8s_openapi::api::resource::v1::{Device, DeviceClass, ResourceSlice};
 use tessera_api::{NodeInventory, policy::GpuPolicy};
 use tessera_controller::{
     features::ApiFeatures,
@@ -138,6 +138,32 @@ pub fn repo_root() -> PathBuf {
         .parent()
         .expect("the crate is in the workspace")
         .to_path_buf()
+}
+
+/// The DeviceClasses tessera ships (`deployments/classes/`).
+pub fn shipped_classes() -> Vec<DeviceClass> {
+    ["gpu.tessera.dev", "mig.gpu.tessera.dev", "shared.gpu.tessera.dev"]
+        .iter()
+        .map(|c| {
+            let path = repo_root().join(format!("deployments/classes/{c}.yaml"));
+            let text = std::fs::read_to_string(&path).unwrap();
+            serde_norway::from_str::<DeviceClass>(&text).unwrap()
+        })
+        .collect()
+}
+
+/// What the controller renders for the golden case `golden` (e.g. `h100-shared`), as node `node` publishes
+/// it: the slices renamed and pooled for that node.
+pub fn golden_slices_on(node: &str, golden: &str) -> Vec<ResourceSlice> {
+    let path = repo_root().join(format!("controller/tests/golden/{golden}.json"));
+    let mut slices: Vec<ResourceSlice> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for (i, s) in slices.iter_mut().enumerate() {
+        s.metadata.name = Some(format!("{node}-gpu.tessera.dev-{i}"));
+        s.spec.pool.name = node.to_string();
+        s.spec.node_name = Some(node.to_string());
+    }
+    slices
 }
 
 /// Compares `actual` with the checked-in file; `TESSERA_BLESS=1` rewrites the file instead.

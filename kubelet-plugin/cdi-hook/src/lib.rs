@@ -178,45 +178,10 @@ impl Rootfs {
     /// symlinks followed as the container will see them, an absolute target from the root again, `..`
     /// stopping at the root. Components that do not exist are kept as named, so the result can be created.
     pub fn resolve(&self, path: &Path) -> Result<PathBuf> {
-        let mut todo: Vec<std::ffi::OsString> = Vec::new();
-        push_components(&mut todo, path);
-        let mut done = PathBuf::new();
-        let mut links = 0;
-        while let Some(name) = todo.pop() {
-            if name == ".." {
-                done.pop();
-                continue;
-            }
-            let next = self.root.join(&done).join(&name);
-            match fs::symlink_metadata(&next) {
-                Ok(meta) if meta.file_type().is_symlink() => {
-                    links += 1;
-                    if links > MAX_SYMLINKS {
-                        return Err(Error::Resolve {
-                            path: path.display().to_string(),
-                            reason: "too many levels of symbolic links".into(),
-                        });
-                    }
-                    let target = fs::read_link(&next).map_err(|e| Error::Resolve {
-                        path: path.display().to_string(),
-                        reason: e.to_string(),
-                    })?;
-                    if target.is_absolute() {
-                        done.clear();
-                    }
-                    push_components(&mut todo, &target);
-                }
-                Ok(_) => done.push(&name),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => done.push(&name),
-                Err(e) => {
-                    return Err(Error::Resolve {
-                        path: path.display().to_string(),
-                        reason: e.to_string(),
-                    });
-                }
-            }
-        }
-        Ok(self.root.join(done))
+        walk_in_root(&self.root, path, Missing::Keep).map_err(|e| Error::Resolve {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })
     }
 
     /// Whether the container's `path` exists (through its symlinks).
@@ -293,6 +258,56 @@ impl Rootfs {
         }
         std::os::unix::fs::symlink(target, &at).map_err(err)
     }
+}
+
+/// What [`walk_in_root`] does with a component that does not exist.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Missing {
+    /// Keep it as named (the path is about to be created).
+    Keep,
+    /// Fail with `NotFound`.
+    Fail,
+}
+
+/// `path` (taken from `root`'s `/`) with every symlink in it followed inside `root`: an absolute target
+/// starts again at the root, `..` stops at it, at most [`MAX_SYMLINKS`] links, as a process chrooted into
+/// `root` sees it.
+fn walk_in_root(root: &Path, path: &Path, missing: Missing) -> io::Result<PathBuf> {
+    let mut todo: Vec<std::ffi::OsString> = Vec::new();
+    push_components(&mut todo, path);
+    let mut done = PathBuf::new();
+    let mut links = 0;
+    while let Some(name) = todo.pop() {
+        if name == ".." {
+            done.pop();
+            continue;
+        }
+        let next = root.join(&done).join(&name);
+        match fs::symlink_metadata(&next) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                links += 1;
+                if links > MAX_SYMLINKS {
+                    return Err(io::Error::other("too many levels of symbolic links"));
+                }
+                let target = fs::read_link(&next)?;
+                if target.is_absolute() {
+                    done.clear();
+                }
+                push_components(&mut todo, &target);
+            }
+            Ok(_) => done.push(&name),
+            Err(e) if e.kind() == io::ErrorKind::NotFound && missing == Missing::Keep => done.push(&name),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(root.join(done))
+}
+
+/// `path`, relative to `root`, resolved inside `root` as [`Rootfs::resolve`] does, but only if every
+/// component exists: `None` for a missing one, a link loop or an unreadable link. The plugin finds the
+/// driver's files in a driver root this way (its soname links, an Operator rootfs's `lib64 -> /usr/lib64`).
+pub fn resolve_existing_in(root: &Path, path: &Path) -> Option<PathBuf> {
+    walk_in_root(root, path, Missing::Fail).ok()
 }
 
 fn push_components(todo: &mut Vec<std::ffi::OsString>, p: &Path) {

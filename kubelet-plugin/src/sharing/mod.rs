@@ -352,9 +352,17 @@ impl Sharer {
             }
         }
         down().retain(|key, _| daemons.contains_key(key));
-        if !stop_orphans {
-            return out;
+        if stop_orphans {
+            // Under the daemon lock: a prepare cannot start using a daemon while it is judged orphaned.
+            out.stopped = self.stop_orphans_locked(&daemons, gpus);
         }
+        out
+    }
+
+    /// Stops the MPS daemons that neither a prepared share nor a registered need uses; the stopped keys.
+    /// The caller holds the daemon lock (`daemons`).
+    fn stop_orphans_locked(&self, daemons: &BTreeMap<String, DaemonNeed>, gpus: &[GpuInfo]) -> Vec<String> {
+        let mut stopped = Vec::new();
         for key in self.mps.running() {
             if daemons.contains_key(&key) || self.users.count(&key) > 0 {
                 continue;
@@ -367,11 +375,11 @@ impl Sharer {
             };
             info!(key, "stopping an MPS daemon no prepared claim uses");
             match self.teardown_locked(gpu, &key, SharingStrategy::Mps, &device) {
-                Ok(()) => out.stopped.push(key),
+                Ok(()) => stopped.push(key),
                 Err(e) => warn!(key, error = %e, "could not stop an orphaned MPS daemon"),
             }
         }
-        out
+        stopped
     }
 
     pub fn users(&self) -> &ShareUsers {
@@ -535,21 +543,8 @@ impl Sharer {
     /// Stops MPS daemons no prepared share uses any more (left by a crash between the last unprepare's
     /// checkpoint write and the daemon's stop). Call after the shares were restored.
     pub fn stop_orphaned_daemons(&self, gpus: &[GpuInfo]) {
-        for key in self.mps.running() {
-            if self.users.count(&key) > 0 {
-                continue;
-            }
-            let Ok(device) = key.parse::<DeviceName>() else {
-                continue;
-            };
-            let Some(gpu) = gpus.iter().find(|g| g.index == device.gpu()) else {
-                continue;
-            };
-            info!(key, "stopping an MPS daemon no prepared claim uses");
-            if let Err(e) = self.teardown(gpu, &key, SharingStrategy::Mps, &device) {
-                warn!(key, error = %e, "could not stop an orphaned MPS daemon");
-            }
-        }
+        let daemons = self.lock_daemons();
+        self.stop_orphans_locked(&daemons, gpus);
     }
 }
 

@@ -175,3 +175,52 @@ pub fn plugin_command(d: &Path, node: &str, node_file: &Path, server: &str) -> s
         .arg(kubeconfig);
     cmd
 }
+
+/// The plugin as the binary assembles it over `dir` (state in `dir/state`, CDI specs in `dir/cdi`): `gpus`
+/// simulated H100s, the real share preparer with MPS daemons started through `launcher`, locally
+/// recovered with [`BOOT_ID`]. Returns the state, the share preparer (its sharer holds the daemons) and the
+/// backend.
+pub fn assembled_plugin(
+    dir: &Path,
+    gpus: u32,
+    launcher: tessera_kubelet_plugin::sharing::mps::Launcher,
+    claims: FakeClaims,
+) -> (
+    Arc<NodeState>,
+    Arc<tessera_kubelet_plugin::preparers::SharedPreparer>,
+    Arc<SimulatedBackend>,
+) {
+    use tessera_kubelet_plugin::{
+        driver_root::DriverFiles,
+        preparers::{SharedPreparer, with_preparers},
+        sharing::{Sharer, mps::MpsManager},
+    };
+    let state_dir = dir.join("state");
+    let backend = Arc::new(
+        SimulatedBackend::from_spec(
+            NODE,
+            &NodeSpec::default().with_gpus("H100-SXM5-80GB", gpus),
+            &state_dir,
+        )
+        .unwrap(),
+    );
+    let mps = MpsManager::new(&state_dir, launcher);
+    let shared = Arc::new(SharedPreparer::new(
+        Arc::new(Sharer::new(backend.clone(), mps, false)),
+        DriverFiles::default(),
+    ));
+    let state = NodeState::new(
+        StateConfig {
+            node_name: NODE.into(),
+            boot_id: BOOT_ID.into(),
+            state_dir,
+            cdi_dir: dir.join("cdi"),
+        },
+        backend.clone(),
+        backend.discover().unwrap().gpus,
+        Arc::new(claims),
+    );
+    let state = with_preparers(state, &shared);
+    state.recover().unwrap();
+    (Arc::new(state), shared, backend)
+}
