@@ -19,6 +19,8 @@
 //!   # timeSlicing: {interval: Default}   # Default | Short | Medium | Long (GpuConfig only)
 //! ```
 //!
+//! The user reference, every field with its default, is `api/README.md` (checked against this decoder).
+//!
 //! Decoding is strict: an unknown field is an error, so a typo never silently drops a limit. Every error
 //! names the field path. The complete list of messages (the `…` parts are filled in; `<path>` is a field
 //! path such as `sharing.mps`):
@@ -174,6 +176,26 @@ pub enum ConfigError {
     /// `timeSlicing` in a `MigConfig`.
     #[error("sharing.timeSlicing: MIG devices have no time-slice setting; remove it or use GpuConfig")]
     TimeSlicingOnMig,
+    /// Strategy `TimeSlicing` in a `MigConfig`: tessera has nothing to set on a MIG device for it, so the
+    /// config would be accepted and do nothing.
+    #[error(
+        "sharing.strategy: TimeSlicing cannot be applied to MIG devices (a MIG device has no time-slice \
+         setting, and its processes already take turns on it); use strategy MPS for limits, or remove sharing"
+    )]
+    TimeSlicingStrategyOnMig,
+    /// A strategy the shared device is not published with: the device's `sharingStrategy` attribute is
+    /// the one it serves, for every claim sharing it.
+    #[error(
+        "sharing.strategy: device {device} serves {serves} (its sharingStrategy attribute) to every claim \
+         sharing it, so this claim may not ask for {asked}; ask for {serves} or leave sharing out of the \
+         config, or request a device whose sharingStrategy is {asked} (selector \
+         device.attributes[\"gpu.tessera.dev\"].sharingStrategy == \"{asked}\")"
+    )]
+    StrategyNotServed {
+        device: String,
+        serves: &'static str,
+        asked: &'static str,
+    },
     /// A config kind that does not fit the allocated device.
     #[error("cannot apply {kind} to {device_kind} {device}; use {use_kind}")]
     WrongKindForDevice {
@@ -483,6 +505,145 @@ pub fn decode(raw: &Value) -> Result<DeviceConfig> {
     Ok(config)
 }
 
+/// Decodes like [`decode`], but reports every problem of the config at once instead of the first: after
+/// each error the offending field is set aside and the rest is decoded again, so a user fixes a config in
+/// one round trip. Stops at a problem nothing else can be judged without (not an object, no or another
+/// `apiVersion` or `kind`, no `sharing.strategy`).
+pub fn decode_all(raw: &Value) -> Result<DeviceConfig, Vec<ConfigError>> {
+    // Each round removes one field, so a config has at most as many rounds as it has fields; the bound
+    // only guards against a removal that does not take.
+    const MAX_ROUNDS: usize = 64;
+    let mut value = raw.clone();
+    let mut errors = Vec::new();
+    for _ in 0..MAX_ROUNDS {
+        match decode(&value) {
+            Ok(config) if errors.is_empty() => return Ok(config),
+            Ok(_) => return Err(errors),
+            Err(e) => {
+                let removed = set_aside(&mut value, &e);
+                errors.push(e);
+                if !removed {
+                    break;
+                }
+            }
+        }
+    }
+    Err(errors)
+}
+
+/// Removes what `error` is about from `value`; false when it cannot be removed (a required field, or a
+/// name cut short in the message).
+fn set_aside(value: &mut Value, error: &ConfigError) -> bool {
+    use ConfigError as E;
+    const REQUIRED: &[&str] = &["apiVersion", "kind", "sharing.strategy"];
+    let path = match error {
+        E::UnknownField { path, field, .. } if path == "parameters" => field.clone(),
+        E::UnknownField { path, field, .. } => join(path, field),
+        E::NotAnObject { path, .. } if path == "parameters" => return false,
+        E::BadDeviceKey { path, key } => format!("{path}[{key:?}]"),
+        E::TimeSlicingOnMig => "sharing.timeSlicing".into(),
+        E::NotAnObject { path, .. }
+        | E::WrongType { path, .. }
+        | E::NotOneOf { path, .. }
+        | E::OutOfRange { path, .. }
+        | E::InvalidQuantity { path, .. }
+        | E::MemoryLimitTooSmall { path, .. }
+        | E::MemoryLimitTooLarge { path, .. }
+        | E::SettingsForOtherStrategy { path, .. } => path.clone(),
+        _ => return false,
+    };
+    if REQUIRED.contains(&path.as_str()) {
+        return false;
+    }
+    remove_path(value, &path)
+}
+
+/// Removes the field at `path` (`a.b.c` or `a.b["key"]`); false when there is none.
+fn remove_path(value: &mut Value, path: &str) -> bool {
+    let (parent, last) = match path.strip_suffix(']').and_then(|p| p.split_once('[')) {
+        Some((parent, key)) => match serde_json::from_str::<String>(key) {
+            Ok(key) => (parent.to_string(), key),
+            Err(_) => return false,
+        },
+        None => match path.rsplit_once('.') {
+            Some((parent, last)) => (parent.to_string(), last.to_string()),
+            None => (String::new(), path.to_string()),
+        },
+    };
+    let mut at = value;
+    for segment in parent.split('.').filter(|s| !s.is_empty()) {
+        match at.get_mut(segment) {
+            Some(next) => at = next,
+            None => return false,
+        }
+    }
+    at.as_object_mut().is_some_and(|o| o.remove(&last).is_some())
+}
+
+/// The allocation's configuration entries with the request lists the claim wrote. kube-scheduler clears
+/// an entry's `requests` in `status.allocation.devices.config` when it names every request of the claim,
+/// which would make a config the user aimed at a request look untargeted (and a config of the wrong kind
+/// for the device be skipped instead of refused). The claim's own entries (`FromClaim`) are copied in the
+/// order of `spec.devices.config`, so the i-th one gets the i-th spec entry's list; a class's entries
+/// (`FromClass`) always name the requests of that class, so an empty one named them all.
+pub fn targets_as_written(
+    claim: &k8s_openapi::api::resource::v1::ResourceClaim,
+) -> Vec<DeviceAllocationConfiguration> {
+    let allocated = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.config.clone())
+        .unwrap_or_default();
+    let spec = claim.spec.as_ref().and_then(|s| s.devices.as_ref());
+    let written = spec.and_then(|d| d.config.as_deref()).unwrap_or_default();
+    let every_request: Vec<String> = spec
+        .and_then(|d| d.requests.as_deref())
+        .unwrap_or_default()
+        .iter()
+        .map(|r| r.name.clone())
+        .collect();
+    let from_claim = allocated.iter().filter(|e| e.source == SOURCE_FROM_CLAIM).count();
+    let mut claim_entries = written.iter();
+    allocated
+        .into_iter()
+        .map(|mut entry| {
+            let cleared = entry.requests.as_deref().is_none_or(|r| r.is_empty());
+            if entry.source == SOURCE_FROM_CLAIM {
+                let as_written = claim_entries.next();
+                // Entries that do not line up (an API server copying differently) are left as they are.
+                if from_claim == written.len()
+                    && let Some(w) = as_written
+                {
+                    entry.requests = w.requests.clone().filter(|r| !r.is_empty());
+                }
+            } else if entry.source == SOURCE_FROM_CLASS && cleared && !every_request.is_empty() {
+                entry.requests = Some(every_request.clone());
+            }
+            entry
+        })
+        .collect()
+}
+
+/// Checks the strategy a config asks for against `serves`, the strategy the shared `device` is published
+/// with. The published strategy is the one the device serves to every claim sharing it: a claim may only
+/// agree with it, so one claim can never switch a GPU that other claims' shares are placed on.
+pub fn check_strategy(
+    config: Option<&DeviceConfig>,
+    serves: SharingStrategy,
+    device: &DeviceName,
+) -> Result<()> {
+    match config.and_then(|c| c.sharing()) {
+        Some(sharing) if sharing.strategy != serves => Err(ConfigError::StrategyNotServed {
+            device: device.to_string(),
+            serves: serves.as_str(),
+            asked: sharing.strategy.as_str(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 impl DeviceConfig {
     /// The `kind` string.
     pub fn kind(&self) -> &'static str {
@@ -542,8 +703,9 @@ impl DeviceConfig {
         let Some(sharing) = self.sharing() else {
             return Ok(());
         };
+        let mig = matches!(self, Self::MigConfig(_));
         if sharing.time_slicing.is_some() {
-            if matches!(self, Self::MigConfig(_)) {
+            if mig {
                 return Err(ConfigError::TimeSlicingOnMig);
             }
             if sharing.strategy != SharingStrategy::TimeSlicing {
@@ -553,6 +715,9 @@ impl DeviceConfig {
                     got: sharing.strategy.as_str(),
                 });
             }
+        }
+        if mig && sharing.strategy == SharingStrategy::TimeSlicing {
+            return Err(ConfigError::TimeSlicingStrategyOnMig);
         }
         let Some(mps) = &sharing.mps else { return Ok(()) };
         if sharing.strategy != SharingStrategy::Mps {
@@ -1238,8 +1403,191 @@ mod tests {
         );
         let c = decode(&mig(json!({"strategy": "MPS"}))).unwrap();
         assert_eq!(c.sharing().unwrap().mps, Some(MpsConfig::default()));
-        let c = decode(&mig(json!({"strategy": "TimeSlicing"}))).unwrap();
-        assert_eq!(c.sharing().unwrap().time_slicing, None);
+    }
+
+    /// The user reference (api/README.md) cannot drift from the decoder: its table of fields is exactly
+    /// the fields [`decode`] accepts, and it names every accepted value.
+    #[test]
+    fn the_user_reference_lists_every_field_the_decoder_accepts_and_no_other() {
+        let readme = include_str!("../README.md");
+        let table = readme
+            .split("\n## Fields\n")
+            .nth(1)
+            .and_then(|rest| rest.split("\n## ").next())
+            .expect("api/README.md has a ## Fields section");
+        let documented: std::collections::BTreeSet<&str> = table
+            .lines()
+            .filter_map(|l| l.strip_prefix("| `"))
+            .filter_map(|l| l.split('`').next())
+            .collect();
+        let accepted: std::collections::BTreeSet<String> = TOP_FIELDS
+            .iter()
+            .map(|f| f.to_string())
+            .chain(SHARING_FIELDS.iter().map(|f| format!("sharing.{f}")))
+            .chain(MPS_FIELDS.iter().map(|f| format!("sharing.mps.{f}")))
+            .chain(
+                TIME_SLICING_FIELDS
+                    .iter()
+                    .map(|f| format!("sharing.timeSlicing.{f}")),
+            )
+            .collect();
+        let accepted: std::collections::BTreeSet<&str> = accepted.iter().map(String::as_str).collect();
+        assert_eq!(
+            documented, accepted,
+            "api/README.md's field table against the decoder"
+        );
+        for value in KINDS
+            .iter()
+            .chain(STRATEGIES)
+            .chain(INTERVALS)
+            .chain([&GROUP_VERSION])
+        {
+            assert!(
+                readme.contains(&format!("`{value}`")),
+                "api/README.md never names `{value}`"
+            );
+        }
+    }
+
+    /// Issue 23 item 3: time-slicing on a MIG device was accepted and did nothing.
+    #[test]
+    fn a_mig_config_asking_for_time_slicing_is_refused_because_nothing_would_apply_it() {
+        assert_eq!(
+            decode(&mig(json!({"strategy": "TimeSlicing"}))).unwrap_err(),
+            ConfigError::TimeSlicingStrategyOnMig
+        );
+        assert!(decode(&mig(json!({"strategy": "MPS"}))).is_ok());
+    }
+
+    /// Issue 23 item 3: NVIDIA's and tessera's config errors came one at a time.
+    #[test]
+    fn decode_all_reports_every_problem_of_a_config_at_once() {
+        let raw = json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig", "sharng": 1, "sharing": {
+            "strategy": "MPS",
+            "timeSlicing": {"interval": "Long"},
+            "mps": {"defaultActiveThreadPercentage": 150, "defaultPinnedDeviceMemoryLimit": "10GB",
+                    "perDevicePinnedMemoryLimit": {"gpu-one": "1Gi", "gpu-0-shared": "0"}, "typo": 1}
+        }});
+        let messages: Vec<String> = decode_all(&raw)
+            .unwrap_err()
+            .iter()
+            .map(|e| e.to_string())
+            .collect();
+        for want in [
+            "parameters: unknown field \"sharng\"",
+            "sharing.mps: unknown field \"typo\"",
+            "sharing.mps.defaultActiveThreadPercentage: must be between 1 and 100, got 150",
+            "sharing.mps.defaultPinnedDeviceMemoryLimit: invalid quantity \"10GB\"",
+            "sharing.mps.perDevicePinnedMemoryLimit: key \"gpu-one\" is not a tessera device name",
+            "sharing.mps.perDevicePinnedMemoryLimit[\"gpu-0-shared\"]: must be at least 1Mi",
+            "sharing.timeSlicing: only allowed with strategy TimeSlicing, got MPS",
+        ] {
+            assert!(
+                messages.iter().any(|m| m.starts_with(want)),
+                "{want:?} missing from {messages:#?}"
+            );
+        }
+        assert_eq!(messages.len(), 7, "{messages:#?}");
+        assert_eq!(
+            decode_all(&gpu(json!({"strategy": "MPS"}))).unwrap(),
+            decode(&gpu(json!({"strategy": "MPS"}))).unwrap(),
+            "a good config decodes as decode does"
+        );
+        let no_kind = decode_all(&json!({"apiVersion": GROUP_VERSION, "x": 1})).unwrap_err();
+        assert_eq!(
+            no_kind.iter().map(|e| e.to_string()).collect::<Vec<_>>(),
+            [
+                "parameters: unknown field \"x\"; allowed fields: apiVersion, kind, sharing",
+                "kind: required field is missing"
+            ],
+            "stops where nothing else can be judged"
+        );
+    }
+
+    #[test]
+    fn a_claim_asking_for_the_strategy_its_shared_device_does_not_serve_is_refused_naming_both() {
+        let ts = decode(&gpu(json!({"strategy": "TimeSlicing"}))).unwrap();
+        let device = DeviceName::SharedGpu { gpu: 1 };
+        let err = check_strategy(Some(&ts), SharingStrategy::Mps, &device).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.starts_with(
+                "sharing.strategy: device gpu-1-shared serves MPS (its sharingStrategy attribute) to every \
+                 claim sharing it, so this claim may not ask for TimeSlicing"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("sharingStrategy == \"TimeSlicing\""), "{text}");
+        assert_eq!(
+            check_strategy(Some(&ts), SharingStrategy::TimeSlicing, &device),
+            Ok(())
+        );
+        assert_eq!(
+            check_strategy(None, SharingStrategy::TimeSlicing, &device),
+            Ok(())
+        );
+        let no_sharing = decode(&json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig"})).unwrap();
+        assert_eq!(
+            check_strategy(Some(&no_sharing), SharingStrategy::Mps, &device),
+            Ok(())
+        );
+    }
+
+    fn claim_with(
+        requests: &[&str],
+        written: Vec<Option<Vec<&str>>>,
+        allocated: Vec<(&'static str, Option<Vec<&str>>)>,
+    ) -> k8s_openapi::api::resource::v1::ResourceClaim {
+        let names = |r: Option<Vec<&str>>| r.map(|r| r.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        serde_json::from_value(json!({
+            "metadata": {"name": "c"},
+            "spec": {"devices": {
+                "requests": requests.iter().map(|r| json!({"name": r, "exactly": {"deviceClassName": "x"}}))
+                    .collect::<Vec<_>>(),
+                "config": written.into_iter().map(|r| json!({"requests": names(r),
+                    "opaque": {"driver": DRIVER_NAME, "parameters": {}}})).collect::<Vec<_>>(),
+            }},
+            "status": {"allocation": {"devices": {"results": [], "config": allocated.into_iter()
+                .map(|(source, r)| json!({"source": source, "requests": names(r),
+                    "opaque": {"driver": DRIVER_NAME, "parameters": {}}}))
+                .collect::<Vec<_>>()}}}
+        }))
+        .unwrap()
+    }
+
+    /// Issue 23 item 3: kube-scheduler clears `requests` of a config naming every request, and the config
+    /// was then taken for an untargeted one.
+    #[test]
+    fn targeting_is_judged_on_the_claims_own_config_not_the_allocations_cleared_copy() {
+        let claim = claim_with(
+            &["mig"],
+            vec![Some(vec!["mig"]), None],
+            vec![
+                (SOURCE_FROM_CLASS, None),
+                (SOURCE_FROM_CLAIM, None),
+                (SOURCE_FROM_CLAIM, None),
+            ],
+        );
+        let requests: Vec<_> = targets_as_written(&claim)
+            .into_iter()
+            .map(|e| (e.source, e.requests))
+            .collect();
+        assert_eq!(
+            requests,
+            [
+                (SOURCE_FROM_CLASS.to_string(), Some(vec!["mig".to_string()])),
+                (SOURCE_FROM_CLAIM.to_string(), Some(vec!["mig".to_string()])),
+                (SOURCE_FROM_CLAIM.to_string(), None),
+            ]
+        );
+        // The restored entry is targeted, so a GpuConfig on the MIG device is an error, not skipped.
+        let mut entries = targets_as_written(&claim);
+        entries[1].opaque.as_mut().unwrap().parameters = RawExtension(pct(50));
+        let mig_dev: DeviceName = "gpu-0-mig-1g-10gb-3".parse().unwrap();
+        assert!(matches!(
+            effective_config(&entries[1..2], "mig", &mig_dev),
+            Err(ConfigError::WrongKindForDevice { .. })
+        ));
     }
 
     #[test]

@@ -130,6 +130,8 @@ async fn main() {
     let shared: Offers = Offers {
         mig: None,
         gpu: Some("gpu-1-shared".parse().expect("a device name")),
+        serves: ["MPS".to_string()].into_iter().collect(),
+        unshared: false,
     };
     let classes = FixedClasses(
         [("shared.gpu.tessera.dev".to_string(), shared)]

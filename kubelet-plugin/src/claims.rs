@@ -13,6 +13,7 @@ use k8s_openapi::{
 };
 use kube::Api;
 pub use tessera_api::claim_list::{ClaimList, Unreadable};
+use tessera_api::config::SharingStrategy;
 
 /// Error of a claim lookup, opaque to the state machine (it only reports it).
 pub type SourceError = Box<dyn std::error::Error + Send + Sync>;
@@ -41,6 +42,30 @@ pub trait ClaimSource: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Option<BTreeMap<String, Quantity>>, SourceError>> {
         Box::pin(async { Ok(None) })
     }
+
+    /// The `sharingStrategy` attribute this driver's ResourceSlices publish for the shared `device` of
+    /// `pool`: the strategy the device serves to every claim sharing it. `None` when no slice lists it or it
+    /// has none. Sources without slices have none.
+    fn device_strategy<'a>(
+        &'a self,
+        _pool: &'a str,
+        _device: &'a str,
+    ) -> BoxFuture<'a, Result<Option<SharingStrategy>, SourceError>> {
+        Box::pin(async { Ok(None) })
+    }
+}
+
+/// The strategy a published device's `sharingStrategy` attribute names.
+fn strategy_attribute(device: &k8s_openapi::api::resource::v1::Device) -> Option<SharingStrategy> {
+    let value = device
+        .attributes
+        .as_ref()?
+        .get(tessera_api::attributes::SHARING_STRATEGY)?
+        .string
+        .as_deref()?;
+    [SharingStrategy::Mps, SharingStrategy::TimeSlicing]
+        .into_iter()
+        .find(|s| s.as_str() == value)
 }
 
 /// A failed read of a claim, in words the claim's owner can act on: serde_json's bare `recursion limit
@@ -88,6 +113,29 @@ impl KubeClaims {
     }
 }
 
+impl KubeClaims {
+    /// `device` of `pool` as this driver's ResourceSlices publish it.
+    async fn published_device(
+        &self,
+        pool: &str,
+        device: &str,
+    ) -> Result<Option<k8s_openapi::api::resource::v1::Device>, SourceError> {
+        use k8s_openapi::api::resource::v1::ResourceSlice;
+        let api: Api<ResourceSlice> = Api::all(self.client.clone());
+        let params = kube::api::ListParams::default().fields(&format!(
+            "spec.driver={},spec.nodeName={pool}",
+            tessera_api::DRIVER_NAME
+        ));
+        let slices = api.list(&params).await.map_err(read_error)?;
+        Ok(slices
+            .items
+            .into_iter()
+            .filter(|s| s.spec.pool.name == pool)
+            .flat_map(|s| s.spec.devices.into_iter().flatten())
+            .find(|d| d.name == device))
+    }
+}
+
 impl ClaimSource for KubeClaims {
     fn get<'a>(
         &'a self,
@@ -108,32 +156,33 @@ impl ClaimSource for KubeClaims {
         })
     }
 
+    fn device_strategy<'a>(
+        &'a self,
+        pool: &'a str,
+        device: &'a str,
+    ) -> BoxFuture<'a, Result<Option<SharingStrategy>, SourceError>> {
+        Box::pin(async move {
+            Ok(self
+                .published_device(pool, device)
+                .await?
+                .as_ref()
+                .and_then(strategy_attribute))
+        })
+    }
+
     fn device_capacity<'a>(
         &'a self,
         pool: &'a str,
         device: &'a str,
     ) -> BoxFuture<'a, Result<Option<BTreeMap<String, Quantity>>, SourceError>> {
         Box::pin(async move {
-            use k8s_openapi::api::resource::v1::ResourceSlice;
-            let api: Api<ResourceSlice> = Api::all(self.client.clone());
-            let params = kube::api::ListParams::default().fields(&format!(
-                "spec.driver={},spec.nodeName={pool}",
-                tessera_api::DRIVER_NAME
-            ));
-            let slices = api.list(&params).await.map_err(read_error)?;
-            Ok(slices
-                .items
-                .iter()
-                .filter(|s| s.spec.pool.name == pool)
-                .flat_map(|s| s.spec.devices.iter().flatten())
-                .find(|d| d.name == device)
-                .map(|d| {
-                    d.capacity
-                        .iter()
-                        .flatten()
-                        .map(|(name, c)| (name.clone(), c.value.clone()))
-                        .collect()
-                }))
+            Ok(self.published_device(pool, device).await?.map(|d| {
+                d.capacity
+                    .iter()
+                    .flatten()
+                    .map(|(name, c)| (name.clone(), c.value.clone()))
+                    .collect()
+            }))
         })
     }
 }
@@ -157,6 +206,14 @@ impl<T: ClaimSource> ClaimSource for Arc<T> {
         device: &'a str,
     ) -> BoxFuture<'a, Result<Option<BTreeMap<String, Quantity>>, SourceError>> {
         (**self).device_capacity(pool, device)
+    }
+
+    fn device_strategy<'a>(
+        &'a self,
+        pool: &'a str,
+        device: &'a str,
+    ) -> BoxFuture<'a, Result<Option<SharingStrategy>, SourceError>> {
+        (**self).device_strategy(pool, device)
     }
 }
 
@@ -192,6 +249,9 @@ pub struct AllocatedDevice {
     pub config_entries: Vec<DeviceAllocationConfiguration>,
     /// Capacity the scheduler assigned to a share (`compute`, `memory`); empty for exclusive devices.
     pub consumed_capacity: BTreeMap<String, Quantity>,
+    /// The strategy a shared device is published with (its `sharingStrategy` attribute), which it serves
+    /// to every claim sharing it; `None` for exclusive devices and where no slice says.
+    pub published_strategy: Option<SharingStrategy>,
 }
 
 /// This driver's allocation results of `claim`, or `None` when the claim is not allocated.
@@ -200,7 +260,8 @@ pub fn allocated_devices(claim: &ResourceClaim, driver: &str) -> Option<Vec<Allo
     let Some(devices) = devices else {
         return Some(Vec::new());
     };
-    let configs = devices.config.as_deref().unwrap_or_default();
+    // Targeting as the claim wrote it, not the allocation's copy with cleared request lists.
+    let configs = tessera_api::config::targets_as_written(claim);
     let results = devices.results.as_deref().unwrap_or_default();
     Some(
         results
@@ -231,6 +292,7 @@ pub fn allocated_devices(claim: &ResourceClaim, driver: &str) -> Option<Vec<Allo
                     configs,
                     config_entries,
                     consumed_capacity: r.consumed_capacity.clone().unwrap_or_default(),
+                    published_strategy: None,
                 }
             })
             .collect(),
@@ -271,6 +333,8 @@ pub mod fake {
         unreadable: Arc<Mutex<Vec<Unreadable>>>,
         /// Device capacities the ResourceSlices publish, by `pool/device`.
         capacities: Arc<Mutex<BTreeMap<String, BTreeMap<String, Quantity>>>>,
+        /// `sharingStrategy` attributes the ResourceSlices publish, by `pool/device`.
+        strategies: Arc<Mutex<BTreeMap<String, tessera_api::config::SharingStrategy>>>,
     }
 
     impl FakeClaims {
@@ -323,6 +387,20 @@ pub mod fake {
                     .map(|(n, q)| (n.to_string(), Quantity(q.to_string())))
                     .collect(),
             );
+            self
+        }
+
+        /// Publishes `device` of `pool` with the `sharingStrategy` attribute `strategy`.
+        pub fn with_device_strategy(
+            &self,
+            pool: &str,
+            device: &str,
+            strategy: tessera_api::config::SharingStrategy,
+        ) -> &Self {
+            self.strategies
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(format!("{pool}/{device}"), strategy);
             self
         }
 
@@ -392,6 +470,20 @@ pub mod fake {
                 .get(&format!("{pool}/{device}"))
                 .cloned();
             Box::pin(async move { Ok(capacity) })
+        }
+
+        fn device_strategy<'a>(
+            &'a self,
+            pool: &'a str,
+            device: &'a str,
+        ) -> BoxFuture<'a, Result<Option<tessera_api::config::SharingStrategy>, SourceError>> {
+            let strategy = self
+                .strategies
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&format!("{pool}/{device}"))
+                .copied();
+            Box::pin(async move { Ok(strategy) })
         }
     }
 

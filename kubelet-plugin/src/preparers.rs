@@ -177,7 +177,22 @@ impl DevicePreparer for SharedPreparer {
     fn plan(&self, ctx: &DeviceContext) -> Result<DeviceDetail, ClaimError> {
         let config = device_config(ctx)?;
         let sharing = config.as_ref().and_then(|c| c.sharing());
-        let strategy = sharing.map_or(DEFAULT_STRATEGY, |s| s.strategy);
+        // A shared device serves the strategy it is published with to every claim on it: a config may
+        // only agree, and is refused for this claim alone otherwise, before the GPU is touched.
+        let published = ctx.allocation.published_strategy;
+        if let Some(serves) = published {
+            config::check_strategy(config.as_ref(), serves, &ctx.device).map_err(|source| {
+                ClaimError::InvalidConfig {
+                    request: ctx.allocation.request.clone(),
+                    device: ctx.device.to_string(),
+                    source: Box::new(source),
+                }
+            })?;
+        }
+        let strategy = sharing
+            .map(|s| s.strategy)
+            .or(published)
+            .unwrap_or(DEFAULT_STRATEGY);
         let mig = match &ctx.device {
             DeviceName::SharedMig { profile, start, .. } | DeviceName::Mig { profile, start, .. } => {
                 let (_, placement) = mig::resolve(&ctx.gpu, profile, *start).map_err(mig_error(ctx))?;

@@ -1051,9 +1051,17 @@ impl NodeState {
         }
 
         let mut cdi_devices = Vec::with_capacity(planned.len());
+        // Every device of the claim, for TESSERA_DEVICES: each device's TESSERA_DEVICE names only itself,
+        // and in a container holding several the last one wins.
+        let all_devices = planned
+            .iter()
+            .map(|p| p.record.device.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
         for (i, p) in planned.iter().enumerate() {
             match self.prepare_device(p).await {
-                Ok((detail, edits)) => {
+                Ok((detail, mut edits)) => {
+                    edits.env.push(format!("TESSERA_DEVICES={all_devices}"));
                     cdi_devices.push(cdi::Device {
                         name: p.cdi_name.clone(),
                         container_edits: edits,
@@ -1130,6 +1138,23 @@ impl NodeState {
         crate::metrics::metrics().observe_claim(&rc);
         let mut planned = self.plan_claim(claim, &rc)?;
         for p in &mut planned {
+            if matches!(
+                p.ctx.device,
+                DeviceName::SharedGpu { .. } | DeviceName::ShareSlot { .. } | DeviceName::SharedMig { .. }
+            ) {
+                // The strategy the device serves to every claim sharing it, which a claim's config may
+                // only agree with: the scheduler cannot see a config's strategy when it places shares.
+                match self
+                    .claims
+                    .device_strategy(&p.record.pool, &p.record.device)
+                    .await
+                {
+                    Ok(strategy) => p.ctx.allocation.published_strategy = strategy,
+                    Err(e) => warn!(device = %p.record.device, error = %e,
+                        "cannot read the shared device's sharingStrategy from its ResourceSlice: the claim's \
+                         config decides its strategy"),
+                }
+            }
             // A share slot consumes its whole, fixed size, which only its ResourceSlice names (the
             // allocation carries no capacity for it): the share's limits and its daemon's defaults.
             if matches!(p.ctx.device, DeviceName::ShareSlot { .. })
@@ -1147,6 +1172,10 @@ impl NodeState {
                         "cannot read the share slot's size from its ResourceSlice: its MPS share gets the \
                          config's limits only"),
                 }
+            }
+            if p.ctx.allocation.published_strategy.is_some() {
+                // Planned before the strategy was known; plan again with it, still touching nothing.
+                p.record.detail = p.preparer.plan(&p.ctx)?;
             }
         }
         Ok(planned)
@@ -1316,6 +1345,7 @@ impl NodeState {
                 configs: Vec::new(),
                 config_entries: Vec::new(),
                 consumed_capacity: BTreeMap::new(),
+                published_strategy: None,
             },
         };
         Ok((preparer, ctx))

@@ -84,6 +84,7 @@ async fn a_prepared_whole_gpu_gets_a_cdi_spec_with_its_device_nodes_and_env() {
             format!("TESSERA_UUID_GPU_5={uuid}"),
             "TESSERA_DEVICE=gpu-5".to_string(),
             "TESSERA_CLAIM=ml/train".to_string(),
+            "TESSERA_DEVICES=gpu-5".to_string(),
         ]
     );
     assert_eq!(

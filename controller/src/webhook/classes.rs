@@ -41,16 +41,26 @@ pub fn offers_of(
             continue;
         };
         let mig = matches!(name, DeviceName::Mig { .. } | DeviceName::SharedMig { .. });
-        let slot = if mig { &mut offers.mig } else { &mut offers.gpu };
-        if slot.is_some() {
+        let view = DeviceView::from_device(DRIVER_NAME, device);
+        if !selectors.iter().all(|s| cel.matches(s, &view).unwrap_or(false)) {
             continue;
         }
-        let view = DeviceView::from_device(DRIVER_NAME, device);
-        if selectors.iter().all(|s| cel.matches(s, &view).unwrap_or(false)) {
-            *slot = Some(name);
-            if offers.mig.is_some() && offers.gpu.is_some() {
-                break;
+        // Every matching device is looked at (not the first of each kind): the strategies shared devices
+        // serve differ per GPU under a policy.
+        let strategy = device
+            .attributes
+            .as_ref()
+            .and_then(|a| a.get(tessera_api::attributes::SHARING_STRATEGY))
+            .and_then(|a| a.string.clone());
+        match strategy {
+            Some(s) => {
+                offers.serves.insert(s);
             }
+            None => offers.unshared = true,
+        }
+        let slot = if mig { &mut offers.mig } else { &mut offers.gpu };
+        if slot.is_none() {
+            *slot = Some(name);
         }
     }
     Ok(offers)
@@ -182,5 +192,35 @@ mod tests {
     fn a_selector_that_does_not_parse_is_an_error() {
         let err = offers_of(&CelEnv::new(), &class("device.driver =="), &published()).unwrap_err();
         assert!(matches!(err, SelectorError::Syntax { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_class_selecting_shares_offers_the_strategies_their_devices_are_published_with() {
+        let policy: tessera_api::policy::GpuPolicySpec = serde_json::from_value(serde_json::json!({
+            "rules": [{"name": "all-shared", "shared": {"strategy": "MPS"}}]
+        }))
+        .unwrap();
+        let policy = tessera_api::policy::GpuPolicy::new("p", policy);
+        let inventory = node("gpu-node-0").gpus(GpuModel::H100Sxm5_80gb, 2).build();
+        let slices: Vec<_> = render(&[inventory], Some(&policy), ApiFeatures::ALL)
+            .expect("the policy renders")
+            .into_iter()
+            .map(Arc::new)
+            .collect();
+        let shares = offers_of(
+            &CelEnv::new(),
+            &class(r#"device.attributes["gpu.tessera.dev"].type == "shared""#),
+            &slices,
+        )
+        .unwrap();
+        assert!(!shares.unshared, "{shares:?}");
+        assert_eq!(shares.serves.iter().collect::<Vec<_>>(), ["MPS"], "{shares:?}");
+        let whole = offers_of(
+            &CelEnv::new(),
+            &class(r#"device.attributes["gpu.tessera.dev"].type == "gpu""#),
+            &published(),
+        )
+        .unwrap();
+        assert!(whole.unshared && whole.serves.is_empty(), "{whole:?}");
     }
 }

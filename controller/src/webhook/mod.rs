@@ -82,9 +82,21 @@ pub struct Offers {
     pub mig: Option<DeviceName>,
     /// A whole GPU or GPU share the class selects (a `GpuConfig` fits it).
     pub gpu: Option<DeviceName>,
+    /// The `sharingStrategy` attributes of the shared devices the class selects: each serves its
+    /// published strategy to every claim sharing it, so a config may only ask for one of these.
+    pub serves: std::collections::BTreeSet<String>,
+    /// Whether the class also selects devices without a `sharingStrategy` (one holder, any strategy).
+    pub unshared: bool,
 }
 
 impl Offers {
+    /// The strategies a config asking for `asked` could get from this class instead, when no device the
+    /// class selects serves `asked`; `None` when one does or nothing is known.
+    fn strategy_unserved(&self, asked: &str) -> Option<String> {
+        let refused = !self.unshared && !self.serves.is_empty() && !self.serves.contains(asked);
+        refused.then(|| self.serves.iter().cloned().collect::<Vec<_>>().join(" or "))
+    }
+
     /// A device of the class `config` cannot apply to, when every device of the class is such; `None`
     /// when some device fits or nothing is known.
     fn only_misfit(&self, config: &DeviceConfig) -> Option<&DeviceName> {
@@ -156,10 +168,13 @@ pub fn check_spec(spec: &ResourceClaimSpec, path: &str, classes: &dyn ClassCatal
             continue;
         };
         let at = format!("{path}.devices.config[{i}]");
-        let config = match config::decode(&opaque.parameters.0) {
+        let config = match config::decode_all(&opaque.parameters.0) {
             Ok(config) => config,
-            Err(e) => {
-                verdict.problems.push(format!("{at}.opaque.parameters: {e}"));
+            Err(errors) => {
+                // Every problem of the config at once, so it is fixed in one round trip.
+                for e in errors {
+                    verdict.problems.push(format!("{at}.opaque.parameters: {e}"));
+                }
                 continue;
             }
         };
@@ -167,7 +182,56 @@ pub fn check_spec(spec: &ResourceClaimSpec, path: &str, classes: &dyn ClassCatal
             check_target(&mut verdict, &at, named, requests, opaque, &config, classes);
         }
     }
+    warn_foreign_configs(&mut verdict, path, devices, classes);
     verdict
+}
+
+/// Drivers whose configs users port to tessera claims; a config for them on a request tessera serves is
+/// ignored by every driver, and the user believes the setting is on.
+const PORTED_FROM: &[&str] = &["gpu.nvidia.com", "gpu.example.com", "gpu.resource.nvidia.com"];
+
+/// Warns about a config of another GPU driver aimed at a request whose class tessera serves: the scheduler
+/// passes it to the driver it names, which allocated nothing there, so it does nothing. A warning, not a
+/// refusal: the request's class may also select that driver's devices.
+fn warn_foreign_configs(
+    verdict: &mut Verdict,
+    path: &str,
+    devices: &k8s_openapi::api::resource::v1::DeviceClaim,
+    classes: &dyn ClassCatalog,
+) {
+    let requests = devices.requests.as_deref().unwrap_or_default();
+    for (i, entry) in devices.config.iter().flatten().enumerate() {
+        let Some(opaque) = entry.opaque.as_ref().filter(|o| o.driver != DRIVER_NAME) else {
+            continue;
+        };
+        if !PORTED_FROM.contains(&opaque.driver.as_str()) {
+            continue;
+        }
+        let targets: Vec<&str> = match entry.requests.as_deref() {
+            Some(named) if !named.is_empty() => named.iter().map(String::as_str).collect(),
+            _ => requests.iter().map(|r| r.name.as_str()).collect(),
+        };
+        let served: Vec<String> = targets
+            .iter()
+            .flat_map(|named| classes_named(named, requests))
+            .filter(|(_, class)| {
+                classes
+                    .offers(class)
+                    .is_some_and(|o| o.mig.is_some() || o.gpu.is_some())
+            })
+            .map(|(request, _)| request)
+            .collect();
+        if served.is_empty() {
+            continue;
+        }
+        verdict.warnings.push(format!(
+            "{path}.devices.config[{i}].opaque.driver: {driver:?} is not tessera's driver, yet request(s) {served:?} \
+             get tessera's devices ({DRIVER_NAME}); no driver will apply this config to them. Write it for \
+             {DRIVER_NAME} (apiVersion {version}, kind GpuConfig or MigConfig; see api/README.md)",
+            driver = opaque.driver,
+            version = tessera_api::GROUP_VERSION,
+        ));
+    }
 }
 
 /// The DeviceClasses a config entry naming `named` (`<request>` or `<request>/<subrequest>`) may end up
@@ -209,11 +273,33 @@ fn check_target(
 ) {
     let alternatives = classes_named(named, requests);
     let mut misfits = Vec::new();
+    let mut unserved = Vec::new();
     let mut fits_somewhere = false;
+    let asked = config.sharing().map(|s| s.strategy.as_str());
     for (request, class) in &alternatives {
-        match classes.offers(class).as_ref().and_then(|o| o.only_misfit(config)) {
-            Some(device) => misfits.push((request.clone(), *class, device.clone())),
-            None => fits_somewhere = true,
+        let offers = classes.offers(class);
+        if let Some(device) = offers.as_ref().and_then(|o| o.only_misfit(config)) {
+            misfits.push((request.clone(), *class, device.clone()));
+        } else if let Some(serves) = asked.and_then(|a| offers.as_ref()?.strategy_unserved(a)) {
+            unserved.push((request.clone(), *class, serves));
+        } else {
+            fits_somewhere = true;
+        }
+    }
+    for (request, class, serves) in unserved {
+        let asked = asked.unwrap_or_default();
+        let text = format!(
+            "{at}.opaque.parameters.sharing.strategy: request {request:?} gets devices of DeviceClass {class:?}, \
+             whose shared devices serve {serves} (their sharingStrategy attribute) to every claim sharing them, \
+             so this claim may not ask for {asked}; ask for {serves}, leave sharing out, or select devices with \
+             device.attributes[\"{DRIVER_NAME}\"].sharingStrategy == \"{asked}\""
+        );
+        if fits_somewhere {
+            verdict.warnings.push(format!(
+                "{text} (other alternatives of {named:?} fit, so the claim is allowed)"
+            ));
+        } else {
+            verdict.problems.push(text);
         }
     }
     for (request, class, device) in misfits {

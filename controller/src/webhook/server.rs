@@ -174,9 +174,30 @@ async fn watch_classes(kubeconfig: Option<&std::path::Path>) -> Result<Arc<Clust
     Ok(Arc::new(ClusterClasses::new(classes, slices, generation)))
 }
 
-/// `tessera-controller webhook`.
-pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
-    let tls = tls::server_config(&args.tls_cert_file, &args.tls_key_file)?;
+/// `tessera-controller webhook`: serves the files it is given (cert-manager's), or a certificate it makes
+/// and rotates itself in --cert-secret.
+pub async fn run(args: WebhookArgs) -> anyhow::Result<()> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = match (&args.tls_cert_file, &args.tls_key_file, &args.cert_secret) {
+        (Some(cert), Some(key), _) => tls::server_config(cert, key)?,
+        (None, None, Some(secret)) => {
+            let (Some(config), Some(service)) = (&args.webhook_configuration, &args.service) else {
+                anyhow::bail!("--cert-secret needs --webhook-configuration and --service");
+            };
+            let managed = tls::managed::Managed::new(
+                client(args.kubeconfig.as_deref()).await?,
+                &args.namespace,
+                secret,
+                config,
+                service,
+                tls::rotation::Policy::for_validity(args.cert_validity),
+                provider.clone(),
+            );
+            tracing::info!(secret = %secret, config = %config, validity = ?args.cert_validity, "making and rotating the serving certificate");
+            tls::config_with(provider, managed.start().await)?
+        }
+        _ => anyhow::bail!("give --tls-cert-file with --tls-key-file, or --cert-secret"),
+    };
     let classes: Arc<dyn ClassCatalog> = watch_classes(args.kubeconfig.as_deref()).await?;
     let listener = TcpListener::bind(args.listen)
         .await
@@ -185,9 +206,9 @@ pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
             source,
         })?;
     let addr: SocketAddr = listener.local_addr().map_err(WebhookError::Accept)?;
-    tracing::info!(%addr, cert = %args.tls_cert_file.display(), "webhook serving POST /validate");
+    tracing::info!(%addr, "webhook serving POST /validate");
     tokio::select! {
-        served = serve(listener, tls, classes) => served,
+        served = serve(listener, tls, classes) => Ok(served?),
         _ = tokio::signal::ctrl_c() => Ok(()),
     }
 }

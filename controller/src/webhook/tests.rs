@@ -94,39 +94,33 @@ fn mig_config() -> Value {
            "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 50}}})
 }
 
-/// Classes as the shipped DeviceClasses would be seen on a node with whole GPUs and MIG placements.
+/// Classes as the shipped DeviceClasses would be seen on a node with whole GPUs, MIG placements and MPS
+/// shares.
 fn shipped_classes() -> FixedClasses {
-    let gpu = || Some("gpu-0".parse().unwrap());
-    let mig = || Some("gpu-0-mig-3g-40gb-4".parse().unwrap());
+    let offers = |gpu: Option<&str>, mig: Option<&str>, serves: &[&str], unshared: bool| Offers {
+        gpu: gpu.map(|d| d.parse().unwrap()),
+        mig: mig.map(|d| d.parse().unwrap()),
+        serves: serves.iter().map(|s| s.to_string()).collect(),
+        unshared,
+    };
     FixedClasses(
         [
-            (
-                "gpu.tessera.dev",
-                Offers {
-                    mig: None,
-                    gpu: gpu(),
-                },
-            ),
+            ("gpu.tessera.dev", offers(Some("gpu-0"), None, &[], true)),
             (
                 "mig.gpu.tessera.dev",
-                Offers {
-                    mig: mig(),
-                    gpu: None,
-                },
+                offers(None, Some("gpu-0-mig-3g-40gb-4"), &[], true),
             ),
             (
                 "shared.gpu.tessera.dev",
-                Offers {
-                    mig: None,
-                    gpu: Some("gpu-0-shared".parse().unwrap()),
-                },
+                offers(Some("gpu-0-shared"), None, &["MPS"], false),
+            ),
+            (
+                "timesliced.example.com",
+                offers(Some("gpu-2-shared"), None, &["TimeSlicing"], false),
             ),
             (
                 "anything.example.com",
-                Offers {
-                    mig: mig(),
-                    gpu: gpu(),
-                },
+                offers(Some("gpu-0"), Some("gpu-0-mig-3g-40gb-4"), &["MPS"], true),
             ),
         ]
         .into_iter()
@@ -429,5 +423,123 @@ fn parameters_holding_a_lone_surrogate_are_refused_with_the_request_uid_and_the_
         response.result.message.contains("lone UTF-16 surrogate"),
         "{}",
         response.result.message
+    );
+}
+
+fn time_slicing() -> Value {
+    json!({"apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "GpuConfig",
+           "sharing": {"strategy": "TimeSlicing"}})
+}
+
+/// Issue 23 item 1: a time-slicing claim placed on an MPS-shared GPU locked it against every MPS share.
+#[test]
+fn a_time_slicing_config_for_a_class_whose_shared_devices_all_serve_mps_is_refused_naming_the_attribute() {
+    let review = claim()
+        .request("gpu", "shared.gpu.tessera.dev")
+        .config_for(&["gpu"], DRIVER_NAME, time_slicing())
+        .claim_review();
+    let response = decide(&review, &shipped_classes());
+    assert!(!response.allowed, "{response:?}");
+    let message = &response.result.message;
+    assert!(
+        message.starts_with(
+            "spec.devices.config[0].opaque.parameters.sharing.strategy: request \"gpu\" gets devices of \
+             DeviceClass \"shared.gpu.tessera.dev\", whose shared devices serve MPS"
+        ),
+        "{message}"
+    );
+    assert!(
+        message.contains("sharingStrategy == \"TimeSlicing\""),
+        "{message}"
+    );
+
+    let swapped = claim()
+        .request("gpu", "timesliced.example.com")
+        .config_for(&["gpu"], DRIVER_NAME, mps(json!({})))
+        .claim_review();
+    let response = decide(&swapped, &shipped_classes());
+    assert!(!response.allowed, "the strategies swapped: {response:?}");
+    assert!(
+        response.result.message.contains("serve TimeSlicing"),
+        "{}",
+        response.result.message
+    );
+}
+
+#[test]
+fn a_strategy_some_selected_device_serves_is_allowed() {
+    for (class, config) in [
+        ("shared.gpu.tessera.dev", mps(json!({}))),
+        ("timesliced.example.com", time_slicing()),
+        // An exclusive GPU has one holder, which may use either strategy.
+        ("anything.example.com", time_slicing()),
+        ("gpu.tessera.dev", time_slicing()),
+    ] {
+        let review = claim()
+            .request("gpu", class)
+            .config_for(&["gpu"], DRIVER_NAME, config)
+            .claim_review();
+        let response = decide(&review, &shipped_classes());
+        assert!(response.allowed, "{class}: {response:?}");
+    }
+}
+
+/// Issue 23 item 3: NVIDIA's config errors appear one at a time, at prepare.
+#[test]
+fn every_problem_of_one_config_is_reported_in_one_refusal() {
+    let review = claim()
+        .request("gpu", "shared.gpu.tessera.dev")
+        .config(mps(
+            json!({"defaultActiveThreadPercentage": 150, "defaultPinnedDeviceMemoryLimit": "10GB",
+                           "typo": true}),
+        ))
+        .claim_review();
+    let response = decide(&review, &shipped_classes());
+    assert!(!response.allowed);
+    let message = &response.result.message;
+    for want in [
+        "spec.devices.config[0].opaque.parameters: sharing.mps: unknown field \"typo\"",
+        "spec.devices.config[0].opaque.parameters: sharing.mps.defaultActiveThreadPercentage: must be between 1 and 100",
+        "spec.devices.config[0].opaque.parameters: sharing.mps.defaultPinnedDeviceMemoryLimit: invalid quantity",
+    ] {
+        assert!(message.contains(want), "{want:?} missing from {message}");
+    }
+}
+
+/// Issue 23 item 3: a config still naming NVIDIA's driver on a tessera claim was ignored without a word.
+#[test]
+fn a_config_for_nvidias_driver_on_a_request_tessera_serves_is_allowed_with_a_warning_naming_the_fix() {
+    let nvidia = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                        "sharing": {"strategy": "MPS"}});
+    let review = claim()
+        .request("gpu", "shared.gpu.tessera.dev")
+        .config_for(&[], "gpu.nvidia.com", nvidia.clone())
+        .claim_review();
+    let response = decide(&review, &shipped_classes());
+    assert!(response.allowed, "{response:?}");
+    let warnings = response.warnings.unwrap_or_default();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].starts_with(
+            "spec.devices.config[0].opaque.driver: \"gpu.nvidia.com\" is not tessera's driver, yet request(s) \
+             [\"gpu\"] get tessera's devices"
+        ),
+        "{}",
+        warnings[0]
+    );
+    assert!(
+        warnings[0].contains("kind GpuConfig or MigConfig"),
+        "{}",
+        warnings[0]
+    );
+
+    let elsewhere = claim()
+        .request("gpu", "nvidia.example.com")
+        .config_for(&["gpu"], "gpu.nvidia.com", nvidia)
+        .claim_review();
+    let response = decide(&elsewhere, &shipped_classes());
+    assert!(
+        response.allowed && response.warnings.is_none(),
+        "a request tessera does not serve keeps its driver's config quietly: {response:?}"
     );
 }

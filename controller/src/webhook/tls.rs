@@ -1,5 +1,5 @@
-//! The serving certificate, read again when its files change, so a rotated Secret (the chart's upgrade,
-//! cert-manager's renewal) is served without a restart.
+//! The serving certificate: read again when its files change, so a rotated Secret (cert-manager's
+//! renewal) is served without a restart; or made and rotated by the webhook itself ([`managed`]).
 
 use std::{
     fmt,
@@ -17,6 +17,9 @@ use rustls::{
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 
 use super::WebhookError;
+
+pub mod managed;
+pub mod rotation;
 
 /// How often, at most, a handshake looks at the files again.
 pub const RELOAD_CHECK_EVERY: Duration = Duration::from_secs(1);
@@ -148,11 +151,19 @@ impl ResolvesServerCert for ReloadingCert {
 pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, WebhookError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let resolver = ReloadingCert::new(provider.clone(), cert, key)?;
+    config_with(provider, Arc::new(resolver))
+}
+
+/// The rustls configuration serving what `resolver` hands out (the webhook's own rotated certificate).
+pub fn config_with(
+    provider: Arc<CryptoProvider>,
+    resolver: Arc<dyn ResolvesServerCert>,
+) -> Result<Arc<ServerConfig>, WebhookError> {
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(WebhookError::Tls)?
         .with_no_client_auth()
-        .with_cert_resolver(Arc::new(resolver));
+        .with_cert_resolver(resolver);
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }
