@@ -955,6 +955,15 @@ impl NodeSetup {
             condition.clone(),
             stop_rx.clone(),
         ));
+        // kubelet does not back off and retry a prepare that failed while the plugin was away; see
+        // prepare_retry.
+        let retry = tokio::spawn(crate::prepare_retry::after_each_registration(
+            client.clone(),
+            state.clone(),
+            tessera_api::DRIVER_NAME.to_string(),
+            registration_rx.clone(),
+            stop_rx.clone(),
+        ));
         let publisher = InventoryPublisher::new(
             client,
             spec,
@@ -987,7 +996,7 @@ impl NodeSetup {
             stop_rx.clone(),
         ));
         let reconcile = tokio::spawn(state.reconcile_periodically(RECONCILE_INTERVAL, stop_rx));
-        Ok([publisher, reconcile, watch, recheck]
+        Ok([publisher, reconcile, watch, recheck, retry]
             .into_iter()
             .chain(driver_watcher)
             .collect())

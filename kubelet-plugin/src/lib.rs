@@ -34,6 +34,7 @@ pub mod metrics;
 pub mod mig;
 pub mod mig_records;
 pub mod mps_events;
+pub mod prepare_retry;
 pub mod preparers;
 pub mod registration;
 pub mod sharing;

@@ -75,6 +75,41 @@ const MAX_COMPUTE_INSTANCE_ID: u32 = 7;
 #[serde(deny_unknown_fields)]
 pub struct NodeSpec {
     pub gpus: Vec<GpuGroup>,
+    /// How long the simulated driver takes for MIG reconfiguration (none by default).
+    #[serde(default, skip_serializing_if = "Latencies::is_zero")]
+    pub latencies: Latencies,
+}
+
+/// Time the simulated driver spends in each MIG reconfiguration call, in milliseconds, while it holds the
+/// hardware state's lock (a real driver serializes MIG changes too). Zero by default, so tests that do not
+/// ask pay nothing; the fault suite sets them to kill a plugin inside a prepare on the real node. These are
+/// knobs, not measurements: no real GPU has confirmed any value here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Latencies {
+    #[serde(default)]
+    pub mig_mode_change_ms: u64,
+    #[serde(default)]
+    pub gpu_instance_create_ms: u64,
+    #[serde(default)]
+    pub gpu_instance_destroy_ms: u64,
+    #[serde(default)]
+    pub compute_instance_create_ms: u64,
+    #[serde(default)]
+    pub compute_instance_destroy_ms: u64,
+}
+
+impl Latencies {
+    fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Spends `ms` as the driver would, in the calling thread.
+    fn charge(ms: u64) {
+        if ms > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
+    }
 }
 
 /// `count` GPUs of one model; several groups make a mixed node, indexed in file order. Every field but
@@ -757,6 +792,7 @@ pub struct SimulatedBackend {
     lock_file: Option<Mutex<File>>,
     /// The simulated driver root (`<state dir>/driver-root`), installed on first use.
     driver_root: PathBuf,
+    latencies: Latencies,
     install_driver_root: std::sync::Once,
     /// Whether [`GpuBackend::driver_root`] installs the built libraries there (the simulated backend does;
     /// a kernel opened by the libraries themselves does not).
@@ -903,6 +939,7 @@ impl SimulatedBackend {
             state_dir: state_dir.to_path_buf(),
             lock_file: lock_file.map(Mutex::new),
             driver_root: state_dir.join(DRIVER_ROOT_DIR),
+            latencies: spec.latencies,
             install_driver_root: std::sync::Once::new(),
             owns_driver_root,
             known_time_slices: Mutex::new(Default::default()),
@@ -1072,6 +1109,7 @@ impl SimulatedBackend {
                     g.gpu_instances.len()
                 )));
             }
+            Latencies::charge(self.latencies.mig_mode_change_ms);
             g.mig_pending = enabled;
             if !g.all_processes().is_empty() {
                 return Ok(super::NVML_ERROR_IN_USE);
@@ -1554,6 +1592,7 @@ impl GpuBackend for SimulatedBackend {
                 .ok_or_else(|| {
                     GpuError::InsufficientResources(format!("no free GPU-instance id on GPU {gpu}"))
                 })?;
+            Latencies::charge(self.latencies.gpu_instance_create_ms);
             g.gpu_instances.push(GiState {
                 id,
                 profile_id,
@@ -1584,6 +1623,7 @@ impl GpuBackend for SimulatedBackend {
                         "no free compute-instance id in GI {gpu_instance}"
                     ))
                 })?;
+            Latencies::charge(self.latencies.compute_instance_create_ms);
             let ci = CiState {
                 id,
                 profile_id: prof.full_compute_instance_profile_id(),
@@ -1614,6 +1654,7 @@ impl GpuBackend for SimulatedBackend {
                     "compute instance {compute_instance} of GPU instance {gpu_instance} on GPU {gpu} runs processes {pids:?}"
                 )));
             }
+            Latencies::charge(self.latencies.compute_instance_destroy_ms);
             gi.compute_instances.remove(pos);
             Ok(())
         })
@@ -1630,6 +1671,7 @@ impl GpuBackend for SimulatedBackend {
                     "GPU instance {gpu_instance} on GPU {gpu} still has compute instances {ids:?}"
                 )));
             }
+            Latencies::charge(self.latencies.gpu_instance_destroy_ms);
             g.gpu_instances.retain(|gi| gi.id != gpu_instance);
             Ok(())
         })
