@@ -13,6 +13,13 @@
 # leftover shims of this containerd, unmounts what containerd and the kubelet mounted under $RUN_DIR, and
 # removes the bridge and the iptables chain.
 #
+# The kubelet serves on the bridge's address (the node's InternalIP, --node-ip), which the API server dials
+# for `kubectl logs`, `exec` and `port-forward` (--kubelet-preferred-address-types InternalIP first: nothing
+# resolves the name real-node) and verifies against the cluster CA, which signed the kubelet's serving
+# certificate for that address; the kubelet authenticates the API server's client certificate against the
+# same CA and authorizes it by SubjectAccessReview (webhook mode; up.sh binds kube-apiserver-kubelet-client
+# to system:kubelet-api-admin).
+#
 # Pods reach the API server as in-cluster clients do: kubelet gives them KUBERNETES_SERVICE_HOST=10.0.0.1
 # (the `kubernetes` Service) and no kube-proxy runs, so a DNAT rule on the node's bridge sends 10.0.0.1:443
 # to the API server on 127.0.0.1 (route_localnet on that bridge only; the serving certificate names 10.0.0.1).
@@ -32,7 +39,7 @@
 # chain and the kubelet's cgroup root are all derived from API_PORT, so two of them never share one.
 # Variables: REAL_NODE_NAME (real-node), REAL_NODE_BRIDGE (tsr<API_PORT>), REAL_NODE_SUBNET
 # (10.99.<API_PORT mod 256>.0/24), REAL_NODE_KUBELET_PORT (API_PORT+10), REAL_NODE_HEALTHZ_PORT (API_PORT+11),
-# REAL_NODE_GPUS (6), REAL_NODE_MODEL (H100-SXM5-80GB), TESSERA_IMAGE (target/image/tessera.tar).
+# REAL_NODE_GPUS (6), REAL_NODE_MODEL (H100-SXM5-80GB), REAL_NODE_LATENCIES (none), TESSERA_IMAGE (target/image/tessera.tar).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
@@ -42,6 +49,9 @@ RN_DIR="$RUN_DIR/real-node"
 RN_BRIDGE="${REAL_NODE_BRIDGE:-tsr$API_PORT}"
 RN_SUBNET="${REAL_NODE_SUBNET:-10.99.$((API_PORT % 256)).0/24}"
 RN_GATEWAY="${RN_SUBNET%.*}.1"
+# The node's address: a host address of this cluster's own (the bridge exists before the kubelet starts),
+# which kubelet accepts as --node-ip where it refuses a loopback one.
+RN_ADDRESS="$RN_GATEWAY"
 RN_KUBELET_PORT="${REAL_NODE_KUBELET_PORT:-$((API_PORT + 10))}"
 RN_HEALTHZ_PORT="${REAL_NODE_HEALTHZ_PORT:-$((API_PORT + 11))}"
 # The kubelet removes pod cgroups it does not know under its root: each real node needs a root of its own.
@@ -124,14 +134,20 @@ EOF
 EOF
   local gates=""
   [[ -n "$FEATURE_GATES" ]] && gates="featureGates: {$(echo "$FEATURE_GATES" | sed 's/=/: /g')}"
-  # Ports away from the defaults (10250, 10248), bound to 127.0.0.1; cgroup v1 hosts allowed
+  "$BIN_DIR/clusterctl" sign-cert --dir "$PKI_DIR" --out "$RN_DIR/kubelet-serving" --cn "$RN_NAME" \
+    --ips "$RN_ADDRESS" --dns "$RN_NAME" > "$LOG_DIR/real-node-pki.log" 2>&1 \
+    || die "signing the real kubelet's serving certificate failed" "$LOG_DIR/real-node-pki.log"
+  # Ports away from the defaults (10250, 10248); the API port on the node's address, healthz on 127.0.0.1;
+  # cgroup v1 hosts allowed
   # (failCgroupV1, KEP-5573); no image GC or disk eviction, which would remove the imported images on a
   # busy shared disk.
   cat > "$RN_DIR/kubelet-config.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-address: 127.0.0.1
+address: $RN_ADDRESS
 port: $RN_KUBELET_PORT
+tlsCertFile: $RN_DIR/kubelet-serving.crt
+tlsPrivateKeyFile: $RN_DIR/kubelet-serving.key
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
 healthzPort: $RN_HEALTHZ_PORT
@@ -145,6 +161,7 @@ volumePluginDir: $RN_DIR/volume-plugins
 authentication:
   anonymous: {enabled: false}
   webhook: {enabled: true}
+  x509: {clientCAFile: $PKI_DIR/ca.crt}
 authorization:
   mode: Webhook
 imageGCHighThresholdPercent: 100
@@ -203,6 +220,9 @@ setup_driver() {
     return 0
   fi
   printf 'gpus:\n  - model: %s\n    count: %s\n' "$RN_MODEL" "$RN_GPUS" > "$RN_DIR/sim-node.yaml"
+  # REAL_NODE_LATENCIES (a YAML flow map, e.g. {gpuInstanceCreateMs: 3000}): time the simulated driver spends
+  # in MIG reconfiguration calls; the fault suite sets it to kill the plugin inside a prepare.
+  [[ -n "${REAL_NODE_LATENCIES:-}" ]] && printf 'latencies: %s\n' "$REAL_NODE_LATENCIES" >> "$RN_DIR/sim-node.yaml"
   "$PLUGIN_BIN" simulate driver-root --root "$RN_DRIVER_ROOT" --kernel "$RN_SIM_KERNEL" --node-name "$RN_NAME" \
     --node-file "$RN_DIR/sim-node.yaml" > "$LOG_DIR/real-node-driver.log" 2>&1 \
     || die "tessera-kubelet-plugin simulate driver-root failed" "$LOG_DIR/real-node-driver.log"
@@ -270,6 +290,7 @@ up() {
   write_proc "kubelet-$RN_NAME" -- "$BIN_DIR/kubelet" \
     --config "$RN_DIR/kubelet-config.yaml" --kubeconfig "$PKI_DIR/kubelet-$RN_NAME.kubeconfig" \
     --root-dir "$RN_DIR/kubelet" --cert-dir "$RN_DIR/kubelet/pki" --hostname-override "$RN_NAME" \
+    --node-ip "$RN_ADDRESS" \
     --node-labels "nvidia.com/gpu.present=true" --v 1
   start_proc "kubelet-$RN_NAME"
   # kubectl wait fails at once while the Node does not exist yet.

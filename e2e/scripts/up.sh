@@ -148,6 +148,8 @@ write_proc kube-apiserver -- "$BIN_DIR/kube-apiserver" \
   --service-account-issuer https://kubernetes.default.svc \
   --service-account-key-file "$PKI_DIR/sa.pub" --service-account-signing-key-file "$PKI_DIR/sa.key" \
   --endpoint-reconciler-type none \
+  --kubelet-client-certificate "$PKI_DIR/kubelet-client.crt" --kubelet-client-key "$PKI_DIR/kubelet-client.key" \
+  --kubelet-certificate-authority "$PKI_DIR/ca.crt" --kubelet-preferred-address-types InternalIP,Hostname \
   --allow-privileged=true --profiling=false "${gates[@]}" "${rc[@]}"
 start_proc kube-apiserver
 clusterctl wait-api --kubeconfig "$ADMIN_KUBECONFIG" --timeout 90s || die "kube-apiserver did not become ready" "$LOG_DIR/kube-apiserver.log"
@@ -158,10 +160,18 @@ write_proc kube-scheduler -- "$BIN_DIR/kube-scheduler" \
   --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" --cert-dir "$RUN_DIR/scheduler-certs" "${gates[@]}" \
   ${SCHEDULER_ARGS:-}
 start_proc kube-scheduler
+# The controllers users' workloads rely on. Left out: node-lifecycle (the stand-ins' pods would be evicted
+# from nodes it judges unhealthy), pod-garbage-collector (it deletes pods bound to nodes that do not exist,
+# which the explain scenarios keep), the CSR signers (no cluster-signing key), cloud and volume controllers.
+KCM_CONTROLLERS=resourceclaim-controller,device-taint-eviction-controller,garbage-collector-controller,namespace-controller
+KCM_CONTROLLERS+=,serviceaccount-controller,root-ca-certificate-publisher-controller,daemonset-controller,deployment-controller
+KCM_CONTROLLERS+=,replicaset-controller,replicationcontroller-controller,statefulset-controller,job-controller,cronjob-controller
+KCM_CONTROLLERS+=,ttl-after-finished-controller,disruption-controller,resourcequota-controller,clusterrole-aggregation-controller
+KCM_CONTROLLERS+=,endpoints-controller,endpointslice-controller,endpointslice-mirroring-controller,ephemeral-volume-controller
 write_proc kube-controller-manager -- "$BIN_DIR/kube-controller-manager" \
   --kubeconfig "$PKI_DIR/controller-manager.kubeconfig" --leader-elect=false \
   --bind-address 127.0.0.1 --secure-port "$CONTROLLER_MANAGER_PORT" --cert-dir "$RUN_DIR/controller-manager-certs" \
-  --controllers resourceclaim-controller,device-taint-eviction-controller,garbage-collector-controller,namespace-controller,serviceaccount-controller,root-ca-certificate-publisher-controller,daemonset-controller,deployment-controller,replicaset-controller \
+  --controllers "$KCM_CONTROLLERS" \
   --root-ca-file "$PKI_DIR/ca.crt" \
   "${gates[@]}"
 # SKIP_CONTROLLER_MANAGER=1 (the scheduler rate benchmark): nothing there needs it, and its informers
@@ -194,6 +204,19 @@ if [[ ${#manifests[@]} -gt 0 ]]; then
 fi
 printf 'apiVersion: v1\nkind: Namespace\nmetadata:\n  name: %s\n' "$TESSERA_NAMESPACE" > "$RUN_DIR/namespace.yaml"
 clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "$RUN_DIR/namespace.yaml" > /dev/null || die "creating namespace $TESSERA_NAMESPACE failed"
+# The API server reaches kubelets (`kubectl logs`, `exec`, `port-forward`) as kube-apiserver-kubelet-client
+# (WritePKI's client certificate); the real kubelet authorizes it by SubjectAccessReview, as kubeadm sets up.
+cat > "$RUN_DIR/kubelet-api.yaml" <<'EOF'
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: kube-apiserver-kubelet-client
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: system:kubelet-api-admin}
+subjects:
+  - {apiGroup: rbac.authorization.k8s.io, kind: User, name: kube-apiserver-kubelet-client}
+EOF
+clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "$RUN_DIR/kubelet-api.yaml" > /dev/null \
+  || die "binding kube-apiserver-kubelet-client to system:kubelet-api-admin failed"
 if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   step "RBAC: the chart's roles (renamed e2e-host-*) for the host controller and plugins"
   "$E2E_DIR/bin/helm" template tessera "$REPO_ROOT/deployments/helm/tessera" --namespace "$TESSERA_NAMESPACE" \

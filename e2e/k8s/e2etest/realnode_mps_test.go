@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -51,10 +50,16 @@ func (rn realNodeEnv) mpsSettings(t *testing.T, device string) string {
 		rn.mpsControl(t, device, "get_default_device_pinned_mem_limit 0"))
 }
 
-// podLog is the log the kubelet keeps for a container of a pod on the real node.
+// podLog is `kubectl logs --timestamps` of a container of a pod on the real node; what went wrong reading
+// it, if anything, in its place (every caller prints the log it did not like).
 func (rn realNodeEnv) podLog(p v1.Pod, container string) string {
-	data, _ := os.ReadFile(filepath.Join(rn.dir, "pod-logs", fmt.Sprintf("%s_%s_%s", p.Namespace, p.Name, p.UID), container, "0.log"))
-	return string(data)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	log, err := podLogs(ctx, &p, container, false)
+	if err != nil {
+		return err.Error()
+	}
+	return log
 }
 
 // serveWatch polls a shared device's control socket and keeps when it stopped and started answering.
@@ -89,15 +94,11 @@ func (w *serveWatch) times() (down, back time.Time) {
 // one without a server after it, and the first one through a server again.
 func clientOutage(log string, from time.Time) (lastOK, firstBad, firstBack time.Time) {
 	for _, line := range strings.Split(log, "\n") {
-		f := strings.SplitN(line, " ", 4)
-		if len(f) != 4 || !strings.HasPrefix(f[3], "sees ") {
+		ts, text, ok := logLine(line)
+		if !ok || !strings.HasPrefix(text, "sees ") {
 			continue
 		}
-		ts, err := time.Parse(time.RFC3339Nano, f[0])
-		if err != nil {
-			continue
-		}
-		ok := strings.Contains(f[3], "mps=yes server=")
+		ok = strings.Contains(text, "mps=yes server=")
 		switch {
 		case ts.Before(from) && ok:
 			lastOK = ts

@@ -450,33 +450,29 @@ func keys(m map[string]string) []string {
 
 // --- node-side state ----------------------------------------------------------------------------
 
-// lastReport is the newest "sees ..." line the pod's holding container wrote, read from the log file the
-// kubelet keeps for it (the API server cannot reach this kubelet's log endpoint: see e2e/README.md).
+// lastReport is the newest "sees ..." line the pod's holding container wrote, as `kubectl logs
+// --timestamps` shows it.
 func (rn realNodeEnv) lastReport(t *testing.T, p *v1.Pod) (string, time.Time) {
 	t.Helper()
-	path := filepath.Join(rn.dir, "pod-logs", fmt.Sprintf("%s_%s_%s", p.Namespace, p.Name, p.UID), "hold", "0.log")
 	// A container that has just started may not have written its first report yet: wait for it.
-	var data []byte
+	var data string
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
 		var err error
-		data, err = os.ReadFile(path)
+		data, err = podLogs(ctxFor(t, 10*time.Second), p, "hold", false)
 		if err != nil && time.Now().After(deadline) {
 			t.Fatalf("the holding container's log: %v", err)
 		}
-		lines := strings.Split(strings.TrimSpace(string(data)), "\n")
+		lines := strings.Split(strings.TrimSpace(data), "\n")
 		for i := len(lines) - 1; i >= 0; i-- {
-			// CRI log format: <RFC3339Nano> <stream> <F|P> <text>
-			f := strings.SplitN(lines[i], " ", 4)
-			if len(f) == 4 && strings.HasPrefix(f[3], "sees ") {
-				ts, _ := time.Parse(time.RFC3339Nano, f[0])
-				return f[3], ts
+			if ts, text, ok := logLine(lines[i]); ok && strings.HasPrefix(text, "sees ") {
+				return text, ts
 			}
 		}
 		if time.Now().After(deadline) {
 			break
 		}
 	}
-	t.Fatalf("%s has no report line after 30 s:\n%s", path, data)
+	t.Fatalf("pod %s/%s: the holding container logged no report line in 30 s:\n%s", p.Namespace, p.Name, data)
 	return "", time.Time{}
 }
 
@@ -786,6 +782,15 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 		return
 	}
 
+	t.Run("kubectl exec runs nvidia-smi in the whole-GPU pod, listing its GPU, and kubectl port-forward reaches a server in it", func(t *testing.T) {
+		w := pods["whole"]
+		uuid := attr(sliceDevice(t, rn.name, w.devices[0].Device), "uuid").StringValue
+		if uuid == nil {
+			t.Fatalf("device %s has no uuid attribute", w.devices[0].Device)
+		}
+		checkKubectlReachesThePod(t, w.pod, "hold", *uuid)
+	})
+
 	t.Run("deleting the pods unprepares: no CDI spec, MIG instance or MPS daemon is left", func(t *testing.T) {
 		for name := range pods {
 			deletePod(t, ns, name)
@@ -809,6 +814,10 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 				}
 			}
 		}
+	})
+
+	t.Run("a Job with a whole-GPU claim runs to completion and kubectl logs job/... shows its GPU", func(t *testing.T) {
+		checkGPUJobRuns(t, ns, "whole", rn.name)
 	})
 
 	// Its own subtest, once the pods above are gone: with them, the node's five MIG-capable GPUs are all

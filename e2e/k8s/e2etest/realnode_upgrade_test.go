@@ -74,11 +74,29 @@ func runCmd(t *testing.T, name string, args ...string) {
 	}
 }
 
-// containerLog is what the kubelet keeps of a container's instance (restart) of a pod on the real node: the
-// API server cannot reach this kubelet's log endpoint (e2e/README.md).
+// containerLog is `kubectl logs` of one instance of a container of a pod on the real node: its current
+// instance when restart is the restart count p shows, `kubectl logs -p` for the one before (the kubelet
+// keeps no older ones). What went wrong reading it, if anything, in its place.
 func (rn realNodeEnv) containerLog(p *v1.Pod, container string, restart int32) string {
-	data, _ := os.ReadFile(filepath.Join(rn.dir, "pod-logs", fmt.Sprintf("%s_%s_%s", p.Namespace, p.Name, p.UID), container, fmt.Sprintf("%d.log", restart)))
-	return string(data)
+	var current *int32
+	for _, s := range append(append([]v1.ContainerStatus{}, p.Status.InitContainerStatuses...), p.Status.ContainerStatuses...) {
+		if s.Name == container {
+			current = &s.RestartCount
+		}
+	}
+	if current == nil {
+		return fmt.Sprintf("pod %s has no status for container %s", p.Name, container)
+	}
+	if restart != *current && restart != *current-1 {
+		return fmt.Sprintf("pod %s container %s: instance %d is gone (restart count %d; kubectl logs keeps the current and the previous one)", p.Name, container, restart, *current)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	log, err := podLogs(ctx, p, container, restart != *current)
+	if err != nil {
+		return err.Error()
+	}
+	return log
 }
 
 func chartPluginPod(ctx context.Context) (*v1.Pod, error) {

@@ -7,6 +7,7 @@ import (
 	"crypto/tls"
 	"flag"
 	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"strings"
@@ -27,6 +28,8 @@ import (
 const usage = `usage: clusterctl <command> [flags]
 commands:
   pki            --dir D --server URL --identities name=user[@group+group],...
+  sign-cert      --dir D --out PREFIX --cn CN [--ips IP,...] [--dns NAME,...]
+                 (a serving certificate signed by the CA pki wrote in D)
   wait-url       --url URL [--timeout 60s]            (2xx over http, or https without verification)
   wait-api       --kubeconfig K [--timeout 60s]       (/readyz)
   wait-node      --kubeconfig K --node N              (Ready, no taints)
@@ -61,6 +64,10 @@ func run(ctx context.Context, cmd string, args []string) error {
 	waitFor := fs.Duration("wait", 0, "wait this long for pods to settle before reporting")
 	controllerUser := fs.String("controller", "", "the host controller's user (host-rbac)")
 	pluginUsers := fs.String("plugins", "", "the host plugins' users, comma-separated (host-rbac)")
+	out := fs.String("out", "", "output path without .crt/.key (sign-cert)")
+	commonName := fs.String("cn", "", "certificate common name (sign-cert)")
+	ips := fs.String("ips", "", "IP addresses the certificate names, comma-separated (sign-cert)")
+	dnsNames := fs.String("dns", "", "DNS names the certificate names, comma-separated (sign-cert)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -93,6 +100,28 @@ func run(ctx context.Context, cmd string, args []string) error {
 			ids = append(ids, id)
 		}
 		return cluster.WritePKI(*dir, *server, ids)
+	case "sign-cert":
+		if *dir == "" || *out == "" || *commonName == "" {
+			return fmt.Errorf("--dir, --out and --cn are required")
+		}
+		var addrs []net.IP
+		for _, s := range strings.Split(*ips, ",") {
+			if s == "" {
+				continue
+			}
+			ip := net.ParseIP(s)
+			if ip == nil {
+				return fmt.Errorf("--ips entry %q is not an IP address", s)
+			}
+			addrs = append(addrs, ip)
+		}
+		var names []string
+		for _, s := range strings.Split(*dnsNames, ",") {
+			if s != "" {
+				names = append(names, s)
+			}
+		}
+		return cluster.SignCert(*dir, *out, *commonName, addrs, names)
 	case "wait-url":
 		hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{
 			// Component health endpoints serve self-signed certificates; only liveness matters here.

@@ -33,9 +33,12 @@ type Identity struct {
 	Groups []string // nil: system:masters
 }
 
-// WritePKI creates a CA, a serving certificate for 127.0.0.1, the service-account key pair, a token
-// file and one kubeconfig per identity under dir. rustls (the Rust clients) rejects a self-signed
-// end-entity certificate, hence the separate CA.
+// WritePKI creates a CA (ca.crt, ca.key: SignCert signs the real node's kubelet serving certificate with
+// it once that node's address is known), a serving certificate for 127.0.0.1, the API server's client
+// certificate for kubelets (kubelet-client.crt, CN kube-apiserver-kubelet-client, which up.sh binds to
+// system:kubelet-api-admin so `kubectl logs`/`exec` pass the kubelet's webhook authorization), the
+// service-account key pair, a token file and one kubeconfig per identity under dir. rustls (the Rust
+// clients) rejects a self-signed end-entity certificate, hence the separate CA.
 func WritePKI(dir, server string, identities []Identity) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("failed to create %s: %w", dir, err)
@@ -85,10 +88,21 @@ func WritePKI(dir, server string, identities []Identity) error {
 		return fmt.Errorf("failed to generate service-account key: %w", err)
 	}
 	caPEM := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER})
+	caKeyDER, err := x509.MarshalECPrivateKey(caKey)
+	if err != nil {
+		return fmt.Errorf("failed to encode CA key: %w", err)
+	}
+	clientCert, clientKey, err := signCert(ca, caKey, 3, "kube-apiserver-kubelet-client", nil, nil, x509.ExtKeyUsageClientAuth)
+	if err != nil {
+		return err
+	}
 	files := map[string][]byte{
-		"ca.crt":      caPEM,
-		"serving.crt": pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: servingDER}),
-		"sa.key":      pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(saKey)}),
+		"ca.key":             pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: caKeyDER}),
+		"kubelet-client.crt": clientCert,
+		"kubelet-client.key": clientKey,
+		"ca.crt":             caPEM,
+		"serving.crt":        pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: servingDER}),
+		"sa.key":             pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(saKey)}),
 	}
 	servingKeyDER, err := x509.MarshalECPrivateKey(servingKey)
 	if err != nil {
@@ -134,4 +148,73 @@ func WritePKI(dir, server string, identities []Identity) error {
 		}
 	}
 	return nil
+}
+
+// SignCert writes <out>.crt and <out>.key: a serving certificate for ips and dnsNames signed by the CA
+// WritePKI left in dir (the real node's kubelet, whose address the API server dials and verifies).
+func SignCert(dir, out, commonName string, ips []net.IP, dnsNames []string) error {
+	caPEM, err := os.ReadFile(filepath.Join(dir, "ca.crt"))
+	if err != nil {
+		return fmt.Errorf("the CA certificate (clusterctl pki writes it): %w", err)
+	}
+	keyPEM, err := os.ReadFile(filepath.Join(dir, "ca.key"))
+	if err != nil {
+		return fmt.Errorf("the CA key (clusterctl pki writes it): %w", err)
+	}
+	caBlock, _ := pem.Decode(caPEM)
+	keyBlock, _ := pem.Decode(keyPEM)
+	if caBlock == nil || keyBlock == nil {
+		return fmt.Errorf("%s/ca.crt or ca.key is not PEM", dir)
+	}
+	ca, err := x509.ParseCertificate(caBlock.Bytes)
+	if err != nil {
+		return fmt.Errorf("parse %s/ca.crt: %w", dir, err)
+	}
+	caKey, err := x509.ParseECPrivateKey(keyBlock.Bytes)
+	if err != nil {
+		return fmt.Errorf("parse %s/ca.key: %w", dir, err)
+	}
+	serial, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 62))
+	if err != nil {
+		return fmt.Errorf("failed to draw a serial number: %w", err)
+	}
+	crt, key, err := signCert(ca, caKey, serial.Int64()+16, commonName, ips, dnsNames, x509.ExtKeyUsageServerAuth)
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(out+".crt", crt, 0o600); err != nil {
+		return fmt.Errorf("failed to write %s.crt: %w", out, err)
+	}
+	if err := os.WriteFile(out+".key", key, 0o600); err != nil {
+		return fmt.Errorf("failed to write %s.key: %w", out, err)
+	}
+	return nil
+}
+
+func signCert(ca *x509.Certificate, caKey *ecdsa.PrivateKey, serial int64, commonName string, ips []net.IP, dnsNames []string, usage x509.ExtKeyUsage) (crtPEM, keyPEM []byte, err error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, nil, fmt.Errorf("failed to generate a key for %s: %w", commonName, err)
+	}
+	now := time.Now().Add(-time.Hour)
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(serial),
+		Subject:      pkix.Name{CommonName: commonName},
+		NotBefore:    now,
+		NotAfter:     now.Add(10 * 365 * 24 * time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
+		ExtKeyUsage:  []x509.ExtKeyUsage{usage},
+		IPAddresses:  ips,
+		DNSNames:     dnsNames,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
+	if err != nil {
+		return nil, nil, fmt.Errorf("failed to create the certificate for %s: %w", commonName, err)
+	}
+	keyDER, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		return nil, nil, fmt.Errorf("failed to encode the key for %s: %w", commonName, err)
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
+		pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), nil
 }

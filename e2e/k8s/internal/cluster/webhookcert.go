@@ -23,8 +23,8 @@ type ServingCert struct {
 }
 
 // WriteServingCert writes a fresh CA's certificate (ca.crt) and a serving certificate for ip signed by
-// it (tls.crt, tls.key) under dir. WritePKI keeps no CA key, so a webhook gets a CA of its own, which the
-// API server trusts through the webhook configuration's caBundle alone.
+// it (tls.crt, tls.key) under dir. A webhook gets a CA of its own, which the API server trusts through the
+// webhook configuration's caBundle alone.
 func WriteServingCert(dir, ip string) (ServingCert, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return ServingCert{}, fmt.Errorf("failed to create %s: %w", dir, err)
