@@ -98,6 +98,9 @@ install_chart() {
     --set "controller.nodeSelector.kubernetes\.io/hostname=$rn" \
     --set 'controller.tolerations[0].key=nvidia.com/gpu' --set 'controller.tolerations[0].operator=Exists' \
     --set 'controller.tolerations[0].effect=NoSchedule' \
+    --set "webhook.nodeSelector.kubernetes\.io/hostname=$rn" \
+    --set 'webhook.tolerations[0].key=nvidia.com/gpu' --set 'webhook.tolerations[0].operator=Exists' \
+    --set 'webhook.tolerations[0].effect=NoSchedule' \
     > "$LOG_DIR/helm-install.log" 2>&1 || die "helm install of the chart failed" "$LOG_DIR/helm-install.log"
   sed 's/^/    /' "$LOG_DIR/helm-install.log" | grep -E 'STATUS|REVISION' || true
 }
@@ -132,6 +135,9 @@ start_proc etcd
 clusterctl wait-url --url "http://127.0.0.1:$ETCD_PORT/health" --timeout 30s || die "etcd did not become healthy" "$LOG_DIR/etcd.log"
 
 step "kube-apiserver on https://127.0.0.1:$API_PORT"
+# --enable-aggregator-routing: the API server calls webhook Services (the chart's admission webhook) at
+# their endpoints' pod IPs, which the host routes to the real node's bridge; no kube-proxy runs here to
+# make ClusterIPs answer.
 rc=()
 [[ -n "$RUNTIME_CONFIG" ]] && rc=("--runtime-config=$RUNTIME_CONFIG")
 # ServiceAccount admission refuses pods in a namespace until its `default` ServiceAccount exists, which
@@ -150,6 +156,7 @@ write_proc kube-apiserver -- "$BIN_DIR/kube-apiserver" \
   --endpoint-reconciler-type none \
   --kubelet-client-certificate "$PKI_DIR/kubelet-client.crt" --kubelet-client-key "$PKI_DIR/kubelet-client.key" \
   --kubelet-certificate-authority "$PKI_DIR/ca.crt" --kubelet-preferred-address-types InternalIP,Hostname \
+  --enable-aggregator-routing=true \
   --allow-privileged=true --profiling=false "${gates[@]}" "${rc[@]}"
 start_proc kube-apiserver
 clusterctl wait-api --kubeconfig "$ADMIN_KUBECONFIG" --timeout 90s || die "kube-apiserver did not become ready" "$LOG_DIR/kube-apiserver.log"

@@ -137,10 +137,13 @@ func TestTheChartRendersObjectsTheAPIServerAcceptsForBothBackends(t *testing.T) 
 			objs := renderChart(t, helm, set...)
 			kinds := kindsOf(objs)
 			want := map[string]int{
-				// The uninstall hook brings one ServiceAccount, ClusterRole(Binding), Role(Binding) and Pod.
-				"CustomResourceDefinition": 2, "ServiceAccount": 3, "ClusterRole": 3, "ClusterRoleBinding": 3,
-				"Role": 3, "RoleBinding": 3, "ValidatingAdmissionPolicy": 2, "ValidatingAdmissionPolicyBinding": 2,
-				"Deployment": 1, "PodDisruptionBudget": 1, "DaemonSet": 2, "GpuPolicy": 1, "Pod": 1,
+				// The uninstall hook brings one ServiceAccount, ClusterRole(Binding), Role(Binding) and Pod; the
+				// admission webhook one of each too, its Deployment, PodDisruptionBudget, Service, empty
+				// certificate Secret and ValidatingWebhookConfiguration.
+				"CustomResourceDefinition": 2, "ServiceAccount": 4, "ClusterRole": 4, "ClusterRoleBinding": 4,
+				"Role": 4, "RoleBinding": 4, "ValidatingAdmissionPolicy": 3, "ValidatingAdmissionPolicyBinding": 3,
+				"Deployment": 2, "PodDisruptionBudget": 2, "DaemonSet": 2, "GpuPolicy": 1, "Pod": 1,
+				"Service": 1, "Secret": 1, "ValidatingWebhookConfiguration": 1,
 			}
 			for kind, n := range want {
 				if kinds[kind] != n {

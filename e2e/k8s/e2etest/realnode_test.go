@@ -109,6 +109,12 @@ func (rn realNodeEnv) chartValues(extra ...string) []string {
 		"controller.tolerations[0].key=nvidia.com/gpu",
 		"controller.tolerations[0].operator=Exists",
 		"controller.tolerations[0].effect=NoSchedule",
+		// The admission webhook's replicas too: the API server calls them at the pod IPs (up.sh's
+		// --enable-aggregator-routing; no kube-proxy runs).
+		`webhook.nodeSelector.kubernetes\.io/hostname=` + rn.name,
+		"webhook.tolerations[0].key=nvidia.com/gpu",
+		"webhook.tolerations[0].operator=Exists",
+		"webhook.tolerations[0].effect=NoSchedule",
 	}, extra...)
 }
 
@@ -153,6 +159,7 @@ func installChart(t *testing.T, rn realNodeEnv) {
 		waitStandInsPublished(t)
 	})
 	helmRun(t, append([]string{"install", "tessera", chartDir(), "--namespace", chartNamespace}, helmSetArgs(rn.chartValues())...)...)
+	waitChartWebhookServing(t)
 }
 
 // waitStandInsPublished waits until the host controller `make up` runs has republished every stand-in node:
@@ -719,6 +726,11 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 	})
 	t.Logf("chart installed, plugin registered, slices published in %s", time.Since(start).Round(time.Second))
 
+	t.Run("the chart's admission webhook, serving a certificate it made itself, refuses each bad config at create with prepare's message", func(t *testing.T) {
+		checkChartWebhookCertificate(t)
+		chartWebhookRefusesBadConfigs(t, namespace(t, "real-node-webhook"))
+	})
+
 	ns := namespace(t, "real-node")
 	claimTemplate(t, ns, "whole", gpuClass(t))
 	claimTemplate(t, ns, "mig", mig3gClass(t))
@@ -997,10 +1009,16 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 			}
 		}
 
-		// A changed pod template (the plugin's log level) is what any upgrade of the plugin rolls on.
+		// A changed pod template (the plugin's log level) is what any upgrade of the plugin rolls on; the
+		// webhook's rolls too, and it must keep its certificate and the API server's trust in it.
+		webhooks, err := podsOf(ctx, "webhook")
+		if err != nil || len(webhooks) == 0 {
+			t.Fatalf("webhook pods before the roll: %v (%d)", err, len(webhooks))
+		}
+		certBefore := checkChartWebhookCertificate(t)
 		rolled := time.Now()
-		helmRun(t, append([]string{"upgrade", "tessera", chartDir(), "--namespace", chartNamespace},
-			helmSetArgs(rn.chartValues("kubeletPlugin.logLevel=debug"))...)...)
+		helmRun(t, append([]string{"upgrade", "tessera", chartDir(), "--namespace", chartNamespace, "--wait", "--timeout", "180s"},
+			helmSetArgs(rn.chartValues("kubeletPlugin.logLevel=debug", "webhook.logLevel=debug"))...)...)
 		waitPluginPodReplaced(t, "the plugin DaemonSet rolled to a new, Ready pod", before[0].Name, 3*time.Minute)
 		waitFreshHeartbeat(t, rn.name, rolled, time.Minute)
 
@@ -1033,6 +1051,14 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 				t.Errorf("claim %s lost its CDI spec in the roll", c.Name)
 			}
 		}
+
+		if now, err := podsOf(ctx, "webhook"); err != nil || !anyNewPod(webhooks, now) {
+			t.Errorf("the webhook did not roll: pods %v before, %v after (err %v)", podNames(webhooks), podNames(now), err)
+		}
+		if certAfter := checkChartWebhookCertificate(t); certAfter != certBefore {
+			t.Errorf("the upgrade replaced the webhook's serving certificate (its Secret is the webhook's to write, not the chart's)")
+		}
+		chartWebhookRefusesBadConfigs(t, namespace(t, "real-node-webhook-upgraded"))
 
 		after := workloadPod(ns, "whole-after-roll", rn.name).withClaimFrom("whole").create(t)
 		after = waitRunning(t, ns, after.Name, 2*time.Minute)

@@ -47,7 +47,9 @@ func TestRealNodeUninstallLeavesNoDeviceAndAReinstallLeadsAtOnce(t *testing.T) {
 	})
 	install := func() time.Time {
 		helmRun(t, append([]string{"install", "tessera", chartDir(), "--namespace", chartNamespace}, helmSetArgs(rn.chartValues())...)...)
-		return time.Now()
+		at := time.Now()
+		waitChartWebhookServing(t)
+		return at
 	}
 	published := func(what string, since time.Time) time.Duration {
 		waitFor(t, what, 3*time.Minute, func(ctx context.Context) (bool, string) {
@@ -77,6 +79,11 @@ func TestRealNodeUninstallLeavesNoDeviceAndAReinstallLeadsAtOnce(t *testing.T) {
 	_, err = e.client.CoordinationV1().Leases(chartNamespace).Get(ctxFor(t, 30*time.Second), "tessera-controller", metav1.GetOptions{})
 	if !apierrors.IsNotFound(err) {
 		t.Fatalf("the leader Lease outlived helm uninstall (get: %v)", err)
+	}
+	// A webhook configuration without its webhook, failing closed, would refuse every claim of the cluster.
+	_, err = e.client.AdmissionregistrationV1().ValidatingWebhookConfigurations().Get(ctxFor(t, 30*time.Second), chartWebhookConfig, metav1.GetOptions{})
+	if !apierrors.IsNotFound(err) {
+		t.Fatalf("ValidatingWebhookConfiguration %s outlived helm uninstall (get: %v)", chartWebhookConfig, err)
 	}
 
 	reinstalled := install()

@@ -21,7 +21,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/utils/ptr"
 
 	"tessera.dev/e2e/internal/cluster"
@@ -116,23 +115,20 @@ func (w *webhookProc) stop() {
 	}
 }
 
-// registerWebhook creates the shipped ValidatingWebhookConfiguration (deployments/webhook), pointed at
-// url and limited to namespace ns so the other scenarios' deliberately bad claims are not judged.
+// registerWebhook creates the chart's ValidatingWebhookConfiguration (deployments/helm/tessera,
+// templates/webhook.yaml, as helm renders it), pointed at url and limited to namespace ns so the other
+// scenarios' deliberately bad claims are not judged.
 func registerWebhook(t *testing.T, ns, url string, ca []byte, policy admissionv1.FailurePolicyType) string {
 	t.Helper()
-	path := filepath.Join(e.repoRoot, "deployments", "webhook", "validatingwebhookconfiguration.yaml")
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
 	var cfg admissionv1.ValidatingWebhookConfiguration
-	if err := utilyaml.NewYAMLOrJSONDecoder(f, 4096).Decode(&cfg); err != nil {
-		t.Fatalf("%s: %v", path, err)
+	rendered := findObject(t, renderChart(t, helmBinary(t)), "ValidatingWebhookConfiguration", chartWebhookConfig)
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(rendered.Object, &cfg); err != nil {
+		t.Fatalf("the chart's ValidatingWebhookConfiguration: %v", err)
 	}
 	if len(cfg.Webhooks) != 1 {
-		t.Fatalf("%s: %d webhooks, want 1", path, len(cfg.Webhooks))
+		t.Fatalf("the chart's ValidatingWebhookConfiguration has %d webhooks, want 1", len(cfg.Webhooks))
 	}
+	cfg.ObjectMeta = metav1.ObjectMeta{}
 	cfg.Name = "e2e-" + ns
 	wh := &cfg.Webhooks[0]
 	wh.ClientConfig = admissionv1.WebhookClientConfig{URL: ptr.To(url), CABundle: ca}
@@ -315,34 +311,4 @@ func TestTheWebhookDownLetsClaimsThroughWithIgnoreAndRefusesThemWithFail(t *test
 	setFailurePolicy(t, name, admissionv1.Fail)
 	refusal := waitRefusedByWebhook(t, shareClaim(ns, "while-down-fail", class, bad.parameters), `failed calling webhook "claims.gpu.tessera.dev"`)
 	t.Logf("refused: %v", refusal)
-}
-
-// Every manifest of deployments/webhook is accepted by the API server (dry run: the Deployment's image
-// does not exist here).
-func TestTheWebhookManifestsAreAcceptedByTheAPIServer(t *testing.T) {
-	files, err := cluster.ManifestFiles(filepath.Join(e.repoRoot, "deployments", "webhook"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	objs, err := cluster.ReadManifests(files...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dry, err := cluster.NewApplier(e.cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dry.DryRun = true
-	kinds := map[string]bool{}
-	for _, o := range objs {
-		kinds[o.GetKind()] = true
-		if err := dry.ApplyOne(ctxFor(t, 30*time.Second), o, "tessera-system"); err != nil {
-			t.Errorf("rejected: %v", err)
-		}
-	}
-	for _, k := range []string{"ValidatingWebhookConfiguration", "ClusterRole", "ClusterRoleBinding", "ServiceAccount", "Deployment", "Service"} {
-		if !kinds[k] {
-			t.Errorf("deployments/webhook has no %s", k)
-		}
-	}
 }

@@ -25,6 +25,11 @@ annotation to learn whether the leader watches their heartbeat Leases, so both m
 tessera-controller
 {{- end }}
 
+{{/* The admission webhook's ValidatingWebhookConfiguration (cluster-scoped; the webhook patches its caBundle). */}}
+{{- define "tessera.webhookConfiguration" -}}
+tessera-claims
+{{- end }}
+
 {{/* The ServiceAccount user names the admission policy matches. */}}
 {{- define "tessera.pluginUser" -}}
 system:serviceaccount:{{ .Release.Namespace }}:tessera-kubelet-plugin
@@ -39,6 +44,9 @@ Checks what the schema cannot say, failing with the value to change.
 {{- end }}
 {{- if ge (int .Values.kubeletPlugin.heartbeatInterval) (int .Values.controller.heartbeatTimeout) }}
 {{- fail (printf "kubeletPlugin.heartbeatInterval (%v s) must be below controller.heartbeatTimeout (%v s), or every node's pool is withdrawn between heartbeats" .Values.kubeletPlugin.heartbeatInterval .Values.controller.heartbeatTimeout) }}
+{{- end }}
+{{- if and .Values.webhook.enabled .Values.webhook.certManager.enabled (not .Values.webhook.certManager.issuerRef) }}
+{{- fail "webhook.certManager.issuerRef: name the cert-manager Issuer or ClusterIssuer (name, kind) that signs the webhook's certificate, or set webhook.certManager.enabled=false to let the webhook make its own" }}
 {{- end }}
 {{- end }}
 

@@ -1,0 +1,109 @@
+package e2etest
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// The chart's ValidatingWebhookConfiguration and the Secret its webhook keeps its certificate in
+// (deployments/helm/tessera/templates/webhook.yaml).
+const (
+	chartWebhookConfig = "tessera-claims"
+	chartWebhookSecret = "tessera-webhook-tls"
+)
+
+// checkChartWebhookCertificate waits until the webhook the chart installed has made its certificate and
+// put its CA into the configuration's caBundle, as the API server reads them, and returns the served
+// certificate (PEM).
+func checkChartWebhookCertificate(t *testing.T) string {
+	t.Helper()
+	var cert string
+	waitFor(t, "the webhook's certificate in Secret "+chartWebhookSecret+" and its CA in "+chartWebhookConfig+"'s caBundle", 2*time.Minute, func(ctx context.Context) (bool, string) {
+		s, err := e.client.CoreV1().Secrets(chartNamespace).Get(ctx, chartWebhookSecret, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		ca, crt := s.Data["ca.crt"], s.Data["tls.crt"]
+		if len(ca) == 0 || len(crt) == 0 || len(s.Data["tls.key"]) == 0 {
+			return false, "the Secret has no ca.crt, tls.crt or tls.key yet"
+		}
+		cfg, err := e.client.AdmissionregistrationV1().ValidatingWebhookConfigurations().Get(ctx, chartWebhookConfig, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, w := range cfg.Webhooks {
+			if !bytes.Contains(w.ClientConfig.CABundle, bytes.TrimSpace(ca)) {
+				return false, "webhook " + w.Name + "'s caBundle lacks the Secret's ca.crt"
+			}
+		}
+		cert = string(crt)
+		return true, ""
+	})
+	return cert
+}
+
+// chartWebhookRefusesBadConfigs creates a claim of each class-independent bad config of the webhook table
+// in ns and wants each refused at create by the webhook, with prepare's message; a good one is created.
+func chartWebhookRefusesBadConfigs(t *testing.T, ns string) {
+	t.Helper()
+	shared := sharedClass(t)
+	first := badConfigs[0]
+	// The first create also waits for the webhook's replicas to serve.
+	waitRefusedByWebhook(t, shareClaim(ns, "first", shared, first.parameters), first.message)
+	for _, bc := range badConfigs {
+		if bc.class != "shared" {
+			continue
+		}
+		err := createClaim(ctxFor(t, 30*time.Second), shareClaim(ns, "bad-"+bc.name, shared, bc.parameters))
+		if err == nil || !strings.Contains(err.Error(), webhookN) || !strings.Contains(err.Error(), bc.message) {
+			t.Errorf("claim with config %s: %v\nwant a refusal from the webhook with %q", bc.parameters, err, bc.message)
+		}
+	}
+	good := `{` + gpuV1 + `,"kind":"GpuConfig","sharing":{"strategy":"MPS","mps":{"defaultActiveThreadPercentage":25}}}`
+	if err := createClaim(ctxFor(t, 30*time.Second), shareClaim(ns, "good", shared, good)); err != nil {
+		t.Errorf("a good config was refused: %v", err)
+	}
+}
+
+// waitChartWebhookServing waits until both replicas of the chart's webhook are Ready: with failurePolicy
+// Fail no claim can be created before (the plugin, waiting for its driver, may not be ready, so this is no
+// `helm install --wait`).
+func waitChartWebhookServing(t *testing.T) {
+	t.Helper()
+	waitFor(t, "the chart's two webhook replicas Ready", 3*time.Minute, func(ctx context.Context) (bool, string) {
+		pods, err := podsOf(ctx, "webhook")
+		if err != nil {
+			return false, err.Error()
+		}
+		n, states := readyPods(pods)
+		return n == 2, strings.Join(states, "; ")
+	})
+}
+
+func podNames(pods []v1.Pod) []string {
+	names := make([]string, 0, len(pods))
+	for _, p := range pods {
+		names = append(names, p.Name)
+	}
+	return names
+}
+
+// anyNewPod: whether now holds a pod that before did not.
+func anyNewPod(before, now []v1.Pod) bool {
+	old := map[string]bool{}
+	for _, p := range before {
+		old[p.Name] = true
+	}
+	for _, p := range now {
+		if !old[p.Name] {
+			return true
+		}
+	}
+	return false
+}
