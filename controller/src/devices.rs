@@ -465,11 +465,15 @@ fn shared_attributes(
 }
 
 /// Consumable capacity: one multi-allocatable device per GPU with `memory` (bytes, in steps of
-/// `memory_step`) and `compute` (percent, steps of 1). A claim that requests nothing gets the defaults,
-/// which are **everything**: a pod that does not say how much it needs is not squeezed next to others
-/// (and MPS would otherwise cap it at a default it never asked for). Capacities other than these two are
-/// left off: on a multi-allocatable device an unrequested capacity without a policy counts as fully
-/// consumed, which would make the device exclusive again.
+/// `memory_step`) and `compute` (percent, 0 to 100, steps of 1). A claim that names no memory gets all
+/// of it: a pod that does not say how much it needs is not squeezed next to others. A claim that names
+/// memory and no compute reserves none (default 0) and gets no MPS thread limit from it: a user who asked
+/// for 10Gi expects the GPU's other 10Gi shares beside it, which a default of 100 would shut out.
+/// Capacities other than these two are left off: on a multi-allocatable device an unrequested capacity
+/// without a policy counts as fully consumed, which would make the device exclusive again.
+/// The `compute` a share that does not name one consumes: none.
+pub const COMPUTE_UNREQUESTED: u64 = 0;
+
 pub fn shared(
     node: &NodeInventorySpec,
     gpu: &GpuInfo,
@@ -478,10 +482,10 @@ pub fn shared(
 ) -> GpuDevices {
     let step = memory_step.max(MIB);
     let max = (gpu.memory_bytes / step).max(1) * step;
-    let policy = |value: u64, min: u64, max: u64, step: u64| DeviceCapacity {
+    let policy = |value: u64, default: u64, min: u64, max: u64, step: u64| DeviceCapacity {
         value: quantity(value),
         request_policy: Some(CapacityRequestPolicy {
-            default: Some(quantity(max)),
+            default: Some(quantity(default)),
             valid_range: Some(CapacityRequestPolicyRange {
                 min: quantity(min),
                 max: Some(quantity(max)),
@@ -497,9 +501,12 @@ pub fn shared(
             [
                 (
                     attr::MEMORY.to_string(),
-                    policy(gpu.memory_bytes, step, max, step),
+                    policy(gpu.memory_bytes, max, step, max, step),
                 ),
-                (attr::COMPUTE.to_string(), policy(100, 1, 100, 1)),
+                (
+                    attr::COMPUTE.to_string(),
+                    policy(100, COMPUTE_UNREQUESTED, 0, 100, 1),
+                ),
             ]
             .into(),
         ),

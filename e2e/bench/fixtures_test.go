@@ -13,7 +13,7 @@ import (
 // one counter set per GPU (memory, multiprocessors and one counter per memory slice; the engine counters
 // are left out, the profiles here never exhaust them) in its own slice, MIG devices smallest profile first
 // and highest placement first, the whole GPU last; the shared model as one multi-allocatable device per
-// GPU with memory (1 GiB steps) and compute (percent) whose defaults are everything. The benchmark itself
+// GPU with memory (1 GiB steps, default all of it) and compute (percent, default none). The benchmark itself
 // only ever uses the real render output.
 
 type fixtureProfile struct {
@@ -135,7 +135,7 @@ func (b fixtureBuilder) build() []*resourceapi.ResourceSlice {
 			memMax := int64(h100MemoryBytes) / gib * gib
 			memory.RequestPolicy = rangePolicy(memMax, gib, memMax, gib)
 			compute := qty(100)
-			compute.RequestPolicy = rangePolicy(100, 1, 100, 1)
+			compute.RequestPolicy = rangePolicy(0, 0, 100, 1)
 			loose = append(loose, resourceapi.Device{
 				Name:                     fmt.Sprintf("gpu-%d-shared", g),
 				Attributes:               a,

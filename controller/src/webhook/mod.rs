@@ -26,7 +26,7 @@ use kube::core::{
     admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation},
 };
 use tessera_api::{
-    DRIVER_NAME, DeviceName,
+    DRIVER_NAME, DeviceName, attributes as attr,
     config::{self, DeviceConfig, SOURCE_FROM_CLAIM},
 };
 
@@ -178,12 +178,79 @@ pub fn check_spec(spec: &ResourceClaimSpec, path: &str, classes: &dyn ClassCatal
                 continue;
             }
         };
-        for named in entry.requests.iter().flatten() {
-            check_target(&mut verdict, &at, named, requests, opaque, &config, classes);
+        let mut judged = Entry {
+            at: &at,
+            opaque,
+            config: &config,
+            targeted: true,
+        };
+        match entry.requests.as_deref() {
+            Some(named) if !named.is_empty() => {
+                for named in named {
+                    check_target(&mut verdict, &judged, named, requests, classes);
+                }
+            }
+            // An untargeted config applies to every request it fits (prepare skips the others, a claim may
+            // mix GPU and MIG requests), but a shared device refuses a strategy it does not serve whoever
+            // targets it.
+            _ => {
+                judged.targeted = false;
+                for request in requests {
+                    check_target(&mut verdict, &judged, &request.name, requests, classes);
+                }
+            }
         }
     }
     warn_foreign_configs(&mut verdict, path, devices, classes);
+    warn_memory_only_shares(&mut verdict, path, requests, classes);
     verdict
+}
+
+/// Warns about a share request that names `memory` and no `compute`: it reserves no compute (the
+/// published default is 0, so the GPU's other shares fit beside it) and so gets no MPS thread limit
+/// from the scheduler; a user who wanted a capped share of the SMs learns it at create, not from a
+/// neighbour's load.
+fn warn_memory_only_shares(
+    verdict: &mut Verdict,
+    path: &str,
+    requests: &[DeviceRequest],
+    classes: &dyn ClassCatalog,
+) {
+    let memory_only = |capacity: Option<&k8s_openapi::api::resource::v1::CapacityRequirements>| {
+        capacity
+            .and_then(|c| c.requests.as_ref())
+            .is_some_and(|r| r.contains_key(attr::MEMORY) && !r.contains_key(attr::COMPUTE))
+    };
+    let shares = |class: &str| classes.offers(class).is_some_and(|o| !o.serves.is_empty());
+    for (i, request) in requests.iter().enumerate() {
+        let mut asks: Vec<(String, &str)> = Vec::new();
+        if let Some(e) = &request.exactly
+            && memory_only(e.capacity.as_ref())
+            && shares(&e.device_class_name)
+        {
+            asks.push((
+                format!("{path}.devices.requests[{i}].exactly.capacity.requests"),
+                &request.name,
+            ));
+        }
+        for (j, sub) in request.first_available.iter().flatten().enumerate() {
+            if memory_only(sub.capacity.as_ref()) && shares(&sub.device_class_name) {
+                asks.push((
+                    format!("{path}.devices.requests[{i}].firstAvailable[{j}].capacity.requests"),
+                    &request.name,
+                ));
+            }
+        }
+        for (field, name) in asks {
+            verdict.warnings.push(format!(
+                "{field}: request {name:?} names memory and no compute, so it reserves no share of the SMs \
+                 (compute defaults to {unrequested}) and its MPS server gets no thread limit beyond its config's \
+                 defaultActiveThreadPercentage; the GPU's other shares run beside it. Add compute (a percentage) \
+                 to cap and reserve its share",
+                unrequested = crate::devices::COMPUTE_UNREQUESTED,
+            ));
+        }
+    }
 }
 
 /// Drivers whose configs users port to tessera claims; a config for them on a request tessera serves is
@@ -262,15 +329,26 @@ fn classes_named<'r>(named: &str, requests: &'r [DeviceRequest]) -> Vec<(String,
         .collect()
 }
 
+/// One config entry of a claim, as [`check_target`] judges it.
+struct Entry<'a> {
+    /// Its field path (`spec.devices.config[i]`).
+    at: &'a str,
+    opaque: &'a OpaqueDeviceConfiguration,
+    config: &'a DeviceConfig,
+    /// Whether it names its requests; an untargeted one applies only where it fits.
+    targeted: bool,
+}
+
 fn check_target(
     verdict: &mut Verdict,
-    at: &str,
+    entry: &Entry<'_>,
     named: &str,
     requests: &[DeviceRequest],
-    opaque: &OpaqueDeviceConfiguration,
-    config: &DeviceConfig,
     classes: &dyn ClassCatalog,
 ) {
+    let Entry {
+        at, opaque, config, ..
+    } = *entry;
     let alternatives = classes_named(named, requests);
     let mut misfits = Vec::new();
     let mut unserved = Vec::new();
@@ -279,7 +357,12 @@ fn check_target(
     for (request, class) in &alternatives {
         let offers = classes.offers(class);
         if let Some(device) = offers.as_ref().and_then(|o| o.only_misfit(config)) {
-            misfits.push((request.clone(), *class, device.clone()));
+            if entry.targeted {
+                misfits.push((request.clone(), *class, device.clone()));
+            } else {
+                // Prepare skips an untargeted config of the other kind there.
+                fits_somewhere = true;
+            }
         } else if let Some(serves) = asked.and_then(|a| offers.as_ref()?.strategy_unserved(a)) {
             unserved.push((request.clone(), *class, serves));
         } else {

@@ -22,6 +22,13 @@ impl ClaimBuilder {
         self
     }
 
+    /// A request asking for `capacity` (`{"memory": "10Gi"}`) of its class.
+    fn request_with(mut self, name: &str, class: &str, capacity: Value) -> Self {
+        self.requests.push(json!({"name": name, "exactly": {
+            "deviceClassName": class, "count": 1, "capacity": {"requests": capacity}}}));
+        self
+    }
+
     fn first_available(mut self, name: &str, alternatives: &[(&str, &str)]) -> Self {
         let subs: Vec<Value> = alternatives
             .iter()
@@ -184,6 +191,45 @@ fn the_message_is_the_one_prepare_gives_for_the_same_parameters() {
         response.result.message,
         format!("spec.devices.config[0].opaque.parameters: {prepare}")
     );
+}
+
+#[test]
+fn a_share_that_names_memory_and_no_compute_is_allowed_with_a_warning_that_it_reserves_no_compute() {
+    let review = claim()
+        .request_with("gpu", "shared.gpu.tessera.dev", json!({"memory": "10Gi"}))
+        .claim_review();
+    let response = decide(&review, &shipped_classes());
+    assert!(response.allowed, "{}", response.result.message);
+    let warnings = response.warnings.unwrap_or_default();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].starts_with(
+            "spec.devices.requests[0].exactly.capacity.requests: request \"gpu\" names memory and no compute"
+        ) && warnings[0].contains("compute defaults to 0")
+            && warnings[0].contains("Add compute"),
+        "{}",
+        warnings[0]
+    );
+}
+
+#[test]
+fn a_share_that_names_memory_and_compute_or_a_whole_gpu_request_gets_no_compute_warning() {
+    for review in [
+        claim()
+            .request_with(
+                "gpu",
+                "shared.gpu.tessera.dev",
+                json!({"memory": "10Gi", "compute": "25"}),
+            )
+            .claim_review(),
+        claim()
+            .request_with("gpu", "gpu.tessera.dev", json!({"memory": "10Gi"}))
+            .claim_review(),
+    ] {
+        let response = decide(&review, &shipped_classes());
+        assert!(response.allowed, "{}", response.result.message);
+        assert_eq!(response.warnings, None);
+    }
 }
 
 #[test]
@@ -464,6 +510,33 @@ fn a_time_slicing_config_for_a_class_whose_shared_devices_all_serve_mps_is_refus
         "{}",
         response.result.message
     );
+}
+
+#[test]
+fn an_untargeted_time_slicing_config_on_a_one_request_mps_share_claim_is_refused_too() {
+    // kube-scheduler clears the requests of a config that names every request, so users write either.
+    let review = claim()
+        .request("gpu", "shared.gpu.tessera.dev")
+        .config(time_slicing())
+        .claim_review();
+    let response = decide(&review, &shipped_classes());
+    assert!(!response.allowed, "{response:?}");
+    assert!(
+        response.result.message.contains("whose shared devices serve MPS"),
+        "{}",
+        response.result.message
+    );
+}
+
+#[test]
+fn an_untargeted_time_slicing_config_next_to_a_mig_request_refuses_nothing_for_the_mig_request() {
+    let review = claim()
+        .request("gpu", "gpu.tessera.dev")
+        .request("slice", "mig.gpu.tessera.dev")
+        .config(time_slicing())
+        .claim_review();
+    let response = decide(&review, &shipped_classes());
+    assert!(response.allowed, "{response:?}");
 }
 
 #[test]

@@ -273,6 +273,68 @@ func TestTwoSharesOnOneGPUGetTheirOwnLimits(t *testing.T) {
 	}
 }
 
+// Issue 23 item 6: shares that name only memory reserve no compute, so four 10Gi claims share one GPU,
+// each with its memory limit and no thread limit.
+func TestSharesThatNameOnlyMemoryFitBesideEachOtherWithoutAThreadLimit(t *testing.T) {
+	ns := namespace(t, "e2e-memory-shares")
+	claimTemplate(t, ns, "ten", sharedClass(t), capacity(map[string]string{"memory": "10Gi"}))
+	node := e.nodes[0]
+	names := []string{"ten-a", "ten-b", "ten-c", "ten-d"}
+	for _, name := range names {
+		pod(t, ns, name, "ten", node)
+	}
+	var device string
+	for _, name := range names {
+		a := allocations(t, waitRunning(t, ns, name, 2*time.Minute))[0]
+		if device == "" {
+			device = a.result.Device
+		} else if a.result.Device != device {
+			t.Errorf("%s landed on %s, the first share on %s: want one shared GPU for all four", name, a.result.Device, device)
+		}
+		if got := a.result.ConsumedCapacity["compute"]; got.Value() != 0 {
+			t.Errorf("%s consumed compute %s, want 0 (it named none)", name, got.String())
+		}
+		env := checkPrepared(t, a)
+		if v, ok := env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]; ok {
+			t.Errorf("%s: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%q, want none (it named no compute)", name, v)
+		}
+		if got := mpsLimitBytes(env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]); got != 10<<30 {
+			t.Errorf("%s: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=%q, want 10Gi", name, env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"])
+		}
+	}
+}
+
+// Issue 23 item 1: a claim asking for time-slicing on a GPU published as MPS-shared (make e2e's host
+// cluster has no admission webhook, so it reaches prepare) fails alone, naming the strategy; the GPU
+// keeps serving MPS shares beside it.
+func TestATimeSlicingClaimOnAnMpsSharedGPUFailsAloneAndTheGPUKeepsServingMps(t *testing.T) {
+	ns := namespace(t, "e2e-strategy")
+	share := capacity(map[string]string{"memory": "10Gi", "compute": "25"})
+	claimTemplate(t, ns, "mps", sharedClass(t), share)
+	claimTemplate(t, ns, "sliced", sharedClass(t), share, opaqueConfig(
+		`{"apiVersion":"gpu.tessera.dev/v1alpha1","kind":"GpuConfig","sharing":{"strategy":"TimeSlicing"}}`))
+	node := e.nodes[0]
+	pod(t, ns, "sliced", "sliced", node)
+	msg := waitPrepareFailure(t, ns, "sliced")
+	t.Logf("the time-slicing pod's event: %s", msg)
+	if !strings.Contains(msg, "MPS") || !strings.Contains(msg, "TimeSlicing") {
+		t.Errorf("event %q does not say the device serves MPS and the claim asked for TimeSlicing", msg)
+	}
+	for _, name := range []string{"mps-a", "mps-b"} {
+		pod(t, ns, name, "mps", node)
+	}
+	a := allocations(t, waitRunning(t, ns, "mps-a", 2*time.Minute))[0]
+	b := allocations(t, waitRunning(t, ns, "mps-b", 2*time.Minute))[0]
+	if a.result.Device != b.result.Device {
+		t.Errorf("the MPS shares landed on %s and %s, want the one shared GPU", a.result.Device, b.result.Device)
+	}
+	for _, x := range []allocation{a, b} {
+		if env := checkPrepared(t, x); env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] != "25" {
+			t.Errorf("%s: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%q, want 25 (an MPS share)", x.pod.Name, env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"])
+		}
+	}
+}
+
 // mpsLimitBytes parses CUDA_MPS_PINNED_DEVICE_MEM_LIMIT ("<ordinal|uuid>=<n>G|M", MPS units are binary).
 func mpsLimitBytes(v string) int64 {
 	_, limit, ok := strings.Cut(v, "=")

@@ -230,6 +230,8 @@ var badConfigs = []struct {
 		`spec.devices.config[0].opaque.parameters: apiVersion: must be "gpu.tessera.dev/v1alpha1", got "gpu.tessera.dev/v1"`, nil},
 	{"mps-with-timeslicing", "shared", `{` + gpuV1 + `,"kind":"GpuConfig","sharing":{"strategy":"TimeSlicing","mps":{}}}`,
 		`spec.devices.config[0].opaque.parameters: sharing.mps: only allowed with strategy MPS, got TimeSlicing`, nil},
+	{"timeslicing-on-mps-share", "shared", `{` + gpuV1 + `,"kind":"GpuConfig","sharing":{"strategy":"TimeSlicing"}}`,
+		`spec.devices.config[0].opaque.parameters.sharing.strategy: request "gpu" gets devices of DeviceClass`, []string{"gpu"}},
 	{"timeslicing-on-mig", "mig", `{` + gpuV1 + `,"kind":"MigConfig","sharing":{"strategy":"TimeSlicing","timeSlicing":{"interval":"Short"}}}`,
 		`spec.devices.config[0].opaque.parameters: sharing.timeSlicing: MIG devices have no time-slice setting; remove it or use GpuConfig`, nil},
 	{"mig-config-on-whole-gpu", "gpu", `{` + gpuV1 + `,"kind":"MigConfig"}`,

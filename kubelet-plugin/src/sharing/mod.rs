@@ -72,7 +72,7 @@ pub enum SharingError {
         source: QuantityError,
     },
     /// The compute share is not a percentage.
-    #[error("consumed capacity compute={0} is not a percentage between 1 and 100")]
+    #[error("consumed capacity compute={0} is not a percentage between 0 and 100")]
     ComputeShare(u64),
     /// Setting the GPU's compute mode failed.
     #[error("failed to set the compute mode of GPU {gpu}: {source}")]
@@ -613,10 +613,12 @@ pub fn share_limits(
             })
             .transpose()
     };
+    // 0: the claim named memory and no compute (the slice's default), so it reserved none and only its
+    // config's default limits its threads.
     let compute = match read(attributes::COMPUTE)? {
         Some(p) if (1..=100).contains(&p) => Some(p as u32),
+        Some(0) | None => mps.and_then(|m| m.default_active_thread_percentage),
         Some(p) => return Err(SharingError::ComputeShare(p)),
-        None => mps.and_then(|m| m.default_active_thread_percentage),
     };
     let memory = match read(attributes::MEMORY)? {
         Some(b) => Some(b),
@@ -750,6 +752,26 @@ mod tests {
                 .unwrap()
                 .active_thread_percentage,
             None
+        );
+        // Memory named, compute not: the slice's default 0 reserves nothing, so only the config caps it.
+        let memory_only: BTreeMap<_, _> = [
+            ("compute".to_string(), Quantity("0".into())),
+            ("memory".to_string(), Quantity("10Gi".into())),
+        ]
+        .into();
+        assert_eq!(
+            share_limits(&memory_only, Some(&mps), "gpu-0-shared").unwrap(),
+            ShareLimits {
+                active_thread_percentage: Some(30),
+                pinned_memory_bytes: Some(10 << 30)
+            }
+        );
+        assert_eq!(
+            share_limits(&memory_only, None, "gpu-0-shared").unwrap(),
+            ShareLimits {
+                active_thread_percentage: None,
+                pinned_memory_bytes: Some(10 << 30)
+            }
         );
         let bad: BTreeMap<_, _> = [("compute".to_string(), Quantity("250".into()))].into();
         assert!(matches!(
