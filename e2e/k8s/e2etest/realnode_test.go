@@ -140,7 +140,7 @@ func helmSetArgs(values []string) []string {
 
 // installChart installs the chart on the real node for the test and uninstalls it afterwards. The host
 // controller `make up` runs is stopped meanwhile: the chart's controllers take the same Lease.
-func installChart(t *testing.T, rn realNodeEnv) {
+func installChart(t *testing.T, rn realNodeEnv, values ...string) {
 	t.Helper()
 	proc(t, "stop", "controller")
 	t.Cleanup(func() {
@@ -158,7 +158,7 @@ func installChart(t *testing.T, rn realNodeEnv) {
 		proc(t, "start", "controller")
 		waitStandInsPublished(t)
 	})
-	helmRun(t, append([]string{"install", "tessera", chartDir(), "--namespace", chartNamespace}, helmSetArgs(rn.chartValues())...)...)
+	helmRun(t, append([]string{"install", "tessera", chartDir(), "--namespace", chartNamespace}, helmSetArgs(rn.chartValues(values...))...)...)
 	waitChartWebhookServing(t)
 }
 

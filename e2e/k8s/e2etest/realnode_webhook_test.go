@@ -3,6 +3,7 @@ package e2etest
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -91,6 +92,51 @@ func waitChartWebhookServing(t *testing.T) {
 		n, states := readyPods(pods)
 		return n == 2, strings.Join(states, "; ")
 	})
+}
+
+// The webhook's own certificate rotates under load without refusing a call for the wrong reason: with a
+// 60 s validity it stages a new CA at 40 s and serves the new certificate 10 s later. For 110 s a bad
+// claim is created four times a second; every answer must be the webhook's refusal (an x509 or "failed
+// calling webhook" error would be an interruption), and the served certificate must have changed.
+func TestRealNodeChartWebhookRotatesItsCertificateWithoutRefusingACall(t *testing.T) {
+	rn := realNode(t)
+	installChart(t, rn, "webhook.certValidity=60s")
+	ns := namespace(t, "webhook-rotation")
+	shared := sharedClass(t)
+	bad := badConfigs[1]
+	waitRefusedByWebhook(t, shareClaim(ns, "first", shared, bad.parameters), bad.message)
+
+	served := map[string]bool{checkChartWebhookCertificate(t): true}
+	calls, interrupted := 0, 0
+	var lastOdd string
+	end := time.Now().Add(110 * time.Second)
+	nextLook := time.Now()
+	for time.Now().Before(end) {
+		err := createClaim(ctxFor(t, 10*time.Second), shareClaim(ns, "rotating", shared, bad.parameters))
+		calls++
+		if err == nil || !strings.Contains(err.Error(), webhookN) || !strings.Contains(err.Error(), bad.message) {
+			interrupted++
+			lastOdd = fmt.Sprint(err)
+		}
+		if time.Now().After(nextLook) {
+			s, err := e.client.CoreV1().Secrets(chartNamespace).Get(ctxFor(t, 10*time.Second), chartWebhookSecret, metav1.GetOptions{})
+			if err == nil && len(s.Data["tls.crt"]) > 0 {
+				served[string(s.Data["tls.crt"])] = true
+			}
+			nextLook = time.Now().Add(time.Second)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	// The configuration trusts the certificate served at the end.
+	checkChartWebhookCertificate(t)
+	t.Logf("%d creates during 110 s of a 60 s certificate lifetime: %d refused by the webhook as they should be, %d otherwise; %d certificates served",
+		calls, calls-interrupted, interrupted, len(served))
+	if interrupted > 0 {
+		t.Errorf("%d of %d calls during the rotation were not the webhook's refusal; the last: %s", interrupted, calls, lastOdd)
+	}
+	if len(served) < 2 {
+		t.Errorf("the serving certificate never changed in 110 s of a 60 s lifetime: no rotation happened")
+	}
 }
 
 func podNames(pods []v1.Pod) []string {
