@@ -53,8 +53,11 @@ e2e: ## End-to-end scenarios on a fresh local cluster with a real node (builds c
 
 # Fault suite (issue 16): plugin kill -9 in prepare/unprepare, foreign-boot and corrupted checkpoints with
 # pods running, API server restarts during a pod burst, controller kills during policy changes and node
-# joins/leaves; prints leak/overlap/lost-device/slice-gap counts. `make test` runs it small:
-# `make test-faults FAULT_ROUNDS=5` (~5 min); the full run (100 rounds) writes e2e/bench/results/faults.md.
+# joins/leaves; on the real node with the chart (issue 27), kubelet and containerd kill -9 during a burst, the
+# plugin container killed mid-prepare, the MPS supervisor deleted, helm uninstall + reinstall under running
+# pods; prints leak/overlap/lost-device/slice-gap counts. `make test` runs it small:
+# `make test-faults FAULT_ROUNDS=5` (~9 min); the full run (100 rounds) writes e2e/bench/results/faults.md
+# (FAULTS_RUN=TestFaultsRealNode re-measures only the real-node rows, keeping the others).
 FAULT_ROUNDS ?= 100
 test-faults: ## Fault suite on a fresh local cluster, counts per scenario (FAULT_ROUNDS=100; 5 in make test)
 	FAULT_ROUNDS=$(FAULT_ROUNDS) e2e/scripts/faults.sh

@@ -24,7 +24,9 @@ pub const CUDA_DRIVER_VERSION: &str = "cudaDriverVersion";
 pub const INDEX: &str = "index";
 /// `int`: minor number of `/dev/nvidiaN`.
 pub const MINOR: &str = "minor";
-/// `int`: NUMA node of the GPU, when the platform reports one.
+/// `int`: NUMA node of the GPU, when the platform reports one. Deprecated for new selectors: the same
+/// value is published as [`STANDARD_NUMA_NODE`], which other drivers' devices (NICs) carry too, so
+/// `matchAttribute` can align a GPU with them. Kept for the selectors already written against it.
 pub const NUMA_NODE: &str = "numaNode";
 /// `string`: MIG profile name, e.g. `3g.40gb` (MIG devices only).
 pub const MIG_PROFILE: &str = "profile";
@@ -36,6 +38,8 @@ pub const SHARING_STRATEGY: &str = "sharingStrategy";
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 /// Standard attribute: PCIe root complex, `pci0000:3a`.
 pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+/// Standard attribute (KEP-6072, Kubernetes 1.37): NUMA node, as [`NUMA_NODE`].
+pub const STANDARD_NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
 
 /// Capacity: bytes of GPU memory.
 pub const MEMORY: &str = "memory";

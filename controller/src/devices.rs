@@ -197,6 +197,7 @@ fn gpu_attributes(node: &NodeInventorySpec, gpu: &GpuInfo, kind: &str) -> BTreeM
     }
     if let Some(n) = gpu.numa_node {
         a.insert(attr::NUMA_NODE.into(), int(n));
+        a.insert(attr::STANDARD_NUMA_NODE.into(), int(n));
     }
     if let Some(root) = &gpu.pcie_root {
         a.insert(attr::PCIE_ROOT.into(), string(root));

@@ -3,7 +3,10 @@
 # (e2e/k8s/e2etest/faults_test.go, the TestFaults* scenarios of bin/e2e.test), then `make down`.
 # FAULT_ROUNDS sizes it (kill rounds of the plugin scenario; the other scenarios repeat more from 100 on).
 # The table goes to FAULTS_OUT (default e2e/bench/results/faults.md for FAULT_ROUNDS >= 100, else
-# $RUN_DIR/logs/faults.md, which make down keeps). KEEP_CLUSTER=1 leaves the cluster running; FAULTS_RUN selects scenarios.
+# $RUN_DIR/logs/faults.md, which make down keeps), its rows as JSON beside it: rows of scenarios a run leaves
+# out are kept from there, so FAULTS_RUN=TestFaultsRealNode FAULT_ROUNDS=100 re-measures the real-node rows of the
+# committed table alone. KEEP_CLUSTER=1 leaves the cluster running; FAULTS_RUN selects scenarios.
+# The cluster has the real node (REAL_NODE=1, root only): TestFaultsRealNode installs the chart on it.
 set -euo pipefail
 # A cluster of its own (run dir and ports), like the scheduler benchmark's, so a `make up` cluster or a
 # running `make e2e` is never torn down by this script's `make down`.
@@ -13,6 +16,7 @@ export ETCD_PORT="${FAULTS_ETCD_PORT:-24190}" ETCD_PEER_PORT="${FAULTS_ETCD_PEER
 export SCHEDULER_PORT="${FAULTS_SCHEDULER_PORT:-16859}" CONTROLLER_MANAGER_PORT="${FAULTS_CONTROLLER_MANAGER_PORT:-16857}"
 source "$here/common.sh"
 rounds="${FAULT_ROUNDS:-5}"
+export REAL_NODE="${REAL_NODE:-1}"
 mkdir -p "$LOG_DIR"
 if [[ -z "${FAULTS_OUT:-}" ]]; then
   if (( rounds >= 100 )); then FAULTS_OUT="$E2E_DIR/bench/results/faults.md"; else FAULTS_OUT="$LOG_DIR/faults.md"; fi
@@ -25,7 +29,7 @@ up_done=$(date +%s)
 step "fault suite, FAULT_ROUNDS=$rounds (log: $LOG_DIR/faults.log, table: $FAULTS_OUT)"
 set +e
 (cd "$REPO_ROOT" && RUN_DIR="$RUN_DIR" E2E_REPO_ROOT="$REPO_ROOT" NODES="$NODES" GPUS="$GPUS" MODEL="$MODEL" NODE_PREFIX="$NODE_PREFIX" \
-  FAULT_ROUNDS="$rounds" FAULTS_OUT="$FAULTS_OUT" \
+  REAL_NODE="$REAL_NODE" REAL_NODE_NAME="${REAL_NODE_NAME:-real-node}" FAULT_ROUNDS="$rounds" FAULTS_OUT="$FAULTS_OUT" \
   "$BIN_DIR/e2e.test" -test.v -test.timeout 120m -test.run "${FAULTS_RUN:-^TestFaults}") 2>&1 | tee "$LOG_DIR/faults.log"
 rc=${PIPESTATUS[0]}
 set -e

@@ -12,14 +12,20 @@ package e2etest
 //   - seconds during which a node had no published ResourceSlices (sampled every second), split into
 //     nodes whose plugin and kubelet stayed healthy (must be 0) and nodes the round restarted or removed.
 //
-// A table of every scenario is written to FAULTS_OUT (default <run dir>/faults.md); faults.sh copies it to
-// e2e/bench/results/faults.md.
+// The real node's scenarios (faults_realnode_test.go) add two numbers: the longest stretch its pool was
+// incomplete (sampled every 25 ms), and the time from the fault to every pod Running again.
+//
+// A table of every scenario is written to FAULTS_OUT (default <run dir>/faults.md), with its rows as JSON
+// beside it (faults.json). Rows of scenarios this run did not run are kept from that file, each with the
+// date and FAULT_ROUNDS it was measured at, so `FAULTS_RUN=TestFaultsRealNode make test-faults` re-measures a part of
+// the committed table (e2e/bench/results/faults.md) without dropping the rest.
 
 import (
 	"context"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -70,8 +76,14 @@ type faultCounts struct {
 	NotRunning    int
 	GapHealthy    int // seconds a healthy node had no slices
 	GapRestarted  int // seconds a restarted or removed node had no slices (reported, not judged)
-	Seconds       int
-	Why           map[string]int // not-Running reasons and lost-device details, by text
+	// LongestIncomplete is the longest stretch (s) the disturbed node had fewer slices than its whole
+	// pool; Recovery the longest time (s) from a fault to every pod Running again. Both reported, not
+	// judged; nil where the scenario does not measure them.
+	LongestIncomplete *float64 `json:",omitempty"`
+	Recovery          *float64 `json:",omitempty"`
+	Seconds           int
+	Measured          string         // when and at which FAULT_ROUNDS
+	Why               map[string]int // not-Running reasons and lost-device details, by text
 	quiet         bool           // an intermediate observation: details are kept in raw, not logged
 	raw           []string
 }
@@ -104,15 +116,24 @@ var (
 // record adds the scenario's row, rewrites the table file and fails the test on what must be zero.
 func record(t *testing.T, c faultCounts) {
 	t.Helper()
-	tableMu.Lock()
-	table = append(table, c)
-	rows := append([]faultCounts(nil), table...)
-	tableMu.Unlock()
+	c.Measured = fmt.Sprintf("%s, FAULT_ROUNDS=%d", time.Now().UTC().Format("2006-01-02"), faultRounds(t))
 	out := getenv("FAULTS_OUT", filepath.Join(e.runDir, "faults.md"))
+	sidecar := strings.TrimSuffix(out, filepath.Ext(out)) + ".json"
+	tableMu.Lock()
+	rows := mergeRows(t, sidecar, c)
+	tableMu.Unlock()
+	if data, err := json.MarshalIndent(rows, "", "  "); err != nil {
+		t.Errorf("encode %s: %v", sidecar, err)
+	} else if err := os.WriteFile(sidecar, append(data, '\n'), 0o644); err != nil {
+		t.Errorf("write %s: %v", sidecar, err)
+	}
 	if err := os.WriteFile(out, []byte(renderTable(rows)), 0o644); err != nil {
 		t.Errorf("write %s: %v", out, err)
 	}
-	t.Logf("%s: %+v", c.Scenario, c)
+	t.Logf("%s: %d round(s), leaks MIG/MPS/CDI/records %d/%d/%d/%d, overlaps %d, lost devices %d, not Running %d, "+
+		"s without slices healthy/disturbed %d/%d, longest incomplete pool %s s, recovery %s s, %d s",
+		c.Scenario, c.Rounds, c.LeakedMIG, c.LeakedMPS, c.LeakedCDI, c.LeakedRecords, c.Overlaps, c.LostDevices, c.NotRunning,
+		c.GapHealthy, c.GapRestarted, seconds(c.LongestIncomplete), seconds(c.Recovery), c.Seconds)
 	bad := map[string]int{
 		"leaked MIG instances": c.LeakedMIG, "leaked MPS daemons": c.LeakedMPS, "leaked CDI specs": c.LeakedCDI,
 		"leaked checkpoint records": c.LeakedRecords, "overlapping placements": c.Overlaps,
@@ -126,16 +147,47 @@ func record(t *testing.T, c faultCounts) {
 	}
 }
 
+// mergeRows adds c to the rows of the sidecar file (the rows of earlier runs), replacing the row of the
+// same scenario; a missing or unreadable file starts a new table.
+func mergeRows(t *testing.T, sidecar string, c faultCounts) []faultCounts {
+	t.Helper()
+	var rows []faultCounts
+	if data, err := os.ReadFile(sidecar); err == nil {
+		if err := json.Unmarshal(data, &rows); err != nil {
+			t.Logf("%s is not a table of earlier rows (%v): starting a new one", sidecar, err)
+			rows = nil
+		}
+	}
+	for i := range rows {
+		if rows[i].Scenario == c.Scenario {
+			rows[i] = c
+			return rows
+		}
+	}
+	return append(rows, c)
+}
+
+func seconds(v *float64) string {
+	if v == nil {
+		return "—"
+	}
+	return strconv.FormatFloat(*v, 'f', 2, 64)
+}
+
 func renderTable(rows []faultCounts) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "# Fault suite\n\n`make test-faults` (FAULT_ROUNDS=%s), %d node(s) x %d %s, written %s.\n\n",
-		getenv("FAULT_ROUNDS", "5"), len(e.nodes), e.gpus, e.model, time.Now().UTC().Format(time.RFC3339))
-	b.WriteString("| Scenario | Rounds | Leaked MIG | Leaked MPS | Leaked CDI | Leaked records | Overlaps | Running pods that lost a device | Pods not Running | s without slices (healthy node) | s without slices (restarted/removed node) | Wall s |\n")
-	b.WriteString("|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+	fmt.Fprintf(&b, "# Fault suite\n\n`make test-faults`: %d stand-in node(s) x %d %s and, for the real-node rows, the real node "+
+		"(upstream kubelet and containerd, the chart's pods, the nvml backend over the simulated driver root). Written %s.\n\n",
+		len(e.nodes), e.gpus, e.model, time.Now().UTC().Format(time.RFC3339))
+	b.WriteString("Longest incomplete pool: the longest stretch the disturbed node had fewer ResourceSlices than its whole pool " +
+		"(sampled every 25 ms). Recovery: the longest time from the fault to every pod of the round Running (for the uninstall, " +
+		"from the reinstall to the node's pool published and the pod deleted meanwhile gone). Both are numbers, not pass/fail.\n\n")
+	b.WriteString("| Scenario | Rounds | Leaked MIG | Leaked MPS | Leaked CDI | Leaked records | Overlaps | Running pods that lost a device | Pods not Running | s without slices (healthy node) | s without slices (restarted/removed node) | Longest incomplete pool s | Recovery s (max) | Wall s | Measured |\n")
+	b.WriteString("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, r := range rows {
-		fmt.Fprintf(&b, "| %s | %d | %d | %d | %d | %d | %d | %d | %d | %d | %d | %d |\n", r.Scenario, r.Rounds,
+		fmt.Fprintf(&b, "| %s | %d | %d | %d | %d | %d | %d | %d | %d | %d | %d | %s | %s | %d | %s |\n", r.Scenario, r.Rounds,
 			r.LeakedMIG, r.LeakedMPS, r.LeakedCDI, r.LeakedRecords, r.Overlaps, r.LostDevices, r.NotRunning,
-			r.GapHealthy, r.GapRestarted, r.Seconds)
+			r.GapHealthy, r.GapRestarted, seconds(r.LongestIncomplete), seconds(r.Recovery), r.Seconds, r.Measured)
 	}
 	for _, r := range rows {
 		if len(r.Why) == 0 {
@@ -166,6 +218,7 @@ type nodeHolds struct {
 	instances []simInstance
 	daemons   []string                    // keys of MPS daemons whose pid is alive
 	cdi       []string                    // claim UIDs with a tessera CDI spec
+	cdiText   map[string]string           // each of those specs, by claim UID
 	records   map[string]checkpointRecord // checkpoint records by claim UID
 	corrupt   string                      // why the checkpoint could not be read, if so
 }
@@ -179,10 +232,44 @@ type checkpointRecord struct {
 
 func nodeDir(node string) string { return filepath.Join(e.runDir, "nodes", node) }
 
+// isRealNode says whether node is the real node (kubelet + containerd, the chart's plugin), whose state
+// lives where the chart's stateDir and cdiDir put it rather than under nodes/<name>.
+func isRealNode(node string) bool {
+	return os.Getenv("REAL_NODE") == "1" && node == getenv("REAL_NODE_NAME", "real-node")
+}
+
+// nodeLayout is where a node's plugin state (checkpoint, simulated kernel, MPS pipes) and CDI specs are.
+func nodeLayout(node string) (state, cdi string) {
+	if isRealNode(node) {
+		dir := filepath.Join(e.runDir, "real-node")
+		return filepath.Join(dir, "tessera"), filepath.Join(dir, "cdi")
+	}
+	return filepath.Join(nodeDir(node), "plugin-state"), filepath.Join(nodeDir(node), "cdi")
+}
+
+// daemonAnswers says whether the MPS control daemon of a pipe directory runs. On the real node its pid
+// file holds a pid of the supervisor's PID namespace, so the control socket is dialled instead.
+func daemonAnswers(node, pipe string) bool {
+	if isRealNode(node) {
+		conn, err := net.DialTimeout("unix", filepath.Join(pipe, "control"), 2*time.Second)
+		if err != nil {
+			return false
+		}
+		conn.Close()
+		return true
+	}
+	data, err := os.ReadFile(filepath.Join(pipe, "nvidia-cuda-mps-control.pid"))
+	if err != nil {
+		return false
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
+	return err == nil && syscall.Kill(pid, 0) == nil
+}
+
 func observeNode(t *testing.T, node string) nodeHolds {
 	t.Helper()
-	var h nodeHolds
-	state := filepath.Join(nodeDir(node), "plugin-state")
+	h := nodeHolds{cdiText: map[string]string{}}
+	state, cdiDir := nodeLayout(node)
 	if data, err := os.ReadFile(filepath.Join(state, "simulated-kernel", "simulated-gpus.json")); err == nil {
 		var s struct {
 			GPUs []struct {
@@ -204,21 +291,20 @@ func observeNode(t *testing.T, node string) nodeHolds {
 	}
 	if entries, err := os.ReadDir(filepath.Join(state, "mps")); err == nil {
 		for _, en := range entries {
-			data, err := os.ReadFile(filepath.Join(state, "mps", en.Name(), "pipe", "nvidia-cuda-mps-control.pid"))
-			if err != nil {
-				continue
-			}
-			pid, err := strconv.Atoi(strings.TrimSpace(string(data)))
-			if err == nil && syscall.Kill(pid, 0) == nil {
+			if daemonAnswers(node, filepath.Join(state, "mps", en.Name(), "pipe")) {
 				h.daemons = append(h.daemons, en.Name())
 			}
 		}
 	}
-	if entries, err := os.ReadDir(filepath.Join(nodeDir(node), "cdi")); err == nil {
+	if entries, err := os.ReadDir(cdiDir); err == nil {
 		for _, en := range entries {
 			name := en.Name()
 			if uid, ok := strings.CutPrefix(name, "k8s.gpu.tessera.dev-claim_"); ok {
-				h.cdi = append(h.cdi, strings.TrimSuffix(uid, ".json"))
+				uid = strings.TrimSuffix(uid, ".json")
+				h.cdi = append(h.cdi, uid)
+				if data, err := os.ReadFile(filepath.Join(cdiDir, name)); err == nil {
+					h.cdiText[uid] = string(data)
+				}
 			}
 		}
 	}
@@ -418,6 +504,10 @@ func lostDevice(t *testing.T, p *v1.Pod, h nodeHolds) string {
 	env := strings.Join(edits[p.Spec.Containers[0].Name].Env, " ")
 	for _, c := range claims {
 		uid := string(c.UID)
+		if env == "" {
+			// A real kubelet records no edits on the pod: the claim's CDI spec holds its environment.
+			env = h.cdiText[uid]
+		}
 		if !contains(h.cdi, uid) {
 			return fmt.Sprintf("%s: CDI spec of claim %s removed", p.Name, uid)
 		}
@@ -461,9 +551,11 @@ type gapSampler struct {
 	done   chan struct{}
 }
 
-func sampleGaps() *gapSampler {
+// extra nodes (the real node) are sampled beside the stand-ins.
+func sampleGaps(extra ...string) *gapSampler {
 	ctx, cancel := context.WithCancel(context.Background())
 	g := &gapSampler{gaps: map[string]int{}, cancel: cancel, done: make(chan struct{})}
+	nodes := append(append([]string(nil), e.nodes...), extra...)
 	go func() {
 		defer close(g.done)
 		tick := time.NewTicker(time.Second)
@@ -487,7 +579,7 @@ func sampleGaps() *gapSampler {
 				}
 			}
 			g.mu.Lock()
-			for _, n := range e.nodes {
+			for _, n := range nodes {
 				if !has[n] {
 					g.gaps[n]++
 				}

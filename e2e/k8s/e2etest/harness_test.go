@@ -230,6 +230,13 @@ func capacity(reqs map[string]string) claimOpt {
 	}
 }
 
+// matchAttribute constrains every device of the claim to one value of a (fully qualified) attribute.
+func matchAttribute(name string) claimOpt {
+	return func(_ *resourcev1.ExactDeviceRequest, c *resourcev1.DeviceClaim) {
+		c.Constraints = append(c.Constraints, resourcev1.DeviceConstraint{MatchAttribute: ptr.To(resourcev1.FullyQualifiedName(name))})
+	}
+}
+
 func opaqueConfig(json string) claimOpt {
 	return func(_ *resourcev1.ExactDeviceRequest, c *resourcev1.DeviceClaim) {
 		c.Config = append(c.Config, resourcev1.DeviceClaimConfiguration{
