@@ -10,7 +10,8 @@
 //! lease is renewed. The node heartbeat Leases are watched too but wake nothing: a renewal changes no
 //! pool, and the timer's next tick (at most 2 s later) sees it, where a wake per renewal would run a
 //! reconcile of every node for each of them. Because the slice watch is one of the inputs, slices kubelet deletes (plugin
-//! deregistration, kubelet start) are republished on the next tick. After writing, the loop waits until
+//! deregistration, kubelet start) are republished at once: a deletion wakes the loop after 20 ms, not the
+//! debounce. After writing, the loop waits until
 //! the slice cache shows its own writes, so a stale cache never triggers a second round of writes.
 
 use std::{
@@ -54,6 +55,8 @@ use crate::{
 const FIELD_MANAGER: &str = "tessera-controller";
 /// Lets a burst of watch events (a node's inventory and its slices) land before reconciling.
 const DEBOUNCE: Duration = Duration::from_millis(200);
+/// The debounce after a slice was deleted by someone else: short, since the pool is incomplete meanwhile.
+const DELETE_DEBOUNCE: Duration = Duration::from_millis(20);
 /// How long to wait for the cache to show the controller's own writes.
 const CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long start-up waits for the first list of the nodes' heartbeat Leases.
@@ -426,12 +429,31 @@ fn jittered(d: Duration) -> Duration {
 /// resumed, so "synced" always means "listed since the failure".
 pub async fn mirror<K>(
     kind: &'static str,
+    writer: reflector::store::Writer<K>,
+    api: Api<K>,
+    config: watcher::Config,
+    trim: fn(&mut K),
+    view: ViewCell,
+    wake: Option<Arc<Notify>>,
+) where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+{
+    mirror_waking(kind, writer, api, config, trim, view, wake, None).await
+}
+
+/// [`mirror`], which also wakes `deleted` when an object is deleted behind the controller's back (the
+/// slices kubelet wipes at its start), so the loop can skip its debounce for it.
+#[allow(clippy::too_many_arguments)]
+pub async fn mirror_waking<K>(
+    kind: &'static str,
     mut writer: reflector::store::Writer<K>,
     api: Api<K>,
     config: watcher::Config,
     trim: fn(&mut K),
     view: ViewCell,
     wake: Option<Arc<Notify>>,
+    deleted: Option<Arc<Notify>>,
 ) where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Eq + std::hash::Hash + Clone + Default,
@@ -445,6 +467,9 @@ pub async fn mirror<K>(
                 Ok(event) => {
                     writer.apply_watcher_event(&event);
                     view.changed();
+                    if let watcher::Event::Delete(_) = event {
+                        deleted.iter().for_each(|w| w.notify_one());
+                    }
                     if let watcher::Event::InitDone = event {
                         lists += 1;
                         view.set(View::Synced { list: lists });
@@ -501,6 +526,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     tracing::info!(%features, %identity, "starting");
 
     let notify = Arc::new(Notify::new());
+    let deleted = Arc::new(Notify::new());
     let (inv_reader, inv_writer) = reflector::store();
     let (node_reader, node_writer) = reflector::store();
     let (pol_reader, pol_writer) = reflector::store();
@@ -548,7 +574,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         views[2].clone(),
         Some(Arc::clone(&notify)),
     ));
-    tokio::spawn(mirror(
+    tokio::spawn(mirror_waking(
         "ResourceSlice",
         slice_writer,
         Api::<ResourceSlice>::all(client.clone()),
@@ -556,6 +582,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         trim_to_what_diff_reads,
         views[3].clone(),
         Some(Arc::clone(&notify)),
+        Some(Arc::clone(&deleted)),
     ));
     tokio::spawn(mirror(
         "Lease",
@@ -705,9 +732,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 tokio::time::sleep(tick_every).await;
             }
         }
+        // Biased, in this order: a delete wake must win over the plain wake its event also sent.
         tokio::select! {
-            _ = notify.notified() => tokio::time::sleep(DEBOUNCE).await,
-            _ = tokio::time::sleep(tick_every) => {}
+            biased;
             _ = &mut stop => {
                 // Bounded: with the API server down the lease just expires, as after a crash.
                 let release = replica.elector.release(&lease, Utc::now());
@@ -717,6 +744,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 tracing::info!(released_lease = released, "shutting down");
                 return Ok(());
             }
+            // A slice deleted behind the controller's back (kubelet wipes its node's at start, in one
+            // DeleteCollection whose events arrive together) leaves the pool incomplete until it is written
+            // again, and the scheduler may see the node without its GPUs meanwhile: that wake skips most
+            // of the debounce.
+            _ = deleted.notified() => tokio::time::sleep(DELETE_DEBOUNCE).await,
+            _ = notify.notified() => tokio::time::sleep(DEBOUNCE).await,
+            _ = tokio::time::sleep(tick_every) => {}
         }
     }
 }

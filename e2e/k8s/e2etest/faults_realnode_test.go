@@ -214,6 +214,7 @@ type faultRow struct {
 	poolMeasured bool
 	fault        func(t *testing.T, ns, tag string) time.Time
 	duringDelete func(t *testing.T)
+	afterRound   func(t *testing.T)
 }
 
 func (f *realFault) run(t *testing.T, row faultRow) {
@@ -250,6 +251,9 @@ func (f *realFault) run(t *testing.T, row faultRow) {
 		deleteAll(t, ns, 3*time.Minute)
 		f.settled(t)
 		checkLeaks(t, &c, f.rn.name)
+		if row.afterRound != nil {
+			row.afterRound(t)
+		}
 		c.Rounds++
 	}
 	f.settled(t)
@@ -334,8 +338,10 @@ func TestFaultsRealNode(t *testing.T) {
 		return at
 	}
 	t.Run("PluginKilledMidPrepare", func(t *testing.T) {
-		// kubelet restarts the container at once the first time and backs off after that (10 s, 20 s,
-		// ...): the full run's later rounds include that back-off, as a node would.
+		// kubelet restarts a crashed container at once the first time and backs off after that (10 s,
+		// 20 s, ... up to 5 min, reset after 10 min of running), which is kubelet's policy, not the
+		// plugin's: each round starts on a fresh plugin pod so every round measures the same first crash
+		// (and the unprepare kill its second).
 		f.run(t, faultRow{ns: "fault-real-plugin", scenario: "plugin container kill -9 mid-prepare and mid-unprepare", rounds: 5, disturbed: true, poolMeasured: true,
 			fault: func(t *testing.T, _, _ string) time.Time {
 				time.Sleep(jitter(1000 * time.Millisecond))
@@ -345,6 +351,16 @@ func TestFaultsRealNode(t *testing.T) {
 				waitChartPods(t, "the plugin Ready before the unprepare kill", "kubelet-plugin")
 				time.Sleep(jitter(1000 * time.Millisecond))
 				killPlugin(t)
+			},
+			afterRound: func(t *testing.T) {
+				p, err := chartPluginPod(ctxFor(t, 30*time.Second))
+				if err != nil {
+					t.Fatalf("the chart's plugin pod: %v", err)
+				}
+				if err := e.client.CoreV1().Pods(chartNamespace).Delete(ctxFor(t, 30*time.Second), p.Name, metav1.DeleteOptions{}); err != nil {
+					t.Fatalf("replace the plugin pod %s: %v", p.Name, err)
+				}
+				waitPluginPodReplaced(t, "a fresh plugin pod Ready", p.Name, 3*time.Minute)
 			}})
 	})
 

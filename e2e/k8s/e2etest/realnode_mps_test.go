@@ -114,21 +114,7 @@ func clientOutage(log string, from time.Time) (lastOK, firstBad, firstBack time.
 func TestRealNodeMpsSharesGetTheirDaemonBackWithItsSettingsWhenTheSupervisorPodIsDeleted(t *testing.T) {
 	rn := realNode(t)
 	installChart(t, rn)
-	waitFor(t, "plugin and MPS supervisor pods Ready on "+rn.name, 3*time.Minute, func(ctx context.Context) (bool, string) {
-		var states []string
-		for _, component := range []string{"kubelet-plugin", "mps-supervisor"} {
-			pods, err := podsOf(ctx, component)
-			if err != nil {
-				return false, err.Error()
-			}
-			n, s := readyPods(pods)
-			states = append(states, s...)
-			if n != 1 || len(pods) != 1 {
-				return false, strings.Join(states, "; ")
-			}
-		}
-		return true, ""
-	})
+	waitChartPods(t, "plugin and MPS supervisor pods Ready on "+rn.name, "kubelet-plugin", "mps-supervisor")
 	waitFor(t, "ResourceSlices for "+rn.name, 2*time.Minute, func(ctx context.Context) (bool, string) {
 		n := countDevices(t, rn.name, wholeGPUName)
 		return n == rn.gpus-1, fmt.Sprintf("%d of %d whole GPUs published", n, rn.gpus-1)
