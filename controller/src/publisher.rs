@@ -348,7 +348,8 @@ impl Reconciler {
         decision
     }
 
-    /// Decides and writes while the gate allows it (asked before every call), one pool at a time: a
+    /// Decides and writes while the gate allows it (asked before every call, or batch of a pool's
+    /// creates), one pool at a time: a
     /// pool's slices are rendered, written, and trimmed to what [`crate::pool_diff::diff`] reads before
     /// the next pool is looked at (deletes last, for every pool), so at most one pool's devices are held however many pools change
     /// (every pool does at start and on a policy change). Returns the decision; its plan holds the
@@ -403,7 +404,13 @@ impl Reconciler {
     }
 }
 
-/// Creates, updates, then deletes while the gate allows; `false` once it did not.
+/// How many of one pool's creates go to the API server at once.
+const CONCURRENT_CREATES: usize = 16;
+
+/// Creates, updates, then deletes while the gate allows; `false` once it did not. A pool's creates go
+/// out together, up to [`CONCURRENT_CREATES`] at a time with the gate asked once per batch: a pool kubelet
+/// wiped is incomplete until its last slice exists, and one round trip per slice made that window grow
+/// with the node's GPUs (seven sequential creates took up to 0.7 s on a loaded API server).
 async fn write<A: ClusterApi, G: WriteGate>(
     api: &A,
     creates: &[ResourceSlice],
@@ -412,14 +419,17 @@ async fn write<A: ClusterApi, G: WriteGate>(
     gate: &mut G,
 ) -> Result<bool, Error> {
     let name = |s: &ResourceSlice| s.metadata.name.clone().unwrap_or_default();
-    for s in creates {
+    for batch in creates.chunks(CONCURRENT_CREATES) {
         if !gate.may_write().await {
             return Ok(false);
         }
-        api.create_slice(s).await.map_err(|source| Error::CreateSlice {
-            name: name(s),
-            source,
-        })?;
+        futures::future::try_join_all(batch.iter().map(|s| async move {
+            api.create_slice(s).await.map_err(|source| Error::CreateSlice {
+                name: name(s),
+                source,
+            })
+        }))
+        .await?;
     }
     for s in updates {
         if !gate.may_write().await {

@@ -268,7 +268,11 @@ func (f *realFault) run(t *testing.T, row faultRow) {
 	gaps.stop(&c, disturbed...)
 	if row.poolMeasured {
 		c.LongestIncomplete = ptr.To(longest(windows).Seconds())
-		t.Logf("pool incomplete %d time(s), longest %.3f s (%d samples at 25 ms)", len(windows), longest(windows).Seconds(), samples)
+		var each []string
+		for _, w := range windows {
+			each = append(each, fmt.Sprintf("%.2f", w.Seconds()))
+		}
+		t.Logf("pool incomplete %d time(s), longest %.3f s (%d samples at 25 ms): %s s", len(windows), longest(windows).Seconds(), samples, strings.Join(each, ", "))
 	}
 	if c.Rounds > 0 {
 		c.Recovery = ptr.To(recovery.Seconds())
