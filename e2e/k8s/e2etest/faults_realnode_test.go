@@ -424,7 +424,7 @@ func (f *realFault) uninstallAndReinstall(t *testing.T, ns, tag string) time.Tim
 	}
 
 	reinstalled := time.Now()
-	helmRun(t, append([]string{"install", "tessera", chartDir(), "--namespace", chartNamespace}, helmSetArgs(f.rn.chartValues())...)...)
+	helmInstall(t, f.rn)
 	var published time.Duration
 	waitFor(t, "the reinstall publishes the real node's whole pool", 3*time.Minute, func(ctx context.Context) (bool, string) {
 		n, err := driverSlices(ctx, f.rn.name)

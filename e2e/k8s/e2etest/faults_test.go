@@ -25,7 +25,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -84,8 +83,8 @@ type faultCounts struct {
 	Seconds           int
 	Measured          string         // when and at which FAULT_ROUNDS
 	Why               map[string]int // not-Running reasons and lost-device details, by text
-	quiet         bool           // an intermediate observation: details are kept in raw, not logged
-	raw           []string
+	quiet             bool           // an intermediate observation: details are kept in raw, not logged
+	raw               []string
 }
 
 func (c *faultCounts) why(reason string) {
@@ -108,10 +107,8 @@ func (c *faultCounts) why(reason string) {
 
 var volatile = regexp.MustCompile(`[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|fault-[a-z0-9-]+|-r\d+-`)
 
-var (
-	tableMu sync.Mutex
-	table   []faultCounts
-)
+// tableMu serializes the rewrites of the table and its JSON rows.
+var tableMu sync.Mutex
 
 // record adds the scenario's row, rewrites the table file and fails the test on what must be zero.
 func record(t *testing.T, c faultCounts) {
@@ -235,14 +232,14 @@ func nodeDir(node string) string { return filepath.Join(e.runDir, "nodes", node)
 // isRealNode says whether node is the real node (kubelet + containerd, the chart's plugin), whose state
 // lives where the chart's stateDir and cdiDir put it rather than under nodes/<name>.
 func isRealNode(node string) bool {
-	return os.Getenv("REAL_NODE") == "1" && node == getenv("REAL_NODE_NAME", "real-node")
+	return os.Getenv("REAL_NODE") == "1" && node == realNodePaths().name
 }
 
 // nodeLayout is where a node's plugin state (checkpoint, simulated kernel, MPS pipes) and CDI specs are.
 func nodeLayout(node string) (state, cdi string) {
 	if isRealNode(node) {
-		dir := filepath.Join(e.runDir, "real-node")
-		return filepath.Join(dir, "tessera"), filepath.Join(dir, "cdi")
+		rn := realNodePaths()
+		return rn.stateDir, rn.cdiDir
 	}
 	return filepath.Join(nodeDir(node), "plugin-state"), filepath.Join(nodeDir(node), "cdi")
 }
@@ -251,12 +248,7 @@ func nodeLayout(node string) (state, cdi string) {
 // file holds a pid of the supervisor's PID namespace, so the control socket is dialled instead.
 func daemonAnswers(node, pipe string) bool {
 	if isRealNode(node) {
-		conn, err := net.DialTimeout("unix", filepath.Join(pipe, "control"), 2*time.Second)
-		if err != nil {
-			return false
-		}
-		conn.Close()
-		return true
+		return controlAnswers(pipe)
 	}
 	data, err := os.ReadFile(filepath.Join(pipe, "nvidia-cuda-mps-control.pid"))
 	if err != nil {

@@ -58,14 +58,20 @@ type realNodeEnv struct {
 	gpus       int
 }
 
+// realNodePaths is where real-node.sh and the chart's values put the real node's directories (the name and
+// paths only: realNode also reads its simulated kernel).
+func realNodePaths() realNodeEnv {
+	dir := filepath.Join(e.runDir, "real-node")
+	return realNodeEnv{name: getenv("REAL_NODE_NAME", "real-node"), dir: dir, stateDir: filepath.Join(dir, "tessera"),
+		cdiDir: filepath.Join(dir, "cdi"), driverRoot: filepath.Join(dir, "driver-root")}
+}
+
 func realNode(t *testing.T) realNodeEnv {
 	t.Helper()
 	if os.Getenv("REAL_NODE") != "1" {
 		t.Fatal("these scenarios need the real node: run them through `make e2e` (REAL_NODE=1, its default) or `make up REAL_NODE=1`")
 	}
-	dir := filepath.Join(e.runDir, "real-node")
-	rn := realNodeEnv{name: getenv("REAL_NODE_NAME", "real-node"), dir: dir, stateDir: filepath.Join(dir, "tessera"),
-		cdiDir: filepath.Join(dir, "cdi"), driverRoot: filepath.Join(dir, "driver-root")}
+	rn := realNodePaths()
 	kernel, err := filepath.EvalSymlinks(filepath.Join(rn.driverRoot, "tessera-sim"))
 	if err != nil {
 		t.Fatalf("the real node's simulated driver root (real-node.sh up makes it): %v", err)
@@ -158,8 +164,14 @@ func installChart(t *testing.T, rn realNodeEnv, values ...string) {
 		proc(t, "start", "controller")
 		waitStandInsPublished(t)
 	})
-	helmRun(t, append([]string{"install", "tessera", chartDir(), "--namespace", chartNamespace}, helmSetArgs(rn.chartValues(values...))...)...)
+	helmInstall(t, rn, values...)
 	waitChartWebhookServing(t)
+}
+
+// helmInstall runs `helm install` of the chart with the real node's values (and extra ones).
+func helmInstall(t *testing.T, rn realNodeEnv, values ...string) {
+	t.Helper()
+	helmRun(t, append([]string{"install", "tessera", chartDir(), "--namespace", chartNamespace}, helmSetArgs(rn.chartValues(values...))...)...)
 }
 
 // waitStandInsPublished waits until the host controller `make up` runs has republished every stand-in node:
@@ -583,7 +595,12 @@ func (rn realNodeEnv) checkSpecsNameHostPaths(t *testing.T, name string, files [
 // the same socket the clients' CUDA_MPS_PIPE_DIRECTORY holds.
 func (rn realNodeEnv) mpsServes(device string) bool {
 	gpu := strings.TrimSuffix(device, "-shared")
-	conn, err := net.DialTimeout("unix", filepath.Join(rn.stateDir, "mps", gpu, "pipe", "control"), 2*time.Second)
+	return controlAnswers(filepath.Join(rn.stateDir, "mps", gpu, "pipe"))
+}
+
+// controlAnswers dials the MPS control socket of a pipe directory.
+func controlAnswers(pipe string) bool {
+	conn, err := net.DialTimeout("unix", filepath.Join(pipe, "control"), 2*time.Second)
 	if err != nil {
 		return false
 	}
