@@ -15,7 +15,7 @@
 //! the slice cache shows its own writes, so a stale cache never triggers a second round of writes.
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -102,10 +102,14 @@ fn post_params() -> PostParams {
 impl ClusterApi for KubeApi {
     async fn create_slice(&self, slice: &ResourceSlice) -> Result<(), ApiError> {
         let created = self.slices.create(&post_params(), slice).await;
-        crate::metrics::metrics()
-            .wrote("create", created)
-            .map(|_| ())
-            .map_err(Into::into)
+        match crate::metrics::metrics().wrote("create", created) {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 && s.reason == "AlreadyExists" => {
+                let name = slice.metadata.name.clone().unwrap_or_default();
+                Err(Box::new(crate::publisher::SliceExists(name)))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn replace_slice(&self, slice: &ResourceSlice) -> Result<(), ApiError> {
@@ -357,8 +361,9 @@ impl Stores {
         }
     }
 
-    /// True when the cache shows every write of `plan`.
-    fn shows(&self, plan: &Plan) -> bool {
+    /// True when the cache shows every write of `plan`, counting a written slice deleted since as shown
+    /// (the cache saw the write before the delete: one watch, in order).
+    fn shows(&self, plan: &Plan, deleted: &Deletions) -> bool {
         let current: BTreeMap<String, Arc<ResourceSlice>> = self
             .slices
             .state()
@@ -372,11 +377,11 @@ impl Stores {
                 .and_then(|a| a.get(CONTENT_HASH_ANNOTATION).cloned())
         };
         plan.creates.iter().chain(&plan.updates).all(|w| {
-            w.metadata
-                .name
-                .as_ref()
-                .and_then(|n| current.get(n))
-                .is_some_and(|c| c.spec.pool.generation == w.spec.pool.generation && hash(c) == hash(w))
+            let name = w.metadata.name.as_deref().unwrap_or_default();
+            deleted.seen(name)
+                || current
+                    .get(name)
+                    .is_some_and(|c| c.spec.pool.generation == w.spec.pool.generation && hash(c) == hash(w))
         }) && plan.deletes.iter().all(|n| !current.contains_key(n))
     }
 }
@@ -442,8 +447,36 @@ pub async fn mirror<K>(
     mirror_waking(kind, writer, api, config, trim, view, wake, None).await
 }
 
-/// [`mirror`], which also wakes `deleted` when an object is deleted behind the controller's back (the
-/// slices kubelet wipes at its start), so the loop can skip its debounce for it.
+/// Slices deleted since the loop last cleared the record, by name, and a wake for each. kubelet's start-up wipe is a
+/// DeleteCollection that may still be deleting when the controller has written the pool again: a slice
+/// written and then deleted never shows in the cache as written, and the loop must not wait for it.
+#[derive(Debug, Default)]
+pub struct Deletions {
+    wake: Notify,
+    names: Mutex<BTreeSet<String>>,
+}
+
+impl Deletions {
+    fn record(&self, name: String) {
+        self.names.lock().unwrap_or_else(|e| e.into_inner()).insert(name);
+        self.wake.notify_one();
+    }
+
+    /// Forgets the names recorded so far.
+    fn clear(&self) {
+        self.names.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
+    fn seen(&self, name: &str) -> bool {
+        self.names
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(name)
+    }
+}
+
+/// [`mirror`], which also records in `deleted` each object deleted (the slices kubelet wipes at its start),
+/// so the loop can skip its debounce for it.
 #[allow(clippy::too_many_arguments)]
 pub async fn mirror_waking<K>(
     kind: &'static str,
@@ -453,7 +486,7 @@ pub async fn mirror_waking<K>(
     trim: fn(&mut K),
     view: ViewCell,
     wake: Option<Arc<Notify>>,
-    deleted: Option<Arc<Notify>>,
+    deleted: Option<Arc<Deletions>>,
 ) where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Eq + std::hash::Hash + Clone + Default,
@@ -467,8 +500,8 @@ pub async fn mirror_waking<K>(
                 Ok(event) => {
                     writer.apply_watcher_event(&event);
                     view.changed();
-                    if let watcher::Event::Delete(_) = event {
-                        deleted.iter().for_each(|w| w.notify_one());
+                    if let (watcher::Event::Delete(gone), Some(deleted)) = (&event, &deleted) {
+                        deleted.record(gone.meta().name.clone().unwrap_or_default());
                     }
                     if let watcher::Event::InitDone = event {
                         lists += 1;
@@ -526,7 +559,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     tracing::info!(%features, %identity, "starting");
 
     let notify = Arc::new(Notify::new());
-    let deleted = Arc::new(Notify::new());
+    let deleted = Arc::new(Deletions::default());
     let (inv_reader, inv_writer) = reflector::store();
     let (node_reader, node_writer) = reflector::store();
     let (pol_reader, pol_writer) = reflector::store();
@@ -679,6 +712,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             .elector
             .set_reads_node_leases(matches!(stores.lease_view.get(), View::Synced { .. }));
         let was_lost = replica.reconciler.liveness.view_lost();
+        // Deletes from here on are of what this round reads or writes.
+        deleted.clear();
         let round = Instant::now();
         let ticked = replica.tick(&lease, &api, &snap, &Utc::now, Instant::now()).await;
         crate::metrics::metrics().reconciled(round.elapsed(), ticked.is_ok());
@@ -716,7 +751,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                         "published"
                     );
                     let deadline = tokio::time::Instant::now() + CACHE_SYNC_TIMEOUT;
-                    while !stores.shows(&plan) && tokio::time::Instant::now() < deadline {
+                    while !stores.shows(&plan, &deleted) && tokio::time::Instant::now() < deadline {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
                 }
@@ -748,8 +783,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             // DeleteCollection whose events arrive together) leaves the pool incomplete until it is written
             // again, and the scheduler may see the node without its GPUs meanwhile: that wake skips most
             // of the debounce.
-            _ = deleted.notified() => tokio::time::sleep(DELETE_DEBOUNCE).await,
-            _ = notify.notified() => tokio::time::sleep(DEBOUNCE).await,
+            _ = deleted.wake.notified() => tokio::time::sleep(DELETE_DEBOUNCE).await,
+            // ...also one that arrives during the plain debounce (kubelet's restart changes the node's
+            // inventory just before it wipes the slices).
+            _ = notify.notified() => tokio::select! {
+                _ = tokio::time::sleep(DEBOUNCE) => {}
+                _ = deleted.wake.notified() => tokio::time::sleep(DELETE_DEBOUNCE).await,
+            },
             _ = tokio::time::sleep(tick_every) => {}
         }
     }

@@ -3,6 +3,7 @@
 #   - kubelet from the e2e/k8s module (the control plane's release, K8S_VERSION picks 1.37 or 1.36) into $BIN_DIR;
 #   - containerd 2.x, containerd-shim-runc-v2, ctr, runc (cgo, seccomp), crictl and the CNI plugins bridge,
 #     host-local, loopback and portmap from e2e/tools/node/go.mod into e2e/bin/node/ (cni/ for the plugins);
+#   - CoreDNS (e2e/tools/coredns: upstream's server with the plugins the local cluster uses) into e2e/bin/node/;
 #   - the pause image (Kubernetes' own build/pause/linux/pause.c, gcc -static), a busybox image (Debian's
 #     busybox-static) and the glibc cuda-probe image (e2e/images/cuda-probe.c, gcc, dynamically linked) as
 #     OCI archives in e2e/bin/node/images/, which real-node.sh imports with ctr.
@@ -70,6 +71,19 @@ else
     -ldflags "-s -w -X main.version=${RUNC_VERSION#v}" -o "$NODE_BIN/runc" "$RUNC_PKG")
   echo "$want" > "$NODE_BIN/.runtime-stamp"
   echo "containerd $CONTAINERD_VERSION, runc $RUNC_VERSION, CNI plugins built in $(( $(date +%s) - start ))s"
+fi
+
+# CoreDNS, the cluster DNS real-node.sh runs on the node's bridge address, with the plugins its Corefile uses.
+DNS_MOD="$E2E_DIR/tools/coredns"
+want="$( { mods_of "$DNS_MOD" .; go env GOVERSION; cat "$DNS_MOD/main.go" "$SELF"; } | sha256sum | cut -d' ' -f1)"
+DNS_VERSION="$(cd "$DNS_MOD" && go list -m -f '{{.Version}}' github.com/coredns/coredns)"
+if stamp_ok coredns "$want" "$NODE_BIN/coredns"; then
+  echo "CoreDNS $DNS_VERSION up to date in $NODE_BIN"
+else
+  start=$(date +%s)
+  (cd "$DNS_MOD" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$NODE_BIN/coredns" .)
+  echo "$want" > "$NODE_BIN/.coredns-stamp"
+  echo "CoreDNS $DNS_VERSION built in $(( $(date +%s) - start ))s"
 fi
 
 PAUSE_C="$(cd "$K8S_MOD" && GOFLAGS="-mod=mod -modfile=$K8S_MODFILE" go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"

@@ -40,6 +40,8 @@
 # Variables: REAL_NODE_NAME (real-node), REAL_NODE_BRIDGE (tsr<API_PORT>), REAL_NODE_SUBNET
 # (10.99.<API_PORT mod 256>.0/24), REAL_NODE_KUBELET_PORT (API_PORT+10), REAL_NODE_HEALTHZ_PORT (API_PORT+11),
 # REAL_NODE_GPUS (6), REAL_NODE_MODEL (H100-SXM5-80GB), REAL_NODE_LATENCIES (none), TESSERA_IMAGE (target/image/tessera.tar).
+# The cluster DNS (CoreDNS, start_dns) serves on the node's address, port 53; its health and ready ports are
+# API_PORT+12 and API_PORT+13 on 127.0.0.1.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
@@ -54,6 +56,8 @@ RN_GATEWAY="${RN_SUBNET%.*}.1"
 RN_ADDRESS="$RN_GATEWAY"
 RN_KUBELET_PORT="${REAL_NODE_KUBELET_PORT:-$((API_PORT + 10))}"
 RN_HEALTHZ_PORT="${REAL_NODE_HEALTHZ_PORT:-$((API_PORT + 11))}"
+RN_DNS_HEALTH_PORT=$((API_PORT + 12))
+RN_DNS_READY_PORT=$((API_PORT + 13))
 # The kubelet removes pod cgroups it does not know under its root: each real node needs a root of its own.
 RN_CGROUP="tessera-e2e-$API_PORT"
 RN_CHAIN="TESSERA-APISERVER-$API_PORT"
@@ -167,6 +171,8 @@ authorization:
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: "100Mi"}
+clusterDNS: [$RN_ADDRESS]
+clusterDomain: cluster.local
 registerWithTaints:
   - {key: nvidia.com/gpu, value: present, effect: NoSchedule}
 $gates
@@ -210,6 +216,32 @@ setup_network() {
   iptables -t nat -C PREROUTING -j "$RN_CHAIN" 2>/dev/null || iptables -t nat -A PREROUTING -j "$RN_CHAIN"
 }
 
+# The cluster DNS: CoreDNS on the node's bridge address, port 53 (the kubelet's clusterDNS, so pods get
+# ClusterFirst: cluster.local from the API server, the rest forwarded to the host's resolvers). No
+# kube-proxy runs, so there is no kube-dns Service; the pods' resolv.conf names this address directly.
+start_dns() {
+  cat > "$RN_DIR/Corefile" <<EOF
+.:53 {
+    bind $RN_ADDRESS
+    errors
+    health 127.0.0.1:$RN_DNS_HEALTH_PORT
+    ready 127.0.0.1:$RN_DNS_READY_PORT
+    kubernetes cluster.local in-addr.arpa ip6.arpa {
+        kubeconfig $PKI_DIR/coredns.kubeconfig
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+    }
+    cache 30
+    forward . /etc/resolv.conf
+}
+EOF
+  write_proc "dns-$RN_NAME" -- "$NODE_BIN/coredns" -conf "$RN_DIR/Corefile"
+  start_proc "dns-$RN_NAME"
+  "$BIN_DIR/clusterctl" wait-url --url "http://127.0.0.1:$RN_DNS_READY_PORT/ready" --timeout 30s \
+    || die "CoreDNS did not become ready on $RN_ADDRESS:53" "$LOG_DIR/dns-$RN_NAME.log"
+  step "real node $RN_NAME: cluster DNS ($("$NODE_BIN/coredns" -version | head -1)) on $RN_ADDRESS:53"
+}
+
 # The simulated driver: driver root and kernel (see the header), from the debug plugin up.sh built.
 setup_driver() {
   mkdir -p "$RN_STATE_DIR"
@@ -250,16 +282,17 @@ teardown_network() {
 
 up() {
   command -v iptables >/dev/null || die "iptables missing: run e2e/scripts/node-packages.sh --install"
-  for b in containerd containerd-shim-runc-v2 ctr crictl runc cni/bridge; do
+  for b in containerd containerd-shim-runc-v2 ctr crictl runc cni/bridge coredns; do
     [[ -x "$NODE_BIN/$b" ]] || die "$NODE_BIN/$b missing: run e2e/scripts/build-node.sh (make build-node)"
   done
   [[ -x "$BIN_DIR/kubelet" ]] || die "$BIN_DIR/kubelet missing: run e2e/scripts/build-node.sh"
-  for p in "$RN_KUBELET_PORT" "$RN_HEALTHZ_PORT"; do
+  for p in "$RN_KUBELET_PORT" "$RN_HEALTHZ_PORT" "$RN_DNS_HEALTH_PORT" "$RN_DNS_READY_PORT"; do
     port_in_use "$p" && die "port $p on 127.0.0.1 is in use; set REAL_NODE_KUBELET_PORT / REAL_NODE_HEALTHZ_PORT"
   done
   write_configs
   setup_cgroups
   setup_network
+  start_dns
   setup_driver
 
   step "real node $RN_NAME: containerd $("$NODE_BIN/containerd" --version | awk '{print $3}') (CDI specs in $RN_DIR/cdi)"
@@ -284,6 +317,9 @@ up() {
       ctr_ images tag --force "$ref" "docker.io/library/$ref" > /dev/null
     fi
   done
+  # The examples (deployments/examples) name the public busybox:1.36; nothing is pulled here, so it is the
+  # static busybox image under that name too.
+  ctr_ images tag --force tessera.dev/e2e/busybox:1 docker.io/library/busybox:1.36 > /dev/null
   step "real node $RN_NAME: images imported: $(ctr_ images ls -q | grep -v '^sha256:' | tr '\n' ' ')"
 
   step "real node $RN_NAME: kubelet $("$BIN_DIR/kubelet" --version | awk '{print $2}') (root dir $RN_DIR/kubelet)"
@@ -311,6 +347,7 @@ down() {
     crictl_ rmp --all --force > /dev/null 2>&1 || echo "warning: crictl rmp failed; killing shims instead" >&2
   fi
   stop_proc containerd-real
+  stop_proc "dns-$RN_NAME"
   # Shims outlive containerd by design; these are ours when they name our socket.
   local pids
   pids="$(ps -eo pid=,args= | awk -v a="$CONTAINERD_SOCK" '$2 ~ /containerd-shim-runc-v2$/ && index($0, a) {print $1}')"

@@ -119,6 +119,8 @@ for i in $(seq 0 $((NODES - 1))); do
 done
 # The real node's kubelet is a node and nothing more (Node authorizer, NodeRestriction).
 [[ "$REAL_NODE" == 1 ]] && ids+=",kubelet-${REAL_NODE_NAME:-real-node}=system:node:${REAL_NODE_NAME:-real-node}@system:nodes"
+# The real node's cluster DNS (real-node.sh) reads Services and EndpointSlices as CoreDNS does, no more.
+[[ "$REAL_NODE" == 1 ]] && ids+=",coredns=system:coredns@"
 clusterctl pki --dir "$PKI_DIR" --server "https://127.0.0.1:$API_PORT" --identities "$ids" \
   > "$LOG_DIR/pki.log" 2>&1 || die "PKI generation failed" "$LOG_DIR/pki.log"
 
@@ -221,9 +223,30 @@ metadata:
 roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: system:kubelet-api-admin}
 subjects:
   - {apiGroup: rbac.authorization.k8s.io, kind: User, name: kube-apiserver-kubelet-client}
+---
+# What CoreDNS's kubernetes plugin reads (the role kubeadm gives it).
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: system:coredns
+rules:
+  - apiGroups: [""]
+    resources: [services, pods, namespaces]
+    verbs: [list, watch]
+  - apiGroups: [discovery.k8s.io]
+    resources: [endpointslices]
+    verbs: [list, watch]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: system:coredns
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: system:coredns}
+subjects:
+  - {apiGroup: rbac.authorization.k8s.io, kind: User, name: system:coredns}
 EOF
 clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "$RUN_DIR/kubelet-api.yaml" > /dev/null \
-  || die "binding kube-apiserver-kubelet-client to system:kubelet-api-admin failed"
+  || die "binding kube-apiserver-kubelet-client to system:kubelet-api-admin (and CoreDNS's role) failed"
 if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   step "RBAC: the chart's roles (renamed e2e-host-*) for the host controller and plugins"
   "$E2E_DIR/bin/helm" template tessera "$REPO_ROOT/deployments/helm/tessera" --namespace "$TESSERA_NAMESPACE" \
@@ -299,11 +322,23 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   done
 
   if [[ "${SKIP_EXAMPLES:-0}" != 1 && -d "$REPO_ROOT/deployments/examples" ]]; then
-    step "apply examples: deployments/examples"
-    clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "$REPO_ROOT/deployments/examples" > "$LOG_DIR/apply-examples.log" 2>&1 \
+    # With the chart, the real node runs the examples' containers (the stand-ins run none): each pod is
+    # pinned there, and its log shows the devices it was given.
+    pin=()
+    [[ "$INSTALL" == chart ]] && pin=(--node "${REAL_NODE_NAME:-real-node}")
+    step "apply examples: deployments/examples${pin[*]:+ (pods on ${pin[1]})}"
+    clusterctl apply --kubeconfig "$ADMIN_KUBECONFIG" "${pin[@]}" "$REPO_ROOT/deployments/examples" > "$LOG_DIR/apply-examples.log" 2>&1 \
       || die "applying examples failed" "$LOG_DIR/apply-examples.log"
     step "pods (waiting up to 120s for them to settle)"
     clusterctl report --kubeconfig "$ADMIN_KUBECONFIG" --wait 120s | tee "$RUN_DIR/report.txt"
+    if [[ ${#pin[@]} -gt 0 ]]; then
+      for p in $("$BIN_DIR/kubectl" --kubeconfig "$ADMIN_KUBECONFIG" get pods -n tessera-examples \
+          --field-selector "spec.nodeName=${pin[1]},status.phase=Running" -o name); do
+        echo "    \$ kubectl logs -n tessera-examples $p"
+        "$BIN_DIR/kubectl" --kubeconfig "$ADMIN_KUBECONFIG" logs -n tessera-examples "$p" 2>&1 | sed 's/^/      /' \
+          | tee -a "$RUN_DIR/report.txt"
+      done
+    fi
   fi
 fi
 

@@ -921,6 +921,8 @@ impl NodeSetup {
         let sweep = shared.clone();
         let state = preparers::with_preparers(state, &shared)
             .with_orphan_sweep(Arc::new(move |gpus| sweep.stop_orphaned_daemons(gpus)));
+        let (failed_tx, failed_rx) = tokio::sync::mpsc::unbounded_channel();
+        let state = state.reporting_failed_prepares(failed_tx);
         // Recovery asks the API server which claims running pods use before anything is removed.
         let state = Arc::new(state);
         let recovery = state.start().await?;
@@ -964,6 +966,14 @@ impl NodeSetup {
             registration_rx.clone(),
             stop_rx.clone(),
         ));
+        // Nor one this plugin failed for a cause that passes (the MPS supervisor's pod replaced).
+        let retry_failed = tokio::spawn(crate::prepare_retry::after_failed_prepares(
+            client.clone(),
+            state.clone(),
+            tessera_api::DRIVER_NAME.to_string(),
+            failed_rx,
+            stop_rx.clone(),
+        ));
         let publisher = InventoryPublisher::new(
             client,
             spec,
@@ -996,7 +1006,7 @@ impl NodeSetup {
             stop_rx.clone(),
         ));
         let reconcile = tokio::spawn(state.reconcile_periodically(RECONCILE_INTERVAL, stop_rx));
-        Ok([publisher, reconcile, watch, recheck, retry]
+        Ok([publisher, reconcile, watch, recheck, retry, retry_failed]
             .into_iter()
             .chain(driver_watcher)
             .collect())

@@ -80,6 +80,11 @@ pub struct ClaimRecord {
     /// is kept, so the devices it names stay reserved and the rollback is retried.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recovery_error: Option<String>,
+    /// When the prepare completed (Unix seconds), as this plugin recorded it: kubelet may not have got the
+    /// answer of a prepare completed just before the plugin died, and [`crate::prepare_retry`] asks it
+    /// to retry those too. Absent in records of older plugins and of adopted claims.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<u64>,
 }
 
 /// Where a claim's preparation stands.
@@ -397,6 +402,7 @@ mod tests {
                 }),
             }],
             recovery_error: None,
+            completed_at: None,
         }
     }
 

@@ -320,6 +320,9 @@ pub enum ClaimError {
     /// A preparation step that runs off the async runtime panicked or was cancelled.
     #[error("failed to run the preparation of device {device}: {reason}")]
     Task { device: String, reason: String },
+    /// A claim's prepare or unprepare task panicked or was cancelled before it finished.
+    #[error("the prepare or unprepare of ResourceClaim {claim} did not finish: {reason}")]
+    Interrupted { claim: String, reason: String },
     /// The plugin found its checkpoint corrupted at start and refuses to change anything on the node
     /// until an operator decides (it stays registered so kubelet shows this text instead of "driver not
     /// registered").
@@ -350,6 +353,20 @@ impl Error {
         match self {
             Self::DriverChanged { .. } => crate::driver_watch::DRIVER_CHANGED_EXIT_CODE,
             _ => 1,
+        }
+    }
+}
+
+impl ClaimError {
+    /// True when the failure's cause can pass without anyone changing the claim: the API server did not
+    /// answer, the MPS supervisor or daemon was away (its pod replaced), a preparation task was cancelled,
+    /// the state was still held by the instance this one replaces. Such a prepare is worth retrying soon
+    /// ([`crate::prepare_retry`]); a bad config, a wrong allocation or a refused checkpoint is not.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::GetClaim { .. } | Self::Task { .. } | Self::HandoverPending { .. } => true,
+            Self::Sharing { source, .. } => matches!(**source, crate::sharing::SharingError::Mps(_)),
+            _ => false,
         }
     }
 }

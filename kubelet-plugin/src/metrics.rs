@@ -671,6 +671,7 @@ mod tests {
                 })
                 .collect(),
             recovery_error: None,
+            completed_at: None,
         }
     }
 

@@ -57,6 +57,30 @@ pub use handover::{LOCK_FILE, StateLock};
 use journal::{Change, Journal};
 use recovery::{ClaimUse, claim_key, claim_use};
 
+/// Runs one claim's prepare or unprepare as a task of its own, so that it finishes even when kubelet's call
+/// is dropped (kubelet killed or restarted mid-call closes the connection, and the server drops the
+/// handler): a prepare dropped between creating a MIG instance and recording it would leave the instance
+/// without an owner, its slot refused to the next claim, until the next start-up sweep. Finished, it is
+/// recorded, and kubelet's retry finds it prepared.
+async fn run_to_completion<T: Send + 'static>(
+    claim: ClaimRef,
+    work: impl Future<Output = Result<T, ClaimError>> + Send + 'static,
+) -> Result<T, ClaimError> {
+    tokio::spawn(work).await.unwrap_or_else(|e| {
+        Err(ClaimError::Interrupted {
+            claim: format!("{}/{}", claim.namespace, claim.name),
+            reason: e.to_string(),
+        })
+    })
+}
+
+/// Seconds since the Unix epoch (0 for a clock before it).
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// A claim as kubelet names it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClaimRef {
@@ -250,6 +274,9 @@ pub struct NodeState {
     /// Why MIG instances no claim holds are kept rather than destroyed at start (another tool owns the
     /// layout, or the plugin could not tell: [`crate::coexistence`]).
     keep_unowned_mig: Option<String>,
+    /// Where prepares that failed for a passing cause go, so kubelet is asked to retry them soon
+    /// ([`crate::prepare_retry::after_failed_prepares`]); none in tests that do not ask.
+    failed_prepares: Option<tokio::sync::mpsc::UnboundedSender<ClaimRef>>,
 }
 
 /// A sweep of node-level leftovers over the node's GPUs (see [`NodeState::with_orphan_sweep`]).
@@ -383,7 +410,14 @@ impl NodeState {
             sweeps: Vec::new(),
             problems: SyncMutex::new(Vec::new()),
             keep_unowned_mig: None,
+            failed_prepares: None,
         }
+    }
+
+    /// Sends each claim whose prepare failed for a passing cause ([`ClaimError::is_transient`]) to `sink`.
+    pub fn reporting_failed_prepares(mut self, sink: tokio::sync::mpsc::UnboundedSender<ClaimRef>) -> Self {
+        self.failed_prepares = Some(sink);
+        self
     }
 
     /// Keeps the MIG instances no claim holds instead of destroying them at start, for `why` (mig-manager
@@ -805,6 +839,7 @@ impl NodeState {
             phase: Phase::PrepareCompleted,
             devices,
             recovery_error: None,
+            completed_at: None,
         })
     }
 
@@ -989,13 +1024,21 @@ impl NodeState {
         self: &Arc<Self>,
         claims: &[ClaimRef],
     ) -> Vec<(ClaimRef, Result<Vec<PreparedDevice>, ClaimError>)> {
-        let m = crate::metrics::metrics();
-        let results = futures::future::join_all(
-            claims
-                .iter()
-                .map(|c| m.claim_operation("prepare", self.prepare(c))),
-        )
-        .await;
+        let results = self
+            .each_to_completion(
+                claims,
+                "prepare",
+                |state, c| async move { state.prepare(&c).await },
+            )
+            .await;
+        if let Some(sink) = &self.failed_prepares {
+            for (claim, result) in claims.iter().zip(&results) {
+                if result.as_ref().is_err_and(ClaimError::is_transient) {
+                    // Only fails once the retry task has stopped, when nothing is left to ask.
+                    let _ = sink.send(claim.clone());
+                }
+            }
+        }
         claims.iter().cloned().zip(results).collect()
     }
 
@@ -1004,14 +1047,34 @@ impl NodeState {
         self: &Arc<Self>,
         claims: &[ClaimRef],
     ) -> Vec<(ClaimRef, Result<(), ClaimError>)> {
-        let m = crate::metrics::metrics();
-        let results = futures::future::join_all(
-            claims
-                .iter()
-                .map(|c| m.claim_operation("unprepare", self.unprepare(c))),
-        )
-        .await;
+        let results = self
+            .each_to_completion(claims, "unprepare", |state, c| async move {
+                state.unprepare(&c).await
+            })
+            .await;
         claims.iter().cloned().zip(results).collect()
+    }
+
+    /// Runs `operation` for each claim concurrently, each to completion ([`run_to_completion`]) and
+    /// timed under its name.
+    async fn each_to_completion<T, F, Fut>(
+        self: &Arc<Self>,
+        claims: &[ClaimRef],
+        name: &'static str,
+        operation: F,
+    ) -> Vec<Result<T, ClaimError>>
+    where
+        T: Send + 'static,
+        F: Fn(Arc<Self>, ClaimRef) -> Fut,
+        Fut: Future<Output = Result<T, ClaimError>> + Send + 'static,
+    {
+        futures::future::join_all(claims.iter().map(|c| {
+            let work = operation(Arc::clone(self), c.clone());
+            run_to_completion(c.clone(), async move {
+                crate::metrics::metrics().claim_operation(name, work).await
+            })
+        }))
+        .await
     }
 
     /// Prepares one claim; idempotent (a prepared claim returns its saved result).
@@ -1041,6 +1104,7 @@ impl NodeState {
             phase: Phase::PrepareStarted,
             devices: planned.iter().map(|p| p.record.clone()).collect(),
             recovery_error: None,
+            completed_at: None,
         };
         // Only hardware changes need the note of what to undo (see the module comment).
         let two_phase = planned
@@ -1091,6 +1155,7 @@ impl NodeState {
             return Err(self.abort(&record, record.devices.len(), e.into()).await);
         }
         record.phase = Phase::PrepareCompleted;
+        record.completed_at = Some(unix_now());
         if let Err(e) = self.commit(Change::Put(record.clone())).await {
             return Err(self.abort(&record, record.devices.len(), e.into()).await);
         }

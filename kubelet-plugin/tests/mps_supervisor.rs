@@ -167,3 +167,41 @@ async fn an_mps_daemon_outlives_a_killed_plugin_and_a_restarted_plugin_stops_it(
     assert!(shared.sharer.mps().running().is_empty());
     assert_eq!(backend.compute_mode(0).unwrap(), ComputeMode::Default);
 }
+
+#[tokio::test]
+async fn a_share_prepared_while_the_supervisor_is_away_is_sent_for_a_retry_and_a_wrong_allocation_is_not() {
+    let tmp = tempfile::tempdir().unwrap();
+    let claims = FakeClaims::new();
+    let share = share_claim();
+    let elsewhere = claim("elsewhere").uid("uid-elsewhere").allocated("gpu-9").build();
+    let (share_ref, elsewhere_ref) = (ClaimRef::of(&share), ClaimRef::of(&elsewhere));
+    claims.insert(share).insert(elsewhere);
+    let (sink, mut failed) = tokio::sync::mpsc::unbounded_channel();
+    // No supervisor serves the socket: its pod is being replaced.
+    let launcher = Launcher::Supervisor {
+        socket: tmp.path().join("supervisor.sock"),
+    };
+    let (state, _, _) = common::assembled_plugin_with(tmp.path(), 1, launcher, claims, |s| {
+        s.reporting_failed_prepares(sink)
+    });
+
+    let results = state.prepare_all(&[share_ref.clone(), elsewhere_ref]).await;
+    let errors: Vec<String> = results
+        .iter()
+        .map(|(_, r)| r.as_ref().expect_err("both fail").to_string())
+        .collect();
+    assert!(
+        errors[0].contains("cannot reach the MPS supervisor"),
+        "{errors:?}"
+    );
+    assert!(errors[1].contains("gpu-9"), "{errors:?}");
+    assert_eq!(
+        failed.try_recv().ok(),
+        Some(share_ref),
+        "the share waits for a retry"
+    );
+    assert!(
+        failed.try_recv().is_err(),
+        "a device this node does not have will not appear by retrying"
+    );
+}

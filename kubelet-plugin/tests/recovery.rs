@@ -22,6 +22,7 @@ use tessera_kubelet_plugin::{
     },
     claims::fake::{NODE, claim},
     error::ClaimError,
+    gpu::simulated::NodeSpec,
     state::{ClaimRef, DeviceContext, DeviceKind, DevicePreparer, NodeState, Recovery, WholeGpuPreparer},
 };
 
@@ -316,6 +317,7 @@ fn forged_record(uid: &str, device: DeviceRecord) -> ClaimRecord {
         phase: Phase::PrepareCompleted,
         devices: vec![device],
         recovery_error: None,
+        completed_at: None,
     }
 }
 
@@ -649,4 +651,36 @@ async fn a_crash_after_a_mig_instance_was_created_and_before_its_ids_reached_the
     assert_eq!(instances(&node, 2).len(), 1);
     restarted.state.unprepare(&r).await.unwrap();
     assert_eq!(instances(&node, 2), Vec::new());
+}
+
+#[tokio::test]
+async fn a_prepare_whose_kubelet_call_is_dropped_finishes_and_kubelets_retry_finds_it_prepared() {
+    let mut spec = NodeSpec::default().with_gpus("H100-SXM5-80GB", 8);
+    spec.latencies.compute_instance_create_ms = 400;
+    let node = TestNode::with_spec(spec);
+    let _stop = StopDaemons::new(&node);
+    let plugin = start(&node, BOOT_ID).await;
+    let r = add(
+        &node,
+        claim("slice")
+            .allocated("gpu-2-mig-3g-40gb-4")
+            .reserved_for_pod("p")
+            .build(),
+    );
+    // kubelet is killed while the compute instance is being made: its connection closes and the server
+    // drops the call.
+    let call = plugin.state.prepare_all(std::slice::from_ref(&r));
+    let dropped = tokio::time::timeout(std::time::Duration::from_millis(150), call).await;
+    assert!(dropped.is_err(), "the prepare should still run when kubelet goes");
+
+    // The restarted kubelet's retry.
+    let retried = plugin.state.prepare_all(std::slice::from_ref(&r)).await;
+    assert!(retried[0].1.is_ok(), "{:?}", retried[0].1);
+    assert_eq!(instances(&node, 2).len(), 1, "one MIG instance, the claim's");
+    assert_eq!(
+        plugin.state.checkpoint().claims[&r.uid].phase,
+        Phase::PrepareCompleted
+    );
+    plugin.state.unprepare(&r).await.unwrap();
+    assert_eq!(instances(&node, 2), Vec::new(), "and its unprepare leaves none");
 }

@@ -195,6 +195,7 @@ async fn a_crash_between_the_checkpoint_phases_is_rolled_back_at_the_next_start(
             },
         }],
         recovery_error: None,
+        completed_at: None,
     };
     let mut cp = Checkpoint {
         boot_id: BOOT_ID.into(),
@@ -588,6 +589,7 @@ async fn a_crash_after_a_mig_device_was_created_is_undone_with_its_recorded_ids(
                 }),
             }],
             recovery_error: None,
+            completed_at: None,
         },
     );
     CheckpointStore::new(&node.state_dir()).save(&cp).unwrap();

@@ -4,7 +4,8 @@ package e2etest
 // kubelet at its InternalIP with a client certificate, and verifies its serving certificate
 // (e2e/scripts/real-node.sh): `kubectl logs`, `exec` and `port-forward` reach the node's containers, and
 // the harness reads container output the same way (podLogs). kube-controller-manager runs the Job
-// controller, so a Job with a GPU claim runs to completion there.
+// controller, so a Job with a GPU claim runs to completion there; CoreDNS on the node's bridge address is
+// the kubelet's cluster DNS, so its pod resolves Service names.
 
 import (
 	"bufio"
@@ -22,7 +23,10 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/utils/ptr"
+
+	"tessera.dev/e2e/internal/cluster"
 )
 
 // podLogs is `kubectl logs --timestamps [-p]` of one container: the pods/log subresource, which the API
@@ -130,7 +134,8 @@ func runGPUJob(t *testing.T, ns, name, template, node string) string {
 				ResourceClaims:                []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To(template)}},
 				Containers: []v1.Container{{
 					Name: "main", Image: probeImage, ImagePullPolicy: v1.PullNever,
-					Command:   []string{"sh", "-c", `nvidia-smi -L && ls /dev/nvidia[0-9]*`},
+					// The cluster DNS answers the kubernetes Service by its name (dnsPolicy ClusterFirst).
+					Command:   []string{"sh", "-c", `nvidia-smi -L && ls /dev/nvidia[0-9]* && grep -E '^(nameserver|search) ' /etc/resolv.conf && nslookup -type=A kubernetes.default.svc.cluster.local`},
 					Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
 				}},
 			}},
@@ -196,4 +201,143 @@ func checkGPUJobRuns(t *testing.T, ns, template, node string) {
 	if !regexp.MustCompile(`(?m)^/dev/nvidia\d+$`).MatchString(logs) {
 		t.Errorf("kubectl logs job/gpu-job: no /dev/nvidia<N> device node listed")
 	}
+	checkClusterDNS(t, ns, logs)
+}
+
+// checkClusterDNS: the Job's pod was given the cluster DNS (its resolv.conf searches the namespace's
+// cluster.local domain), kubernetes.default.svc.cluster.local resolved to the Service's ClusterIP, and
+// kubelet warned no pod of the namespace about a missing cluster DNS.
+func checkClusterDNS(t *testing.T, ns, logs string) {
+	t.Helper()
+	if !strings.Contains(logs, "search "+ns+".svc.cluster.local") {
+		t.Errorf("kubectl logs job/gpu-job: resolv.conf does not search %s.svc.cluster.local (dnsPolicy ClusterFirst):\n%s", ns, logs)
+	}
+	svc, err := e.client.CoreV1().Services("default").Get(ctxFor(t, 30*time.Second), "kubernetes", metav1.GetOptions{})
+	if err != nil {
+		t.Fatalf("get service default/kubernetes: %v", err)
+	}
+	if !regexp.MustCompile(`(?m)^Address:\s+` + regexp.QuoteMeta(svc.Spec.ClusterIP) + `\s*$`).MatchString(logs) {
+		t.Errorf("kubectl logs job/gpu-job: nslookup kubernetes.default.svc.cluster.local did not answer the Service's ClusterIP %s:\n%s", svc.Spec.ClusterIP, logs)
+	}
+	events, err := e.client.CoreV1().Events(ns).List(ctxFor(t, 30*time.Second), metav1.ListOptions{FieldSelector: "reason=MissingClusterDNS"})
+	if err != nil {
+		t.Fatalf("list events: %v", err)
+	}
+	for _, ev := range events.Items {
+		t.Errorf("event %s on %s/%s: %s", ev.Reason, ev.InvolvedObject.Kind, ev.InvolvedObject.Name, ev.Message)
+	}
+}
+
+// checkExamplesRunOn applies deployments/examples as `make up` does, every pod pinned to `node`, waits
+// for each of their pods to run there, and checks that `kubectl logs` of each names exactly the devices
+// allocated to it (TESSERA_DEVICES) and lists a GPU device node.
+func checkExamplesRunOn(t *testing.T, node string) {
+	t.Helper()
+	files, err := cluster.ManifestFiles(filepath.Join(e.repoRoot, "deployments", "examples"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := cluster.ReadManifests(files...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.PinToNode(objs, node); err != nil {
+		t.Fatal(err)
+	}
+	want := 0
+	for _, o := range objs {
+		switch o.GetKind() {
+		case "Pod":
+			want++
+		case "Deployment":
+			want += replicasOf(o)
+		}
+	}
+	applier, err := cluster.NewApplier(e.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		// The namespace stays: the stand-in scenarios apply the examples into it after this.
+		var workloads []*unstructured.Unstructured
+		for _, o := range objs {
+			if o.GetKind() != "Namespace" {
+				workloads = append(workloads, o)
+			}
+		}
+		if err := applier.Delete(ctx, workloads, "default"); err != nil {
+			t.Errorf("delete examples: %v", err)
+		}
+		waitFor(t, "the examples' pods gone", 2*time.Minute, func(ctx context.Context) (bool, string) {
+			pods, err := e.client.CoreV1().Pods(examplesNamespace).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, err.Error()
+			}
+			return len(pods.Items) == 0, fmt.Sprintf("%d left", len(pods.Items))
+		})
+	})
+	if err := applier.Apply(ctxFor(t, time.Minute), objs, "default"); err != nil {
+		t.Fatalf("examples rejected: %v", err)
+	}
+	var running []v1.Pod
+	waitFor(t, fmt.Sprintf("the examples' %d pods Running on %s", want, node), 3*time.Minute, func(ctx context.Context) (bool, string) {
+		pods, err := e.client.CoreV1().Pods(examplesNamespace).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		running = running[:0]
+		var states []string
+		for _, p := range pods.Items {
+			if p.Status.Phase == v1.PodRunning && p.Spec.NodeName == node {
+				running = append(running, p)
+			}
+			states = append(states, fmt.Sprintf("%s %s on %q", p.Name, p.Status.Phase, p.Spec.NodeName))
+		}
+		return len(running) == want, strings.Join(states, "; ")
+	})
+	for i := range running {
+		p := &running[i]
+		claims, err := cluster.PodClaims(ctxFor(t, 30*time.Second), e.client, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var devices []string
+		for _, c := range claims {
+			if c.Status.Allocation == nil {
+				t.Fatalf("claim %s of running pod %s is not allocated", c.Name, p.Name)
+			}
+			for _, r := range c.Status.Allocation.Devices.Results {
+				devices = append(devices, r.Device)
+			}
+		}
+		logs := kubectlOut(t, "logs", "-n", p.Namespace, p.Name)
+		t.Logf("$ kubectl logs -n %s %s\n%s", p.Namespace, p.Name, logs)
+		if !regexp.MustCompile(`(?m)^TESSERA_DEVICES=` + regexp.QuoteMeta(strings.Join(devices, ",")) + `$`).MatchString(logs) {
+			t.Errorf("kubectl logs %s: no line TESSERA_DEVICES=%s (its allocation)", p.Name, strings.Join(devices, ","))
+		}
+		if !regexp.MustCompile(`(?m)^/dev/nvidia\d+$`).MatchString(logs) {
+			t.Errorf("kubectl logs %s: no /dev/nvidia<N> device node listed", p.Name)
+		}
+	}
+}
+
+// examplesNamespace is where deployments/examples put their objects.
+const examplesNamespace = "tessera-examples"
+
+// replicasOf is a Deployment manifest's spec.replicas (1 when unset); YAML numbers may decode as int64 or
+// float64.
+func replicasOf(o *unstructured.Unstructured) int {
+	v, found, _ := unstructured.NestedFieldNoCopy(o.Object, "spec", "replicas")
+	switch n := v.(type) {
+	case int64:
+		return int(n)
+	case float64:
+		return int(n)
+	}
+	if !found {
+		return 1
+	}
+	return 0
 }

@@ -936,6 +936,11 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 		})
 	})
 
+	// make up's examples, as it runs them: every pod on the real node, read through kubectl logs.
+	t.Run("the examples' pods run in containers on the real node and kubectl logs shows each one's devices", func(t *testing.T) {
+		checkExamplesRunOn(t, rn.name)
+	})
+
 	t.Run("with pod-bound tokens the plugin cannot write another node's inventory or any slice, nor the controller read Secrets", func(t *testing.T) {
 		ctx := ctxFor(t, time.Minute)
 		plugins, err := podsOf(ctx, "kubelet-plugin")

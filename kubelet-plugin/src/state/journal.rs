@@ -185,6 +185,7 @@ mod tests {
             phase: Phase::PrepareCompleted,
             devices: Vec::new(),
             recovery_error: None,
+            completed_at: None,
         }
     }
 

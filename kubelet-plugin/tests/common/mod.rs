@@ -31,8 +31,12 @@ impl TestNode {
     }
 
     pub fn with_gpus(count: u32) -> Self {
+        Self::with_spec(NodeSpec::default().with_gpus("H100-SXM5-80GB", count))
+    }
+
+    /// A node of `spec` (its GPUs, and the time its simulated driver spends in MIG calls).
+    pub fn with_spec(spec: NodeSpec) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let spec = NodeSpec::default().with_gpus("H100-SXM5-80GB", count);
         let backend = SimulatedBackend::from_spec(NODE, &spec, &dir.path().join("state")).unwrap();
         Self {
             dir,
@@ -190,6 +194,22 @@ pub fn assembled_plugin(
     Arc<tessera_kubelet_plugin::preparers::SharedPreparer>,
     Arc<SimulatedBackend>,
 ) {
+    assembled_plugin_with(dir, gpus, launcher, claims, |state| state)
+}
+
+/// [`assembled_plugin`], with `finish` applied to the state before it is recovered (to add what the binary
+/// adds, such as a sink for failed prepares).
+pub fn assembled_plugin_with(
+    dir: &Path,
+    gpus: u32,
+    launcher: tessera_kubelet_plugin::sharing::mps::Launcher,
+    claims: FakeClaims,
+    finish: impl FnOnce(NodeState) -> NodeState,
+) -> (
+    Arc<NodeState>,
+    Arc<tessera_kubelet_plugin::preparers::SharedPreparer>,
+    Arc<SimulatedBackend>,
+) {
     use tessera_kubelet_plugin::{
         driver_root::DriverFiles,
         preparers::{SharedPreparer, with_preparers},
@@ -220,7 +240,7 @@ pub fn assembled_plugin(
         backend.discover().unwrap().gpus,
         Arc::new(claims),
     );
-    let state = with_preparers(state, &shared);
+    let state = finish(with_preparers(state, &shared));
     state.recover().unwrap();
     (Arc::new(state), shared, backend)
 }

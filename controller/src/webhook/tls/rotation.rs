@@ -22,6 +22,10 @@ pub struct Policy {
     pub stage: Duration,
 }
 
+/// How much longer than the policy's validity a served certificate may live before it counts as issued
+/// under another policy: room for clocks that differ between replicas.
+pub const OUTLIVES_SLACK: Duration = Duration::from_secs(60);
+
 /// The longest staging: enough for several API servers to load a changed webhook configuration.
 pub const MAX_STAGE: Duration = Duration::from_secs(10);
 
@@ -94,6 +98,12 @@ pub fn plan(t: &Times, now: SystemTime, policy: &Policy) -> Step {
         return Step::Issue;
     };
     if !t.current_names_ok {
+        return Step::Stage;
+    }
+    // A certificate that outlives this policy (`webhook.certValidity` shortened by an upgrade, or issued
+    // by a replica of the release before, still terminating when this one's empty Secret appeared) is
+    // rotated now, with overlap, rather than served for the rest of its old lifetime.
+    if expiry > now + policy.validity + OUTLIVES_SLACK {
         return Step::Stage;
     }
     let renew_at = expiry.checked_sub(policy.renew_before).unwrap_or(now);
@@ -169,6 +179,20 @@ mod tests {
         assert_eq!(plan(&t, at(0), &p), Step::Wait(HOUR * 5840));
         assert_eq!(plan(&t, at(5839), &p), Step::Wait(HOUR));
         assert_eq!(plan(&t, at(5840), &p), Step::Stage);
+    }
+
+    #[test]
+    fn a_certificate_issued_under_a_longer_validity_is_rotated_at_once_with_overlap() {
+        let minute = Policy::for_validity(Duration::from_secs(60));
+        let start = at(0);
+        let t = served(start + HOUR * 8760);
+        assert_eq!(plan(&t, start, &minute), Step::Stage);
+        let own = served(start + Duration::from_secs(60) + OUTLIVES_SLACK);
+        assert_eq!(
+            plan(&own, start, &minute),
+            Step::Wait(Duration::from_secs(100)),
+            "one of its own validity, from a clock a little ahead, is kept"
+        );
     }
 
     #[test]

@@ -35,7 +35,7 @@ commands:
   wait-node      --kubeconfig K --node N              (Ready, no taints)
   wait-inventory --kubeconfig K --node N              (NodeInventory ready)
   wait-slices    --kubeconfig K --node N              (ResourceSlices of gpu.tessera.dev for the node)
-  apply          --kubeconfig K [--namespace default] PATH...
+  apply          --kubeconfig K [--namespace default] [--node N: pin every pod to node N] PATH...
   host-rbac      --kubeconfig K --namespace NS --controller USER [--plugins U,...] FILE
                  (the chart's roles from FILE, helm template output, bound to make up's host processes)
   report         --kubeconfig K [--wait 120s]`
@@ -250,6 +250,11 @@ func run(ctx context.Context, cmd string, args []string) error {
 		objs, err := cluster.ReadManifests(files...)
 		if err != nil {
 			return err
+		}
+		if *node != "" {
+			if err := cluster.PinToNode(objs, *node); err != nil {
+				return err
+			}
 		}
 		a, err := cluster.NewApplier(cfg)
 		if err != nil {

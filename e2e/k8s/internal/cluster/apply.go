@@ -111,6 +111,33 @@ func Decode(data []byte) ([]*unstructured.Unstructured, error) {
 	}
 }
 
+// podSpecPaths: where each workload kind keeps the spec of the pods it makes.
+var podSpecPaths = map[string][]string{
+	"Pod":         {"spec"},
+	"Deployment":  {"spec", "template", "spec"},
+	"ReplicaSet":  {"spec", "template", "spec"},
+	"StatefulSet": {"spec", "template", "spec"},
+	"DaemonSet":   {"spec", "template", "spec"},
+	"Job":         {"spec", "template", "spec"},
+	"CronJob":     {"spec", "jobTemplate", "spec", "template", "spec"},
+}
+
+// PinToNode gives every pod the objects make the nodeSelector kubernetes.io/hostname=node, beside what the
+// manifest selects already: `make up` runs the examples on its real node, where their containers run.
+func PinToNode(objs []*unstructured.Unstructured, node string) error {
+	for _, o := range objs {
+		path, ok := podSpecPaths[o.GetKind()]
+		if !ok {
+			continue
+		}
+		field := append(append([]string{}, path...), "nodeSelector", "kubernetes.io/hostname")
+		if err := unstructured.SetNestedField(o.Object, node, field...); err != nil {
+			return fmt.Errorf("failed to pin %s %s to node %s: %w", o.GetKind(), o.GetName(), node, err)
+		}
+	}
+	return nil
+}
+
 // ReadManifests decodes every object of the given files.
 func ReadManifests(files ...string) ([]*unstructured.Unstructured, error) {
 	var all []*unstructured.Unstructured
