@@ -71,6 +71,17 @@ fn add(node: &TestNode, c: ResourceClaim) -> ClaimRef {
     r
 }
 
+/// A running pod's claim of a 3g MIG slice on GPU 2.
+fn add_mig_slice(node: &TestNode) -> ClaimRef {
+    add(
+        node,
+        claim("slice")
+            .allocated("gpu-2-mig-3g-40gb-4")
+            .reserved_for_pod("p")
+            .build(),
+    )
+}
+
 /// The MIG instances on GPU `gpu` as `(gi, uuid)`.
 fn instances(node: &TestNode, gpu: u32) -> Vec<(u32, String)> {
     node.backend
@@ -609,13 +620,7 @@ async fn a_crash_after_a_mig_instance_was_created_and_before_its_ids_reached_the
     let node = TestNode::new();
     let _stop = StopDaemons::new(&node);
     let first = start(&node, BOOT_ID).await;
-    let r = add(
-        &node,
-        claim("slice")
-            .allocated("gpu-2-mig-3g-40gb-4")
-            .reserved_for_pod("p")
-            .build(),
-    );
+    let r = add_mig_slice(&node);
     first.state.prepare(&r).await.unwrap();
     assert_eq!(instances(&node, 2).len(), 1);
     drop(first);
@@ -660,13 +665,7 @@ async fn a_prepare_whose_kubelet_call_is_dropped_finishes_and_kubelets_retry_fin
     let node = TestNode::with_spec(spec);
     let _stop = StopDaemons::new(&node);
     let plugin = start(&node, BOOT_ID).await;
-    let r = add(
-        &node,
-        claim("slice")
-            .allocated("gpu-2-mig-3g-40gb-4")
-            .reserved_for_pod("p")
-            .build(),
-    );
+    let r = add_mig_slice(&node);
     // kubelet is killed while the compute instance is being made: its connection closes and the server
     // drops the call.
     let call = plugin.state.prepare_all(std::slice::from_ref(&r));
