@@ -48,10 +48,17 @@ impl DaemonEvents {
     pub async fn report(&self, state: &NodeState, watch: &DaemonWatch) {
         let (down, back) = transitions(&mut *self.reported.lock().await, watch);
         for key in down {
-            let note = format!(
-                "The MPS control daemon of {key} does not answer: this pod's CUDA contexts on it have no MPS \
-                 server. tessera is starting it again."
-            );
+            let note = if watch.replaced.contains(&key) {
+                format!(
+                    "The MPS control daemon of {key} was replaced (its supervisor restarted it): this pod's \
+                     CUDA contexts made on the old daemon are lost."
+                )
+            } else {
+                format!(
+                    "The MPS control daemon of {key} does not answer: this pod's CUDA contexts on it have no \
+                     MPS server. tessera is starting it again."
+                )
+            };
             self.post(state, &key, EventType::Warning, "MpsDaemonDown", note)
                 .await;
         }
@@ -123,16 +130,16 @@ impl DaemonEvents {
 }
 
 /// The devices `watch` found down that were not reported yet, and the reported ones that answer now (a
-/// daemon the watch started again is both); updates `reported`.
+/// daemon the watch started again, or found replaced since the last watch, is both); updates `reported`.
 pub fn transitions(reported: &mut BTreeSet<String>, watch: &DaemonWatch) -> (Vec<String>, Vec<String>) {
-    let found_down = watch.down.iter().chain(&watch.restarted);
+    let found_down = watch.down.iter().chain(&watch.restarted).chain(&watch.replaced);
     let down: Vec<String> = found_down
         .filter(|k| reported.insert((*k).clone()))
         .cloned()
         .collect();
     let back: Vec<String> = reported
         .iter()
-        .filter(|k| watch.up.contains(k) || watch.restarted.contains(k))
+        .filter(|k| watch.up.contains(k) || watch.restarted.contains(k) || watch.replaced.contains(k))
         .cloned()
         .collect();
     // Back, or no longer watched (its last share went).
@@ -181,7 +188,7 @@ mod tests {
             up: v(up),
             restarted: v(restarted),
             down: v(down),
-            stopped: Vec::new(),
+            ..Default::default()
         }
     }
 
@@ -205,6 +212,22 @@ mod tests {
             (vec![], vec!["gpu-0".to_string()])
         );
         assert!(reported.is_empty());
+    }
+
+    #[test]
+    fn a_daemon_replaced_between_two_watches_is_down_and_back_in_one_round() {
+        let mut reported = BTreeSet::new();
+        let replaced = DaemonWatch {
+            replaced: vec!["gpu-2".to_string()],
+            ..Default::default()
+        };
+        let both = vec!["gpu-2".to_string()];
+        assert_eq!(transitions(&mut reported, &replaced), (both.clone(), both));
+        assert!(reported.is_empty());
+        assert_eq!(
+            transitions(&mut reported, &watch(&["gpu-2"], &[], &[])),
+            (vec![], vec![])
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tessera_api::DeviceName;
+use tessera_api::{DeviceName, config::SharingStrategy};
 use tessera_kubelet_plugin::{
     claims::fake::{FakeClaims, NODE, claim},
     gpu::{
@@ -403,15 +403,17 @@ async fn the_plugin_starts_a_prepared_shares_daemon_again_with_the_defaults_its_
     assert!(watch.restarted.is_empty() && watch.up.is_empty(), "{watch:?}");
 }
 
-#[tokio::test]
-async fn a_share_whose_daemon_cannot_start_stays_reported_down_until_it_is_back() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path();
-    let mut cleanup = Cleanup::default();
-    let socket = dir.join("supervisor.sock");
-    cleanup.children.push(spawn_supervisor(dir, &socket));
+/// A sharer whose daemons an MPS supervisor (started here, on `socket`) runs, over one simulated H100.
+struct Supervised {
+    sharer: Sharer,
+    mps: MpsManager,
+    gpus: Vec<tessera_api::GpuInfo>,
+}
+
+fn supervised(dir: &Path, socket: &Path, cleanup: &mut Cleanup) -> Supervised {
+    cleanup.children.push(spawn_supervisor(dir, socket));
     wait_for("the supervisor's socket", Duration::from_secs(30), || {
-        supervisor::request(&socket, &Request::Running).is_ok()
+        supervisor::request(socket, &Request::Running).is_ok()
     });
     let state_dir = dir.join("state");
     let backend = Arc::new(
@@ -426,33 +428,63 @@ async fn a_share_whose_daemon_cannot_start_stays_reported_down_until_it_is_back(
     let mps = MpsManager::new(
         &state_dir,
         Launcher::Supervisor {
-            socket: socket.clone(),
+            socket: socket.to_path_buf(),
         },
     );
-    let sharer = Sharer::new(backend.clone(), mps.clone(), false);
-    let device = DeviceName::SharedGpu { gpu: 0 };
-    let consumed = Default::default();
-    sharer
-        .prepare(&tessera_kubelet_plugin::sharing::ShareRequest {
-            holder: "uid-a/gpu-0-shared".into(),
-            device: &device,
-            gpu: &gpus[0],
-            uuid: &gpus[0].uuid,
-            strategy: tessera_api::config::SharingStrategy::Mps,
-            mps: None,
-            interval: Default::default(),
-            consumed: &consumed,
-        })
-        .unwrap();
-    cleanup.pids.extend(mps.pid("gpu-0"));
+    let sharer = Sharer::new(backend, mps.clone(), false);
+    Supervised { sharer, mps, gpus }
+}
 
-    // The supervisor goes (SIGKILL: its daemon stays an orphan here, so kill it too).
+/// SIGKILLs the first supervisor and every daemon started so far (a killed supervisor leaves its daemons
+/// orphans here, where no container ends them).
+fn kill_supervisor_and_daemons(cleanup: &mut Cleanup) {
     let mut gone = cleanup.children.remove(0);
     gone.kill().unwrap();
     gone.wait().unwrap();
     for pid in cleanup.pids.clone() {
         kill9(pid);
     }
+}
+
+/// Starts a new supervisor on `socket` and waits for it to restore GPU 0's daemon from its record.
+fn restore_gpu0(dir: &Path, socket: &Path, mps: &MpsManager, cleanup: &mut Cleanup) {
+    cleanup.children.push(spawn_supervisor(dir, socket));
+    wait_for("the restored daemon", Duration::from_secs(30), || {
+        mps.is_running("gpu-0")
+    });
+    cleanup.pids.extend(mps.pid("gpu-0"));
+}
+
+const GPU0_SHARED: DeviceName = DeviceName::SharedGpu { gpu: 0 };
+
+/// Prepares an MPS share of GPU 0 for `holder`, with no config.
+fn share_gpu0(sharer: &Sharer, gpus: &[tessera_api::GpuInfo], holder: &str) {
+    sharer
+        .prepare(&tessera_kubelet_plugin::sharing::ShareRequest {
+            holder: holder.into(),
+            device: &GPU0_SHARED,
+            gpu: &gpus[0],
+            uuid: &gpus[0].uuid,
+            strategy: SharingStrategy::Mps,
+            mps: None,
+            interval: Default::default(),
+            consumed: &Default::default(),
+        })
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_share_whose_daemon_cannot_start_stays_reported_down_until_it_is_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut cleanup = Cleanup::default();
+    let socket = dir.join("supervisor.sock");
+    let Supervised { sharer, mps, gpus } = supervised(dir, &socket, &mut cleanup);
+    share_gpu0(&sharer, &gpus, "uid-a/gpu-0-shared");
+    cleanup.pids.extend(mps.pid("gpu-0"));
+
+    // The supervisor goes (SIGKILL: its daemon stays an orphan here, so kill it too).
+    kill_supervisor_and_daemons(&mut cleanup);
     let watch = sharer.watch_daemons(&gpus, true);
     assert_eq!(watch.down, ["gpu-0"], "{watch:?}");
     let problems = tessera_kubelet_plugin::sharing::daemons_down_problems(&sharer.daemons_down());
@@ -463,14 +495,47 @@ async fn a_share_whose_daemon_cannot_start_stays_reported_down_until_it_is_back(
     );
 
     // A new supervisor restores the daemon from its record; the next watch sees it back.
-    cleanup.children.push(spawn_supervisor(dir, &socket));
-    wait_for("the restored daemon", Duration::from_secs(30), || {
-        mps.is_running("gpu-0")
-    });
-    cleanup.pids.extend(mps.pid("gpu-0"));
+    restore_gpu0(dir, &socket, &mps, &mut cleanup);
     let watch = sharer.watch_daemons(&gpus, true);
     assert_eq!(watch.up, ["gpu-0"], "{watch:?}");
     assert!(sharer.daemons_down().is_empty());
+}
+
+#[tokio::test]
+async fn a_daemon_its_supervisor_replaced_between_two_watches_is_reported_replaced_not_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let mut cleanup = Cleanup::default();
+    let socket = dir.join("supervisor.sock");
+    let Supervised { sharer, mps, gpus } = supervised(dir, &socket, &mut cleanup);
+    share_gpu0(&sharer, &gpus, "uid-a/gpu-0-shared");
+    cleanup.pids.extend(mps.pid("gpu-0"));
+    let watch = sharer.watch_daemons(&gpus, true);
+    assert_eq!(watch.up, ["gpu-0"], "{watch:?}");
+    let watch = sharer.watch_daemons(&gpus, true);
+    assert_eq!(
+        watch.up,
+        ["gpu-0"],
+        "the same daemon twice is up, not replaced: {watch:?}"
+    );
+
+    // The supervisor and its daemon go and a new supervisor restores the daemon, all between two watches.
+    kill_supervisor_and_daemons(&mut cleanup);
+    restore_gpu0(dir, &socket, &mps, &mut cleanup);
+    let watch = sharer.watch_daemons(&gpus, true);
+    assert_eq!(watch.replaced, ["gpu-0"], "{watch:?}");
+    assert!(watch.up.is_empty() && watch.down.is_empty(), "{watch:?}");
+    let watch = sharer.watch_daemons(&gpus, true);
+    assert_eq!(watch.up, ["gpu-0"], "reported once: {watch:?}");
+
+    // The sharer's own stop and start (last share gone, a new first share) is no replacement.
+    sharer
+        .unprepare(&gpus[0], &GPU0_SHARED, "uid-a/gpu-0-shared", SharingStrategy::Mps)
+        .unwrap();
+    share_gpu0(&sharer, &gpus, "uid-b/gpu-0-shared");
+    cleanup.pids.extend(mps.pid("gpu-0"));
+    let watch = sharer.watch_daemons(&gpus, true);
+    assert_eq!(watch.up, ["gpu-0"], "{watch:?}");
 }
 
 #[tokio::test]

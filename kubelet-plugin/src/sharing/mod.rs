@@ -214,6 +214,9 @@ pub struct Sharer {
     daemons: Mutex<BTreeMap<String, DaemonNeed>>,
     /// Devices whose daemon the last watch found down, since when.
     down: Mutex<BTreeMap<String, DaemonDown>>,
+    /// The daemon each watch found answering, by key: one that answers the next watch but is another
+    /// daemon was replaced in between, an outage shorter than the watch's interval that the clients felt.
+    seen: Mutex<BTreeMap<String, mps::DaemonInstance>>,
 }
 
 /// The MPS daemon of a shared device: its device UUID and the defaults it was started with.
@@ -241,6 +244,10 @@ pub struct DaemonWatch {
     pub restarted: Vec<String>,
     /// Keys whose daemon is down and could not be started.
     pub down: Vec<String>,
+    /// Keys whose daemon answers but is not the one the previous watch found: it was replaced between the
+    /// two (a supervisor restored it, or restarted it after a crash), so the clients' contexts on the old
+    /// one are lost although no watch found it down.
+    pub replaced: Vec<String>,
     /// Daemons that ran with no prepared share and were stopped.
     pub stopped: Vec<String>,
 }
@@ -277,11 +284,32 @@ impl Sharer {
             real_hardware,
             daemons: Mutex::default(),
             down: Mutex::default(),
+            seen: Mutex::default(),
         }
     }
 
     fn lock_daemons(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, DaemonNeed>> {
         self.daemons.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_seen(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, mps::DaemonInstance>> {
+        self.seen.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records which daemon of `key` listens now; true when another one was recorded before it.
+    fn note_instance(&self, key: &str) -> bool {
+        let now = self.mps.instance(key);
+        let mut seen = self.lock_seen();
+        let before = match now {
+            Some(now) => seen.insert(key.to_string(), now),
+            None => seen.remove(key),
+        };
+        matches!((before, now), (Some(before), Some(now)) if before != now)
+    }
+
+    /// Forgets the daemon of `key`: the sharer itself starts or stops it, so the next one is no replacement.
+    fn forget_instance(&self, key: &str) {
+        self.lock_seen().remove(key);
     }
 
     /// Re-registers the MPS daemon of a share prepared before a restart (from its checkpoint record), so
@@ -309,13 +337,25 @@ impl Sharer {
         let down = || self.down.lock().unwrap_or_else(|e| e.into_inner());
         for (key, need) in daemons.iter() {
             if self.users.count(key) == 0 {
+                self.forget_instance(key);
                 continue;
             }
             if self.mps.is_running(key) {
+                let replaced = self.note_instance(key);
                 if let Some(was) = down().remove(key) {
                     info!(key, after = ?was.since.elapsed(), "the MPS daemon of a prepared share is back");
+                    out.up.push(key.clone());
+                } else if replaced {
+                    warn!(
+                        key,
+                        shares = self.users.count(key),
+                        "the MPS daemon of prepared shares was replaced since the last check: CUDA contexts \
+                         its clients made on the old daemon are lost"
+                    );
+                    out.replaced.push(key.clone());
+                } else {
+                    out.up.push(key.clone());
                 }
-                out.up.push(key.clone());
                 continue;
             }
             let since = down()
@@ -336,6 +376,7 @@ impl Sharer {
             match self.mps.start(key, &need.uuid, need.defaults) {
                 Ok(_) => {
                     info!(key, after = ?since.elapsed(), "started the MPS daemon of prepared shares again");
+                    self.note_instance(key);
                     down().remove(key);
                     out.restarted.push(key.clone());
                 }
@@ -352,6 +393,7 @@ impl Sharer {
             }
         }
         down().retain(|key, _| daemons.contains_key(key));
+        self.lock_seen().retain(|key, _| daemons.contains_key(key));
         if stop_orphans {
             // Under the daemon lock: a prepare cannot start using a daemon while it is judged orphaned.
             out.stopped = self.stop_orphans_locked(&daemons, gpus);
@@ -444,6 +486,7 @@ impl Sharer {
                             .set_compute_mode(gpu, ComputeMode::ExclusiveProcess)
                             .map_err(|source| SharingError::ComputeMode { gpu, source })?;
                     }
+                    self.forget_instance(key);
                     self.mps.start(key, &need.uuid, need.defaults)?;
                 }
                 daemons.insert(key.to_string(), need.clone());
@@ -525,6 +568,7 @@ impl Sharer {
         let mig = on_mig(device);
         match strategy {
             SharingStrategy::Mps => {
+                self.forget_instance(key);
                 self.mps.stop(key)?;
                 if !mig {
                     self.backend

@@ -82,6 +82,15 @@ use crate::driver_root::DriverRoot;
 pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
 /// Control socket in the pipe directory.
 pub const CONTROL_SOCKET: &str = "control";
+
+/// One daemon's control socket, as [`MpsManager::instance`] reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DaemonInstance {
+    dev: u64,
+    ino: u64,
+    mtime: (i64, i64),
+}
+
 /// Where a share's container sees the pipe directory.
 pub const CONTAINER_PIPE_DIR: &str = "/tmp/nvidia-mps";
 /// Hidden subcommand of the plugin binary that runs a simulated daemon.
@@ -264,6 +273,20 @@ impl MpsManager {
             .parse()
             .ok()?;
         process_alive(pid).then_some(pid)
+    }
+
+    /// Which daemon of `key` listens now: its control socket's device, inode and modification time. Each
+    /// daemon binds the socket anew, so two answers that differ mean the daemon was replaced in between
+    /// (its supervisor was restarted, or restarted it), even where a new supervisor's PID namespace gave
+    /// the new daemon the old one's pid. `None` without a socket.
+    pub fn instance(&self, key: &str) -> Option<DaemonInstance> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = fs::symlink_metadata(self.dirs(key).pipe.join(CONTROL_SOCKET)).ok()?;
+        Some(DaemonInstance {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+        })
     }
 
     /// True when the daemon answers a cheap query (what NVIDIA's device plugin uses as its health probe).
