@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-.PHONY: help build test test-unit test-bench test-sample lint up down e2e bench-packing bench-scheduler test-faults bench-scheduler-rate
+.PHONY: help build test test-unit test-bench test-sample lint up down e2e bench-packing bench-scheduler test-faults bench-scheduler-rate bench-coldstart
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-16s %s\n", $$1, $$2}'
@@ -61,6 +61,15 @@ e2e: ## End-to-end scenarios on a fresh local cluster with a real node (builds c
 FAULT_ROUNDS ?= 100
 test-faults: ## Fault suite on a fresh local cluster, counts per scenario (FAULT_ROUNDS=100; 5 in make test)
 	FAULT_ROUNDS=$(FAULT_ROUNDS) e2e/scripts/faults.sh
+
+# Cold starts (issue 25): whole-GPU, MIG and MPS Deployments on the real node scaled 0 → N → 0 → N, cold
+# and with warm partitions, under hardware-like latencies (e2e/bench/hardware-like-latencies.yaml, estimates).
+# The table goes to e2e/bench/results/coldstart.md. `make e2e` runs the same scenario at 2 replicas without
+# latencies (counts asserted, times printed).
+COLDSTART_REPLICAS ?= 4
+bench-coldstart: ## Time from scale-up to each replica's first CUDA context, cold vs warm, on the real node (~8 min; root)
+	e2e/scripts/node-packages.sh --install
+	COLDSTART_REPLICAS=$(COLDSTART_REPLICAS) e2e/scripts/bench-coldstart.sh
 
 # Packing benchmark (e2e/bench/README.md). BENCH_GPU=h100|a100|h200|mix; results in bench-results/.
 BENCH_OPENB_DIR ?= $(abspath $(CURDIR)/../shared/data/openb)

@@ -34,6 +34,10 @@ pub const MIG_PROFILE: &str = "profile";
 pub const MIG_PLACEMENT_START: &str = "placementStart";
 /// `string`: sharing strategy of a shared device: `MPS` or `TimeSlicing`.
 pub const SHARING_STRATEGY: &str = "sharingStrategy";
+/// `int`: seconds the device's partition (a MIG device, an MPS daemon) stays warm after its last claim
+/// goes, for the next claim of the same device to take without making it again (the policy rule's
+/// `warm.window`); absent when the rule keeps nothing warm. MIG and shared devices only.
+pub const WARM_SECONDS: &str = "warmSeconds";
 /// Standard attribute: PCI bus id, `0000:3b:00.0`.
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 /// Standard attribute: PCIe root complex, `pci0000:3a`.

@@ -240,6 +240,47 @@ pub struct PolicyRule {
     /// Offer the GPU to several claims at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared: Option<SharedModel>,
+    /// Keep what the plugin made for a claim (a MIG device, an MPS daemon) after the claim goes, for the
+    /// next claim of the same device to take: a replica scaled back up skips MIG instance creation or the
+    /// daemon's start. Off unless set; only with `dynamicMig`, `staticMig` or `shared`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm: Option<WarmPolicy>,
+}
+
+/// Warm partitions for the GPUs a rule matches.
+///
+/// ```yaml
+/// warm: {window: 10m}
+/// ```
+///
+/// The plugin keeps a released MIG device (its GPU and compute instance) or a share's MPS daemon for
+/// `window`, then destroys it. A kept partition never makes a claim wait: the devices stay published as
+/// free, and a claim that needs that part of the GPU otherwise (a larger profile, the whole GPU) has it
+/// destroyed first. Published to the plugin as each device's `warmSeconds` attribute.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WarmPolicy {
+    /// How long a released partition is kept, as a duration (`90s`, `10m`, `1h`); at most `24h`. `0s`
+    /// keeps nothing.
+    pub window: String,
+}
+
+/// The longest `warm.window`: a day. A partition idle for longer is a layout, which `staticMig` states.
+pub const MAX_WARM_WINDOW_SECS: u64 = 24 * 3600;
+
+impl WarmPolicy {
+    /// The window in seconds, or why it is unusable.
+    pub fn seconds(&self) -> Result<u64, String> {
+        let secs = parse_duration(&self.window)?.as_secs();
+        if secs > MAX_WARM_WINDOW_SECS {
+            return Err(format!(
+                "{:?} is longer than a day ({MAX_WARM_WINDOW_SECS}s); a partition kept that long is a \
+                 layout: use staticMig",
+                self.window
+            ));
+        }
+        Ok(secs)
+    }
 }
 
 /// One device per GPU.

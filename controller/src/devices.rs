@@ -47,15 +47,31 @@ pub enum Model {
     DynamicMig {
         profiles: Vec<String>,
         fallback_layout: Vec<LayoutEntry>,
+        /// `warm.window` of the rule in seconds (0: keep nothing), published as `warmSeconds`.
+        warm_seconds: u64,
     },
     StaticMig {
         layout: Vec<LayoutEntry>,
+        warm_seconds: u64,
     },
     Shared {
         strategy: SharingStrategy,
         memory_step: u64,
         fallback_slots: u32,
+        warm_seconds: u64,
     },
+}
+
+impl Model {
+    /// How long the plugin keeps what it made for a released claim of this model's devices (seconds).
+    pub fn warm_seconds(&self) -> u64 {
+        match self {
+            Self::DynamicMig { warm_seconds, .. }
+            | Self::StaticMig { warm_seconds, .. }
+            | Self::Shared { warm_seconds, .. } => *warm_seconds,
+            Self::Default | Self::Whole => 0,
+        }
+    }
 }
 
 /// One MIG instance of a static layout, resolved against the GPU's profiles.
@@ -621,7 +637,7 @@ pub fn publish(node: &NodeInventorySpec, gpu: &GpuInfo, model: &Model, features:
         Model::DynamicMig { fallback_layout, .. } if !fallback_layout.is_empty() && gpu.mig.is_some() => {
             static_mig(node, gpu, fallback_layout)
         }
-        Model::StaticMig { layout } => static_mig(node, gpu, layout),
+        Model::StaticMig { layout, .. } => static_mig(node, gpu, layout),
         Model::Shared {
             strategy,
             memory_step,
@@ -637,6 +653,19 @@ pub fn publish(node: &NodeInventorySpec, gpu: &GpuInfo, model: &Model, features:
             counter_set: None,
         },
     };
+    let warm = model.warm_seconds();
+    if warm > 0 {
+        // Every device the plugin makes something for: MIG and shared devices, not the whole GPU.
+        for d in out
+            .devices
+            .iter_mut()
+            .filter(|d| !matches!(d.name.parse::<DeviceName>(), Ok(DeviceName::Gpu { .. })))
+        {
+            d.attributes
+                .get_or_insert_with(Default::default)
+                .insert(attr::WARM_SECONDS.into(), int(warm as i64));
+        }
+    }
     if !gpu.healthy {
         for d in &mut out.devices {
             d.taints = Some(vec![DeviceTaint {

@@ -56,6 +56,8 @@ struct CompiledRule {
     name: String,
     selector: Option<Selector>,
     optional: bool,
+    /// `warm.window` in seconds; 0 keeps nothing.
+    warm_seconds: u64,
     model: RuleModel,
 }
 
@@ -141,6 +143,19 @@ impl CompiledPolicy {
                     ));
                 }
             };
+            let warm_seconds = match &rule.warm {
+                None => 0,
+                Some(_) if matches!(model, RuleModel::Whole) => {
+                    return Err(invalid_model(
+                        &name,
+                        "warm keeps the MIG devices and MPS daemons the plugin makes; a whole GPU makes \
+                         neither: set it on a dynamicMig, staticMig or shared rule",
+                    ));
+                }
+                Some(w) => w
+                    .seconds()
+                    .map_err(|e| invalid_model(&name, format!("warm.window {e}")))?,
+            };
             let selector = match rule.selector.as_deref().map(str::trim) {
                 None | Some("") => None,
                 Some(src) => Some(cel.compile(src).map_err(|e| problem_from_selector(&name, e))?),
@@ -149,6 +164,7 @@ impl CompiledPolicy {
                 name,
                 selector,
                 optional: rule.optional,
+                warm_seconds,
                 model,
             });
         }
@@ -212,9 +228,11 @@ impl CompiledPolicy {
                                 } else {
                                     vec![]
                                 },
+                                warm_seconds: rule.warm_seconds,
                             },
                             RuleModel::StaticMig { layout } => Model::StaticMig {
                                 layout: resolve_layout(gpu, layout).map_err(at)?,
+                                warm_seconds: rule.warm_seconds,
                             },
                             RuleModel::Shared {
                                 strategy,
@@ -224,6 +242,7 @@ impl CompiledPolicy {
                                 strategy: *strategy,
                                 memory_step: *memory_step,
                                 fallback_slots: *fallback_slots,
+                                warm_seconds: rule.warm_seconds,
                             },
                         });
                     }

@@ -198,7 +198,14 @@ fn the_examples_select_the_intended_devices() {
 #[test]
 fn the_policy_examples_are_valid_for_the_simulated_nodes() {
     let invs: Vec<_> = nodes().into_iter().map(|(_, i)| i).collect();
-    for file in ["mixed", "all-whole", "shared-mps", "static-mig", "lean-mig"] {
+    for file in [
+        "mixed",
+        "all-whole",
+        "shared-mps",
+        "static-mig",
+        "lean-mig",
+        "warm",
+    ] {
         let policy: GpuPolicy =
             serde_norway::from_str(&read(&format!("deployments/policies/{file}.yaml"))).unwrap();
         assert_eq!(policy.metadata.name.as_deref(), Some("default"));

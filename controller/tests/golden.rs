@@ -375,3 +375,79 @@ fn static_layouts_publish_non_overlapping_instances_without_counters() {
         }
     }
 }
+
+/// A policy of one rule `model` (YAML flow text) with `warm` (a YAML flow text, or none).
+fn one_rule(model: &str, warm: Option<&str>) -> String {
+    let warm = warm.map(|w| format!("\n    warm: {w}")).unwrap_or_default();
+    format!(
+        "apiVersion: gpu.tessera.dev/v1alpha1\nkind: GpuPolicy\nmetadata: {{name: default}}\nspec:\n  rules:\n  \
+         - name: r\n    {model}{warm}\n"
+    )
+}
+
+fn warm_seconds(d: &Device) -> Option<i64> {
+    d.attributes
+        .as_ref()?
+        .get(tessera_api::attributes::WARM_SECONDS)?
+        .int
+}
+
+fn render_policy(text: &str) -> Result<Vec<ResourceSlice>, tessera_controller::render::RenderError> {
+    let p = policy(text);
+    tessera_controller::render::render(
+        std::slice::from_ref(&h100_node()),
+        Some(&p),
+        tessera_controller::features::ApiFeatures::ALL,
+    )
+}
+
+#[test]
+fn a_warm_rule_publishes_warm_seconds_on_every_device_the_plugin_makes_and_not_on_the_whole_gpu() {
+    let slices = render_policy(&one_rule("dynamicMig: {}", Some("{window: 10m}"))).unwrap();
+    let all = devices(&slices);
+    let (whole, mig): (Vec<&&Device>, Vec<&&Device>) = all
+        .iter()
+        .partition(|d| matches!(d.name.parse::<DeviceName>(), Ok(DeviceName::Gpu { .. })));
+    assert_eq!(whole.len(), 8);
+    assert!(whole.iter().all(|d| warm_seconds(d).is_none()));
+    assert_eq!(mig.len(), 8 * 25);
+    assert!(
+        mig.iter().all(|d| warm_seconds(d) == Some(600)),
+        "every MIG placement"
+    );
+
+    let slices = render_policy(&one_rule("shared: {strategy: MPS}", Some("{window: 90s}"))).unwrap();
+    assert!(devices(&slices).iter().all(|d| warm_seconds(d) == Some(90)));
+}
+
+#[test]
+fn a_rule_without_warm_or_with_a_zero_window_publishes_no_warm_seconds() {
+    for warm in [None, Some("{window: 0s}")] {
+        let slices = render_policy(&one_rule("dynamicMig: {}", warm)).unwrap();
+        assert!(
+            devices(&slices).iter().all(|d| warm_seconds(d).is_none()),
+            "{warm:?}"
+        );
+    }
+}
+
+#[test]
+fn warm_on_a_whole_gpu_rule_or_with_an_unusable_window_is_refused_naming_the_rule_and_the_fix() {
+    for (model, warm, says) in [
+        (
+            "whole: {}",
+            "{window: 5m}",
+            "set it on a dynamicMig, staticMig or shared rule",
+        ),
+        ("dynamicMig: {}", "{window: 5 minutes}", "warm.window"),
+        ("shared: {strategy: MPS}", "{window: 25h}", "use staticMig"),
+    ] {
+        let err = render_policy(&one_rule(model, Some(warm)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rule \"r\"") && err.contains(says),
+            "{model} {warm}: {err}"
+        );
+    }
+}

@@ -1005,8 +1005,13 @@ impl NodeSetup {
             crate::sharing::DAEMON_WATCH_INTERVAL,
             stop_rx.clone(),
         ));
+        let warm = tokio::spawn(
+            state
+                .clone()
+                .expire_warm_periodically(crate::warm::WARM_SWEEP_INTERVAL, stop_rx.clone()),
+        );
         let reconcile = tokio::spawn(state.reconcile_periodically(RECONCILE_INTERVAL, stop_rx));
-        Ok([publisher, reconcile, watch, recheck, retry, retry_failed]
+        Ok([publisher, reconcile, warm, watch, recheck, retry, retry_failed]
             .into_iter()
             .chain(driver_watcher)
             .collect())

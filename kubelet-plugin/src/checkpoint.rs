@@ -63,6 +63,27 @@ pub struct Checkpoint {
     /// Claims by UID.
     #[serde(default)]
     pub claims: BTreeMap<String, ClaimRecord>,
+    /// Warm devices by warm key ([`crate::warm::warm_key`]): partitions kept after their last claim went,
+    /// which a claim for the same device takes without making them again. A plugin that predates them
+    /// ignores the field, and its start-up sweep destroys what they hold: nothing leaks on a downgrade.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub warm: BTreeMap<String, WarmRecord>,
+}
+
+/// A warm device: what a released claim's device left on the GPU (a MIG device with its ids, an MPS
+/// daemon with its defaults), kept until `until` for the next claim of that device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WarmRecord {
+    /// The device it was released as (`gpu-0-mig-1g-10gb-3`, `gpu-1-shared`, `gpu-1-share-2`).
+    pub device: String,
+    /// The released device's detail, with the ids of what it holds on the hardware.
+    pub detail: DeviceDetail,
+    /// When it is destroyed if no claim took it (Unix seconds).
+    pub until: u64,
+    /// How long making it took, in milliseconds: what the claim that takes it saves.
+    #[serde(default)]
+    pub cost_ms: u64,
 }
 
 /// One claim's preparation.
@@ -110,6 +131,14 @@ pub struct DeviceRecord {
     pub cdi_device_ids: Vec<String>,
     /// What was done on the hardware, enough to undo it after a restart.
     pub detail: DeviceDetail,
+    /// How long the device's partition stays warm after the claim goes, in seconds, as its ResourceSlice
+    /// published it (`warmSeconds`) when the claim was prepared; absent: destroyed at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_seconds: Option<u64>,
+    /// How long making the device's partition (MIG instance, MPS daemon) took, in milliseconds: measured
+    /// when this claim made it, inherited when it took a warm one. Absent for devices that make nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_ms: Option<u64>,
 }
 
 /// Kind-specific preparation state. Every field a later undo needs is here, because after a restart the
@@ -400,6 +429,8 @@ mod tests {
                     compute_instance: Some(0),
                     uuid: Some("MIG-1".into()),
                 }),
+                warm_seconds: None,
+                cost_ms: None,
             }],
             recovery_error: None,
             completed_at: None,

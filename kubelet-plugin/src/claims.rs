@@ -32,26 +32,45 @@ pub trait ClaimSource: Send + Sync + 'static {
     /// A claim that does not decode (any namespace, any driver) is listed as unreadable, never fails the list.
     fn list(&self) -> BoxFuture<'_, Result<ClaimList, SourceError>>;
 
-    /// The capacity (`memory`, `compute`) this driver's ResourceSlices publish for `device` of `pool`,
-    /// or `None` when no slice lists it. A share slot's allocation carries no capacity, so this is where the
-    /// plugin learns the slot's size. Sources without slices have none.
-    fn device_capacity<'a>(
+    /// `device` of `pool` as this driver's ResourceSlices publish it (what the plugin reads of it), or
+    /// `None` when no slice lists it. Sources without slices have none.
+    fn published_device<'a>(
         &'a self,
         _pool: &'a str,
         _device: &'a str,
-    ) -> BoxFuture<'a, Result<Option<BTreeMap<String, Quantity>>, SourceError>> {
+    ) -> BoxFuture<'a, Result<Option<Published>, SourceError>> {
         Box::pin(async { Ok(None) })
     }
+}
 
-    /// The `sharingStrategy` attribute this driver's ResourceSlices publish for the shared `device` of
-    /// `pool`: the strategy the device serves to every claim sharing it. `None` when no slice lists it or it
-    /// has none. Sources without slices have none.
-    fn device_strategy<'a>(
-        &'a self,
-        _pool: &'a str,
-        _device: &'a str,
-    ) -> BoxFuture<'a, Result<Option<SharingStrategy>, SourceError>> {
-        Box::pin(async { Ok(None) })
+/// What the plugin reads of a device its node's ResourceSlice publishes.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Published {
+    /// The `sharingStrategy` attribute: the strategy a shared device serves to every claim sharing it.
+    pub strategy: Option<SharingStrategy>,
+    /// The capacity (`memory`, `compute`): a share slot's allocation carries none, so this is where the
+    /// plugin learns the slot's size.
+    pub capacity: BTreeMap<String, Quantity>,
+    /// The `warmSeconds` attribute: how long the device's partition stays warm after its claim goes.
+    pub warm_seconds: Option<u64>,
+}
+
+impl Published {
+    fn of(device: &k8s_openapi::api::resource::v1::Device) -> Self {
+        let attribute = |name: &str| device.attributes.as_ref()?.get(name);
+        Self {
+            strategy: strategy_attribute(device),
+            capacity: device
+                .capacity
+                .iter()
+                .flatten()
+                .map(|(name, c)| (name.clone(), c.value.clone()))
+                .collect(),
+            warm_seconds: attribute(tessera_api::attributes::WARM_SECONDS)
+                .and_then(|a| a.int)
+                .and_then(|s| u64::try_from(s).ok())
+                .filter(|s| *s > 0),
+        }
     }
 }
 
@@ -115,7 +134,7 @@ impl KubeClaims {
 
 impl KubeClaims {
     /// `device` of `pool` as this driver's ResourceSlices publish it.
-    async fn published_device(
+    async fn slice_device(
         &self,
         pool: &str,
         device: &str,
@@ -156,34 +175,12 @@ impl ClaimSource for KubeClaims {
         })
     }
 
-    fn device_strategy<'a>(
+    fn published_device<'a>(
         &'a self,
         pool: &'a str,
         device: &'a str,
-    ) -> BoxFuture<'a, Result<Option<SharingStrategy>, SourceError>> {
-        Box::pin(async move {
-            Ok(self
-                .published_device(pool, device)
-                .await?
-                .as_ref()
-                .and_then(strategy_attribute))
-        })
-    }
-
-    fn device_capacity<'a>(
-        &'a self,
-        pool: &'a str,
-        device: &'a str,
-    ) -> BoxFuture<'a, Result<Option<BTreeMap<String, Quantity>>, SourceError>> {
-        Box::pin(async move {
-            Ok(self.published_device(pool, device).await?.map(|d| {
-                d.capacity
-                    .iter()
-                    .flatten()
-                    .map(|(name, c)| (name.clone(), c.value.clone()))
-                    .collect()
-            }))
-        })
+    ) -> BoxFuture<'a, Result<Option<Published>, SourceError>> {
+        Box::pin(async move { Ok(self.slice_device(pool, device).await?.as_ref().map(Published::of)) })
     }
 }
 
@@ -200,20 +197,12 @@ impl<T: ClaimSource> ClaimSource for Arc<T> {
         (**self).list()
     }
 
-    fn device_capacity<'a>(
+    fn published_device<'a>(
         &'a self,
         pool: &'a str,
         device: &'a str,
-    ) -> BoxFuture<'a, Result<Option<BTreeMap<String, Quantity>>, SourceError>> {
-        (**self).device_capacity(pool, device)
-    }
-
-    fn device_strategy<'a>(
-        &'a self,
-        pool: &'a str,
-        device: &'a str,
-    ) -> BoxFuture<'a, Result<Option<SharingStrategy>, SourceError>> {
-        (**self).device_strategy(pool, device)
+    ) -> BoxFuture<'a, Result<Option<Published>, SourceError>> {
+        (**self).published_device(pool, device)
     }
 }
 
@@ -317,7 +306,7 @@ pub mod fake {
         apimachinery::pkg::{api::resource::Quantity, apis::meta::v1::ObjectMeta, runtime::RawExtension},
     };
 
-    use super::{ClaimList, ClaimSource, SourceError, Unreadable};
+    use super::{ClaimList, ClaimSource, Published, SourceError, Unreadable};
 
     /// Pool of the claims [`claim`] builds unless told otherwise; tests name their node this.
     pub const NODE: &str = "node-a";
@@ -331,10 +320,8 @@ pub mod fake {
         failing: Arc<Mutex<Option<String>>>,
         /// Claims the API server holds but that do not decode: listed as unreadable, and a get fails.
         unreadable: Arc<Mutex<Vec<Unreadable>>>,
-        /// Device capacities the ResourceSlices publish, by `pool/device`.
-        capacities: Arc<Mutex<BTreeMap<String, BTreeMap<String, Quantity>>>>,
-        /// `sharingStrategy` attributes the ResourceSlices publish, by `pool/device`.
-        strategies: Arc<Mutex<BTreeMap<String, tessera_api::config::SharingStrategy>>>,
+        /// What the ResourceSlices publish of devices, by `pool/device`.
+        published: Arc<Mutex<BTreeMap<String, Published>>>,
     }
 
     impl FakeClaims {
@@ -380,14 +367,12 @@ pub mod fake {
 
         /// Publishes `capacity` (`(name, quantity)` pairs) for `device` of `pool`, as a ResourceSlice would.
         pub fn with_device_capacity(&self, pool: &str, device: &str, capacity: &[(&str, &str)]) -> &Self {
-            self.capacities.lock().unwrap_or_else(|e| e.into_inner()).insert(
-                format!("{pool}/{device}"),
-                capacity
+            self.publish(pool, device, |p| {
+                p.capacity = capacity
                     .iter()
                     .map(|(n, q)| (n.to_string(), Quantity(q.to_string())))
-                    .collect(),
-            );
-            self
+                    .collect()
+            })
         }
 
         /// Publishes `device` of `pool` with the `sharingStrategy` attribute `strategy`.
@@ -397,10 +382,22 @@ pub mod fake {
             device: &str,
             strategy: tessera_api::config::SharingStrategy,
         ) -> &Self {
-            self.strategies
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(format!("{pool}/{device}"), strategy);
+            self.publish(pool, device, |p| p.strategy = Some(strategy))
+        }
+
+        /// Publishes `device` of `pool` with the `warmSeconds` attribute `seconds`.
+        pub fn with_device_warm_seconds(&self, pool: &str, device: &str, seconds: u64) -> &Self {
+            self.publish(pool, device, |p| p.warm_seconds = Some(seconds))
+        }
+
+        fn publish(&self, pool: &str, device: &str, change: impl FnOnce(&mut Published)) -> &Self {
+            change(
+                self.published
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .entry(format!("{pool}/{device}"))
+                    .or_default(),
+            );
             self
         }
 
@@ -458,32 +455,24 @@ pub mod fake {
             })
         }
 
-        fn device_capacity<'a>(
+        fn published_device<'a>(
             &'a self,
             pool: &'a str,
             device: &'a str,
-        ) -> BoxFuture<'a, Result<Option<BTreeMap<String, Quantity>>, SourceError>> {
-            let capacity = self
-                .capacities
+        ) -> BoxFuture<'a, Result<Option<Published>, SourceError>> {
+            let failing = self.failing.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let published = self
+                .published
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .get(&format!("{pool}/{device}"))
                 .cloned();
-            Box::pin(async move { Ok(capacity) })
-        }
-
-        fn device_strategy<'a>(
-            &'a self,
-            pool: &'a str,
-            device: &'a str,
-        ) -> BoxFuture<'a, Result<Option<tessera_api::config::SharingStrategy>, SourceError>> {
-            let strategy = self
-                .strategies
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&format!("{pool}/{device}"))
-                .copied();
-            Box::pin(async move { Ok(strategy) })
+            Box::pin(async move {
+                match failing {
+                    Some(message) => Err(message.into()),
+                    None => Ok(published),
+                }
+            })
         }
     }
 

@@ -39,3 +39,4 @@ pub mod preparers;
 pub mod registration;
 pub mod sharing;
 pub mod state;
+pub mod warm;

@@ -8,6 +8,11 @@
 //! | `tessera_plugin_mig_operation_duration_seconds` | `operation` (`create_gpu_instance`, `create_compute_instance`, `destroy_compute_instance`, `destroy_gpu_instance`) | histogram of the NVML calls |
 //! | `tessera_plugin_prepared_claims` | | claims prepared on the node |
 //! | `tessera_plugin_prepared_devices` | `kind` (`gpu`, `mig`, `shared`) | devices of those claims |
+//! | `tessera_plugin_device_prepare_duration_seconds` | `kind` (`mig`, `mps`), `start` (`warm`: took a warm partition; `cold`: did not) | histogram, per device that makes a partition |
+//! | `tessera_plugin_warm_takes_total` | `kind`, `result` (`hit`, `miss`) | prepares of devices published with `warmSeconds` (a miss found nothing warm to take) |
+//! | `tessera_plugin_warm_saved_seconds_total` | `kind` | what making the partitions that hits took would have cost (each one's measured making time) |
+//! | `tessera_plugin_warm_destroyed_total` | `kind`, `reason` (`expired`, `in_the_way`) | warm partitions destroyed |
+//! | `tessera_plugin_warm_devices` | `kind` | warm partitions held now |
 //! | `tessera_plugin_mps_daemons` | | MPS control daemons answering |
 //! | `tessera_plugin_mps_daemon_up` | `device` (the shared device's key: `gpu-0`, `gpu-1-mig-3g-40gb-4`) | 1 while the MPS daemon of a device with prepared MPS shares answers, 0 while those shares have no server |
 //! | `tessera_claim_gpu_utilization_ratio` | `namespace`, `pod`, `claim`, `request`, `device` | 0–1 of the device the claim runs on |
@@ -65,6 +70,10 @@ pub struct PluginMetrics {
     errors: Family<Labels, Counter>,
     durations: Histograms,
     mig: Histograms,
+    devices: Histograms,
+    warm_takes: Family<Labels, Counter>,
+    warm_saved: Family<Labels, Counter<f64>>,
+    warm_destroyed: Family<Labels, Counter>,
     /// Pods reserving each claim, by claim UID (see the module comment).
     pods: Mutex<HashMap<String, Vec<ReservedPod>>>,
 }
@@ -137,12 +146,42 @@ impl PluginMetrics {
             Unit::Seconds,
             mig.clone(),
         );
+        let devices = Histograms::new_with_constructor(new_histogram as fn() -> Histogram);
+        registry.register_with_unit(
+            "device_prepare_duration",
+            "Time to prepare one device that makes a partition (MIG device, MPS daemon), warm or cold",
+            Unit::Seconds,
+            devices.clone(),
+        );
+        let warm_takes = Family::<Labels, Counter>::default();
+        registry.register(
+            "warm_takes",
+            "Prepares of devices kept warm by policy: hit when a warm partition was taken, miss when none was there",
+            warm_takes.clone(),
+        );
+        let warm_saved = Family::<Labels, Counter<f64>>::default();
+        registry.register_with_unit(
+            "warm_saved",
+            "What making the partitions that warm hits took had cost when they were made",
+            Unit::Seconds,
+            warm_saved.clone(),
+        );
+        let warm_destroyed = Family::<Labels, Counter>::default();
+        registry.register(
+            "warm_destroyed",
+            "Warm partitions destroyed: their window ended, or a claim needed that part of the GPU",
+            warm_destroyed.clone(),
+        );
         Self {
             registry: Mutex::new(root),
             operations,
             errors,
             durations,
             mig,
+            devices,
+            warm_takes,
+            warm_saved,
+            warm_destroyed,
             pods: Mutex::new(HashMap::new()),
         }
     }
@@ -184,6 +223,34 @@ impl PluginMetrics {
             .get_or_create(&vec![("operation", operation.to_string())])
             .observe(started.elapsed().as_secs_f64());
         result
+    }
+
+    /// Times one device's prepare that made (`warm` false) or took (`warm` true) a partition.
+    pub fn device_prepared(&self, kind: &'static str, warm: bool, took: std::time::Duration) {
+        let start = if warm { "warm" } else { "cold" };
+        self.devices
+            .get_or_create(&vec![("kind", kind.to_string()), ("start", start.to_string())])
+            .observe(took.as_secs_f64());
+    }
+
+    /// Counts a prepare of a device kept warm by policy: a hit saving `saved_ms`, or a miss (`None`).
+    pub fn warm_taken(&self, kind: &'static str, saved_ms: Option<u64>) {
+        let result = if saved_ms.is_some() { "hit" } else { "miss" };
+        self.warm_takes
+            .get_or_create(&vec![("kind", kind.to_string()), ("result", result.to_string())])
+            .inc();
+        if let Some(ms) = saved_ms {
+            self.warm_saved
+                .get_or_create(&vec![("kind", kind.to_string())])
+                .inc_by(ms as f64 / 1000.0);
+        }
+    }
+
+    /// Counts a warm partition destroyed for `reason` (`expired`, `in_the_way`).
+    pub fn warm_destroyed(&self, kind: &'static str, reason: &'static str) {
+        self.warm_destroyed
+            .get_or_create(&vec![("kind", kind.to_string()), ("reason", reason.to_string())])
+            .inc();
     }
 
     /// Remembers which pods reserve `claim`, for the `pod` label of its usage.
@@ -561,6 +628,21 @@ impl Collector for NodeCollector {
             None,
             &by_kind,
         )?;
+        let mut warm = BTreeMap::from([("mig", 0u32), ("mps", 0)]);
+        for w in checkpoint.warm.values() {
+            *warm.entry(crate::warm::kind(&w.detail)).or_default() += 1;
+        }
+        let warm: Vec<(Labels, f64)> = warm
+            .into_iter()
+            .map(|(kind, n)| (vec![("kind", kind.to_string())], n as f64))
+            .collect();
+        gauge(
+            &mut encoder,
+            "tessera_plugin_warm_devices",
+            "Warm partitions held on this node for the next claim of their device, by kind.",
+            None,
+            &warm,
+        )?;
         if let Some(mps) = &self.mps {
             gauge(
                 &mut encoder,
@@ -668,6 +750,8 @@ mod tests {
                     share_id: None,
                     cdi_device_ids: vec![],
                     detail,
+                    warm_seconds: None,
+                    cost_ms: None,
                 })
                 .collect(),
             recovery_error: None,

@@ -39,16 +39,17 @@ pub fn device_of(gpu: &GpuInfo, detail: &MigDetail) -> Option<MigDevice> {
     })
 }
 
-/// The MIG devices the completed claims of `checkpoint` hold (exclusive and shared), for
-/// [`crate::mig::reconcile_at_start`]. A detail whose parent UUID is not the GPU's at its index names
-/// nothing on this GPU (its instance is another GPU's, or gone).
+/// The MIG devices the completed claims of `checkpoint` hold (exclusive and shared) and those its warm
+/// records keep, for [`crate::mig::reconcile_at_start`]. A detail whose parent UUID is not the GPU's at
+/// its index names nothing on this GPU (its instance is another GPU's, or gone).
 pub fn known_devices(checkpoint: &Checkpoint, gpus: &[GpuInfo]) -> Vec<MigDevice> {
     checkpoint
         .claims
         .values()
         .filter(|r| r.phase == Phase::PrepareCompleted)
-        .flat_map(|r| &r.devices)
-        .filter_map(|d| match &d.detail {
+        .flat_map(|r| r.devices.iter().map(|d| &d.detail))
+        .chain(checkpoint.warm.values().map(|w| &w.detail))
+        .filter_map(|detail| match detail {
             DeviceDetail::Mig(m) => Some(m),
             DeviceDetail::Shared(s) => s.mig.as_ref(),
             DeviceDetail::Gpu { .. } => None,

@@ -21,7 +21,7 @@ use tessera_api::{
     DeviceName, GpuInfo,
     config::{self, DeviceConfig, SharingStrategy},
 };
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::{
     cdi::{ContainerEdits, Mount},
@@ -332,6 +332,57 @@ impl DevicePreparer for SharedPreparer {
     fn restore(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
         let DeviceDetail::Shared(d) = detail else { return };
         self.sharer.restore(&ctx.device, &holder(ctx), strategy_of(d));
+        self.restore_warm(ctx, detail);
+    }
+
+    fn release(
+        &self,
+        ctx: &DeviceContext,
+        detail: &DeviceDetail,
+        keep: bool,
+    ) -> Result<Option<DeviceDetail>, ClaimError> {
+        let DeviceDetail::Shared(d) = detail else {
+            return Ok(None);
+        };
+        let strategy = strategy_of(d);
+        // Only what costs time to make is kept: an MPS daemon, a MIG device.
+        let keep = keep && (strategy == SharingStrategy::Mps || d.mig.is_some());
+        let last = self
+            .sharer
+            .release(&ctx.gpu, &ctx.device, &holder(ctx), strategy, keep)
+            .map_err(sharing_error(ctx))?;
+        if !last {
+            return Ok(None);
+        }
+        if keep {
+            return Ok(Some(detail.clone()));
+        }
+        self.release_mig(ctx, &share_key(&ctx.device))
+            .map_err(mig_error(ctx))?;
+        Ok(None)
+    }
+
+    fn destroy_warm(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError> {
+        let DeviceDetail::Shared(d) = detail else {
+            return Ok(());
+        };
+        let key = share_key(&ctx.device);
+        let idle = self
+            .sharer
+            .destroy_idle(&ctx.gpu, &key, strategy_of(d), &ctx.device)
+            .map_err(sharing_error(ctx))?;
+        if !idle {
+            return Ok(());
+        }
+        // The MIG device behind it: the one this preparer knows, else the one the record names.
+        if let Some(dev) = d.mig.as_ref().and_then(|m| mig_records::device_of(&ctx.gpu, m)) {
+            self.lock_migs().entry(key.clone()).or_insert(dev);
+        }
+        self.release_mig(ctx, &key).map_err(mig_error(ctx))
+    }
+
+    fn restore_warm(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
+        let DeviceDetail::Shared(d) = detail else { return };
         if strategy_of(d) == SharingStrategy::Mps
             && let Some(uuid) = &d.uuid
         {
@@ -383,6 +434,26 @@ impl DevicePreparer for GpuPreparer {
 
     fn restore(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
         self.shared.restore(ctx, detail);
+    }
+
+    fn release(
+        &self,
+        ctx: &DeviceContext,
+        detail: &DeviceDetail,
+        keep: bool,
+    ) -> Result<Option<DeviceDetail>, ClaimError> {
+        match detail {
+            DeviceDetail::Shared(_) => self.shared.release(ctx, detail, keep),
+            _ => self.unprepare(ctx, detail).map(|()| None),
+        }
+    }
+
+    fn destroy_warm(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError> {
+        self.shared.destroy_warm(ctx, detail)
+    }
+
+    fn restore_warm(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
+        self.shared.restore_warm(ctx, detail);
     }
 }
 
@@ -480,5 +551,34 @@ impl DevicePreparer for MigPreparer {
         mig::destroy_recorded(backend, d.gpu, gi, ci, d.placement)
             .and_then(|()| mig::maybe_disable_mig_mode(backend, &ctx.gpu))
             .map_err(mig_error(ctx))
+    }
+
+    fn release(
+        &self,
+        ctx: &DeviceContext,
+        detail: &DeviceDetail,
+        keep: bool,
+    ) -> Result<Option<DeviceDetail>, ClaimError> {
+        match detail {
+            DeviceDetail::Shared(_) => self.shared.release(ctx, detail, keep),
+            // A device whose ids are known stays as it is; MIG mode stays on with it.
+            DeviceDetail::Mig(d) if keep && d.gpu_instance.is_some() && d.uuid.is_some() => {
+                info!(device = %ctx.device, uuid = d.uuid.as_deref().unwrap_or_default(),
+                    "keeping the MIG device warm");
+                Ok(Some(detail.clone()))
+            }
+            _ => self.unprepare(ctx, detail).map(|()| None),
+        }
+    }
+
+    fn destroy_warm(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError> {
+        match detail {
+            DeviceDetail::Shared(_) => self.shared.destroy_warm(ctx, detail),
+            _ => self.unprepare(ctx, detail),
+        }
+    }
+
+    fn restore_warm(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
+        self.shared.restore_warm(ctx, detail);
     }
 }

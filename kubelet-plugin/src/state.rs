@@ -32,6 +32,7 @@
 mod handover;
 mod journal;
 mod recovery;
+mod warm_devices;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -192,6 +193,28 @@ pub trait DevicePreparer: Send + Sync + 'static {
     /// Called at start for every device of a completed claim, before interrupted claims are rolled back,
     /// so per-device bookkeeping (how many shares hold a GPU) is whole again before anything is undone.
     fn restore(&self, _ctx: &DeviceContext, _detail: &DeviceDetail) {}
+
+    /// Releases a device of a claim being unprepared. With `keep`, a device whose partition can stay warm
+    /// ([`crate::warm`]) leaves it on the GPU and returns the detail that names it; a share does so only
+    /// as its partition's last holder. Otherwise, and by default, it is [`DevicePreparer::unprepare`].
+    fn release(
+        &self,
+        ctx: &DeviceContext,
+        detail: &DeviceDetail,
+        _keep: bool,
+    ) -> Result<Option<DeviceDetail>, ClaimError> {
+        self.unprepare(ctx, detail).map(|()| None)
+    }
+
+    /// Destroys a warm device's partition (its window ended, or a claim needs that part of the GPU).
+    /// Must succeed when it is already gone.
+    fn destroy_warm(&self, ctx: &DeviceContext, detail: &DeviceDetail) -> Result<(), ClaimError> {
+        self.unprepare(ctx, detail)
+    }
+
+    /// Called at start for every warm device of the checkpoint, as [`DevicePreparer::restore`] is for
+    /// prepared ones, so a claim can take it and the sweeps leave it alone.
+    fn restore_warm(&self, _ctx: &DeviceContext, _detail: &DeviceDetail) {}
 }
 
 /// Whole GPUs: the hardware is not touched; the CDI device exposes `/dev/nvidia<minor>` and the control
@@ -402,7 +425,7 @@ impl NodeState {
                 CheckpointStore::new(&config.state_dir),
                 Checkpoint {
                     boot_id: config.boot_id,
-                    claims: BTreeMap::new(),
+                    ..Default::default()
                 },
             )),
             refused: SyncMutex::new(None),
@@ -495,7 +518,7 @@ impl NodeState {
                 pending.adopt = true;
                 Checkpoint {
                     boot_id,
-                    claims: BTreeMap::new(),
+                    ..Default::default()
                 }
             }
             Ok(Loaded::Current(cp)) => cp,
@@ -516,6 +539,7 @@ impl NodeState {
                 Checkpoint {
                     boot_id,
                     claims: started,
+                    ..Default::default()
                 }
             }
             Err(Error::CorruptCheckpoint { path, reason }) => {
@@ -553,6 +577,7 @@ impl NodeState {
         {
             self.restore_record(record);
         }
+        self.restore_warm(&mut checkpoint);
         let started: Vec<ClaimRecord> = checkpoint
             .claims
             .values()
@@ -1079,11 +1104,12 @@ impl NodeState {
 
     /// Prepares one claim; idempotent (a prepared claim returns its saved result).
     pub async fn prepare(self: &Arc<Self>, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, ClaimError> {
+        let started = std::time::Instant::now();
         self.check_not_refused()?;
         if let Some(done) = self.completed(&claim.uid) {
             return Ok(done);
         }
-        let planned = self.plan(claim).await?;
+        let mut planned = self.plan(claim).await?;
         let _guards = self.lock_gpus(planned.iter().map(|p| p.ctx.gpu.index)).await;
 
         // Another call for the same claim may have finished or failed while this one waited for the GPUs.
@@ -1096,6 +1122,8 @@ impl NodeState {
             self.cdi.remove(&claim.uid)?;
             self.commit(Change::Remove(claim.uid.clone())).await?;
         }
+        // Warm partitions: the claim's devices take theirs, and those in their way go first.
+        let taken = self.settle_warm(&mut planned).await?;
 
         let mut record = ClaimRecord {
             uid: claim.uid.clone(),
@@ -1110,7 +1138,16 @@ impl NodeState {
         let two_phase = planned
             .iter()
             .any(|p| !matches!(p.record.detail, DeviceDetail::Gpu { .. }));
-        if two_phase {
+        let warm = taken.clone();
+        if !taken.is_empty() {
+            // The warm records go in the same write: from here a crash leaves the claim's record, whose
+            // rollback destroys what it took.
+            self.commit(Change::Take {
+                record: record.clone(),
+                warm: taken,
+            })
+            .await?;
+        } else if two_phase {
             self.commit(Change::Put(record.clone())).await?;
         }
 
@@ -1124,7 +1161,7 @@ impl NodeState {
             .join(",");
         for (i, p) in planned.iter().enumerate() {
             match self.prepare_device(p).await {
-                Ok((detail, mut edits)) => {
+                Ok((detail, mut edits, cost)) => {
                     edits.env.push(format!("TESSERA_DEVICES={all_devices}"));
                     cdi_devices.push(cdi::Device {
                         name: p.cdi_name.clone(),
@@ -1137,6 +1174,9 @@ impl NodeState {
                     // between creating a GPU instance and its compute instance. Until then the ids are in
                     // memory, where a failed prepare's own rollback ([`Self::abort`]) needs them.
                     record.devices[i].detail = detail;
+                    if let Some(cost) = cost {
+                        record.devices[i].cost_ms = Some(cost);
+                    }
                 }
                 Err(e) => return Err(self.abort(&record, i, e).await),
             }
@@ -1160,7 +1200,8 @@ impl NodeState {
             return Err(self.abort(&record, record.devices.len(), e.into()).await);
         }
         info!(claim = %claim.uid, namespace = %claim.namespace, name = %claim.name,
-            devices = ?record.devices.iter().map(|d| d.device.as_str()).collect::<Vec<_>>(), "prepared claim");
+            devices = ?record.devices.iter().map(|d| d.device.as_str()).collect::<Vec<_>>(), ?warm,
+            took_ms = started.elapsed().as_millis() as u64, "prepared claim");
         Ok(record.devices.iter().map(prepared_device).collect())
     }
 
@@ -1178,10 +1219,16 @@ impl NodeState {
         let Some(record) = self.record(&claim.uid) else {
             return Ok(());
         };
-        self.undo_blocking(&record, record.devices.len()).await?;
+        let warm = self.release_blocking(&record).await?;
         self.cdi.remove(&claim.uid)?;
-        self.commit(Change::Remove(claim.uid.clone())).await?;
-        info!(claim = %claim.uid, namespace = %claim.namespace, name = %claim.name, "unprepared claim");
+        let kept: Vec<String> = warm.iter().map(|(key, _)| key.clone()).collect();
+        // A failure here keeps the claim's record, so kubelet's retry releases (and keeps) again.
+        self.commit(Change::Release {
+            uid: claim.uid.clone(),
+            warm,
+        })
+        .await?;
+        info!(claim = %claim.uid, namespace = %claim.namespace, name = %claim.name, warm = ?kept, "unprepared claim");
         Ok(())
     }
 
@@ -1203,41 +1250,47 @@ impl NodeState {
         crate::metrics::metrics().observe_claim(&rc);
         let mut planned = self.plan_claim(claim, &rc)?;
         for p in &mut planned {
+            // Whole GPUs make nothing and publish nothing the plugin needs: no read for them.
+            if matches!(p.ctx.device, DeviceName::Gpu { .. }) {
+                continue;
+            }
+            let published = match self
+                .claims
+                .published_device(&p.record.pool, &p.record.device)
+                .await
+            {
+                Ok(Some(published)) => published,
+                Ok(None) => {
+                    if !matches!(p.ctx.device, DeviceName::Mig { .. }) {
+                        warn!(device = %p.record.device, "no ResourceSlice of this node lists the shared \
+                            device: its config decides its strategy, a share slot gets its config's limits \
+                            only, and nothing of it is kept warm");
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    warn!(device = %p.record.device, error = %e, "cannot read the device's ResourceSlice: \
+                        a share's config decides its strategy, a share slot gets its config's limits only, \
+                        and nothing of it is kept warm");
+                    continue;
+                }
+            };
             if matches!(
                 p.ctx.device,
                 DeviceName::SharedGpu { .. } | DeviceName::ShareSlot { .. } | DeviceName::SharedMig { .. }
             ) {
                 // The strategy the device serves to every claim sharing it, which a claim's config may
                 // only agree with: the scheduler cannot see a config's strategy when it places shares.
-                match self
-                    .claims
-                    .device_strategy(&p.record.pool, &p.record.device)
-                    .await
-                {
-                    Ok(strategy) => p.ctx.allocation.published_strategy = strategy,
-                    Err(e) => warn!(device = %p.record.device, error = %e,
-                        "cannot read the shared device's sharingStrategy from its ResourceSlice: the claim's \
-                         config decides its strategy"),
-                }
+                p.ctx.allocation.published_strategy = published.strategy;
             }
             // A share slot consumes its whole, fixed size, which only its ResourceSlice names (the
             // allocation carries no capacity for it): the share's limits and its daemon's defaults.
             if matches!(p.ctx.device, DeviceName::ShareSlot { .. })
                 && p.ctx.allocation.consumed_capacity.is_empty()
             {
-                match self
-                    .claims
-                    .device_capacity(&p.record.pool, &p.record.device)
-                    .await
-                {
-                    Ok(Some(capacity)) => p.ctx.allocation.consumed_capacity = capacity,
-                    Ok(None) => warn!(device = %p.record.device,
-                        "no ResourceSlice lists this share slot: its MPS share gets the config's limits only"),
-                    Err(e) => warn!(device = %p.record.device, error = %e,
-                        "cannot read the share slot's size from its ResourceSlice: its MPS share gets the \
-                         config's limits only"),
-                }
+                p.ctx.allocation.consumed_capacity = published.capacity;
             }
+            p.record.warm_seconds = published.warm_seconds;
             if p.ctx.allocation.published_strategy.is_some() {
                 // Planned before the strategy was known; plan again with it, still touching nothing.
                 p.record.detail = p.preparer.plan(&p.ctx)?;
@@ -1301,32 +1354,51 @@ impl NodeState {
                 share_id: allocation.share_id,
                 cdi_device_ids: vec![cdi::qualified_name(&cdi_name)],
                 detail,
+                warm_seconds: None,
+                cost_ms: None,
             };
             planned.push(Planned {
                 ctx,
                 preparer,
                 record,
                 cdi_name,
+                warm: false,
             });
         }
         Ok(planned)
     }
 
-    async fn prepare_device(&self, p: &Planned) -> Result<(DeviceDetail, ContainerEdits), ClaimError> {
+    /// Prepares one planned device on a blocking thread. Also returns, for a device that made a partition
+    /// a warm record could keep, how long that took in milliseconds ([`DeviceRecord::cost_ms`]).
+    async fn prepare_device(
+        &self,
+        p: &Planned,
+    ) -> Result<(DeviceDetail, ContainerEdits, Option<u64>), ClaimError> {
         let (ctx, preparer, detail) = (p.ctx.clone(), p.preparer.clone(), p.record.detail.clone());
         let device = p.record.device.clone();
+        let started = std::time::Instant::now();
         let (detail, mut edits) = tokio::task::spawn_blocking(move || preparer.prepare(&ctx, detail))
             .await
             .map_err(|e| ClaimError::Task {
                 device: device.clone(),
                 reason: e.to_string(),
             })??;
+        let took = started.elapsed();
+        let cost = crate::warm::warm_key(&p.ctx.device, &detail).map(|_| {
+            let kind = crate::warm::kind(&detail);
+            crate::metrics::metrics().device_prepared(kind, p.warm, took);
+            if p.warm {
+                p.record.cost_ms.unwrap_or_default()
+            } else {
+                u64::try_from(took.as_millis()).unwrap_or(u64::MAX)
+            }
+        });
         edits.env.push(format!("TESSERA_DEVICE={device}"));
         edits.env.push(format!(
             "TESSERA_CLAIM={}/{}",
             p.ctx.claim.namespace, p.ctx.claim.name
         ));
-        Ok((detail, edits))
+        Ok((detail, edits, cost))
     }
 
     /// Undoes the first `done` devices of a failed prepare and drops the record; returns the error to report.
@@ -1384,6 +1456,20 @@ impl NodeState {
         record: &ClaimRecord,
         d: &DeviceRecord,
     ) -> Result<(Arc<dyn DevicePreparer>, DeviceContext), ClaimError> {
+        let claim = ClaimRef {
+            namespace: record.namespace.clone(),
+            name: record.name.clone(),
+            uid: record.uid.clone(),
+        };
+        self.context_of(claim, d)
+    }
+
+    /// The preparer and context of device `d` of `claim`, as far as a record knows it.
+    fn context_of(
+        &self,
+        claim: ClaimRef,
+        d: &DeviceRecord,
+    ) -> Result<(Arc<dyn DevicePreparer>, DeviceContext), ClaimError> {
         let kind = DeviceKind::of_detail(&d.detail);
         let preparer = self.preparer(kind, &d.device)?;
         let device: DeviceName = d.device.parse().map_err(|e| ClaimError::UnknownDevice {
@@ -1396,11 +1482,7 @@ impl NodeState {
             backend: self.backend.clone(),
             gpu,
             node_gpus: self.node_gpus.clone(),
-            claim: ClaimRef {
-                namespace: record.namespace.clone(),
-                name: record.name.clone(),
-                uid: record.uid.clone(),
-            },
+            claim,
             device,
             allocation: AllocatedDevice {
                 request: d.request.clone(),
@@ -1473,6 +1555,8 @@ struct Planned {
     preparer: Arc<dyn DevicePreparer>,
     record: DeviceRecord,
     cdi_name: String,
+    /// The device takes a warm partition ([`crate::warm`]): its preparer makes nothing.
+    warm: bool,
 }
 
 fn refused_error(r: &Refusal) -> ClaimError {

@@ -5,16 +5,12 @@
 
 mod common;
 
-use std::{
-    path::PathBuf,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+use std::sync::{
+    Arc,
+    atomic::{AtomicBool, Ordering},
 };
 
-use common::{BOOT_ID, TestNode};
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use common::{BOOT_ID, Plugin, StopDaemons, TestNode, add, instances, start};
 use tessera_kubelet_plugin::{
     cdi::{self, ContainerEdits},
     checkpoint::{
@@ -23,53 +19,8 @@ use tessera_kubelet_plugin::{
     claims::fake::{NODE, claim},
     error::ClaimError,
     gpu::simulated::NodeSpec,
-    state::{ClaimRef, DeviceContext, DeviceKind, DevicePreparer, NodeState, Recovery, WholeGpuPreparer},
+    state::{ClaimRef, DeviceContext, DeviceKind, DevicePreparer, WholeGpuPreparer},
 };
-
-/// The plugin as the binary assembles it, (re)started over `node` with `boot_id`, through its start-up
-/// (local recovery, then the API).
-struct Plugin {
-    state: Arc<NodeState>,
-    mps: Arc<tessera_kubelet_plugin::sharing::Sharer>,
-    recovery: Recovery,
-}
-
-async fn start(node: &TestNode, boot_id: &str) -> Plugin {
-    let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
-    let (state, mps) = common::real_plugin(node, boot_id, program);
-    let state = Arc::new(state);
-    let recovery = state.start().await.unwrap();
-    Plugin { state, mps, recovery }
-}
-
-/// Stops, when the test ends, every simulated MPS daemon still running in the node's state directory
-/// (tests that restart the plugin leave them running on purpose; the processes must not outlive the test).
-/// Declare it after the node, so it runs before the temp dir goes.
-struct StopDaemons(tessera_kubelet_plugin::sharing::mps::MpsManager);
-
-impl StopDaemons {
-    fn new(node: &TestNode) -> Self {
-        let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
-        Self(tessera_kubelet_plugin::sharing::mps::MpsManager::new(
-            &node.state_dir(),
-            tessera_kubelet_plugin::sharing::mps::Launcher::Simulated { program },
-        ))
-    }
-}
-
-impl Drop for StopDaemons {
-    fn drop(&mut self) {
-        for key in self.0.running() {
-            let _ = self.0.stop(&key);
-        }
-    }
-}
-
-fn add(node: &TestNode, c: ResourceClaim) -> ClaimRef {
-    let r = ClaimRef::of(&c);
-    node.claims.insert(c);
-    r
-}
 
 /// A running pod's claim of a 3g MIG slice on GPU 2.
 fn add_mig_slice(node: &TestNode) -> ClaimRef {
@@ -80,16 +31,6 @@ fn add_mig_slice(node: &TestNode) -> ClaimRef {
             .reserved_for_pod("p")
             .build(),
     )
-}
-
-/// The MIG instances on GPU `gpu` as `(gi, uuid)`.
-fn instances(node: &TestNode, gpu: u32) -> Vec<(u32, String)> {
-    node.backend
-        .list_gpu_instances(gpu)
-        .unwrap_or_default()
-        .into_iter()
-        .flat_map(|g| g.compute_instances.into_iter().map(move |c| (g.id, c.uuid)))
-        .collect()
 }
 
 /// Three running pods' claims on a 2-GPU node: an exclusive MIG slice, and two MPS shares of GPU 0.
@@ -563,6 +504,8 @@ async fn a_claim_whose_rollback_fails_at_start_is_kept_reported_and_retried_whil
                         mps_pipe_dir: None,
                         limits: Default::default(),
                     }),
+                    warm_seconds: None,
+                    cost_ms: None,
                 },
             )
         },

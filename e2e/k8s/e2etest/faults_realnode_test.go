@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	v1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -385,6 +386,8 @@ func TestFaultsRealNode(t *testing.T) {
 			}})
 	})
 
+	t.Run("WarmPartitionsThroughPluginRestarts", func(t *testing.T) { f.warmRow(t, killPlugin) })
+
 	t.Run("UninstallAndReinstallWithPodsRunning", func(t *testing.T) {
 		f.run(t, faultRow{ns: "fault-real-uninstall", scenario: "helm uninstall and reinstall with pods running", rounds: 5, disturbed: true, standIns: true,
 			fault: func(t *testing.T, ns, tag string) time.Time { return f.uninstallAndReinstall(t, ns, tag) }})
@@ -444,4 +447,124 @@ func podProblems(t *testing.T, ns string) []string {
 	c := faultCounts{quiet: true}
 	checkPods(t, &c, ns)
 	return c.raw
+}
+
+// warmFaultWindow is the warm window of the warm row: past a round's delete and the plugin's restart, and
+// short enough to wait out with the plugin away.
+const warmFaultWindow = 20 * time.Second
+
+// warmRow (issue 25): under a policy that keeps MIG devices and MPS daemons warm, each round's pods go and
+// leave their partitions warm; the plugin is killed (kill -9, restarted by kubelet inside the window) and the
+// next pods must take what was kept, and not wait on it; they go too, and the plugin is then kept away
+// (its DaemonSet deleted) until the window has ended, so the restarted plugin finds warm records past their
+// window. Leaks are counted as in every row, a warm record kept past its window among them.
+func (f *realFault) warmRow(t *testing.T, killPlugin func(*testing.T) time.Time) {
+	setWarmWindow(t, f.rn, warmFaultWindow)
+	ns := namespace(t, "fault-real-warm")
+	realFaultTemplates(t, ns)
+	c := faultCounts{Scenario: "real node: warm partitions kept through a plugin kill -9 inside the window and a plugin away past it"}
+	rounds := 1
+	if full(t) {
+		rounds = 5
+	}
+	began := time.Now()
+	gaps := sampleGaps(f.rn.name)
+	var recovery time.Duration
+	warmTakes := 0
+	for round := range rounds {
+		f.realPods(t, ns, fmt.Sprintf("a%d", round))
+		if _, ok := untilAllRunning(t, ns, time.Now(), 4*time.Minute); !ok {
+			t.Fatalf("round %d: the first pods did not start: %v", round, podProblems(t, ns))
+		}
+		f.releaseAll(t, ns)
+		waitFor(t, "the released MIG device and MPS daemon kept warm", time.Minute, func(context.Context) (bool, string) {
+			h := observeNode(t, f.rn.name)
+			return len(h.warm) >= 2, fmt.Sprintf("warm records %v", keys(h.warm))
+		})
+
+		// Killed while warm, restarted by kubelet inside the window: the next pods take what was kept.
+		at := killPlugin(t)
+		waitChartPods(t, "the plugin back after its kill", "kubelet-plugin")
+		f.realPods(t, ns, fmt.Sprintf("b%d", round))
+		took, ok := untilAllRunning(t, ns, at, 4*time.Minute)
+		if ok {
+			recovery = max(recovery, took)
+		}
+		checkPods(t, &c, ns)
+		checkPods(t, &c, f.held)
+		for _, line := range pluginPrepares(t) {
+			if line.at.After(at) && line.warm {
+				warmTakes++
+			}
+		}
+
+		// Released again, and the plugin kept away until the window has ended.
+		f.releaseAll(t, ns)
+		back := pluginAway(t)
+		time.Sleep(warmFaultWindow + 2*time.Second)
+		back()
+		f.settled(t)
+		checkLeaks(t, &c, f.rn.name)
+		c.Rounds++
+	}
+	if warmTakes == 0 {
+		t.Errorf("no prepare after a kill -9 inside the window took a warm partition: the warm records did not survive the restart")
+	}
+	t.Logf("prepares that took a warm partition after the kill: %d in %d round(s)", warmTakes, rounds)
+	f.settled(t)
+	gaps.stop(&c, f.rn.name)
+	c.Recovery = ptr.To(recovery.Seconds())
+	c.Seconds = int(time.Since(began).Seconds())
+	record(t, c)
+}
+
+// releaseAll deletes the namespace's pods and waits until they are gone and the plugin holds none of their
+// claims (with a warm policy, their partitions are kept then).
+func (f *realFault) releaseAll(t *testing.T, ns string) {
+	t.Helper()
+	if err := e.client.CoreV1().Pods(ns).DeleteCollection(ctxFor(t, 30*time.Second), metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
+		t.Fatalf("delete the round's pods: %v", err)
+	}
+	deleteAll(t, ns, 3*time.Minute)
+	waitFor(t, "the released claims unprepared", 2*time.Minute, func(context.Context) (bool, string) {
+		live := liveClaims(t, f.rn.name)
+		h := observeNode(t, f.rn.name)
+		for uid := range h.records {
+			if _, ok := live[uid]; !ok {
+				return false, "the plugin still holds claim " + uid
+			}
+		}
+		return true, ""
+	})
+}
+
+// pluginAway deletes the chart's plugin DaemonSet and waits for its pod to go; the returned function
+// creates it again as it was, waits for its pod to be Ready and returns when it created it.
+func pluginAway(t *testing.T) func() time.Time {
+	t.Helper()
+	ctx := ctxFor(t, 5*time.Minute)
+	sets := e.client.AppsV1().DaemonSets(chartNamespace)
+	ds, err := sets.Get(ctx, "tessera-kubelet-plugin", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sets.Delete(ctx, ds.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the plugin pod gone", 2*time.Minute, func(ctx context.Context) (bool, string) {
+		pods, err := podsOf(ctx, "kubelet-plugin")
+		return err == nil && len(pods) == 0, fmt.Sprintf("%d plugin pods (err %v)", len(pods), err)
+	})
+	return func() time.Time {
+		again := &appsv1.DaemonSet{
+			ObjectMeta: metav1.ObjectMeta{Name: ds.Name, Namespace: ds.Namespace, Labels: ds.Labels, Annotations: ds.Annotations},
+			Spec:       ds.Spec,
+		}
+		if _, err := sets.Create(ctxFor(t, 30*time.Second), again, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create the plugin DaemonSet again: %v", err)
+		}
+		recreated := time.Now()
+		waitChartPods(t, "the plugin pod back", "kubelet-plugin")
+		return recreated
+	}
 }

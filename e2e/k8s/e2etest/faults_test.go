@@ -217,7 +217,15 @@ type nodeHolds struct {
 	cdi       []string                    // claim UIDs with a tessera CDI spec
 	cdiText   map[string]string           // each of those specs, by claim UID
 	records   map[string]checkpointRecord // checkpoint records by claim UID
+	warm      map[string]warmRecord       // warm records by warm key (kubelet-plugin/src/warm.rs)
 	corrupt   string                      // why the checkpoint could not be read, if so
+}
+
+// warmRecord is what the fault suite reads of a warm record: the device it was released as, and until when
+// it is kept (Unix seconds).
+type warmRecord struct {
+	Device string `json:"device"`
+	Until  int64  `json:"until"`
 }
 
 type checkpointRecord struct {
@@ -305,12 +313,13 @@ func observeNode(t *testing.T, node string) nodeHolds {
 		var cp struct {
 			Payload struct {
 				Claims map[string]checkpointRecord `json:"claims"`
+				Warm   map[string]warmRecord       `json:"warm"`
 			} `json:"payload"`
 		}
 		if err := json.Unmarshal(data, &cp); err != nil {
 			h.corrupt = err.Error()
 		} else {
-			h.records = cp.Payload.Claims
+			h.records, h.warm = cp.Payload.Claims, cp.Payload.Warm
 		}
 	}
 	return h
@@ -406,6 +415,20 @@ func observeLeaks(t *testing.T, c *faultCounts, node string) {
 			} else {
 				exclusive[d]++
 			}
+		}
+	}
+	// A warm record owns the partition it keeps until its window ends (and the plugin's next sweep, every
+	// 2 s, has had a chance); one kept past that is a leak.
+	for key, w := range h.warm {
+		if g, s, ok := migPlacement(w.Device); ok {
+			used[[2]int{g, s}] = true
+		}
+		if k := shareKey(w.Device); k != "" {
+			keys[k] = true
+		}
+		if over := time.Since(time.Unix(w.Until, 0)); over > 15*time.Second {
+			c.LeakedRecords++
+			c.why(fmt.Sprintf("%s: warm record %s kept %s past its window", node, key, over.Round(time.Second)))
 		}
 	}
 	for _, in := range h.instances {

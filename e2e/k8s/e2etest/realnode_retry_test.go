@@ -8,9 +8,7 @@ import (
 	"testing"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
 	v1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
 // The annotation the plugin stamps on a pod whose prepare kubelet gave up on while the plugin was away
@@ -36,20 +34,15 @@ func TestRealNodePodsWhosePrepareFailedWhileThePluginWasAwayRunOnceItIsBack(t *t
 		return n == 1, strings.Join(states, "; ")
 	})
 
-	// Take the plugin away: the DaemonSet and its pod go (kept to be created again as it was).
-	ctx := ctxFor(t, 8*time.Minute)
-	sets := e.client.AppsV1().DaemonSets(chartNamespace)
-	ds, err := sets.Get(ctx, "tessera-kubelet-plugin", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := sets.Delete(ctx, ds.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, "the plugin pod gone", 2*time.Minute, func(ctx context.Context) (bool, string) {
-		pods, err := podsOf(ctx, "kubelet-plugin")
-		return err == nil && len(pods) == 0, fmt.Sprintf("%d plugin pods (err %v)", len(pods), err)
+	// The pods must be allocated to the node's devices to reach its kubelet: with the plugin gone before
+	// the chart's controller first published the node, the pool is never published (a heartbeat that never
+	// changed is not trusted) and the burst stays Pending. After a reinstall that takes up to half a minute.
+	waitFor(t, "the real node's pool published", 2*time.Minute, func(ctx context.Context) (bool, string) {
+		n, err := driverSlices(ctx, rn.name)
+		return err == nil && n > 0, fmt.Sprintf("%d slices (err %v)", n, err)
 	})
+	// Take the plugin away: the DaemonSet and its pod go (kept to be created again as it was).
+	back := pluginAway(t)
 	gone := time.Now()
 
 	names := []string{"burst-0", "burst-1", "burst-2"}
@@ -61,24 +54,8 @@ func TestRealNodePodsWhosePrepareFailedWhileThePluginWasAwayRunOnceItIsBack(t *t
 		t.Logf("%s while the plugin is away: %s", name, msg)
 	}
 
-	again := &appsv1.DaemonSet{
-		ObjectMeta: metav1.ObjectMeta{Name: ds.Name, Namespace: ds.Namespace, Labels: ds.Labels, Annotations: ds.Annotations},
-		Spec:       ds.Spec,
-	}
-	if _, err := sets.Create(ctx, again, metav1.CreateOptions{}); err != nil {
-		t.Fatalf("create the plugin DaemonSet again: %v", err)
-	}
-	recreated := time.Now()
-	var ready time.Time
-	waitFor(t, "the new plugin pod Ready", 3*time.Minute, func(ctx context.Context) (bool, string) {
-		pods, err := podsOf(ctx, "kubelet-plugin")
-		if err != nil {
-			return false, err.Error()
-		}
-		n, states := readyPods(pods)
-		ready = time.Now()
-		return n == 1, strings.Join(states, "; ")
-	})
+	recreated := back()
+	ready := time.Now()
 	t.Logf("plugin away %.1f s; Ready %.1f s after its DaemonSet was created again", ready.Sub(gone).Seconds(), ready.Sub(recreated).Seconds())
 
 	var after []string

@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -459,11 +460,13 @@ func deviceNames(devices []resourcev1.DeviceRequestAllocationResult) []string {
 	return out
 }
 
-func keys(m map[string]string) []string {
+// keys are the map's keys, sorted.
+func keys[V any](m map[string]V) []string {
 	var out []string
 	for k := range m {
 		out = append(out, k)
 	}
+	sort.Strings(out)
 	return out
 }
 

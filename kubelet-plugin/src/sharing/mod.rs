@@ -475,10 +475,23 @@ impl Sharer {
             SharingStrategy::Mps => {
                 let limits = share_limits(req.consumed, req.mps, &req.device.to_string())?;
                 let mut daemons = self.lock_daemons();
-                let need = daemons.get(key).cloned().unwrap_or_else(|| DaemonNeed {
+                let wanted = DaemonNeed {
                     uuid: req.uuid.to_string(),
                     defaults: daemon_defaults(req, limits),
-                });
+                };
+                let need = match daemons.get(key) {
+                    // A daemon kept warm by the last share, started for another device or with other
+                    // defaults than this first share gives: not this share's daemon, so a new one.
+                    Some(warm) if first && *warm != wanted => {
+                        info!(key, kept = ?warm.defaults, wanted = ?wanted.defaults,
+                            "the warm MPS daemon has other settings than this share asks for; starting anew");
+                        self.forget_instance(key);
+                        self.mps.stop(key)?;
+                        wanted
+                    }
+                    Some(current) => current.clone(),
+                    None => wanted,
+                };
                 if !self.mps.is_running(key) {
                     if !mig {
                         // Only the MPS server may own the GPU, so clients cannot bypass it.
@@ -536,12 +549,48 @@ impl Sharer {
         holder: &str,
         strategy: SharingStrategy,
     ) -> Result<bool, SharingError> {
+        self.release(gpu, device, holder, strategy, false)
+    }
+
+    /// [`Sharer::unprepare`], except that with `keep` the last share leaves its device's setup (MPS daemon,
+    /// compute mode) as it is, warm for the next first share ([`crate::warm`]); still returns true then.
+    /// The daemon stays registered, so the watches leave it alone; [`Sharer::destroy_idle`] ends it.
+    pub fn release(
+        &self,
+        gpu: &GpuInfo,
+        device: &DeviceName,
+        holder: &str,
+        strategy: SharingStrategy,
+        keep: bool,
+    ) -> Result<bool, SharingError> {
         let key = share_key(device);
-        if self.users.remove(&key, holder) {
-            self.teardown(gpu, &key, strategy, device)?;
-            return Ok(true);
+        if !self.users.remove(&key, holder) {
+            return Ok(false);
         }
-        Ok(false)
+        if keep {
+            info!(key, "the last share of the device went; its setup stays warm");
+        } else {
+            self.teardown(gpu, &key, strategy, device)?;
+        }
+        Ok(true)
+    }
+
+    /// Tears down what the last share of `key` left warm, unless a share holds the device again (then
+    /// false, and nothing changes).
+    pub fn destroy_idle(
+        &self,
+        gpu: &GpuInfo,
+        key: &str,
+        strategy: SharingStrategy,
+        device: &DeviceName,
+    ) -> Result<bool, SharingError> {
+        let mut daemons = self.lock_daemons();
+        if self.users.count(key) > 0 {
+            return Ok(false);
+        }
+        daemons.remove(key);
+        self.teardown_locked(gpu, key, strategy, device)?;
+        Ok(true)
     }
 
     fn teardown(

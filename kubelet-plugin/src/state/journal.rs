@@ -19,7 +19,7 @@ use std::{
 };
 
 use crate::{
-    checkpoint::{Checkpoint, CheckpointStore, ClaimRecord},
+    checkpoint::{Checkpoint, CheckpointStore, ClaimRecord, WarmRecord},
     error::{Error, Result},
 };
 
@@ -33,6 +33,16 @@ pub(crate) enum Change {
     Remove(String),
     /// Note why a claim's rollback failed, if its record is still there.
     MarkFailed { uid: String, reason: String },
+    /// Drop a claim's record and keep what its devices left warm, in one write: a crash leaves either the
+    /// claim's record or the warm ones, so the partitions always have an owner.
+    Release {
+        uid: String,
+        warm: Vec<(String, WarmRecord)>,
+    },
+    /// Insert a claim's record and drop the warm records its devices take, in one write.
+    Take { record: ClaimRecord, warm: Vec<String> },
+    /// Drop a warm record (destroyed); one that is already gone is no change.
+    DropWarm(String),
 }
 
 impl Change {
@@ -48,6 +58,19 @@ impl Change {
                 if let Some(r) = checkpoint.claims.get_mut(&uid) {
                     r.recovery_error = Some(reason);
                 }
+            }
+            Self::Release { uid, warm } => {
+                checkpoint.claims.remove(&uid);
+                checkpoint.warm.extend(warm);
+            }
+            Self::Take { record, warm } => {
+                for key in &warm {
+                    checkpoint.warm.remove(key);
+                }
+                checkpoint.claims.insert(record.uid.clone(), record);
+            }
+            Self::DropWarm(key) => {
+                checkpoint.warm.remove(&key);
             }
         }
     }

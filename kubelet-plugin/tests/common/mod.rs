@@ -244,3 +244,62 @@ pub fn assembled_plugin_with(
     state.recover().unwrap();
     (Arc::new(state), shared, backend)
 }
+
+/// The plugin as the binary assembles it, (re)started over `node` with `boot_id`, through its start-up
+/// (local recovery, then the API).
+pub struct Plugin {
+    pub state: Arc<NodeState>,
+    pub mps: Arc<tessera_kubelet_plugin::sharing::Sharer>,
+    pub recovery: tessera_kubelet_plugin::state::Recovery,
+}
+
+pub async fn start(node: &TestNode, boot_id: &str) -> Plugin {
+    let program = std::path::PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
+    let (state, mps) = real_plugin(node, boot_id, program);
+    let state = Arc::new(state);
+    let recovery = state.start().await.unwrap();
+    Plugin { state, mps, recovery }
+}
+
+/// Stops, when the test ends, every simulated MPS daemon still running in the node's state directory
+/// (tests that restart the plugin leave them running on purpose; the processes must not outlive the test).
+/// Declare it after the node, so it runs before the temp dir goes.
+pub struct StopDaemons(pub tessera_kubelet_plugin::sharing::mps::MpsManager);
+
+impl StopDaemons {
+    pub fn new(node: &TestNode) -> Self {
+        let program = std::path::PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
+        Self(tessera_kubelet_plugin::sharing::mps::MpsManager::new(
+            &node.state_dir(),
+            tessera_kubelet_plugin::sharing::mps::Launcher::Simulated { program },
+        ))
+    }
+}
+
+impl Drop for StopDaemons {
+    fn drop(&mut self) {
+        for key in self.0.running() {
+            let _ = self.0.stop(&key);
+        }
+    }
+}
+
+/// Puts claim `c` into the node's API server; its reference, as kubelet names it.
+pub fn add(
+    node: &TestNode,
+    c: k8s_openapi::api::resource::v1::ResourceClaim,
+) -> tessera_kubelet_plugin::state::ClaimRef {
+    let r = tessera_kubelet_plugin::state::ClaimRef::of(&c);
+    node.claims.insert(c);
+    r
+}
+
+/// The MIG instances on GPU `gpu` as `(gi, uuid)`.
+pub fn instances(node: &TestNode, gpu: u32) -> Vec<(u32, String)> {
+    node.backend
+        .list_gpu_instances(gpu)
+        .unwrap_or_default()
+        .into_iter()
+        .flat_map(|g| g.compute_instances.into_iter().map(move |c| (g.id, c.uuid)))
+        .collect()
+}

@@ -48,8 +48,9 @@ use tessera_kubelet_plugin::{
     gpu::{
         ComputeMode, GpuBackend,
         simulated::{
-            DEV_ROOT_ENV, DeviceView, SIMULATED_CUDA_DRIVER_VERSION, SimulatedBackend, kernel_driver_version,
-            library_driver_version, locate_kernel, mapped_inode, mig_minors_by_formula,
+            DEV_ROOT_ENV, DeviceView, Latencies, SIMULATED_CUDA_DRIVER_VERSION, SimulatedBackend,
+            kernel_driver_version, library_driver_version, locate_kernel, mapped_inode,
+            mig_minors_by_formula,
         },
     },
     sharing::mps::{CLIENT_CONNECT, ClientGrant, parse_mem_limit, send_control},
@@ -682,6 +683,11 @@ fn ctx_create(pctx: *mut CUcontext, dev: CUdevice) -> Result<(), CUresult> {
             }
         }
     }
+    // A process's first context is the slow one (the driver sets the GPU up for it); the model's
+    // `firstContextMs`, once per process.
+    static FIRST: std::sync::Once = std::sync::Once::new();
+    let first_context_ms = driver()?.kernel.latencies().first_context_ms;
+    FIRST.call_once(|| Latencies::charge(first_context_ms));
     let mut contexts = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
     contexts.0 += 1;
     // Pointer-looking, non-null, never dereferenced.

@@ -17,7 +17,10 @@ use std::{
     process::{Command, ExitCode},
 };
 
-use tessera_kubelet_plugin::sharing::mps::{ControlDaemon, detach_daemon, send_control, sibling_server};
+use tessera_kubelet_plugin::{
+    gpu::simulated::Latencies,
+    sharing::mps::{ControlDaemon, detach_daemon, send_control, sibling_server},
+};
 
 const DEFAULT_PIPE_DIR: &str = "/tmp/nvidia-mps";
 const DEFAULT_LOG_DIR: &str = "/var/log/nvidia-mps";
@@ -73,6 +76,10 @@ fn daemonize(pipe_dir: &Path, log_dir: &Path) -> ExitCode {
 }
 
 fn foreground(pipe_dir: &Path, log_dir: &Path) -> ExitCode {
+    // What the daemon spends starting before it serves: the simulated kernel's `mpsDaemonStartMs`.
+    if let Some(program) = self_path() {
+        Latencies::charge(Latencies::of_kernel_near(&program).mps_daemon_start_ms);
+    }
     let server = self_path().as_deref().and_then(sibling_server);
     match ControlDaemon::new(pipe_dir, log_dir).server(server).serve() {
         Ok(()) => ExitCode::SUCCESS,
