@@ -74,11 +74,10 @@ func TestColdStart(t *testing.T) {
 	installChart(t, rn)
 	waitChartPods(t, "the plugin and MPS supervisor pods Ready on "+rn.name, "kubelet-plugin", "mps-supervisor")
 	ns := namespace(t, "coldstart")
-	mig1g := deviceClass(t, "e2e-mig-1g", "mig", fmt.Sprintf(`device.attributes[%q].profile == "1g.10gb"`, driver))
 	kinds := []coldKind{
 		{"whole GPU", claimTemplate(t, ns, "whole", gpuClass(t)), false},
 		{"MPS share (10Gi)", claimTemplate(t, ns, "share", sharedClass(t), capacity(map[string]string{"memory": "10Gi"})), true},
-		{"MIG 1g.10gb", claimTemplate(t, ns, "mig", mig1g), true},
+		{"MIG 1g.10gb", claimTemplate(t, ns, "mig", mig1gClass(t), selector(fmt.Sprintf(`device.attributes[%q].profile == "1g.10gb"`, driver))), true},
 	}
 
 	var rows []coldRow
@@ -376,6 +375,29 @@ func pluginPrepares(t *testing.T) map[string]prepareLine {
 			continue
 		}
 		out[entry.Fields.Claim] = prepareLine{at: at, took: time.Duration(entry.Fields.TookMs) * time.Millisecond, warm: entry.Fields.Warm != "" && entry.Fields.Warm != "[]"}
+	}
+	return out
+}
+
+// pluginLogLines are the chart's plugin pod's log lines that contain any of `words`, for a failure's message.
+func pluginLogLines(t *testing.T, words ...string) []string {
+	t.Helper()
+	pods, err := podsOf(ctxFor(t, 30*time.Second), "kubelet-plugin")
+	if err != nil || len(pods) == 0 {
+		return []string{fmt.Sprintf("no plugin pod (%v)", err)}
+	}
+	log, err := podLogs(ctxFor(t, 30*time.Second), &pods[0], "plugin", false)
+	if err != nil {
+		return []string{err.Error()}
+	}
+	var out []string
+	for _, line := range strings.Split(log, "\n") {
+		for _, w := range words {
+			if strings.Contains(line, w) {
+				out = append(out, line)
+				break
+			}
+		}
 	}
 	return out
 }
