@@ -124,9 +124,9 @@ func TestColdStart(t *testing.T) {
 	})
 }
 
-// setWarmWindow puts `warm: {window}` on the cluster GpuPolicy's MIG and shared rules (a window of 0 takes
-// it off), for the test's length, and waits until the real node's devices publish it.
-func setWarmWindow(t *testing.T, rn realNodeEnv, window time.Duration) {
+// changePolicy applies `mutate` to the rules of the cluster's GpuPolicy `default` for the test's length (the
+// spec is put back at cleanup).
+func changePolicy(t *testing.T, mutate func(rule map[string]any)) {
 	t.Helper()
 	policies := e.dyn.Resource(policyGVR)
 	cur, err := policies.Get(ctxFor(t, 30*time.Second), "default", metav1.GetOptions{})
@@ -143,42 +143,69 @@ func setWarmWindow(t *testing.T, rn realNodeEnv, window time.Duration) {
 	})
 	rules, _ := cur.Object["spec"].(map[string]any)["rules"].([]any)
 	for _, r := range rules {
-		m, ok := r.(map[string]any)
-		if !ok || (m["shared"] == nil && m["dynamicMig"] == nil) {
-			continue
-		}
-		if window > 0 {
-			m["warm"] = map[string]any{"window": fmt.Sprintf("%ds", int(window.Seconds()))}
-		} else {
-			delete(m, "warm")
+		if m, ok := r.(map[string]any); ok {
+			mutate(m)
 		}
 	}
 	if _, err := policies.Update(ctxFor(t, 30*time.Second), cur, metav1.UpdateOptions{}); err != nil {
 		t.Fatalf("update GpuPolicy: %v", err)
 	}
-	want := int64(window.Seconds())
-	waitFor(t, fmt.Sprintf("the real node's MIG and shared devices published with warmSeconds %d", want), time.Minute, func(ctx context.Context) (bool, string) {
-		slices, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + rn.name})
+}
+
+// waitDevices waits until every device of node's slices that `which` selects has the attribute `name`
+// equal to `want` (compared as printed; absent prints "").
+func waitDevices(t *testing.T, node, what string, which func(name string) bool, attr string, want string) {
+	t.Helper()
+	waitFor(t, what, time.Minute, func(ctx context.Context) (bool, string) {
+		slices, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + node})
 		if err != nil {
 			return false, err.Error()
 		}
 		seen, wrong := 0, 0
 		for _, s := range slices.Items {
 			for _, d := range s.Spec.Devices {
-				if migDeviceName.MatchString(d.Name) || strings.HasSuffix(d.Name, "-shared") {
-					seen++
-					var got int64
-					if a, ok := d.Attributes[resourcev1.QualifiedName("warmSeconds")]; ok && a.IntValue != nil {
-						got = *a.IntValue
+				if !which(d.Name) {
+					continue
+				}
+				seen++
+				got := ""
+				if a, ok := d.Attributes[resourcev1.QualifiedName(attr)]; ok {
+					switch {
+					case a.IntValue != nil:
+						got = strconv.FormatInt(*a.IntValue, 10)
+					case a.StringValue != nil:
+						got = *a.StringValue
 					}
-					if got != want {
-						wrong++
-					}
+				}
+				if got != want {
+					wrong++
 				}
 			}
 		}
-		return seen > 0 && wrong == 0, fmt.Sprintf("%d of %d MIG and shared devices without warmSeconds %d", wrong, seen, want)
+		return seen > 0 && wrong == 0, fmt.Sprintf("%d of %d devices without %s %q", wrong, seen, attr, want)
 	})
+}
+
+// setWarmWindow puts `warm: {window}` on the cluster GpuPolicy's MIG and shared rules (a window of 0 takes
+// it off), for the test's length, and waits until the real node's devices publish it.
+func setWarmWindow(t *testing.T, rn realNodeEnv, window time.Duration) {
+	t.Helper()
+	changePolicy(t, func(m map[string]any) {
+		if m["shared"] == nil && m["dynamicMig"] == nil {
+			return
+		}
+		if window > 0 {
+			m["warm"] = map[string]any{"window": fmt.Sprintf("%ds", int(window.Seconds()))}
+		} else {
+			delete(m, "warm")
+		}
+	})
+	want := ""
+	if window > 0 {
+		want = strconv.Itoa(int(window.Seconds()))
+	}
+	partitioned := func(name string) bool { return migDeviceName.MatchString(name) || strings.HasSuffix(name, "-shared") }
+	waitDevices(t, rn.name, "the real node's MIG and shared devices published with warmSeconds "+want, partitioned, "warmSeconds", want)
 }
 
 // coldDeployment creates a Deployment of 0 replicas on the node whose pods claim from `template` and

@@ -335,6 +335,50 @@ func TestATimeSlicingClaimOnAnMpsSharedGPUFailsAloneAndTheGPUKeepsServingMps(t *
 	}
 }
 
+// Issue 23 item 1, the strategies swapped: with GPU 1 published for time-slicing, a claim whose config asks
+// for MPS fails alone, naming both strategies; time-sliced shares run on the GPU beside it, without MPS.
+func TestAnMpsClaimOnATimeSlicedGPUFailsAloneAndTheGPUKeepsServingTimeSlices(t *testing.T) {
+	gpu1 := func(name string) bool { return name == "gpu-1-shared" }
+	// Cleanups run last first: this one, after the policy is put back, keeps the next scenarios off a
+	// time-sliced GPU 1.
+	t.Cleanup(func() {
+		for _, n := range e.nodes {
+			waitDevices(t, n, "GPU 1 of "+n+" published for MPS again", gpu1, "sharingStrategy", "MPS")
+		}
+	})
+	changePolicy(t, func(rule map[string]any) {
+		if shared, ok := rule["shared"].(map[string]any); ok {
+			shared["strategy"] = "TimeSlicing"
+		}
+	})
+	node := e.nodes[0]
+	waitDevices(t, node, "GPU 1 published for time-slicing", gpu1, "sharingStrategy", "TimeSlicing")
+	ns := namespace(t, "e2e-strategy-swapped")
+	share := capacity(map[string]string{"memory": "10Gi"})
+	claimTemplate(t, ns, "sliced", sharedClass(t), share)
+	claimTemplate(t, ns, "mps", sharedClass(t), share, opaqueConfig(
+		`{"apiVersion":"gpu.tessera.dev/v1alpha1","kind":"GpuConfig","sharing":{"strategy":"MPS"}}`))
+	pod(t, ns, "mps", "mps", node)
+	msg := waitPrepareFailure(t, ns, "mps")
+	t.Logf("the MPS pod's event: %s", msg)
+	if !strings.Contains(msg, "MPS") || !strings.Contains(msg, "TimeSlicing") {
+		t.Errorf("event %q does not say the device serves TimeSlicing and the claim asked for MPS", msg)
+	}
+	for _, name := range []string{"sliced-a", "sliced-b"} {
+		pod(t, ns, name, "sliced", node)
+	}
+	a := allocations(t, waitRunning(t, ns, "sliced-a", 2*time.Minute))[0]
+	b := allocations(t, waitRunning(t, ns, "sliced-b", 2*time.Minute))[0]
+	if a.result.Device != "gpu-1-shared" || b.result.Device != "gpu-1-shared" {
+		t.Errorf("the time-sliced shares landed on %s and %s, want gpu-1-shared", a.result.Device, b.result.Device)
+	}
+	for _, x := range []allocation{a, b} {
+		if env := checkPrepared(t, x); env["CUDA_MPS_PIPE_DIRECTORY"] != "" {
+			t.Errorf("%s: CUDA_MPS_PIPE_DIRECTORY=%q, want none (a time-sliced share)", x.pod.Name, env["CUDA_MPS_PIPE_DIRECTORY"])
+		}
+	}
+}
+
 // mpsLimitBytes parses CUDA_MPS_PINNED_DEVICE_MEM_LIMIT ("<ordinal|uuid>=<n>G|M", MPS units are binary).
 func mpsLimitBytes(v string) int64 {
 	_, limit, ok := strings.Cut(v, "=")
