@@ -4,6 +4,12 @@
 //! `device.attributes["gpu.tessera.dev"].productName`. They match the names NVIDIA's driver publishes,
 //! so selectors users already wrote keep working.
 
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::DeviceAttribute;
+
+use crate::inventory::GpuInfo;
+
 /// `string`: `gpu`, `mig` or `shared`.
 pub const TYPE: &str = "type";
 /// `string`: GPU UUID (`GPU-…`); for MIG devices the parent's UUID.
@@ -68,3 +74,119 @@ pub const TYPE_GPU: &str = "gpu";
 pub const TYPE_MIG: &str = "mig";
 /// Value of [`TYPE`] on a device offered to several claims at once.
 pub const TYPE_SHARED: &str = "shared";
+
+/// `string`: the `MIG-…` UUID of a MIG device, once made. Only in a claim's device metadata (the file the
+/// kubelet plugin mounts into the claim's containers, KEP-5304): a published MIG device does not exist yet,
+/// so its slice carries the parent's [`UUID`] alone.
+pub const MIG_UUID: &str = "migUUID";
+
+/// A `string` attribute.
+pub fn string(s: impl Into<String>) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(s.into()),
+        ..Default::default()
+    }
+}
+
+/// An `int` attribute.
+pub fn int(i: i64) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(i),
+        ..Default::default()
+    }
+}
+
+/// The driver's versions on the node, as its inventory reports them (`580.159.03`, `13.0`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DriverVersions<'a> {
+    pub driver: Option<&'a str>,
+    pub cuda_driver: Option<&'a str>,
+}
+
+/// The attributes every device of `gpu` carries, `kind` being [`TYPE_GPU`], [`TYPE_MIG`] or [`TYPE_SHARED`].
+/// `version` turns a reported version into a semantic version (`9.0` → `9.0.0`), or leaves the attribute
+/// out when it cannot. The controller publishes these in ResourceSlices and the plugin writes the same in a
+/// claim's device metadata, so a workload reads what its class's selectors saw.
+pub fn of_gpu(
+    gpu: &GpuInfo,
+    versions: DriverVersions<'_>,
+    kind: &str,
+    version: impl Fn(&str) -> Option<String>,
+) -> BTreeMap<String, DeviceAttribute> {
+    let version = |raw: &str| {
+        version(raw).map(|v| DeviceAttribute {
+            version: Some(v),
+            ..Default::default()
+        })
+    };
+    let mut a = BTreeMap::new();
+    a.insert(TYPE.into(), string(kind));
+    a.insert(UUID.into(), string(&gpu.uuid));
+    a.insert(PRODUCT_NAME.into(), string(&gpu.product_name));
+    a.insert(BRAND.into(), string(&gpu.brand));
+    a.insert(ARCHITECTURE.into(), string(&gpu.architecture));
+    a.insert(INDEX.into(), int(gpu.index.into()));
+    a.insert(MINOR.into(), int(gpu.minor.into()));
+    a.insert(PCI_BUS_ID.into(), string(&gpu.pci_bus_id));
+    if let Some(v) = version(&gpu.cuda_compute_capability) {
+        a.insert(CUDA_COMPUTE_CAPABILITY.into(), v);
+    }
+    if let Some(v) = versions.driver.and_then(version) {
+        a.insert(DRIVER_VERSION.into(), v);
+    }
+    if let Some(v) = versions.cuda_driver.and_then(version) {
+        a.insert(CUDA_DRIVER_VERSION.into(), v);
+    }
+    if let Some(n) = gpu.numa_node {
+        a.insert(NUMA_NODE.into(), int(n));
+        a.insert(STANDARD_NUMA_NODE.into(), int(n));
+    }
+    if let Some(root) = &gpu.pcie_root {
+        a.insert(PCIE_ROOT.into(), string(root));
+    }
+    a
+}
+
+/// A MIG device's own attributes, added to its GPU's ([`of_gpu`]).
+pub fn add_mig(a: &mut BTreeMap<String, DeviceAttribute>, profile: &str, placement_start: u32) {
+    a.insert(MIG_PROFILE.into(), string(profile));
+    a.insert(MIG_PLACEMENT_START.into(), int(placement_start.into()));
+}
+
+/// A version of dot-separated decimal numbers (`580.159.03`, `v9.0`) as a semantic version (`580.159.3`,
+/// `9.0.0`); `None` for anything else (more than three numbers, pre-releases, letters).
+pub fn numeric_version(raw: &str) -> Option<String> {
+    let raw = raw.strip_prefix('v').unwrap_or(raw);
+    let parts = raw
+        .split('.')
+        .map(|p| {
+            (!p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| p.parse::<u64>().ok())
+                .flatten()
+        })
+        .collect::<Option<Vec<_>>>()?;
+    if parts.is_empty() || parts.len() > 3 {
+        return None;
+    }
+    let at = |i: usize| parts.get(i).copied().unwrap_or(0);
+    Some(format!("{}.{}.{}", at(0), at(1), at(2)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::numeric_version;
+
+    #[test]
+    fn numeric_versions_are_padded_and_lose_their_leading_zeros() {
+        assert_eq!(numeric_version("580.159.03").as_deref(), Some("580.159.3"));
+        assert_eq!(numeric_version("9.0").as_deref(), Some("9.0.0"));
+        assert_eq!(numeric_version("v13").as_deref(), Some("13.0.0"));
+    }
+
+    #[test]
+    fn anything_but_up_to_three_numbers_is_no_version() {
+        for raw in ["", "1.2.3.4", "1.x", "1..2", "1.2-rc1", "+1", "99999999999999999999"] {
+            assert_eq!(numeric_version(raw), None, "{raw:?}");
+        }
+    }
+}

@@ -26,7 +26,8 @@ use k8s_openapi::{
     apimachinery::pkg::api::resource::Quantity as K8sQuantity,
 };
 use tessera_api::{
-    DeviceName, GpuInfo, MigPlacement, MigProfileInfo, NodeInventorySpec, attributes as attr,
+    DeviceName, GpuInfo, MigPlacement, MigProfileInfo, NodeInventorySpec,
+    attributes::{self as attr, int, string},
     policy::SharingStrategy,
 };
 
@@ -159,27 +160,6 @@ pub fn resolve_layout(gpu: &GpuInfo, layout: &[String]) -> Result<Vec<LayoutEntr
     Ok(entries)
 }
 
-fn string(s: impl Into<String>) -> DeviceAttribute {
-    DeviceAttribute {
-        string: Some(s.into()),
-        ..Default::default()
-    }
-}
-
-fn int(i: i64) -> DeviceAttribute {
-    DeviceAttribute {
-        int: Some(i),
-        ..Default::default()
-    }
-}
-
-fn version(raw: &str) -> Option<DeviceAttribute> {
-    Semver::parse_normalized(raw).ok().map(|v| DeviceAttribute {
-        version: Some(v.to_string()),
-        ..Default::default()
-    })
-}
-
 fn quantity(v: u64) -> K8sQuantity {
     K8sQuantity(format_binary(v as i64))
 }
@@ -193,32 +173,13 @@ fn capacity(v: u64) -> DeviceCapacity {
 
 /// Attributes every device of `gpu` carries.
 fn gpu_attributes(node: &NodeInventorySpec, gpu: &GpuInfo, kind: &str) -> BTreeMap<String, DeviceAttribute> {
-    let mut a = BTreeMap::new();
-    a.insert(attr::TYPE.into(), string(kind));
-    a.insert(attr::UUID.into(), string(&gpu.uuid));
-    a.insert(attr::PRODUCT_NAME.into(), string(&gpu.product_name));
-    a.insert(attr::BRAND.into(), string(&gpu.brand));
-    a.insert(attr::ARCHITECTURE.into(), string(&gpu.architecture));
-    a.insert(attr::INDEX.into(), int(gpu.index.into()));
-    a.insert(attr::MINOR.into(), int(gpu.minor.into()));
-    a.insert(attr::PCI_BUS_ID.into(), string(&gpu.pci_bus_id));
-    if let Some(v) = version(&gpu.cuda_compute_capability) {
-        a.insert(attr::CUDA_COMPUTE_CAPABILITY.into(), v);
-    }
-    if let Some(v) = node.driver_version.as_deref().and_then(version) {
-        a.insert(attr::DRIVER_VERSION.into(), v);
-    }
-    if let Some(v) = node.cuda_driver_version.as_deref().and_then(version) {
-        a.insert(attr::CUDA_DRIVER_VERSION.into(), v);
-    }
-    if let Some(n) = gpu.numa_node {
-        a.insert(attr::NUMA_NODE.into(), int(n));
-        a.insert(attr::STANDARD_NUMA_NODE.into(), int(n));
-    }
-    if let Some(root) = &gpu.pcie_root {
-        a.insert(attr::PCIE_ROOT.into(), string(root));
-    }
-    a
+    let versions = attr::DriverVersions {
+        driver: node.driver_version.as_deref(),
+        cuda_driver: node.cuda_driver_version.as_deref(),
+    };
+    attr::of_gpu(gpu, versions, kind, |raw| {
+        Semver::parse_normalized(raw).ok().map(|v| v.to_string())
+    })
 }
 
 fn whole_device(node: &NodeInventorySpec, gpu: &GpuInfo) -> Device {
@@ -241,8 +202,7 @@ fn whole_device(node: &NodeInventorySpec, gpu: &GpuInfo) -> Device {
 
 fn mig_device(node: &NodeInventorySpec, gpu: &GpuInfo, profile: &MigProfileInfo, start: u32) -> Device {
     let mut attributes = gpu_attributes(node, gpu, attr::TYPE_MIG);
-    attributes.insert(attr::MIG_PROFILE.into(), string(&profile.name));
-    attributes.insert(attr::MIG_PLACEMENT_START.into(), int(start.into()));
+    attr::add_mig(&mut attributes, &profile.name, start);
     let caps = [
         (attr::MEMORY, profile.memory_mib * MIB),
         (attr::MULTIPROCESSORS, profile.multiprocessors.into()),

@@ -156,6 +156,13 @@ pub struct Args {
     #[arg(long, env = "TESSERA_DRIVER_WATCH_INTERVAL", default_value_t = crate::driver_watch::DEFAULT_WATCH_INTERVAL.as_secs())]
     driver_watch_interval: u64,
 
+    /// Write device metadata (KEP-5304) for each prepared claim: a JSON file per request, under
+    /// `<state dir>/device-metadata`, that the claim's containers read at
+    /// `/var/run/kubernetes.io/dra-device-attributes/…/gpu.tessera.dev-metadata.json` (kubelet-plugin/README.md,
+    /// "Device metadata").
+    #[arg(long, env = "TESSERA_DEVICE_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
+    device_metadata: bool,
+
     /// Log format.
     #[arg(long, env = "TESSERA_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -600,6 +607,7 @@ impl Args {
             coexistence,
             host_proc,
             driver_watch_interval,
+            device_metadata,
             log_format: _,
         } = self;
         match command {
@@ -703,6 +711,7 @@ impl Args {
                     ignored_xids,
                     coexistence,
                     host_proc,
+                    device_metadata,
                     driver_watch: DriverWatchSetup {
                         interval: Duration::from_secs(driver_watch_interval),
                         change: driver_change.clone(),
@@ -810,6 +819,7 @@ struct NodeSetup {
     ignored_xids: Vec<u32>,
     coexistence: CoexistenceMode,
     host_proc: PathBuf,
+    device_metadata: bool,
     driver_watch: DriverWatchSetup,
 }
 
@@ -839,6 +849,7 @@ impl NodeSetup {
             ignored_xids,
             coexistence,
             host_proc,
+            device_metadata,
             driver_watch,
         } = self;
         backend.ensure_uvm_nodes();
@@ -903,6 +914,7 @@ impl NodeSetup {
         let shared = Arc::new(SharedPreparer::new(Arc::new(sharer), files));
         let mps_daemons = MpsManager::new(&state_dir, backend.mps_launcher(mps_supervisor_socket.clone())?);
         let usage_backend = gpu_backend.clone();
+        let metadata_dir = state_dir.join("device-metadata");
         let state = NodeState::new(
             StateConfig {
                 node_name: node_name.clone(),
@@ -914,6 +926,14 @@ impl NodeSetup {
             served_gpus,
             Arc::new(KubeClaims::new(client.clone())),
         );
+        let state = match device_metadata {
+            true => state.with_device_metadata(
+                metadata_dir,
+                spec.driver_version.clone(),
+                spec.cuda_driver_version.clone(),
+            ),
+            false => state,
+        };
         let state = match verdict.keep_unowned_mig {
             true => state.keeping_unowned_mig(verdict.summary().2),
             false => state,

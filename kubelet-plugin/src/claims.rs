@@ -489,6 +489,7 @@ pub mod fake {
             results: Vec::new(),
             configs: Vec::new(),
             reserved_for: Vec::new(),
+            annotations: BTreeMap::new(),
         }
     }
 
@@ -505,9 +506,18 @@ pub mod fake {
         results: Vec<DeviceRequestAllocationResult>,
         configs: Vec<DeviceAllocationConfiguration>,
         reserved_for: Vec<ResourceClaimConsumerReference>,
+        annotations: BTreeMap<String, String>,
     }
 
     impl ClaimBuilder {
+        /// Marks the claim as made from a pod's template for the pod's claim `name`, as the ResourceClaim
+        /// controller does.
+        pub fn from_template_for(mut self, name: &str) -> Self {
+            self.annotations
+                .insert("resource.kubernetes.io/pod-claim-name".into(), name.into());
+            self
+        }
+
         pub fn namespace(mut self, namespace: &str) -> Self {
             self.namespace = namespace.into();
             self
@@ -623,6 +633,7 @@ pub mod fake {
                     namespace: Some(self.namespace),
                     name: Some(self.name),
                     uid: Some(self.uid),
+                    annotations: (!self.annotations.is_empty()).then_some(self.annotations),
                     ..Default::default()
                 },
                 spec: Some(ResourceClaimSpec::default()),

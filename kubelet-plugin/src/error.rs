@@ -154,6 +154,27 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// Writing a claim's device metadata file failed.
+    #[error("failed to write device metadata {path}: {source}")]
+    WriteDeviceMetadata {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Removing a claim's device metadata failed.
+    #[error("failed to remove device metadata {path}: {source}")]
+    RemoveDeviceMetadata {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// Listing the device metadata directory failed.
+    #[error("failed to list device metadata directory {path}: {source}")]
+    ListDeviceMetadata {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     /// Listing the CDI directory failed.
     #[error("failed to list CDI directory {path}: {source}")]
     ListCdiDir {

@@ -22,6 +22,7 @@ pub mod cdi;
 pub mod checkpoint;
 pub mod claims;
 pub mod coexistence;
+pub mod device_metadata;
 pub mod driver;
 pub mod driver_root;
 pub mod driver_watch;

@@ -49,6 +49,7 @@ use tracing::{error, info, warn};
 
 use crate::{
     cdi::{self, CdiDir, ContainerEdits},
+    device_metadata::{ClaimIdentity, DriverVersionsOwned, MetadataDevice, MetadataDir, POD_CLAIM_NAME_ANNOTATION},
     checkpoint::{Checkpoint, CheckpointStore, ClaimRecord, DeviceDetail, DeviceRecord, Loaded, Phase},
     claims::{AllocatedDevice, ClaimSource, allocated_devices},
     error::{ClaimError, Error, Result},
@@ -281,6 +282,9 @@ pub struct NodeState {
     gpu_locks: BTreeMap<u32, Arc<Mutex<()>>>,
     preparers: BTreeMap<DeviceKind, Arc<dyn DevicePreparer>>,
     cdi: CdiDir,
+    /// Where each prepared claim's device metadata files go (KEP-5304), and the node's driver versions its
+    /// attributes name; none when the plugin writes no metadata.
+    metadata: Option<(MetadataDir, DriverVersionsOwned)>,
     /// The spec-level edits of every claim's CDI spec: the driver's files and hook calls, the same for
     /// every device, so once per spec rather than once per device ([`NodeState::with_spec_edits`]).
     spec_edits: ContainerEdits,
@@ -420,6 +424,7 @@ impl NodeState {
             gpu_locks,
             preparers,
             cdi: CdiDir::new(config.cdi_dir),
+            metadata: None,
             spec_edits: ContainerEdits::default(),
             journal: Arc::new(Journal::new(
                 CheckpointStore::new(&config.state_dir),
@@ -449,6 +454,65 @@ impl NodeState {
     pub fn keeping_unowned_mig(mut self, why: impl Into<String>) -> Self {
         self.keep_unowned_mig = Some(why.into());
         self
+    }
+
+    /// Writes device metadata (KEP-5304) for every prepared claim into `dir` and mounts it into the claim's
+    /// containers; `driver_version` and `cuda_driver_version` are the node's, as its inventory reports them.
+    pub fn with_device_metadata(
+        mut self,
+        dir: impl Into<PathBuf>,
+        driver_version: Option<String>,
+        cuda_driver_version: Option<String>,
+    ) -> Self {
+        self.metadata = Some((
+            MetadataDir::new(dir),
+            DriverVersionsOwned {
+                driver: driver_version,
+                cuda_driver: cuda_driver_version,
+            },
+        ));
+        self
+    }
+
+    /// Removes the files a claim's containers are given: its CDI spec and its device metadata. Either gone
+    /// already is success.
+    fn remove_claim_files(&self, claim_uid: &str) -> Result<()> {
+        self.cdi.remove(claim_uid)?;
+        if let Some((dir, _)) = &self.metadata {
+            dir.remove(claim_uid)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the device metadata of a claim whose devices are prepared and adds each file's mount to the
+    /// CDI devices of its request (`cdi_devices[i]` is `planned[i]`'s).
+    fn write_metadata(
+        &self,
+        claim: &ClaimIdentity,
+        planned: &[Planned],
+        record: &ClaimRecord,
+        cdi_devices: &mut [cdi::Device],
+    ) -> Result<()> {
+        let Some((dir, versions)) = &self.metadata else {
+            return Ok(());
+        };
+        let devices: Vec<MetadataDevice> = planned
+            .iter()
+            .zip(&record.devices)
+            .map(|(p, d)| MetadataDevice {
+                request: d.request.clone(),
+                pool: d.pool.clone(),
+                device: d.device.clone(),
+                attributes: crate::device_metadata::attributes(&p.ctx.gpu, versions.borrowed(), &p.ctx.device, &d.detail),
+            })
+            .collect();
+        let mounts = dir.write(claim, &devices)?;
+        for (d, cdi_device) in record.devices.iter().zip(cdi_devices) {
+            if let Some(mount) = mounts.get(&d.request) {
+                cdi_device.container_edits.mounts.push(mount.clone());
+            }
+        }
+        Ok(())
     }
 
     /// Registers the preparer of a device kind (MIG, shares), replacing any earlier one.
@@ -821,8 +885,18 @@ impl NodeState {
         for uid in self.cdi.claim_uids()? {
             if !checkpoint.claims.contains_key(&uid) {
                 info!(claim = %uid, "removing a CDI spec no prepared claim owns");
-                self.cdi.remove(&uid)?;
+                self.remove_claim_files(&uid)?;
                 recovery.removed_cdi_specs.push(uid);
+            }
+        }
+        if let Some((dir, _)) = &self.metadata {
+            // A claim's metadata without its spec: a crash between writing the two, or a reboot (the specs
+            // live on a tmpfs, the metadata in the state directory).
+            for uid in dir.claim_uids()? {
+                if !checkpoint.claims.contains_key(&uid) {
+                    info!(claim = %uid, "removing device metadata no prepared claim owns");
+                    dir.remove(&uid)?;
+                }
             }
         }
         // MIG instances no completed claim holds were left by a crash (or made by hand): destroy them, so the
@@ -970,7 +1044,7 @@ impl NodeState {
             let (preparer, ctx) = self.recorded_context(record, d)?;
             preparer.unprepare(&ctx, &d.detail)?;
         }
-        self.cdi.remove(&record.uid)?;
+        self.remove_claim_files(&record.uid)?;
         Ok(())
     }
 
@@ -1109,7 +1183,7 @@ impl NodeState {
         if let Some(done) = self.completed(&claim.uid) {
             return Ok(done);
         }
-        let mut planned = self.plan(claim).await?;
+        let (mut planned, identity) = self.plan(claim).await?;
         let _guards = self.lock_gpus(planned.iter().map(|p| p.ctx.gpu.index)).await;
 
         // Another call for the same claim may have finished or failed while this one waited for the GPUs.
@@ -1119,7 +1193,7 @@ impl NodeState {
         if let Some(stale) = self.record(&claim.uid) {
             // A failed attempt whose own rollback failed: undo it before trying again.
             self.undo_blocking(&stale, stale.devices.len()).await?;
-            self.cdi.remove(&claim.uid)?;
+            self.remove_claim_files(&claim.uid)?;
             self.commit(Change::Remove(claim.uid.clone())).await?;
         }
         // Warm partitions: the claim's devices take theirs, and those in their way go first.
@@ -1182,6 +1256,10 @@ impl NodeState {
             }
         }
 
+        // Before the spec that mounts it: a container never gets a mount of a file not yet written.
+        if let Err(e) = self.write_metadata(&identity, &planned, &record, &mut cdi_devices) {
+            return Err(self.abort(&record, record.devices.len(), e.into()).await);
+        }
         let spec = cdi::Spec {
             cdi_version: cdi::CDI_VERSION.to_string(),
             kind: cdi::CDI_KIND.to_string(),
@@ -1210,7 +1288,7 @@ impl NodeState {
     pub async fn unprepare(self: &Arc<Self>, claim: &ClaimRef) -> Result<(), ClaimError> {
         self.check_not_refused()?;
         let Some(record) = self.record(&claim.uid) else {
-            self.cdi.remove(&claim.uid)?;
+            self.remove_claim_files(&claim.uid)?;
             return Ok(());
         };
         let _guards = self
@@ -1220,7 +1298,7 @@ impl NodeState {
             return Ok(());
         };
         let warm = self.release_blocking(&record).await?;
-        self.cdi.remove(&claim.uid)?;
+        self.remove_claim_files(&claim.uid)?;
         let kept: Vec<String> = warm.iter().map(|(key, _)| key.clone()).collect();
         // A failure here keeps the claim's record, so kubelet's retry releases (and keeps) again.
         self.commit(Change::Release {
@@ -1233,7 +1311,7 @@ impl NodeState {
     }
 
     /// Reads the claim and resolves each of this driver's devices, touching nothing.
-    async fn plan(&self, claim: &ClaimRef) -> Result<Vec<Planned>, ClaimError> {
+    async fn plan(&self, claim: &ClaimRef) -> Result<(Vec<Planned>, ClaimIdentity), ClaimError> {
         let rc = self
             .claims
             .get(&claim.namespace, &claim.name)
@@ -1249,6 +1327,17 @@ impl NodeState {
             })?;
         crate::metrics::metrics().observe_claim(&rc);
         let mut planned = self.plan_claim(claim, &rc)?;
+        let identity = ClaimIdentity {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            uid: claim.uid.clone(),
+            pod_claim_name: rc
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(POD_CLAIM_NAME_ANNOTATION))
+                .cloned(),
+        };
         for p in &mut planned {
             // Whole GPUs make nothing and publish nothing the plugin needs: no read for them.
             if matches!(p.ctx.device, DeviceName::Gpu { .. }) {
@@ -1296,7 +1385,7 @@ impl NodeState {
                 p.record.detail = p.preparer.plan(&p.ctx)?;
             }
         }
-        Ok(planned)
+        Ok((planned, identity))
     }
 
     /// Resolves each of this driver's devices of `rc` (the claim kubelet names as `claim`), touching nothing.
@@ -1406,7 +1495,7 @@ impl NodeState {
     async fn abort(self: &Arc<Self>, record: &ClaimRecord, done: usize, error: ClaimError) -> ClaimError {
         let undone = async {
             self.undo_blocking(record, done).await?;
-            self.cdi.remove(&record.uid)?;
+            self.remove_claim_files(&record.uid)?;
             self.commit(Change::Remove(record.uid.clone())).await?;
             Ok::<(), ClaimError>(())
         }

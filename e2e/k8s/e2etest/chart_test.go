@@ -216,6 +216,8 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 		"TESSERA_MPS_SUPERVISOR_SOCKET": "/var/lib/tessera/mps-supervisor.sock",
 		// Issue 22 items 5 and 6: refuse next to another GPU manager; shares' PIDs through the host's /proc.
 		"TESSERA_COEXISTENCE": "refuse", "TESSERA_HOST_PROC": "/host/proc",
+		// Issue 26 item 3: device metadata for every prepared claim.
+		"TESSERA_DEVICE_METADATA": "true",
 	} {
 		if env[k] != v {
 			t.Errorf("plugin env %s=%q, want %q", k, env[k], v)

@@ -121,6 +121,20 @@ func checkKubectlReachesThePod(t *testing.T, p *v1.Pod, container, uuid string) 
 // it to complete, and returns `kubectl logs job/<name>`.
 func runGPUJob(t *testing.T, ns, name, template, node string) string {
 	t.Helper()
+	// The cluster DNS answers the kubernetes Service by its name (dnsPolicy ClusterFirst).
+	return runJob(t, ns, name, node,
+		[]v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To(template)}},
+		`nvidia-smi -L && ls /dev/nvidia[0-9]* && grep -E '^(nameserver|search) ' /etc/resolv.conf && nslookup -type=A kubernetes.default.svc.cluster.local`)
+}
+
+// runJob runs a Job on the real node whose one container uses every claim of `claims` and runs `command`,
+// waits for it to complete, and returns `kubectl logs job/<name>`.
+func runJob(t *testing.T, ns, name, node string, claims []v1.PodResourceClaim, command string) string {
+	t.Helper()
+	var uses []v1.ResourceClaim
+	for _, c := range claims {
+		uses = append(uses, v1.ResourceClaim{Name: c.Name})
+	}
 	job := &batchv1.Job{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: batchv1.JobSpec{
@@ -131,12 +145,11 @@ func runGPUJob(t *testing.T, ns, name, template, node string) string {
 				// The real node carries the taint GKE puts on GPU nodes.
 				Tolerations:                   []v1.Toleration{{Key: "nvidia.com/gpu", Operator: v1.TolerationOpExists, Effect: v1.TaintEffectNoSchedule}},
 				TerminationGracePeriodSeconds: ptr.To[int64](1),
-				ResourceClaims:                []v1.PodResourceClaim{{Name: "gpu", ResourceClaimTemplateName: ptr.To(template)}},
+				ResourceClaims:                claims,
 				Containers: []v1.Container{{
 					Name: "main", Image: probeImage, ImagePullPolicy: v1.PullNever,
-					// The cluster DNS answers the kubernetes Service by its name (dnsPolicy ClusterFirst).
-					Command:   []string{"sh", "-c", `nvidia-smi -L && ls /dev/nvidia[0-9]* && grep -E '^(nameserver|search) ' /etc/resolv.conf && nslookup -type=A kubernetes.default.svc.cluster.local`},
-					Resources: v1.ResourceRequirements{Claims: []v1.ResourceClaim{{Name: "gpu"}}},
+					Command:   []string{"sh", "-c", command},
+					Resources: v1.ResourceRequirements{Claims: uses},
 				}},
 			}},
 		},

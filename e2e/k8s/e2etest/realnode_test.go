@@ -939,6 +939,10 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 		})
 	})
 
+	t.Run("a Job's container reads its claims' device metadata where upstream's readers look, and it names what nvidia-smi shows", func(t *testing.T) {
+		checkJobReadsItsDeviceMetadata(t, ns, "whole", rn.name)
+	})
+
 	// make up's examples, as it runs them: every pod on the real node, read through kubectl logs.
 	t.Run("the examples' pods run in containers on the real node and kubectl logs shows each one's devices", func(t *testing.T) {
 		checkExamplesRunOn(t, rn.name)
