@@ -185,7 +185,15 @@ mod tests {
 
     #[test]
     fn anything_but_up_to_three_numbers_is_no_version() {
-        for raw in ["", "1.2.3.4", "1.x", "1..2", "1.2-rc1", "+1", "99999999999999999999"] {
+        for raw in [
+            "",
+            "1.2.3.4",
+            "1.x",
+            "1..2",
+            "1.2-rc1",
+            "+1",
+            "99999999999999999999",
+        ] {
             assert_eq!(numeric_version(raw), None, "{raw:?}");
         }
     }

@@ -18,11 +18,7 @@
 //! plugin's state directory, which the chart mounts at the same path in the plugin's container (the CDI
 //! spec names host paths).
 
-use std::{
-    collections::BTreeMap,
-    fs, io,
-    path::PathBuf,
-};
+use std::{collections::BTreeMap, fs, io, path::PathBuf};
 
 use k8s_openapi::api::resource::v1::DeviceAttribute;
 use serde_json::{Value, json};
@@ -218,8 +214,13 @@ fn base_request(request: &str) -> &str {
 pub fn container_path(claim: &ClaimIdentity, base_request: &str) -> String {
     let file = format!("{DRIVER_NAME}-metadata.json");
     match claim.pod_claim_name.as_deref().filter(|n| !n.is_empty()) {
-        Some(pod_claim) => format!("{CONTAINER_DIR}/resourceclaimtemplates/{pod_claim}/{base_request}/{file}"),
-        None => format!("{CONTAINER_DIR}/resourceclaims/{}/{base_request}/{file}", claim.name),
+        Some(pod_claim) => {
+            format!("{CONTAINER_DIR}/resourceclaimtemplates/{pod_claim}/{base_request}/{file}")
+        }
+        None => format!(
+            "{CONTAINER_DIR}/resourceclaims/{}/{base_request}/{file}",
+            claim.name
+        ),
     }
 }
 

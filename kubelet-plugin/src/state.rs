@@ -49,9 +49,11 @@ use tracing::{error, info, warn};
 
 use crate::{
     cdi::{self, CdiDir, ContainerEdits},
-    device_metadata::{ClaimIdentity, DriverVersionsOwned, MetadataDevice, MetadataDir, POD_CLAIM_NAME_ANNOTATION},
     checkpoint::{Checkpoint, CheckpointStore, ClaimRecord, DeviceDetail, DeviceRecord, Loaded, Phase},
     claims::{AllocatedDevice, ClaimSource, allocated_devices},
+    device_metadata::{
+        ClaimIdentity, DriverVersionsOwned, MetadataDevice, MetadataDir, POD_CLAIM_NAME_ANNOTATION,
+    },
     error::{ClaimError, Error, Result},
     gpu::GpuBackend,
 };
@@ -503,7 +505,12 @@ impl NodeState {
                 request: d.request.clone(),
                 pool: d.pool.clone(),
                 device: d.device.clone(),
-                attributes: crate::device_metadata::attributes(&p.ctx.gpu, versions.borrowed(), &p.ctx.device, &d.detail),
+                attributes: crate::device_metadata::attributes(
+                    &p.ctx.gpu,
+                    versions.borrowed(),
+                    &p.ctx.device,
+                    &d.detail,
+                ),
             })
             .collect();
         let mounts = dir.write(claim, &devices)?;

@@ -24,18 +24,19 @@ fn metadata_dir(node: &TestNode) -> PathBuf {
 fn plugin(node: &TestNode) -> Arc<NodeState> {
     let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
     let (state, _) = common::real_plugin(node, BOOT_ID, program);
-    let state = state.with_device_metadata(
-        metadata_dir(node),
-        Some("580.159.03".into()),
-        Some("13.0".into()),
-    );
+    let state =
+        state.with_device_metadata(metadata_dir(node), Some("580.159.03".into()), Some("13.0".into()));
     state.recover().unwrap();
     Arc::new(state)
 }
 
 /// The metadata mounts of the claim's CDI device for `device`.
 fn mounts_of(state: &NodeState, claim: &ClaimRef, device: &str) -> Vec<Mount> {
-    let spec = state.cdi().read(&claim.uid).unwrap().expect("the claim's CDI spec");
+    let spec = state
+        .cdi()
+        .read(&claim.uid)
+        .unwrap()
+        .expect("the claim's CDI spec");
     let name = format!("{}-{device}", claim.uid);
     let d = spec
         .devices
@@ -86,12 +87,19 @@ async fn each_request_of_a_prepared_claim_gets_a_metadata_file_where_upstream_re
         whole[0].container_path,
         format!("{DIR}/resourceclaims/train/gpu/gpu.tessera.dev-metadata.json")
     );
-    assert!(whole[0].options.contains(&"ro".to_string()), "{:?}", whole[0].options);
+    assert!(
+        whole[0].options.contains(&"ro".to_string()),
+        "{:?}",
+        whole[0].options
+    );
     let stream = objects(&whole[0]);
     let versions: Vec<&str> = stream.iter().map(|o| o["apiVersion"].as_str().unwrap()).collect();
     assert_eq!(
         versions,
-        ["metadata.resource.k8s.io/v1beta1", "metadata.resource.k8s.io/v1alpha1"]
+        [
+            "metadata.resource.k8s.io/v1beta1",
+            "metadata.resource.k8s.io/v1alpha1"
+        ]
     );
     assert_eq!(stream[0]["kind"], "DeviceMetadata");
     assert_eq!(stream[0]["metadata"]["name"], "train");
@@ -110,7 +118,10 @@ async fn each_request_of_a_prepared_claim_gets_a_metadata_file_where_upstream_re
     );
     assert_eq!(attribute(device, "driverVersion", "version"), "580.159.3");
     assert_eq!(attribute(device, "type", "string"), "gpu");
-    assert_eq!(stream[1]["requests"], stream[0]["requests"], "both versions say the same");
+    assert_eq!(
+        stream[1]["requests"], stream[0]["requests"],
+        "both versions say the same"
+    );
 
     let mig = mounts_of(&state, &c, "gpu-1-mig-1g-10gb-0");
     assert_eq!(
@@ -161,8 +172,14 @@ async fn a_claim_made_from_a_template_is_found_under_its_pods_claim_name_and_bas
 async fn unprepare_removes_the_metadata_and_a_restart_sweeps_only_what_no_claim_owns() {
     let node = TestNode::with_gpus(2);
     let state = plugin(&node);
-    let kept = add(&node, claim("kept").allocated("gpu-0").reserved_for_pod("a").build());
-    let gone = add(&node, claim("gone").allocated("gpu-1").reserved_for_pod("b").build());
+    let kept = add(
+        &node,
+        claim("kept").allocated("gpu-0").reserved_for_pod("a").build(),
+    );
+    let gone = add(
+        &node,
+        claim("gone").allocated("gpu-1").reserved_for_pod("b").build(),
+    );
     state.prepare(&kept).await.unwrap();
     state.prepare(&gone).await.unwrap();
     let gone_dir = metadata_dir(&node).join(&gone.uid);
