@@ -126,20 +126,16 @@ func checkJobReadsItsDeviceMetadata(t *testing.T, ns, template, node string) {
 		t.Fatalf("the container sees metadata files %v under %s, want %v", paths, metadataDir, want)
 	}
 
-	// The template's claim, by the name the pod's status gives it.
+	// The template's claim is generated as <pod>-<pod claim>-<suffix>. Not compared with the pod's status:
+	// once the pod has completed, the ResourceClaim controller deletes that claim and may record another.
 	pods, err := e.client.CoreV1().Pods(ns).List(ctxFor(t, 30*time.Second), metav1.ListOptions{LabelSelector: "job-name=metadata-job"})
 	if err != nil || len(pods.Items) != 1 {
 		t.Fatalf("the Job's pod: %v, %d pods", err, len(pods.Items))
 	}
-	var generated string
-	for _, s := range pods.Items[0].Status.ResourceClaimStatuses {
-		if s.Name == "gpu" && s.ResourceClaimName != nil {
-			generated = *s.ResourceClaimName
-		}
-	}
+	generated := pods.Items[0].Name + "-gpu-"
 	whole := decodeMetadata(t, templateFile, files[templateFile])
-	if whole.PodClaimName == nil || *whole.PodClaimName != "gpu" || whole.Name != generated || whole.Namespace != ns {
-		t.Errorf("%s names claim %s/%s (pod claim %v), want %s/%s from pod claim gpu", templateFile, whole.Namespace, whole.Name, whole.PodClaimName, ns, generated)
+	if whole.PodClaimName == nil || *whole.PodClaimName != "gpu" || !strings.HasPrefix(whole.Name, generated) || whole.Namespace != ns || whole.UID == "" {
+		t.Errorf("%s names claim %s/%s (uid %q, pod claim %v), want %s/%s… with a UID, from pod claim gpu", templateFile, whole.Namespace, whole.Name, whole.UID, ptr.Deref(whole.PodClaimName, "<none>"), ns, generated)
 	}
 	if len(whole.Requests) != 1 || whole.Requests[0].Name != "gpu" || len(whole.Requests[0].Devices) != 1 {
 		t.Fatalf("%s: requests %+v, want request gpu with one device", templateFile, whole.Requests)
