@@ -3,7 +3,9 @@ package e2etest
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -76,6 +78,33 @@ func chartWebhookRefusesBadConfigs(t *testing.T, ns string) {
 	good := `{` + gpuV1 + `,"kind":"GpuConfig","sharing":{"strategy":"MPS","mps":{"defaultActiveThreadPercentage":25}}}`
 	if err := createClaim(ctxFor(t, 30*time.Second), shareClaim(ns, "good", shared, good)); err != nil {
 		t.Errorf("a good config was refused: %v", err)
+	}
+	kubectlWarnsAboutAnotherDriversConfig(t, ns, shared)
+}
+
+// kubectlWarnsAboutAnotherDriversConfig: `kubectl create` of a claim for tessera's shared class whose
+// config still names NVIDIA's driver (a spec ported from NVIDIA's quickstart) succeeds, and kubectl prints
+// the webhook's admission warning, which names the foreign driver and the fix.
+func kubectlWarnsAboutAnotherDriversConfig(t *testing.T, ns, class string) {
+	t.Helper()
+	c := shareClaim(ns, "nvidia-config", class, `{"apiVersion":"resource.nvidia.com/v1beta1","kind":"GpuConfig","sharing":{"strategy":"MPS"}}`)
+	c.Spec.Devices.Config[0].Opaque.Driver = "gpu.nvidia.com"
+	c.TypeMeta = metav1.TypeMeta{APIVersion: "resource.k8s.io/v1", Kind: "ResourceClaim"}
+	manifest, err := json.Marshal(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := kubectl(ctxFor(t, time.Minute), "create", "-f", "-")
+	cmd.Stdin = bytes.NewReader(manifest)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("kubectl create of a claim with NVIDIA's config: %v\n%s%s", err, stdout.String(), stderr.String())
+	}
+	t.Logf("$ kubectl create -f nvidia-config.json\n%s%s", stdout.String(), stderr.String())
+	warning := regexp.MustCompile(`(?m)^Warning: spec\.devices\.config\[0\]\.opaque\.driver: "gpu\.nvidia\.com" is not tessera's driver.*GpuConfig or MigConfig`)
+	if !warning.MatchString(stderr.String()) {
+		t.Errorf("kubectl printed no admission warning naming gpu.nvidia.com and tessera's config kinds:\n%s", stderr.String())
 	}
 }
 
