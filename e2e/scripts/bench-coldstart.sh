@@ -22,12 +22,8 @@ SKIP_EXAMPLES=1 fresh_cluster
 up_done=$(date +%s)
 
 step "cold starts, $replicas replicas (log: $LOG_DIR/coldstart.log, table: $out)"
-set +e
-(cd "$REPO_ROOT" && RUN_DIR="$RUN_DIR" E2E_REPO_ROOT="$REPO_ROOT" NODES="$NODES" GPUS="$GPUS" MODEL="$MODEL" NODE_PREFIX="$NODE_PREFIX" \
-  REAL_NODE=1 REAL_NODE_NAME="${REAL_NODE_NAME:-real-node}" COLDSTART_REPLICAS="$replicas" COLDSTART_OUT="$out" \
-  "$BIN_DIR/e2e.test" -test.v -test.timeout 30m -test.run '^TestColdStart$') 2>&1 | tee "$LOG_DIR/coldstart.log"
-rc=${PIPESTATUS[0]}
-set -e
+export COLDSTART_REPLICAS="$replicas" COLDSTART_OUT="$out"
+run_scenarios "$LOG_DIR/coldstart.log" -test.timeout 30m -test.run '^TestColdStart$'
 end=$(date +%s)
 
 echo

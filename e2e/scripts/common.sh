@@ -174,6 +174,20 @@ fresh_cluster() {
   "$E2E_DIR/scripts/up.sh"
 }
 
+# run_scenarios LOG ARGS...: runs bin/e2e.test against the cluster fresh_cluster started, with the
+# environment it reads (the cluster's shape, REAL_NODE, and whatever the caller exported for its scenarios),
+# ARGS after -test.v; the output also goes to LOG. Sets rc to the scenarios' exit status.
+run_scenarios() {
+  local log=$1
+  shift
+  set +e
+  (cd "$REPO_ROOT" && RUN_DIR="$RUN_DIR" E2E_REPO_ROOT="$REPO_ROOT" NODES="$NODES" GPUS="$GPUS" MODEL="$MODEL" NODE_PREFIX="$NODE_PREFIX" \
+    REAL_NODE="${REAL_NODE:-0}" REAL_NODE_NAME="${REAL_NODE_NAME:-real-node}" \
+    "$BIN_DIR/e2e.test" -test.v "$@") 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+}
+
 _fresh_cluster_down() {
   if [[ "${KEEP_CLUSTER:-0}" != 1 ]]; then
     "$E2E_DIR/scripts/down.sh" > /dev/null || echo "warning: stopping the cluster in $RUN_DIR failed" >&2

@@ -18,12 +18,7 @@ up_done=$(date +%s)
 
 step "e2e scenarios (log: $LOG_DIR/e2e.log)"
 if [[ -n "${E2E_RUN:-}" ]]; then select=(-test.run "$E2E_RUN"); else select=(-test.skip '^TestFaults'); fi
-set +e
-(cd "$REPO_ROOT" && RUN_DIR="$RUN_DIR" E2E_REPO_ROOT="$REPO_ROOT" NODES="$NODES" GPUS="$GPUS" MODEL="$MODEL" NODE_PREFIX="$NODE_PREFIX" \
-  REAL_NODE="$REAL_NODE" REAL_NODE_NAME="${REAL_NODE_NAME:-real-node}" \
-  "$BIN_DIR/e2e.test" -test.v -test.timeout 25m "${select[@]}") 2>&1 | tee "$LOG_DIR/e2e.log"
-rc=${PIPESTATUS[0]}
-set -e
+run_scenarios "$LOG_DIR/e2e.log" -test.timeout 25m "${select[@]}"
 end=$(date +%s)
 
 echo

@@ -27,12 +27,8 @@ SKIP_EXAMPLES=1 fresh_cluster
 up_done=$(date +%s)
 
 step "fault suite, FAULT_ROUNDS=$rounds (log: $LOG_DIR/faults.log, table: $FAULTS_OUT)"
-set +e
-(cd "$REPO_ROOT" && RUN_DIR="$RUN_DIR" E2E_REPO_ROOT="$REPO_ROOT" NODES="$NODES" GPUS="$GPUS" MODEL="$MODEL" NODE_PREFIX="$NODE_PREFIX" \
-  REAL_NODE="$REAL_NODE" REAL_NODE_NAME="${REAL_NODE_NAME:-real-node}" FAULT_ROUNDS="$rounds" FAULTS_OUT="$FAULTS_OUT" \
-  "$BIN_DIR/e2e.test" -test.v -test.timeout 120m -test.run "${FAULTS_RUN:-^TestFaults}") 2>&1 | tee "$LOG_DIR/faults.log"
-rc=${PIPESTATUS[0]}
-set -e
+export FAULT_ROUNDS="$rounds" FAULTS_OUT
+run_scenarios "$LOG_DIR/faults.log" -test.timeout 120m -test.run "${FAULTS_RUN:-^TestFaults}"
 end=$(date +%s)
 
 echo

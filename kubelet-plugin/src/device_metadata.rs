@@ -65,22 +65,6 @@ pub struct MetadataDevice {
     pub attributes: BTreeMap<String, DeviceAttribute>,
 }
 
-/// The node's driver versions, kept for the attributes ([`DriverVersions`] borrows them).
-#[derive(Clone, Debug, Default)]
-pub struct DriverVersionsOwned {
-    pub driver: Option<String>,
-    pub cuda_driver: Option<String>,
-}
-
-impl DriverVersionsOwned {
-    pub fn borrowed(&self) -> DriverVersions<'_> {
-        DriverVersions {
-            driver: self.driver.as_deref(),
-            cuda_driver: self.cuda_driver.as_deref(),
-        }
-    }
-}
-
 /// A prepared device's attributes: those its ResourceSlice publishes for it (the controller builds them
 /// with the same [`attr::of_gpu`]), less the policy's (`sharingStrategy` aside, which the share's own
 /// record names, and `warmSeconds`), plus the `MIG-` UUID of a MIG device, which exists only now.
@@ -117,15 +101,41 @@ pub fn attributes(
     a
 }
 
-/// The host directory holding every prepared claim's metadata files.
+/// The host directory holding every prepared claim's metadata files, and the node's driver versions the
+/// attributes name.
 #[derive(Clone, Debug)]
 pub struct MetadataDir {
     dir: PathBuf,
+    driver_version: Option<String>,
+    cuda_driver_version: Option<String>,
 }
 
 impl MetadataDir {
-    pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: dir.into() }
+    /// `driver_version` and `cuda_driver_version` as the node's inventory reports them.
+    pub fn new(
+        dir: impl Into<PathBuf>,
+        driver_version: Option<String>,
+        cuda_driver_version: Option<String>,
+    ) -> Self {
+        Self {
+            dir: dir.into(),
+            driver_version,
+            cuda_driver_version,
+        }
+    }
+
+    /// A prepared device's attributes ([`attributes`]) on this node.
+    pub fn attributes_of(
+        &self,
+        gpu: &GpuInfo,
+        device: &DeviceName,
+        detail: &DeviceDetail,
+    ) -> BTreeMap<String, DeviceAttribute> {
+        let versions = DriverVersions {
+            driver: self.driver_version.as_deref(),
+            cuda_driver: self.cuda_driver_version.as_deref(),
+        };
+        attributes(gpu, versions, device, detail)
     }
 
     /// The directory of one claim's files.

@@ -51,9 +51,7 @@ use crate::{
     cdi::{self, CdiDir, ContainerEdits},
     checkpoint::{Checkpoint, CheckpointStore, ClaimRecord, DeviceDetail, DeviceRecord, Loaded, Phase},
     claims::{AllocatedDevice, ClaimSource, allocated_devices},
-    device_metadata::{
-        ClaimIdentity, DriverVersionsOwned, MetadataDevice, MetadataDir, POD_CLAIM_NAME_ANNOTATION,
-    },
+    device_metadata::{ClaimIdentity, MetadataDevice, MetadataDir, POD_CLAIM_NAME_ANNOTATION},
     error::{ClaimError, Error, Result},
     gpu::GpuBackend,
 };
@@ -286,7 +284,7 @@ pub struct NodeState {
     cdi: CdiDir,
     /// Where each prepared claim's device metadata files go (KEP-5304), and the node's driver versions its
     /// attributes name; none when the plugin writes no metadata.
-    metadata: Option<(MetadataDir, DriverVersionsOwned)>,
+    metadata: Option<MetadataDir>,
     /// The spec-level edits of every claim's CDI spec: the driver's files and hook calls, the same for
     /// every device, so once per spec rather than once per device ([`NodeState::with_spec_edits`]).
     spec_edits: ContainerEdits,
@@ -466,13 +464,7 @@ impl NodeState {
         driver_version: Option<String>,
         cuda_driver_version: Option<String>,
     ) -> Self {
-        self.metadata = Some((
-            MetadataDir::new(dir),
-            DriverVersionsOwned {
-                driver: driver_version,
-                cuda_driver: cuda_driver_version,
-            },
-        ));
+        self.metadata = Some(MetadataDir::new(dir, driver_version, cuda_driver_version));
         self
     }
 
@@ -480,7 +472,7 @@ impl NodeState {
     /// already is success.
     fn remove_claim_files(&self, claim_uid: &str) -> Result<()> {
         self.cdi.remove(claim_uid)?;
-        if let Some((dir, _)) = &self.metadata {
+        if let Some(dir) = &self.metadata {
             dir.remove(claim_uid)?;
         }
         Ok(())
@@ -495,7 +487,7 @@ impl NodeState {
         record: &ClaimRecord,
         cdi_devices: &mut [cdi::Device],
     ) -> Result<()> {
-        let Some((dir, versions)) = &self.metadata else {
+        let Some(dir) = &self.metadata else {
             return Ok(());
         };
         let devices: Vec<MetadataDevice> = planned
@@ -505,12 +497,7 @@ impl NodeState {
                 request: d.request.clone(),
                 pool: d.pool.clone(),
                 device: d.device.clone(),
-                attributes: crate::device_metadata::attributes(
-                    &p.ctx.gpu,
-                    versions.borrowed(),
-                    &p.ctx.device,
-                    &d.detail,
-                ),
+                attributes: dir.attributes_of(&p.ctx.gpu, &p.ctx.device, &d.detail),
             })
             .collect();
         let mounts = dir.write(claim, &devices)?;
@@ -552,17 +539,14 @@ impl NodeState {
     }
 
     /// Runs [`NodeState::reconcile`] every `every` until `stop` turns true.
-    pub async fn reconcile_periodically(self: Arc<Self>, every: Duration, mut stop: watch::Receiver<bool>) {
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(every) => {}
-                _ = stop.wait_for(|s| *s) => return,
-            }
+    pub async fn reconcile_periodically(self: Arc<Self>, every: Duration, stop: watch::Receiver<bool>) {
+        every_until_stopped(every, stop, || async {
             let r = self.reconcile().await;
             if !r.adopted.is_empty() || !r.orphans_cleaned.is_empty() || !r.rolled_back.is_empty() {
                 info!(recovery = ?r, "reconciled the checkpoint with the API server");
             }
-        }
+        })
+        .await
     }
 
     /// What the last recovery or reconcile found wrong (corrupted checkpoint, claims that failed to
@@ -892,13 +876,13 @@ impl NodeState {
         for uid in self.cdi.claim_uids()? {
             if !checkpoint.claims.contains_key(&uid) {
                 info!(claim = %uid, "removing a CDI spec no prepared claim owns");
-                self.remove_claim_files(&uid)?;
+                self.cdi.remove(&uid)?;
                 recovery.removed_cdi_specs.push(uid);
             }
         }
-        if let Some((dir, _)) = &self.metadata {
-            // A claim's metadata without its spec: a crash between writing the two, or a reboot (the specs
-            // live on a tmpfs, the metadata in the state directory).
+        if let Some(dir) = &self.metadata {
+            // Metadata no record owns, its spec swept above or already gone (a crash between writing the
+            // two, or a reboot: the specs live on a tmpfs, the metadata in the state directory).
             for uid in dir.claim_uids()? {
                 if !checkpoint.claims.contains_key(&uid) {
                     info!(claim = %uid, "removing device metadata no prepared claim owns");
@@ -1058,12 +1042,7 @@ impl NodeState {
     /// [`Self::roll_back_now`] on a blocking thread, then the record goes (caller holds the GPU locks).
     async fn roll_back_blocking(self: &Arc<Self>, record: &ClaimRecord) -> Result<(), ClaimError> {
         let (this, r) = (self.clone(), record.clone());
-        tokio::task::spawn_blocking(move || this.roll_back_now(&r, &this.checkpoint()))
-            .await
-            .map_err(|e| ClaimError::Task {
-                device: "(rollback)".into(),
-                reason: e.to_string(),
-            })??;
+        on_blocking_thread("(rollback)", move || this.roll_back_now(&r, &this.checkpoint())).await?;
         self.commit(Change::Remove(record.uid.clone())).await?;
         Ok(())
     }
@@ -1473,12 +1452,8 @@ impl NodeState {
         let (ctx, preparer, detail) = (p.ctx.clone(), p.preparer.clone(), p.record.detail.clone());
         let device = p.record.device.clone();
         let started = std::time::Instant::now();
-        let (detail, mut edits) = tokio::task::spawn_blocking(move || preparer.prepare(&ctx, detail))
-            .await
-            .map_err(|e| ClaimError::Task {
-                device: device.clone(),
-                reason: e.to_string(),
-            })??;
+        let (detail, mut edits) =
+            on_blocking_thread(device.clone(), move || preparer.prepare(&ctx, detail)).await?;
         let took = started.elapsed();
         let cost = crate::warm::warm_key(&p.ctx.device, &detail).map(|_| {
             let kind = crate::warm::kind(&detail);
@@ -1528,12 +1503,10 @@ impl NodeState {
     /// Undoes the first `done` devices of `record` on a blocking thread (the caller holds their GPUs' locks).
     async fn undo_blocking(self: &Arc<Self>, record: &ClaimRecord, done: usize) -> Result<(), ClaimError> {
         let (this, record) = (self.clone(), record.clone());
-        tokio::task::spawn_blocking(move || this.undo_devices(&record, &record.devices[..done]))
-            .await
-            .map_err(|e| ClaimError::Task {
-                device: "(rollback)".into(),
-                reason: e.to_string(),
-            })?
+        on_blocking_thread("(rollback)", move || {
+            this.undo_devices(&record, &record.devices[..done])
+        })
+        .await
     }
 
     /// Undoes devices in reverse order, synchronously (start-up recovery calls it directly).
@@ -1653,6 +1626,36 @@ struct Planned {
     cdi_name: String,
     /// The device takes a warm partition ([`crate::warm`]): its preparer makes nothing.
     warm: bool,
+}
+
+/// Runs `work` on a blocking thread (NVML, MIG and MPS calls block); a panic there is [`ClaimError::Task`]
+/// naming `what` (a device, or the operation).
+async fn on_blocking_thread<T: Send + 'static>(
+    what: impl Into<String>,
+    work: impl FnOnce() -> Result<T, ClaimError> + Send + 'static,
+) -> Result<T, ClaimError> {
+    let what = what.into();
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ClaimError::Task {
+            device: what,
+            reason: e.to_string(),
+        })?
+}
+
+/// Runs `tick` every `every` (the first after one period) until `stop` turns true.
+async fn every_until_stopped<F, Fut>(every: Duration, mut stop: watch::Receiver<bool>, mut tick: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        tick().await;
+    }
 }
 
 fn refused_error(r: &Refusal) -> ClaimError {

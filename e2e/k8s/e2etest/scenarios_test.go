@@ -310,21 +310,7 @@ func TestSharesThatNameOnlyMemoryFitBesideEachOtherWithoutAThreadLimit(t *testin
 func TestATimeSlicingClaimOnAnMpsSharedGPUFailsAloneAndTheGPUKeepsServingMps(t *testing.T) {
 	ns := namespace(t, "e2e-strategy")
 	share := capacity(map[string]string{"memory": "10Gi", "compute": "25"})
-	claimTemplate(t, ns, "mps", sharedClass(t), share)
-	claimTemplate(t, ns, "sliced", sharedClass(t), share, opaqueConfig(
-		`{"apiVersion":"gpu.tessera.dev/v1alpha1","kind":"GpuConfig","sharing":{"strategy":"TimeSlicing"}}`))
-	node := e.nodes[0]
-	pod(t, ns, "sliced", "sliced", node)
-	msg := waitPrepareFailure(t, ns, "sliced")
-	t.Logf("the time-slicing pod's event: %s", msg)
-	if !strings.Contains(msg, "MPS") || !strings.Contains(msg, "TimeSlicing") {
-		t.Errorf("event %q does not say the device serves MPS and the claim asked for TimeSlicing", msg)
-	}
-	for _, name := range []string{"mps-a", "mps-b"} {
-		pod(t, ns, name, "mps", node)
-	}
-	a := allocations(t, waitRunning(t, ns, "mps-a", 2*time.Minute))[0]
-	b := allocations(t, waitRunning(t, ns, "mps-b", 2*time.Minute))[0]
+	a, b := oneClaimRefusedTwoServed(t, ns, e.nodes[0], share, "mps", "MPS", "sliced", "TimeSlicing")
 	if a.result.Device != b.result.Device {
 		t.Errorf("the MPS shares landed on %s and %s, want the one shared GPU", a.result.Device, b.result.Device)
 	}
@@ -355,20 +341,7 @@ func TestAnMpsClaimOnATimeSlicedGPUFailsAloneAndTheGPUKeepsServingTimeSlices(t *
 	waitDevices(t, node, "GPU 1 published for time-slicing", gpu1, "sharingStrategy", "TimeSlicing")
 	ns := namespace(t, "e2e-strategy-swapped")
 	share := capacity(map[string]string{"memory": "10Gi"})
-	claimTemplate(t, ns, "sliced", sharedClass(t), share)
-	claimTemplate(t, ns, "mps", sharedClass(t), share, opaqueConfig(
-		`{"apiVersion":"gpu.tessera.dev/v1alpha1","kind":"GpuConfig","sharing":{"strategy":"MPS"}}`))
-	pod(t, ns, "mps", "mps", node)
-	msg := waitPrepareFailure(t, ns, "mps")
-	t.Logf("the MPS pod's event: %s", msg)
-	if !strings.Contains(msg, "MPS") || !strings.Contains(msg, "TimeSlicing") {
-		t.Errorf("event %q does not say the device serves TimeSlicing and the claim asked for MPS", msg)
-	}
-	for _, name := range []string{"sliced-a", "sliced-b"} {
-		pod(t, ns, name, "sliced", node)
-	}
-	a := allocations(t, waitRunning(t, ns, "sliced-a", 2*time.Minute))[0]
-	b := allocations(t, waitRunning(t, ns, "sliced-b", 2*time.Minute))[0]
+	a, b := oneClaimRefusedTwoServed(t, ns, node, share, "sliced", "TimeSlicing", "mps", "MPS")
 	if a.result.Device != "gpu-1-shared" || b.result.Device != "gpu-1-shared" {
 		t.Errorf("the time-sliced shares landed on %s and %s, want gpu-1-shared", a.result.Device, b.result.Device)
 	}
@@ -377,6 +350,29 @@ func TestAnMpsClaimOnATimeSlicedGPUFailsAloneAndTheGPUKeepsServingTimeSlices(t *
 			t.Errorf("%s: CUDA_MPS_PIPE_DIRECTORY=%q, want none (a time-sliced share)", x.pod.Name, env["CUDA_MPS_PIPE_DIRECTORY"])
 		}
 	}
+}
+
+// oneClaimRefusedTwoServed: on node, a pod whose share's config asks for strategy `asked` (template
+// `refused`) while the GPU serves `served` fails its prepare, its event naming both strategies; then two
+// pods of template `plain` (the same share, no config), "<plain>-a" and "<plain>-b", run, and their
+// allocations are returned.
+func oneClaimRefusedTwoServed(t *testing.T, ns, node string, share claimOpt, plain, served, refused, asked string) (allocation, allocation) {
+	t.Helper()
+	claimTemplate(t, ns, plain, sharedClass(t), share)
+	claimTemplate(t, ns, refused, sharedClass(t), share, opaqueConfig(
+		`{"apiVersion":"gpu.tessera.dev/v1alpha1","kind":"GpuConfig","sharing":{"strategy":"`+asked+`"}}`))
+	pod(t, ns, refused, refused, node)
+	msg := waitPrepareFailure(t, ns, refused)
+	t.Logf("the %s pod's event: %s", asked, msg)
+	if !strings.Contains(msg, served) || !strings.Contains(msg, asked) {
+		t.Errorf("event %q does not say the device serves %s and the claim asked for %s", msg, served, asked)
+	}
+	for _, name := range []string{plain + "-a", plain + "-b"} {
+		pod(t, ns, name, plain, node)
+	}
+	a := allocations(t, waitRunning(t, ns, plain+"-a", 2*time.Minute))[0]
+	b := allocations(t, waitRunning(t, ns, plain+"-b", 2*time.Minute))[0]
+	return a, b
 }
 
 // mpsLimitBytes parses CUDA_MPS_PINNED_DEVICE_MEM_LIMIT ("<ordinal|uuid>=<n>G|M", MPS units are binary).

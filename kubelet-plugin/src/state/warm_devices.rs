@@ -9,7 +9,10 @@ use std::{sync::Arc, time::Duration};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use super::{Change, ClaimRef, DeviceContext, DevicePreparer, NodeState, Planned, unix_now};
+use super::{
+    Change, ClaimRef, DeviceContext, DevicePreparer, NodeState, Planned, every_until_stopped,
+    on_blocking_thread, unix_now,
+};
 use crate::{
     checkpoint::{Checkpoint, ClaimRecord, DeviceRecord, WarmRecord, check_gpu_identity},
     error::ClaimError,
@@ -69,12 +72,7 @@ impl NodeState {
         record: &ClaimRecord,
     ) -> Result<Vec<(String, WarmRecord)>, ClaimError> {
         let (this, record) = (self.clone(), record.clone());
-        tokio::task::spawn_blocking(move || this.release_devices(&record))
-            .await
-            .map_err(|e| ClaimError::Task {
-                device: "(release)".into(),
-                reason: e.to_string(),
-            })?
+        on_blocking_thread("(release)", move || this.release_devices(&record)).await
     }
 
     fn release_devices(&self, record: &ClaimRecord) -> Result<Vec<(String, WarmRecord)>, ClaimError> {
@@ -131,15 +129,11 @@ impl NodeState {
     /// Destroys warm partition `w` on a blocking thread; the caller holds its GPU's lock.
     async fn destroy_warm_blocking(self: &Arc<Self>, w: WarmRecord) -> Result<(), ClaimError> {
         let this = self.clone();
-        tokio::task::spawn_blocking(move || {
+        on_blocking_thread("(warm device)", move || {
             let (preparer, ctx) = this.warm_context(&w)?;
             preparer.destroy_warm(&ctx, &w.detail)
         })
         .await
-        .map_err(|e| ClaimError::Task {
-            device: "(warm device)".into(),
-            reason: e.to_string(),
-        })?
     }
 
     /// The preparer and a context of a warm record's device: no claim holds it, so the claim is a name only.
@@ -193,13 +187,7 @@ impl NodeState {
     }
 
     /// Runs [`NodeState::expire_warm`] every `every` until `stop` turns true.
-    pub async fn expire_warm_periodically(self: Arc<Self>, every: Duration, mut stop: watch::Receiver<bool>) {
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(every) => {}
-                _ = stop.wait_for(|s| *s) => return,
-            }
-            self.expire_warm().await;
-        }
+    pub async fn expire_warm_periodically(self: Arc<Self>, every: Duration, stop: watch::Receiver<bool>) {
+        every_until_stopped(every, stop, || self.expire_warm()).await
     }
 }
