@@ -35,9 +35,9 @@ lint: ## rustfmt and clippy, as CI would want them
 # onto a real node (upstream kubelet + containerd), beside the stand-in nodes. Without root, or with
 # INSTALL=host, the controller runs as a host process and no real node comes up.
 INSTALL ?= $(if $(filter 0,$(shell id -u)),chart,host)
-up: ## Local Kubernetes 1.37 cluster without Docker + tessera, installed by its Helm chart onto a real node as root (INSTALL=host: host processes; NODES=2 GPUS=8 MODEL=H100-SXM5-80GB; K8S_VERSION=1.36); see e2e/README.md
+up: ## Local Kubernetes 1.37 cluster without Docker + tessera, installed by its Helm chart onto a real node as root (INSTALL=host: host processes; ADDONS=autoscaling: Prometheus + KEDA; NODES=2 GPUS=8 MODEL=H100-SXM5-80GB; K8S_VERSION=1.36); see e2e/README.md
 	@if [ "$(INSTALL)" = chart ]; then e2e/scripts/node-packages.sh --install; fi
-	INSTALL=$(INSTALL) e2e/scripts/up.sh
+	INSTALL=$(INSTALL) ADDONS=$(ADDONS) e2e/scripts/up.sh
 
 down: ## Stop everything `make up` started and remove its state (logs stay in .run/logs)
 	e2e/scripts/down.sh

@@ -5,6 +5,7 @@
 # Variables: NODES GPUS MODEL (node shape), SKIP_EXAMPLES=1, SKIP_DRIVER=1 (control plane and nodes
 # only), RUN_DIR, *_PORT, FEATURE_GATES, RUNTIME_CONFIG, SCHEDULER_ARGS (extra kube-scheduler flags),
 # REAL_NODE=1 (also a real node: kubelet + containerd + runc, e2e/scripts/real-node.sh; make e2e sets it),
+# ADDONS=autoscaling (Prometheus and KEDA, e2e/scripts/autoscaling.sh; needs the real node; make e2e sets it),
 # INSTALL=host|chart (host, the default here: the controller runs as a host process; chart: the real node
 # comes up and tessera's controller and the real node's plugin are installed by `helm install` of
 # deployments/helm/tessera, as on a cluster; `make up` picks chart when run as root).
@@ -58,6 +59,18 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   # The host controller and plugins run with the chart's own roles (rendered by helm), not system:masters.
   step "build: helm, for the chart's RBAC (log: $LOG_DIR/build-helm.log)"
   "$E2E_DIR/scripts/build-helm.sh" > "$LOG_DIR/build-helm.log" 2>&1 || die "helm build failed" "$LOG_DIR/build-helm.log"
+fi
+
+ADDONS="${ADDONS:-}"
+case ",$ADDONS," in
+  ,, | ,autoscaling,) ;;
+  *) die "ADDONS=$ADDONS: the one add-on is autoscaling (Prometheus + KEDA)" ;;
+esac
+if [[ "$ADDONS" == autoscaling ]]; then
+  step "build: Prometheus and KEDA (log: $LOG_DIR/build-autoscaling.log)"
+  "$E2E_DIR/scripts/build-autoscaling.sh" > "$LOG_DIR/build-autoscaling.log" 2>&1 \
+    || die "building the autoscaling add-on failed" "$LOG_DIR/build-autoscaling.log"
+  grep -E 'built in|up to date' "$LOG_DIR/build-autoscaling.log" | sed 's/^/    /'
 fi
 
 INSTALL="${INSTALL:-host}"
@@ -137,9 +150,12 @@ start_proc etcd
 clusterctl wait-url --url "http://127.0.0.1:$ETCD_PORT/health" --timeout 30s || die "etcd did not become healthy" "$LOG_DIR/etcd.log"
 
 step "kube-apiserver on https://127.0.0.1:$API_PORT"
-# --enable-aggregator-routing: the API server calls webhook Services (the chart's admission webhook) at
-# their endpoints' pod IPs, which the host routes to the real node's bridge; no kube-proxy runs here to
-# make ClusterIPs answer.
+# --enable-aggregator-routing: the API server calls webhook Services (the chart's admission webhook) and
+# APIServices (KEDA's metrics adapter) at their endpoints' addresses, which the host routes to the real
+# node's bridge; no kube-proxy runs here to make ClusterIPs answer. --requestheader-* and --proxy-client-*:
+# the aggregation layer, which proxies external.metrics.k8s.io to KEDA's adapter as front-proxy-client.
+# --client-ca-file: extension API servers read it from kube-system/extension-apiserver-authentication (a
+# certificate the CA signed names its user by CN and no group; the identities above use tokens).
 rc=()
 [[ -n "$RUNTIME_CONFIG" ]] && rc=("--runtime-config=$RUNTIME_CONFIG")
 # ServiceAccount admission refuses pods in a namespace until its `default` ServiceAccount exists, which
@@ -159,6 +175,11 @@ write_proc kube-apiserver -- "$BIN_DIR/kube-apiserver" \
   --kubelet-client-certificate "$PKI_DIR/kubelet-client.crt" --kubelet-client-key "$PKI_DIR/kubelet-client.key" \
   --kubelet-certificate-authority "$PKI_DIR/ca.crt" --kubelet-preferred-address-types InternalIP,Hostname \
   --enable-aggregator-routing=true \
+  --client-ca-file "$PKI_DIR/ca.crt" \
+  --requestheader-client-ca-file "$PKI_DIR/ca.crt" --requestheader-allowed-names front-proxy-client \
+  --requestheader-username-headers X-Remote-User --requestheader-group-headers X-Remote-Group \
+  --requestheader-extra-headers-prefix X-Remote-Extra- \
+  --proxy-client-cert-file "$PKI_DIR/front-proxy-client.crt" --proxy-client-key-file "$PKI_DIR/front-proxy-client.key" \
   --allow-privileged=true --profiling=false "${gates[@]}" "${rc[@]}"
 start_proc kube-apiserver
 clusterctl wait-api --kubeconfig "$ADMIN_KUBECONFIG" --timeout 90s || die "kube-apiserver did not become ready" "$LOG_DIR/kube-apiserver.log"
@@ -177,6 +198,7 @@ KCM_CONTROLLERS+=,serviceaccount-controller,root-ca-certificate-publisher-contro
 KCM_CONTROLLERS+=,replicaset-controller,replicationcontroller-controller,statefulset-controller,job-controller,cronjob-controller
 KCM_CONTROLLERS+=,ttl-after-finished-controller,disruption-controller,resourcequota-controller,clusterrole-aggregation-controller
 KCM_CONTROLLERS+=,endpoints-controller,endpointslice-controller,endpointslice-mirroring-controller,ephemeral-volume-controller
+KCM_CONTROLLERS+=,horizontal-pod-autoscaler-controller
 write_proc kube-controller-manager -- "$BIN_DIR/kube-controller-manager" \
   --kubeconfig "$PKI_DIR/controller-manager.kubeconfig" --leader-elect=false \
   --bind-address 127.0.0.1 --secure-port "$CONTROLLER_MANAGER_PORT" --cert-dir "$RUN_DIR/controller-manager-certs" \
@@ -344,6 +366,10 @@ fi
 
 if [[ "$REAL_NODE" == 1 && "$INSTALL" != chart ]]; then
   "$E2E_DIR/scripts/real-node.sh" up || die "the real node did not come up"
+fi
+if [[ "$ADDONS" == autoscaling ]]; then
+  [[ "$REAL_NODE" == 1 ]] || die "ADDONS=autoscaling needs the real node (REAL_NODE=1): KEDA's adapter serves on its bridge address"
+  "$E2E_DIR/scripts/autoscaling.sh" up || die "the autoscaling add-on did not come up"
 fi
 
 step "cluster is up"

@@ -17,6 +17,11 @@
 //! | `tessera_plugin_mps_daemon_up` | `device` (the shared device's key: `gpu-0`, `gpu-1-mig-3g-40gb-4`) | 1 while the MPS daemon of a device with prepared MPS shares answers, 0 while those shares have no server |
 //! | `tessera_claim_gpu_utilization_ratio` | `namespace`, `pod`, `claim`, `request`, `device` | 0–1 of the device the claim runs on |
 //! | `tessera_claim_gpu_memory_used_bytes` | the same | memory the claim's processes use |
+//! | `tessera_claim_gpu_compute_share_ratio` | the same | the part of the GPU's SMs the claim's device was given: 1 for a whole GPU, an MPS share's active-thread percentage / 100; absent for MIG devices and time-sliced shares |
+//!
+//! `sum(tessera_claim_gpu_utilization_ratio) / sum(tessera_claim_gpu_compute_share_ratio)` over a
+//! Deployment's pods is how busy the GPU capacity given to it is: the signal to scale shares on (a fully
+//! busy 25 % share reads 0.25 utilization and 0.25 share).
 //!
 //! The per-claim gauges are read from the GPU backend on every scrape ([`GpuBackend::usage`]): a whole GPU
 //! or MIG device reports its own usage (MIG: memory only, NVML has no utilization there), a share the sum
@@ -405,6 +410,8 @@ pub struct ClaimUsage {
     pub device: String,
     pub utilization_ratio: Option<f64>,
     pub memory_used_bytes: Option<u64>,
+    /// The part of the GPU's SMs the device was given (see [`compute_share`]).
+    pub compute_share_ratio: Option<f64>,
 }
 
 impl ClaimUsage {
@@ -554,10 +561,33 @@ pub fn claim_usage_attributed(
                 device: device.device.clone(),
                 utilization_ratio,
                 memory_used_bytes,
+                compute_share_ratio: compute_share(&device.detail),
             });
         }
     }
     out
+}
+
+/// The part of its GPU's SMs a prepared device was given, as a fraction: 1 for a whole GPU; for an MPS
+/// share of a whole GPU its client limit (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), else its daemon's default,
+/// else all of it. None where no fixed part was given or none is measured beside it: MIG devices (NVML
+/// reports no utilization there) and time-sliced shares (they take turns at the whole GPU).
+pub fn compute_share(detail: &DeviceDetail) -> Option<f64> {
+    match detail {
+        DeviceDetail::Gpu { .. } => Some(1.0),
+        DeviceDetail::Mig(_) => None,
+        DeviceDetail::Shared(s) if s.mig.is_some() => None,
+        DeviceDetail::Shared(s) => {
+            if s.strategy.as_deref() != Some("MPS") {
+                return None;
+            }
+            let percent = |name: &str| s.limits.get(name).and_then(|v| v.parse::<f64>().ok());
+            let p = percent("activeThreadPercentage")
+                .or_else(|| percent(crate::sharing::DAEMON_THREAD_LIMIT))
+                .unwrap_or(100.0);
+            Some((p / 100.0).clamp(0.0, 1.0))
+        }
+    }
 }
 
 /// One sample per device the health model knows: `device` as published (`gpu-1`, `gpu-0-mig-3g.40gb-4`).
@@ -714,6 +744,17 @@ fn encode_claim_usage(
         "GPU memory a claim's processes use on its device.",
         Some(&Unit::Bytes),
         &memory,
+    )?;
+    let share: Vec<(Labels, f64)> = usage
+        .iter()
+        .filter_map(|u| Some((u.labels(), u.compute_share_ratio?)))
+        .collect();
+    gauge(
+        claims,
+        "tessera_claim_gpu_compute_share_ratio",
+        "The part of its GPU's SMs a claim's device was given: 1 for a whole GPU, an MPS share's active-thread percentage / 100.",
+        None,
+        &share,
     )
 }
 
@@ -900,10 +941,12 @@ mod tests {
             device: "gpu-1-shared".into(),
             utilization_ratio: Some(0.4),
             memory_used_bytes: Some(6 << 30),
+            compute_share_ratio: Some(0.5),
         };
         let mig = ClaimUsage {
             device: "gpu-0-mig-3g.40gb-4".into(),
             utilization_ratio: None,
+            compute_share_ratio: None,
             ..usage.clone()
         };
         let mut registry = Registry::default();
@@ -925,6 +968,54 @@ mod tests {
         assert_eq!(memory.len(), 2, "{text}");
         assert_eq!(parsed.types["tessera_claim_gpu_utilization_ratio"], "gauge");
         assert_eq!(parsed.types["tessera_claim_gpu_memory_used_bytes"], "gauge");
+        let share = parsed.find("tessera_claim_gpu_compute_share_ratio", &labels);
+        assert_eq!(
+            share.len(),
+            1,
+            "a MIG device has no compute share series:\n{text}"
+        );
+        assert_eq!(share[0].value, 0.5);
+    }
+
+    #[test]
+    fn a_devices_compute_share_is_its_mps_limit_else_its_daemons_default_else_the_whole_gpu() {
+        let mps = |limits: &[(&str, &str)]| {
+            let DeviceDetail::Shared(mut s) = share_of(1) else {
+                unreachable!()
+            };
+            s.strategy = Some("MPS".into());
+            s.mps_pipe_dir = Some("/run/mps/gpu-1/pipe".into());
+            s.limits = limits
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            DeviceDetail::Shared(s)
+        };
+        let whole = DeviceDetail::Gpu {
+            gpu: 0,
+            uuid: "GPU-0".into(),
+            minor: 0,
+        };
+        assert_eq!(compute_share(&whole), Some(1.0));
+        assert_eq!(
+            compute_share(&mps(&[("activeThreadPercentage", "25")])),
+            Some(0.25)
+        );
+        assert_eq!(
+            compute_share(&mps(&[(crate::sharing::DAEMON_THREAD_LIMIT, "50")])),
+            Some(0.5),
+            "without a limit of its own a client gets the daemon's default"
+        );
+        assert_eq!(compute_share(&mps(&[])), Some(1.0));
+        let DeviceDetail::Shared(mut sliced) = share_of(1) else {
+            unreachable!()
+        };
+        sliced.strategy = Some("TimeSlicing".into());
+        assert_eq!(
+            compute_share(&DeviceDetail::Shared(sliced)),
+            None,
+            "time slices give no fixed part"
+        );
     }
 
     #[test]

@@ -92,18 +92,25 @@ func promcheck(t *testing.T, targets []string, query string) promResult {
 	return r
 }
 
-// scaledObjectQuery is the Prometheus query of the example's KEDA trigger, with its namespace made ns.
+// scaledObjectQuery is the Prometheus query of the example's KEDA trigger on GPU use, with its namespace
+// made ns.
 func scaledObjectQuery(t *testing.T, obj *unstructured.Unstructured, ns string) string {
 	t.Helper()
 	triggers, _, _ := unstructured.NestedSlice(obj.Object, "spec", "triggers")
-	if len(triggers) != 1 {
-		t.Fatalf("the ScaledObject has %d triggers, want the one prometheus trigger", len(triggers))
+	var query string
+	for _, tr := range triggers {
+		q, _, _ := unstructured.NestedString(tr.(map[string]any), "metadata", "query")
+		if strings.Contains(q, "tessera_claim_gpu_utilization_ratio") {
+			query = q
+		}
 	}
-	query, _, _ := unstructured.NestedString(triggers[0].(map[string]any), "metadata", "query")
+	if query == "" {
+		t.Fatalf("the ScaledObject has no trigger on tessera_claim_gpu_utilization_ratio: %v", triggers)
+	}
 	if !strings.Contains(query, `namespace="tessera-examples"`) {
 		t.Fatalf("the ScaledObject's query %q does not select the example's namespace", query)
 	}
-	return strings.Replace(query, `namespace="tessera-examples"`, fmt.Sprintf("namespace=%q", ns), 1)
+	return strings.ReplaceAll(query, `namespace="tessera-examples"`, fmt.Sprintf("namespace=%q", ns))
 }
 
 func TestMetricsGiveEachClaimsGPUUseAndTheAutoscalingExampleScalesOnIt(t *testing.T) {
@@ -122,7 +129,7 @@ func TestMetricsGiveEachClaimsGPUUseAndTheAutoscalingExampleScalesOnIt(t *testin
 		util   string
 		memory string
 	}
-	for _, l := range []load{{share, true, "40", "6Gi"}, {whole, false, "60", "20Gi"}} {
+	for _, l := range []load{{share, true, "20", "6Gi"}, {whole, false, "60", "20Gi"}} {
 		node := l.a.pod.Spec.NodeName
 		bin, _ := pluginLaunch(t, node)
 		args := []string{"simulate", "load", "--state-dir", filepath.Join(e.runDir, "nodes", node, "plugin-state"),
@@ -158,8 +165,8 @@ func TestMetricsGiveEachClaimsGPUUseAndTheAutoscalingExampleScalesOnIt(t *testin
 			t.Errorf("the example README does not show the ScaledObject's query %q", query)
 		}
 		r := promcheck(t, targets, scaledObjectQuery(t, objs[0], ns))
-		if len(r.Result) != 1 || math.Abs(r.Result[0].Value-0.40) > 1e-9 {
-			t.Fatalf("query gave %+v, want one value 0.40 (the 40 %% load on inference-0's share)", r.Result)
+		if len(r.Result) != 1 || math.Abs(r.Result[0].Value-0.80) > 1e-9 {
+			t.Fatalf("query gave %+v, want one value 0.80 (inference-0's 20 %% of the GPU over its 25 %% share)", r.Result)
 		}
 	})
 
@@ -170,7 +177,7 @@ func TestMetricsGiveEachClaimsGPUUseAndTheAutoscalingExampleScalesOnIt(t *testin
 			a            allocation
 			util, memory float64
 		}{
-			"inference-0": {share, 0.40, 6 << 30},
+			"inference-0": {share, 0.20, 6 << 30},
 			"trainer-0":   {whole, 0.60, 20 << 30},
 		}
 		for name, r := range map[string]promResult{"utilization": util, "memory": memory} {
@@ -199,6 +206,18 @@ func TestMetricsGiveEachClaimsGPUUseAndTheAutoscalingExampleScalesOnIt(t *testin
 		}
 	})
 
+	t.Run("each claim's compute share is the part of the GPU its device was given", func(t *testing.T) {
+		r := promcheck(t, targets, fmt.Sprintf("tessera_claim_gpu_compute_share_ratio{namespace=%q}", ns))
+		want := map[string]float64{"inference-0": 0.25, "trainer-0": 1}
+		got := map[string]float64{}
+		for _, s := range r.Result {
+			got[s.Metric["pod"]] = s.Value
+		}
+		if fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("compute shares by pod %v, want %v (the share's compute: 25, a whole GPU)", got, want)
+		}
+	})
+
 	t.Run("every plugin's metric names, labels and help pass promlint", func(t *testing.T) {
 		args := []string{"--lint"}
 		for _, target := range targets {
@@ -224,24 +243,9 @@ func TestMetricsGiveEachClaimsGPUUseAndTheAutoscalingExampleScalesOnIt(t *testin
 		}
 	})
 
-	t.Run("the ScaledObject and the HPA are accepted with KEDA's CRD installed", func(t *testing.T) {
+	t.Run("the ScaledObject and the HPA are accepted by the API server KEDA's CRDs extend", func(t *testing.T) {
 		ctx := ctxFor(t, 2*time.Minute)
-		crd, err := cluster.ReadManifests(filepath.Join(e.repoRoot, "e2e", "manifests", "keda", "keda.sh_scaledobjects.yaml"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		installer, err := cluster.NewApplier(e.cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := installer.Apply(ctx, crd, ""); err != nil {
-			t.Fatalf("install KEDA's ScaledObject CRD: %v", err)
-		}
-		t.Cleanup(func() {
-			if err := installer.Delete(context.Background(), crd, ""); err != nil {
-				t.Errorf("remove KEDA's CRD: %v", err)
-			}
-		})
+		autoscaling(t) // KEDA's CRDs come with the add-on
 		objs, err := cluster.ReadManifests(
 			filepath.Join(e.repoRoot, "e2e", "manifests", "keda", "scaledobject.yaml"),
 			filepath.Join(e.repoRoot, "deployments", "examples", "autoscaling", "autoscaling.yaml"),

@@ -28,8 +28,8 @@ import (
 const usage = `usage: clusterctl <command> [flags]
 commands:
   pki            --dir D --server URL --identities name=user[@group+group],...
-  sign-cert      --dir D --out PREFIX --cn CN [--ips IP,...] [--dns NAME,...]
-                 (a serving certificate signed by the CA pki wrote in D)
+  sign-cert      --dir D --out PREFIX --cn CN [--ips IP,...] [--dns NAME,...] [--client]
+                 (a serving certificate signed by the CA pki wrote in D; --client: for client auth too)
   wait-url       --url URL [--timeout 60s]            (2xx over http, or https without verification)
   wait-api       --kubeconfig K [--timeout 60s]       (/readyz)
   wait-node      --kubeconfig K --node N              (Ready, no taints)
@@ -68,6 +68,7 @@ func run(ctx context.Context, cmd string, args []string) error {
 	commonName := fs.String("cn", "", "certificate common name (sign-cert)")
 	ips := fs.String("ips", "", "IP addresses the certificate names, comma-separated (sign-cert)")
 	dnsNames := fs.String("dns", "", "DNS names the certificate names, comma-separated (sign-cert)")
+	clientAuth := fs.Bool("client", false, "the certificate is for client authentication too (sign-cert)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -121,7 +122,7 @@ func run(ctx context.Context, cmd string, args []string) error {
 				names = append(names, s)
 			}
 		}
-		return cluster.SignCert(*dir, *out, *commonName, addrs, names)
+		return cluster.SignCert(*dir, *out, *commonName, addrs, names, *clientAuth)
 	case "wait-url":
 		hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{
 			// Component health endpoints serve self-signed certificates; only liveness matters here.

@@ -36,7 +36,9 @@ type Identity struct {
 // WritePKI creates a CA (ca.crt, ca.key: SignCert signs the real node's kubelet serving certificate with
 // it once that node's address is known), a serving certificate for 127.0.0.1, the API server's client
 // certificate for kubelets (kubelet-client.crt, CN kube-apiserver-kubelet-client, which up.sh binds to
-// system:kubelet-api-admin so `kubectl logs`/`exec` pass the kubelet's webhook authorization), the
+// system:kubelet-api-admin so `kubectl logs`/`exec` pass the kubelet's webhook authorization), its
+// front-proxy client certificate (front-proxy-client.crt: the aggregation layer's identity towards
+// extension API servers such as KEDA's metrics adapter, which trust it by the request-header CA), the
 // service-account key pair, a token file and one kubeconfig per identity under dir. rustls (the Rust
 // clients) rejects a self-signed end-entity certificate, hence the separate CA.
 func WritePKI(dir, server string, identities []Identity) error {
@@ -96,13 +98,19 @@ func WritePKI(dir, server string, identities []Identity) error {
 	if err != nil {
 		return err
 	}
+	proxyCert, proxyKey, err := signCert(ca, caKey, 4, "front-proxy-client", nil, nil, x509.ExtKeyUsageClientAuth)
+	if err != nil {
+		return err
+	}
 	files := map[string][]byte{
-		"ca.key":             pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: caKeyDER}),
-		"kubelet-client.crt": clientCert,
-		"kubelet-client.key": clientKey,
-		"ca.crt":             caPEM,
-		"serving.crt":        pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: servingDER}),
-		"sa.key":             pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(saKey)}),
+		"front-proxy-client.crt": proxyCert,
+		"front-proxy-client.key": proxyKey,
+		"ca.key":                 pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: caKeyDER}),
+		"kubelet-client.crt":     clientCert,
+		"kubelet-client.key":     clientKey,
+		"ca.crt":                 caPEM,
+		"serving.crt":            pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: servingDER}),
+		"sa.key":                 pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(saKey)}),
 	}
 	servingKeyDER, err := x509.MarshalECPrivateKey(servingKey)
 	if err != nil {
@@ -151,8 +159,10 @@ func WritePKI(dir, server string, identities []Identity) error {
 }
 
 // SignCert writes <out>.crt and <out>.key: a serving certificate for ips and dnsNames signed by the CA
-// WritePKI left in dir (the real node's kubelet, whose address the API server dials and verifies).
-func SignCert(dir, out, commonName string, ips []net.IP, dnsNames []string) error {
+// WritePKI left in dir (the real node's kubelet, whose address the API server dials and verifies). With
+// client the certificate is also good for client authentication: KEDA's operator and metrics adapter
+// talk mutual TLS with one key pair each side.
+func SignCert(dir, out, commonName string, ips []net.IP, dnsNames []string, client bool) error {
 	caPEM, err := os.ReadFile(filepath.Join(dir, "ca.crt"))
 	if err != nil {
 		return fmt.Errorf("the CA certificate (clusterctl pki writes it): %w", err)
@@ -178,7 +188,11 @@ func SignCert(dir, out, commonName string, ips []net.IP, dnsNames []string) erro
 	if err != nil {
 		return fmt.Errorf("failed to draw a serial number: %w", err)
 	}
-	crt, key, err := signCert(ca, caKey, serial.Int64()+16, commonName, ips, dnsNames, x509.ExtKeyUsageServerAuth)
+	usages := []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
+	if client {
+		usages = append(usages, x509.ExtKeyUsageClientAuth)
+	}
+	crt, key, err := signCert(ca, caKey, serial.Int64()+16, commonName, ips, dnsNames, usages...)
 	if err != nil {
 		return err
 	}
@@ -191,7 +205,7 @@ func SignCert(dir, out, commonName string, ips []net.IP, dnsNames []string) erro
 	return nil
 }
 
-func signCert(ca *x509.Certificate, caKey *ecdsa.PrivateKey, serial int64, commonName string, ips []net.IP, dnsNames []string, usage x509.ExtKeyUsage) (crtPEM, keyPEM []byte, err error) {
+func signCert(ca *x509.Certificate, caKey *ecdsa.PrivateKey, serial int64, commonName string, ips []net.IP, dnsNames []string, usages ...x509.ExtKeyUsage) (crtPEM, keyPEM []byte, err error) {
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		return nil, nil, fmt.Errorf("failed to generate a key for %s: %w", commonName, err)
@@ -203,7 +217,7 @@ func signCert(ca *x509.Certificate, caKey *ecdsa.PrivateKey, serial int64, commo
 		NotBefore:    now,
 		NotAfter:     now.Add(10 * 365 * 24 * time.Hour),
 		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
-		ExtKeyUsage:  []x509.ExtKeyUsage{usage},
+		ExtKeyUsage:  usages,
 		IPAddresses:  ips,
 		DNSNames:     dnsNames,
 	}
