@@ -2,6 +2,18 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
+.PHONY: bench-fleet
+# Fleet utilization (issue 24): the Azure LLM trace's services on the real node under whole-peak, whole GPUs +
+# KEDA and MPS shares + KEDA, with Prometheus, KEDA, the HPA, kube-scheduler and tessera in the loop. The
+# table goes to e2e/bench/results/fleet.md. `make e2e` runs it on the trace's first 10 minutes.
+FLEET_MINUTES ?= 60
+FLEET_COMPRESS ?= 6
+FLEET_POLICIES ?= whole-peak,whole-hpa,shares-hpa,shares-hpa@0.85/0.1
+bench-fleet: ## The fleet utilization benchmark on the Azure LLM trace (~45 min; root)
+	e2e/scripts/node-packages.sh --install
+	FLEET_MINUTES=$(FLEET_MINUTES) FLEET_COMPRESS=$(FLEET_COMPRESS) FLEET_POLICIES='$(FLEET_POLICIES)' FLEET_OUT=$(CURDIR)/e2e/bench/results/fleet.md \
+		E2E_RUN='^TestFleetBench' E2E_TIMEOUT=90m e2e/scripts/e2e.sh
+
 .PHONY: help build test test-unit test-bench test-sample lint up down e2e bench-packing bench-scheduler test-faults bench-scheduler-rate bench-coldstart
 
 help: ## List the targets
@@ -26,6 +38,7 @@ test-unit: ## Rust unit and integration tests (no cluster)
 
 test-bench: ## The packing benchmark's own tests (allocation counts on a fixed slice of the trace; no timing)
 	cd e2e/bench && GOTOOLCHAIN=local go test -count=1 ./...
+	cd e2e/k8s && GOTOOLCHAIN=local GOFLAGS=-mod=mod go test -count=1 ./internal/fleet/
 
 lint: ## rustfmt and clippy, as CI would want them
 	cargo fmt --all -- --check

@@ -44,6 +44,10 @@ ADMIN_KUBECONFIG="$PKI_DIR/admin.kubeconfig"
 export GOTOOLCHAIN=local
 
 node_name() { echo "${NODE_PREFIX}$1"; }
+# The real node's pod subnet and its bridge's (the gateway's) address, derived from API_PORT so clusters of
+# other run dirs get their own (real-node.sh; the autoscaling add-on's metrics adapter serves there).
+RN_SUBNET="${REAL_NODE_SUBNET:-10.99.$((API_PORT % 256)).0/24}"
+RN_GATEWAY="${RN_SUBNET%.*}.1"
 node_dir() { echo "$RUN_DIR/nodes/$1"; }
 
 _t0=$(date +%s)

@@ -20,7 +20,7 @@ up_done=$(date +%s)
 
 step "e2e scenarios (log: $LOG_DIR/e2e.log)"
 if [[ -n "${E2E_RUN:-}" ]]; then select=(-test.run "$E2E_RUN"); else select=(-test.skip '^TestFaults'); fi
-run_scenarios "$LOG_DIR/e2e.log" -test.timeout 25m "${select[@]}"
+run_scenarios "$LOG_DIR/e2e.log" -test.timeout "${E2E_TIMEOUT:-35m}" "${select[@]}"
 end=$(date +%s)
 
 echo

@@ -49,8 +49,6 @@ NODE_BIN="${NODE_BIN_DIR:-$E2E_DIR/bin/node}"
 RN_NAME="${REAL_NODE_NAME:-real-node}"
 RN_DIR="$RUN_DIR/real-node"
 RN_BRIDGE="${REAL_NODE_BRIDGE:-tsr$API_PORT}"
-RN_SUBNET="${REAL_NODE_SUBNET:-10.99.$((API_PORT % 256)).0/24}"
-RN_GATEWAY="${RN_SUBNET%.*}.1"
 # The node's address: a host address of this cluster's own (the bridge exists before the kubelet starts),
 # which kubelet accepts as --node-ip where it refuses a loopback one.
 RN_ADDRESS="$RN_GATEWAY"

@@ -126,12 +126,43 @@ func shareFraction(sizes []float64, meanLoad, target float64) float64 {
 // Simulate runs one policy over cfg.Trace split into cfg.Services services.
 // Every replica present at the start is Ready at time 0 (a warm start): whole-peak
 // at its fixed count, the HPA policies at ceil(mean load / (f * target)).
+// Plan is how a policy starts one service: the GPU fraction of each replica (1, or the MPS share's f) and
+// the replicas it starts with.
+type Plan struct {
+	Service  Service
+	Fraction float64
+	Replicas int
+}
+
+// Plans sizes every service of cfg's trace for policy: whole-peak its peak window's load over the target,
+// the autoscaled policies its mean load over the target (in replicas of its fraction), at least 1.
+func Plans(cfg Config, policy Policy) []Plan {
+	cfg = cfg.WithDefaults()
+	m, target := cfg.Model, cfg.TargetUtilization
+	var out []Plan
+	for _, sv := range SplitServices(cfg.Trace, cfg.Services) {
+		p := Plan{Service: sv, Fraction: 1}
+		mean := m.LoadGPUs(sv.Requests, TraceSpan(cfg.Trace))
+		switch policy {
+		case WholePeak:
+			p.Replicas = int(math.Ceil(m.PeakLoadGPUs(sv.Requests, cfg.PeakWindow)/target - eps))
+		case SharesHPA:
+			p.Fraction = shareFraction(cfg.ShareSizes, mean, target)
+			fallthrough
+		default:
+			p.Replicas = int(math.Ceil(mean/(p.Fraction*target) - eps))
+		}
+		p.Replicas = min(max(p.Replicas, 1), cfg.MaxReplicas)
+		out = append(out, p)
+	}
+	return out
+}
+
 func Simulate(cfg Config, policy Policy) Result {
 	cfg = cfg.WithDefaults()
 	services := SplitServices(cfg.Trace, cfg.Services)
 	span := TraceSpan(cfg.Trace).Seconds()
 	fl := New(cfg, services)
-	m := cfg.Model
 	target := cfg.TargetUtilization
 
 	res := Result{Policy: policy}
@@ -149,23 +180,13 @@ func Simulate(cfg Config, policy Policy) Result {
 	if cfg.ScaleToZero {
 		minReplicas = 0
 	}
-	for i, sv := range services {
-		s := &simService{name: sv.Name, frac: 1}
-		mean := m.LoadGPUs(sv.Requests, TraceSpan(cfg.Trace))
-		var n int
-		switch policy {
-		case WholePeak:
-			n = int(math.Ceil(m.PeakLoadGPUs(sv.Requests, cfg.PeakWindow)/target - eps))
-		case SharesHPA:
-			s.frac = shareFraction(cfg.ShareSizes, mean, target)
-			fallthrough
-		default:
-			n = int(math.Ceil(mean/(s.frac*target) - eps))
+	for i, plan := range Plans(cfg, policy) {
+		s := &simService{name: plan.Service.Name, frac: plan.Fraction}
+		if policy != WholePeak {
 			s.hpa = &hpa{target: target, tolerance: cfg.Tolerance, min: minReplicas, max: cfg.MaxReplicas,
 				window: cfg.traceSeconds(cfg.StabilizationWindow)}
 		}
-		n = min(max(n, 1), cfg.MaxReplicas)
-		for range n {
+		for range plan.Replicas {
 			create(s, 0, 0)
 		}
 		sims[i] = s

@@ -4,7 +4,7 @@
 // A live driver calls [New] and then [Fleet.Step] once per tick with the Ready
 // replicas of each service (as Kubernetes reports them while Prometheus, KEDA and
 // the HPA scale them) and feeds each replica's [Usage.Percent] to the simulated GPU
-// backend (`tessera-kubelet-plugin simulate load --claim <uid> --util <0-100>`).
+// driver (`tessera-kubelet-plugin simulate load --pid <its process> --util <0-100>`).
 // [Simulate] runs the same model with a simulated autoscaler, so policies can be
 // compared offline without a cluster.
 //

@@ -19,7 +19,7 @@ func realTrace() string {
 	if p := os.Getenv("FLEET_TRACE"); p != "" {
 		return p
 	}
-	return filepath.Join("..", "..", "..", "..", "shared", "data", "azure-llm-2023", "AzureLLMInferenceTrace_conv.csv")
+	return filepath.Join("..", "..", "..", "..", "..", "shared", "data", "azure-llm-2023", "AzureLLMInferenceTrace_conv.csv")
 }
 
 func secs(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
