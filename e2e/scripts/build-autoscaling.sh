@@ -16,20 +16,13 @@ export GOTOOLCHAIN=local GOFLAGS="-mod=mod -buildvcs=false" CGO_ENABLED=0
 command -v go >/dev/null 2>&1 || { echo "error: go not found in PATH; install Go >= 1.26.8" >&2; exit 2; }
 mkdir -p "$OUT"
 
-# stamp_ok NAME WANT FILE...: true when every FILE exists and NAME's stamp says WANT.
-stamp_ok() {
-  local name="$1" want="$2" f; shift 2
-  for f in "$@"; do [[ -e "$f" ]] || return 1; done
-  [[ -f "$OUT/.$name-stamp" && "$(cat "$OUT/.$name-stamp")" == "$want" ]]
-}
-mods_of() { (cd "$1" && go list -deps -tags "${TAGS:-}" -f '{{with .Module}}{{.Path}}@{{.Version}}{{end}}' "${@:2}" | sort -u); }
 
 PROM_MOD="$E2E_DIR/tools/prometheus"
 PROM_PKG=github.com/prometheus/prometheus/cmd/prometheus
 PROM_TAGS=remove_all_sd,enable_kubernetes_sd
 PROM_VERSION="$(cd "$PROM_MOD" && go list -m -f '{{.Version}}' github.com/prometheus/prometheus)"
 want="$( { TAGS=$PROM_TAGS mods_of "$PROM_MOD" "$PROM_PKG"; go env GOVERSION; cat "$SELF"; } | sha256sum | cut -d' ' -f1)"
-if stamp_ok prometheus "$want" "$OUT/prometheus"; then
+if stamp_ok "$OUT" prometheus "$want" "$OUT/prometheus"; then
   echo "Prometheus $PROM_VERSION up to date in $OUT"
 else
   start=$(date +%s)
@@ -45,7 +38,7 @@ KEDA_MOD="$E2E_DIR/tools/keda"
 KEDA_PKGS=(github.com/kedacore/keda/v2/cmd/operator github.com/kedacore/keda/v2/cmd/adapter)
 KEDA_VERSION="$(cd "$KEDA_MOD" && go list -m -f '{{.Version}}' github.com/kedacore/keda/v2)"
 want="$( { mods_of "$KEDA_MOD" "${KEDA_PKGS[@]}"; go env GOVERSION; cat "$SELF"; } | sha256sum | cut -d' ' -f1)"
-if stamp_ok keda "$want" "$OUT/keda-operator" "$OUT/keda-adapter" "$OUT/keda-crds.yaml"; then
+if stamp_ok "$OUT" keda "$want" "$OUT/keda-operator" "$OUT/keda-adapter" "$OUT/keda-crds.yaml"; then
   echo "KEDA $KEDA_VERSION up to date in $OUT"
 else
   start=$(date +%s)

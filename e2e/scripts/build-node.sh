@@ -20,13 +20,6 @@ export GOTOOLCHAIN=local
 command -v go >/dev/null 2>&1 || { echo "error: go not found in PATH; install Go >= 1.26.0" >&2; exit 2; }
 "$E2E_DIR/scripts/node-packages.sh" --check
 
-# stamp_ok NAME WANT FILE...: true when every FILE exists and NAME's stamp says WANT.
-stamp_ok() {
-  local name="$1" want="$2" f; shift 2
-  for f in "$@"; do [[ -e "$f" ]] || return 1; done
-  [[ -f "$NODE_BIN/.$name-stamp" && "$(cat "$NODE_BIN/.$name-stamp")" == "$want" ]]
-}
-mods_of() { (cd "$1" && go list -deps -f '{{with .Module}}{{.Path}}@{{.Version}}{{end}}' "${@:2}" | sort -u); }
 mkdir -p "$NODE_BIN/cni" "$NODE_BIN/images" "$BIN_DIR"
 
 # kubelet: the same module, replace block and version stamp as the control plane (build-k8s.sh), so the
@@ -34,7 +27,7 @@ mkdir -p "$NODE_BIN/cni" "$NODE_BIN/images" "$BIN_DIR"
 KUBELET_PKG=k8s.io/kubernetes/cmd/kubelet
 KUBE_VERSION="$(cd "$K8S_MOD" && GOFLAGS="-mod=mod -modfile=$K8S_MODFILE" go list -m -f '{{.Version}}' k8s.io/kubernetes)"
 want="$( { GOFLAGS="-mod=mod -modfile=$K8S_MODFILE" mods_of "$K8S_MOD" "$KUBELET_PKG"; go env GOVERSION; cat "$SELF"; } | sha256sum | cut -d' ' -f1)"
-if stamp_ok "kubelet-$K8S_VERSION" "$want" "$BIN_DIR/kubelet"; then
+if stamp_ok "$NODE_BIN" "kubelet-$K8S_VERSION" "$want" "$BIN_DIR/kubelet"; then
   echo "kubelet $KUBE_VERSION up to date in $BIN_DIR"
 else
   start=$(date +%s)
@@ -57,7 +50,7 @@ v() { (cd "$NODE_MOD" && go list -m -f '{{.Version}}' "$1"); }
 CONTAINERD_VERSION="$(v github.com/containerd/containerd/v2)"
 RUNC_VERSION="$(v github.com/opencontainers/runc)"
 want="$( { mods_of "$NODE_MOD" "${RUNTIME_PKGS[@]}" "${CNI_PKGS[@]}" "$RUNC_PKG"; go env GOVERSION; cat "$SELF"; } | sha256sum | cut -d' ' -f1)"
-if stamp_ok runtime "$want" "$NODE_BIN"/{containerd,containerd-shim-runc-v2,ctr,crictl,runc} "$NODE_BIN"/cni/{bridge,loopback,host-local,portmap}; then
+if stamp_ok "$NODE_BIN" runtime "$want" "$NODE_BIN"/{containerd,containerd-shim-runc-v2,ctr,crictl,runc} "$NODE_BIN"/cni/{bridge,loopback,host-local,portmap}; then
   echo "containerd $CONTAINERD_VERSION, runc $RUNC_VERSION, CNI plugins up to date in $NODE_BIN"
 else
   start=$(date +%s)
@@ -77,7 +70,7 @@ fi
 DNS_MOD="$E2E_DIR/tools/coredns"
 want="$( { mods_of "$DNS_MOD" .; go env GOVERSION; cat "$DNS_MOD/main.go" "$SELF"; } | sha256sum | cut -d' ' -f1)"
 DNS_VERSION="$(cd "$DNS_MOD" && go list -m -f '{{.Version}}' github.com/coredns/coredns)"
-if stamp_ok coredns "$want" "$NODE_BIN/coredns"; then
+if stamp_ok "$NODE_BIN" coredns "$want" "$NODE_BIN/coredns"; then
   echo "CoreDNS $DNS_VERSION up to date in $NODE_BIN"
 else
   start=$(date +%s)
@@ -99,7 +92,7 @@ done
 want="$( { cat "$PAUSE_C" /bin/busybox "$E2E_DIR/images/node_images.py" "$E2E_DIR/images/cuda-probe.c" "$SELF"
   gcc --version | head -1; ldd --version | head -1
   for f in "${DRIVER_FILES[@]}"; do ldd "$f" | awk '{print $1}'; done; } | sha256sum | cut -d' ' -f1)"
-if stamp_ok images "$want" "$NODE_BIN/images/pause.tar" "$NODE_BIN/images/busybox.tar" "$NODE_BIN/images/cuda-probe.tar"; then
+if stamp_ok "$NODE_BIN" images "$want" "$NODE_BIN/images/pause.tar" "$NODE_BIN/images/busybox.tar" "$NODE_BIN/images/cuda-probe.tar"; then
   echo "pause, busybox and cuda-probe images up to date in $NODE_BIN/images"
 else
   gcc -Os -static -Wall -Werror -DVERSION=tessera-e2e -o "$NODE_BIN/pause" "$PAUSE_C"

@@ -169,6 +169,16 @@ stop_sessions() {
 
 clusterctl() { "$BIN_DIR/clusterctl" "$@"; }
 
+# stamp_ok DIR NAME WANT FILE...: true when every FILE exists and DIR/.NAME-stamp says WANT: what the files
+# were built from is unchanged, so the build scripts skip relinking them.
+stamp_ok() {
+  local dir="$1" name="$2" want="$3" f; shift 3
+  for f in "$@"; do [[ -e "$f" ]] || return 1; done
+  [[ -f "$dir/.$name-stamp" && "$(cat "$dir/.$name-stamp")" == "$want" ]]
+}
+# mods_of MODULE_DIR PKG...: every module@version the packages are built from (with the build tags in TAGS).
+mods_of() { (cd "$1" && go list -deps -tags "${TAGS:-}" -f '{{with .Module}}{{.Path}}@{{.Version}}{{end}}' "${@:2}" | sort -u); }
+
 # fresh_cluster: stops whatever an earlier run left in RUN_DIR, starts the cluster `make up` starts (as the
 # environment configures up.sh: ports, NODES, SKIP_EXAMPLES, ...), and stops it again when the calling script
 # exits, also after a failed start, unless KEEP_CLUSTER=1. The teardown owns the script's EXIT trap.

@@ -578,11 +578,11 @@ pub fn compute_share(detail: &DeviceDetail) -> Option<f64> {
         DeviceDetail::Mig(_) => None,
         DeviceDetail::Shared(s) if s.mig.is_some() => None,
         DeviceDetail::Shared(s) => {
-            if s.strategy.as_deref() != Some("MPS") {
+            if s.strategy.as_deref() != Some(tessera_api::policy::SharingStrategy::Mps.as_str()) {
                 return None;
             }
             let percent = |name: &str| s.limits.get(name).and_then(|v| v.parse::<f64>().ok());
-            let p = percent("activeThreadPercentage")
+            let p = percent(crate::sharing::CLIENT_THREAD_LIMIT)
                 .or_else(|| percent(crate::sharing::DAEMON_THREAD_LIMIT))
                 .unwrap_or(100.0);
             Some((p / 100.0).clamp(0.0, 1.0))

@@ -19,10 +19,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"sort"
 	"strconv"
@@ -102,7 +102,7 @@ func startGateway(t *testing.T, a autoscalingAddon, ns, service string) *gateway
 // (capped at all of them), as its container process's synthetic load.
 type loadDriver struct {
 	rn       realNodeEnv
-	bin      string
+	loads    processLoads
 	ns, app  string
 	share    float64 // the part of a GPU each replica's claim was given
 	demand   float64 // in shares' worth of busy SMs
@@ -145,14 +145,10 @@ func (d *loadDriver) drive(t *testing.T, ctx context.Context) (running []string,
 	if len(running) == 0 {
 		return running, pending
 	}
-	each := min(d.demand/float64(len(running)), 1) * d.share * 100
+	each := int(math.RoundToEven(min(d.demand/float64(len(running)), 1) * d.share * 100))
 	for _, name := range running {
 		r := d.replicas[name]
-		out, err := exec.Command(d.bin, "simulate", "--state-dir", d.rn.stateDir, "load", "--device", r.device,
-			"--pid", fmt.Sprint(r.pid), "--util", fmt.Sprintf("%.0f", each), "--memory", "2Gi").CombinedOutput()
-		if err != nil {
-			t.Fatalf("simulate load for %s: %v\n%s", name, err, out)
-		}
+		d.loads.set(t, r.device, r.pid, each, "2Gi")
 	}
 	return running, pending
 }
@@ -247,9 +243,7 @@ func TestAutoscalingKEDAScalesGPUSharesOnTheirOwnUseThroughPrometheusAndTheHPA(t
 		t.Fatalf("create the example ScaledObject: %v", err)
 	}
 
-	bin, _ := pluginLaunch(t, e.nodes[0])
-	d := &loadDriver{rn: rn, bin: bin, ns: ns, app: app, share: 0.25, replicas: map[string]replica{}}
-	t.Cleanup(func() { _ = exec.Command(bin, "simulate", "--state-dir", rn.stateDir, "load", "--clear").Run() })
+	d := &loadDriver{rn: rn, loads: realNodeLoads(t, rn), ns: ns, app: app, share: 0.25, replicas: map[string]replica{}}
 	waitFor(t, "KEDA's HPA reading the share's utilization", 2*time.Minute, func(ctx context.Context) (bool, string) {
 		d.drive(t, ctx)
 		s := hpaState(ctx, ns)

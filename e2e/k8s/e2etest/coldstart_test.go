@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -470,10 +471,16 @@ func durations(pods []coldPod, f func(coldPod) time.Duration) (p50, max time.Dur
 	for _, p := range pods {
 		d = append(d, f(p))
 	}
+	return medianAndMax(d)
+}
+
+// medianAndMax are the (lower) median and the largest of d, 0 for none; d is not modified.
+func medianAndMax(d []time.Duration) (p50, max time.Duration) {
 	if len(d) == 0 {
 		return 0, 0
 	}
-	sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
+	d = slices.Clone(d)
+	slices.Sort(d)
 	return d[(len(d)-1)/2], d[len(d)-1]
 }
 

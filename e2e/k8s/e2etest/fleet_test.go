@@ -31,7 +31,6 @@ import (
 	"fmt"
 	"math"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -173,8 +172,7 @@ func TestFleetBenchOnTheAzureTraceWithPrometheusKEDAAndTheHPAInTheLoop(t *testin
 		n := countDevices(t, rn.name, sharedName)
 		return n >= 3, fmt.Sprintf("%d shared devices", n)
 	})
-	bin, _ := pluginLaunch(t, e.nodes[0])
-	t.Cleanup(func() { _ = exec.Command(bin, "simulate", "--state-dir", rn.stateDir, "load", "--clear").Run() })
+	loads := realNodeLoads(t, rn)
 
 	var rows []fleetRow
 	for _, run := range args.runs {
@@ -183,7 +181,7 @@ func TestFleetBenchOnTheAzureTraceWithPrometheusKEDAAndTheHPAInTheLoop(t *testin
 		if run.share > 0 {
 			c.ShareSizes = []float64{run.share}
 		}
-		rows = append(rows, runFleetPolicy(t, rn, a, bin, c, run.policy))
+		rows = append(rows, runFleetPolicy(t, rn, a, loads, c, run.policy))
 	}
 	table := fleetTable(args, len(trace), rows)
 	t.Log("\n" + table)
@@ -194,7 +192,7 @@ func TestFleetBenchOnTheAzureTraceWithPrometheusKEDAAndTheHPAInTheLoop(t *testin
 	}
 }
 
-func runFleetPolicy(t *testing.T, rn realNodeEnv, a autoscalingAddon, bin string, cfg fleet.Config, policy fleet.Policy) fleetRow {
+func runFleetPolicy(t *testing.T, rn realNodeEnv, a autoscalingAddon, loads processLoads, cfg fleet.Config, policy fleet.Policy) fleetRow {
 	t.Helper()
 	ns := namespace(t, fmt.Sprintf("fleet-%s-%.0f", policy, cfg.TargetUtilization*100))
 	plans := fleet.Plans(cfg, policy)
@@ -310,11 +308,7 @@ func runFleetPolicy(t *testing.T, rn realNodeEnv, a autoscalingAddon, bin string
 		for id, u := range usage {
 			st := known[string(id)]
 			busy += u.GPUUtil
-			out, err := exec.Command(bin, "simulate", "--state-dir", rn.stateDir, "load", "--device", st.device,
-				"--pid", fmt.Sprint(st.pid), "--util", fmt.Sprint(u.Percent()), "--memory", "2Gi").CombinedOutput()
-			if err != nil {
-				t.Fatalf("simulate load for %s: %v\n%s", id, err, out)
-			}
+			loads.set(t, st.device, st.pid, u.Percent(), "2Gi")
 		}
 		row.capSeconds += allocated
 		row.gpuSeconds += float64(len(gpus))
@@ -337,7 +331,7 @@ func runFleetPolicy(t *testing.T, rn realNodeEnv, a autoscalingAddon, bin string
 	} else {
 		t.Errorf("%s: Prometheus' mean GPU use: %v (%d series)", policy, err, len(r))
 	}
-	_ = exec.Command(bin, "simulate", "--state-dir", rn.stateDir, "load", "--clear").Run()
+	loads.clear()
 
 	s := row.summary
 	if s.Served+s.Dropped+s.InFlight != s.Arrived {
@@ -444,7 +438,7 @@ the model's queueing delay p99, pods created, and the wall time from a new repli
 		for _, f := range r.fractions {
 			fr = append(fr, strconv.FormatFloat(f, 'g', 3, 64))
 		}
-		p50, pmax := durations(toColdPods(r.toRunning), func(c coldPod) time.Duration { return c.total })
+		p50, pmax := medianAndMax(r.toRunning)
 		target := fmt.Sprintf("%g", r.target)
 		if r.policy == fleet.WholePeak {
 			target = "(fixed: peak / " + target + ")"
@@ -455,12 +449,4 @@ the model's queueing delay p99, pods created, and the wall time from a new repli
 			r.summary.WithinTarget, r.summary.WithinWholeGPUTarget, r.summary.QueueP99.Seconds(), r.podsCreated, p50.Seconds(), pmax.Seconds())
 	}
 	return b.String()
-}
-
-func toColdPods(ds []time.Duration) []coldPod {
-	out := make([]coldPod, len(ds))
-	for i, d := range ds {
-		out[i] = coldPod{total: d}
-	}
-	return out
 }

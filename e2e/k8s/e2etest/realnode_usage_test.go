@@ -50,6 +50,38 @@ func (rn realNodeEnv) containerPID(t *testing.T, p *v1.Pod, container string) in
 	return inspect.Info.PID
 }
 
+// processLoads gives the real node's processes synthetic GPU load (`tessera-kubelet-plugin simulate load
+// --pid`), which the simulated driver's NVML reports for that host PID as a real driver reports a CUDA
+// process's SM use and memory.
+type processLoads struct {
+	rn  realNodeEnv
+	bin string
+}
+
+// realNodeLoads is the real node's load setter; every load it set is cleared when the test ends.
+func realNodeLoads(t *testing.T, rn realNodeEnv) processLoads {
+	t.Helper()
+	bin, _ := pluginLaunch(t, e.nodes[0])
+	l := processLoads{rn: rn, bin: bin}
+	t.Cleanup(l.clear)
+	return l
+}
+
+// set makes the process pid on device use percent of the whole GPU and memory.
+func (l processLoads) set(t *testing.T, device string, pid, percent int, memory string) {
+	t.Helper()
+	out, err := exec.Command(l.bin, "simulate", "--state-dir", l.rn.stateDir, "load", "--device", device,
+		"--pid", fmt.Sprint(pid), "--util", fmt.Sprint(percent), "--memory", memory).CombinedOutput()
+	if err != nil {
+		t.Fatalf("simulate load on %s for pid %d: %v\n%s", device, pid, err, out)
+	}
+}
+
+// clear removes every load.
+func (l processLoads) clear() {
+	_ = exec.Command(l.bin, "simulate", "--state-dir", l.rn.stateDir, "load", "--clear").Run()
+}
+
 func TestRealNodeShareUsageGaugesFindEachClaimsProcessesThroughTheHostProcWithoutHostPID(t *testing.T) {
 	rn := realNode(t)
 	installChart(t, rn)
@@ -107,18 +139,11 @@ func TestRealNodeShareUsageGaugesFindEachClaimsProcessesThroughTheHostProcWithou
 		t.Logf("the two shares are on different devices (%s, %s); each gauge is still its own process's", shares["share-a"].device, shares["share-b"].device)
 	}
 
-	bin, _ := pluginLaunch(t, e.nodes[0])
+	loads := realNodeLoads(t, rn)
 	setLoad := func(s *share, util int, memory string) {
 		t.Helper()
-		out, err := exec.Command(bin, "simulate", "--state-dir", rn.stateDir, "load", "--device", s.device,
-			"--pid", fmt.Sprint(s.pid), "--util", fmt.Sprint(util), "--memory", memory).CombinedOutput()
-		if err != nil {
-			t.Fatalf("simulate load: %v\n%s", err, out)
-		}
+		loads.set(t, s.device, s.pid, util, memory)
 	}
-	t.Cleanup(func() {
-		_ = exec.Command(bin, "simulate", "--state-dir", rn.stateDir, "load", "--clear").Run()
-	})
 	// No --claim: only the host PID says whose load it is.
 	setLoad(shares["share-a"], 40, "3Gi")
 	setLoad(shares["share-b"], 15, "1Gi")

@@ -252,6 +252,9 @@ pub struct DaemonWatch {
     pub stopped: Vec<String>,
 }
 
+/// The checkpoint's name (in [`PreparedShare::limits`]) of an MPS share's own compute limit
+/// (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`).
+pub const CLIENT_THREAD_LIMIT: &str = "activeThreadPercentage";
 /// The checkpoint's names (in [`PreparedShare::limits`]) of the daemon defaults of a share's device.
 pub const DAEMON_THREAD_LIMIT: &str = "mpsDefaultActiveThreadPercentage";
 pub const DAEMON_PINNED_LIMIT: &str = "mpsDefaultPinnedDeviceMemoryLimit";
@@ -517,7 +520,7 @@ impl Sharer {
                 out.mounts = mounts;
                 out.mps_pipe_dir = Some(dirs.pipe.display().to_string());
                 if let Some(p) = limits.active_thread_percentage {
-                    out.limits.insert("activeThreadPercentage".into(), p.to_string());
+                    out.limits.insert(CLIENT_THREAD_LIMIT.into(), p.to_string());
                 }
                 if let Some(b) = limits.pinned_memory_bytes {
                     out.limits
