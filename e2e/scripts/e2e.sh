@@ -11,8 +11,9 @@ start=$(date +%s)
 # The real node (kubelet + containerd + runc) runs in every make e2e: the TestRealNode* scenarios install the
 # chart on it (REAL_NODE=0 leaves it out, and those scenarios fail saying so).
 export REAL_NODE="${REAL_NODE:-1}"
-# Prometheus and KEDA (autoscaling.sh) for the TestAutoscaling* scenarios; ADDONS= leaves them out.
-export ADDONS="${ADDONS-autoscaling}"
+# Prometheus and KEDA (autoscaling.sh) for the TestAutoscaling* scenarios, Kueue (kueue.sh) for TestKueue*;
+# ADDONS= leaves them out.
+export ADDONS="${ADDONS-autoscaling,kueue}"
 SKIP_EXAMPLES=1 fresh_cluster
 # The chart scenarios run helm; build it (or find it up to date) before the scenarios' own timeout starts.
 "$E2E_DIR/scripts/build-helm.sh"

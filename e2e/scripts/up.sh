@@ -5,7 +5,8 @@
 # Variables: NODES GPUS MODEL (node shape), SKIP_EXAMPLES=1, SKIP_DRIVER=1 (control plane and nodes
 # only), RUN_DIR, *_PORT, FEATURE_GATES, RUNTIME_CONFIG, SCHEDULER_ARGS (extra kube-scheduler flags),
 # REAL_NODE=1 (also a real node: kubelet + containerd + runc, e2e/scripts/real-node.sh; make e2e sets it),
-# ADDONS=autoscaling (Prometheus and KEDA, e2e/scripts/autoscaling.sh; needs the real node; make e2e sets it),
+# ADDONS=autoscaling,kueue (a list: autoscaling = Prometheus and KEDA, e2e/scripts/autoscaling.sh, needs the real
+# node; kueue = Kueue's manager, e2e/scripts/kueue.sh, needs root; make e2e sets both),
 # INSTALL=host|chart (host, the default here: the controller runs as a host process; chart: the real node
 # comes up and tessera's controller and the real node's plugin are installed by `helm install` of
 # deployments/helm/tessera, as on a cluster; `make up` picks chart when run as root).
@@ -61,16 +62,27 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   "$E2E_DIR/scripts/build-helm.sh" > "$LOG_DIR/build-helm.log" 2>&1 || die "helm build failed" "$LOG_DIR/build-helm.log"
 fi
 
+# ADDONS: a comma- or space-separated list.
 ADDONS="${ADDONS:-}"
-case ",$ADDONS," in
-  ,, | ,autoscaling,) ;;
-  *) die "ADDONS=$ADDONS: the one add-on is autoscaling (Prometheus + KEDA)" ;;
-esac
-if [[ "$ADDONS" == autoscaling ]]; then
+read -ra addons <<< "${ADDONS//,/ }"
+for a in "${addons[@]}"; do
+  case "$a" in
+    autoscaling | kueue) ;;
+    *) die "ADDONS=$ADDONS: the add-ons are autoscaling (Prometheus + KEDA) and kueue (Kueue)" ;;
+  esac
+done
+addon() { [[ " ${ADDONS//,/ } " == *" $1 "* ]]; }
+if addon autoscaling; then
   step "build: Prometheus and KEDA (log: $LOG_DIR/build-autoscaling.log)"
   "$E2E_DIR/scripts/build-autoscaling.sh" > "$LOG_DIR/build-autoscaling.log" 2>&1 \
     || die "building the autoscaling add-on failed" "$LOG_DIR/build-autoscaling.log"
   grep -E 'built in|up to date' "$LOG_DIR/build-autoscaling.log" | sed 's/^/    /'
+fi
+if addon kueue; then
+  step "build: Kueue (log: $LOG_DIR/build-kueue.log)"
+  "$E2E_DIR/scripts/build-kueue.sh" > "$LOG_DIR/build-kueue.log" 2>&1 \
+    || die "building the kueue add-on failed" "$LOG_DIR/build-kueue.log"
+  grep -E 'built in|up to date' "$LOG_DIR/build-kueue.log" | sed 's/^/    /'
 fi
 
 INSTALL="${INSTALL:-host}"
@@ -367,9 +379,12 @@ fi
 if [[ "$REAL_NODE" == 1 && "$INSTALL" != chart ]]; then
   "$E2E_DIR/scripts/real-node.sh" up || die "the real node did not come up"
 fi
-if [[ "$ADDONS" == autoscaling ]]; then
+if addon autoscaling; then
   [[ "$REAL_NODE" == 1 ]] || die "ADDONS=autoscaling needs the real node (REAL_NODE=1): KEDA's adapter serves on its bridge address"
   "$E2E_DIR/scripts/autoscaling.sh" up || die "the autoscaling add-on did not come up"
+fi
+if addon kueue; then
+  "$E2E_DIR/scripts/kueue.sh" up || die "the kueue add-on did not come up"
 fi
 
 step "cluster is up"
