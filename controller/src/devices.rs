@@ -14,7 +14,7 @@
 //! taken once per device or once per share?), and mixing them would risk handing one GPU out twice.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     sync::{Mutex, OnceLock},
 };
 
@@ -259,12 +259,20 @@ fn profile_amounts(p: &MigProfileInfo) -> [(&'static str, u64); 7] {
     ]
 }
 
-/// The counter set of a GPU. Each engine/SM/memory counter is the most that any combination of MIG
-/// instances the hardware allows (non-overlapping placements, at most `instanceCount` per profile) can
-/// use, and at least the whole GPU's amount. So every combination the hardware allows fits the counters,
-/// while the counters still stop what the hardware forbids beyond overlap: two `+me` instances both need
-/// the GPU's single OFA.
-fn counter_set(gpu: &GpuInfo) -> CounterSet {
+/// The counter set of a GPU and which of its engine/SM/memory counters devices consume.
+///
+/// Each engine/SM/memory counter is the most that any combination of MIG instances the hardware allows
+/// (non-overlapping placements, at most `instanceCount` per profile) can use, and at least the whole GPU's
+/// amount. So every combination the hardware allows fits the counters, while the counters still stop what
+/// the hardware forbids beyond overlap: two `+me` instances both need the GPU's single OFA.
+///
+/// The memory-slice counters already refuse overlapping placements. An engine/SM/memory counter that no
+/// set of non-overlapping placements can overdraw (on an H100 all but the media engines a `+me` instance
+/// takes whole) never decides an allocation, so it is left out of the set and of every device's
+/// consumption: kube-scheduler validates each device/counter pair of every candidate node on every pod
+/// (`validateDeviceCounterConsumption`, half its CPU time for dynamic-MIG pods at 1,000 nodes on 1.38),
+/// and only the pairs that can bind are worth that.
+fn counter_set(gpu: &GpuInfo) -> (CounterSet, BTreeSet<&'static str>) {
     let mig = gpu.mig.as_ref().expect("only called for MIG-capable GPUs");
     let mut max: BTreeMap<&'static str, u64> = BTreeMap::new();
     let whole_engines = mig
@@ -277,40 +285,53 @@ fn counter_set(gpu: &GpuInfo) -> CounterSet {
     }
     max.insert(C_MEMORY, max[C_MEMORY].max(gpu.memory_bytes));
     max.insert(C_SMS, max[C_SMS].max(gpu.multiprocessors.into()));
-    // The search only depends on the profile table; clusters have few distinct tables and many GPUs.
-    static CACHE: OnceLock<Mutex<HashMap<String, BTreeMap<&'static str, u64>>>> = OnceLock::new();
+    // The searches only depend on the profile table; clusters have few distinct tables and many GPUs.
+    type Maxima = (BTreeMap<&'static str, u64>, BTreeMap<&'static str, u64>);
+    static CACHE: OnceLock<Mutex<HashMap<String, Maxima>>> = OnceLock::new();
     let key = serde_json::to_string(&mig.profiles).unwrap_or_default();
     let cache = CACHE.get_or_init(Default::default);
     let cached = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned();
-    let combos = cached.unwrap_or_else(|| {
-        let m = combination_maxima(&mig.profiles);
+    let (allowed, unlimited) = cached.unwrap_or_else(|| {
+        let m = (
+            combination_maxima(&mig.profiles, true),
+            combination_maxima(&mig.profiles, false),
+        );
         cache
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(key, m.clone());
         m
     });
-    for (k, v) in combos {
+    for (k, v) in allowed {
         let e = max.entry(k).or_default();
         *e = (*e).max(v);
     }
-    // A counter nothing consumes (encoders on these GPUs) would only add noise.
+    let binding: BTreeSet<&'static str> = max
+        .iter()
+        .filter(|&(k, v)| unlimited.get(k).is_some_and(|u| u > v))
+        .map(|(k, _)| *k)
+        .collect();
     let mut counters: BTreeMap<String, Counter> = max
         .into_iter()
-        .filter(|(_, v)| *v > 0)
+        .filter(|(k, _)| binding.contains(k))
         .map(|(k, v)| (k.to_string(), Counter { value: quantity(v) }))
         .collect();
     for k in 0..mig.memory_slices {
         counters.insert(memory_slice_counter(k), Counter { value: quantity(1) });
     }
-    CounterSet {
-        name: counter_set_name(gpu.index),
-        counters,
-    }
+    (
+        CounterSet {
+            name: counter_set_name(gpu.index),
+            counters,
+        },
+        binding,
+    )
 }
 
-/// Per resource, the most any hardware-allowed combination of MIG instances uses.
-fn combination_maxima(profiles: &[MigProfileInfo]) -> BTreeMap<&'static str, u64> {
+/// Per resource, the most any combination of non-overlapping MIG placements uses: with `instance_limits`,
+/// only combinations the hardware allows (at most `instanceCount` of each profile); without, every one the
+/// memory-slice counters alone would let through.
+fn combination_maxima(profiles: &[MigProfileInfo], instance_limits: bool) -> BTreeMap<&'static str, u64> {
     let mut max = BTreeMap::new();
     let placements: Vec<(&MigProfileInfo, MigPlacement)> = profiles
         .iter()
@@ -319,6 +340,7 @@ fn combination_maxima(profiles: &[MigProfileInfo]) -> BTreeMap<&'static str, u64
     fn dfs<'a>(
         placements: &[(&'a MigProfileInfo, MigPlacement)],
         from: usize,
+        instance_limits: bool,
         chosen: &mut Vec<(&'a MigProfileInfo, MigPlacement)>,
         max: &mut BTreeMap<&'static str, u64>,
     ) {
@@ -338,16 +360,18 @@ fn combination_maxima(profiles: &[MigProfileInfo]) -> BTreeMap<&'static str, u64
         for i in from..placements.len() {
             let (p, pl) = placements[i];
             let same_profile = chosen.iter().filter(|(q, _)| q.name == p.name).count() as u32;
-            if same_profile >= p.instance_count || chosen.iter().any(|(_, c)| c.overlaps(&pl)) {
+            if (instance_limits && same_profile >= p.instance_count)
+                || chosen.iter().any(|(_, c)| c.overlaps(&pl))
+            {
                 continue;
             }
             chosen.push((p, pl));
-            dfs(placements, i + 1, chosen, max);
+            dfs(placements, i + 1, instance_limits, chosen, max);
             chosen.pop();
         }
     }
     if !placements.is_empty() {
-        dfs(&placements, 0, &mut vec![], &mut max);
+        dfs(&placements, 0, instance_limits, &mut vec![], &mut max);
     }
     max
 }
@@ -372,7 +396,7 @@ fn consumption(set: &str, counters: BTreeMap<String, Counter>) -> Option<Vec<Dev
 /// 3. the whole GPU last, so it is taken only by requests nothing smaller satisfies.
 pub fn dynamic_mig(node: &NodeInventorySpec, gpu: &GpuInfo, allowed: &[String]) -> GpuDevices {
     let mig = gpu.mig.as_ref().expect("only called for MIG-capable GPUs");
-    let set = counter_set(gpu);
+    let (set, binding) = counter_set(gpu);
     let allowed_profile = |p: &MigProfileInfo| {
         allowed.is_empty()
             || allowed
@@ -396,7 +420,7 @@ pub fn dynamic_mig(node: &NodeInventorySpec, gpu: &GpuInfo, allowed: &[String]) 
         for pl in placements {
             let mut counters: BTreeMap<String, Counter> = profile_amounts(p)
                 .into_iter()
-                .filter(|(_, v)| *v > 0)
+                .filter(|(k, v)| *v > 0 && binding.contains(k))
                 .map(|(k, v)| (k.to_string(), Counter { value: quantity(v) }))
                 .collect();
             for k in pl.start..pl.start + pl.size {

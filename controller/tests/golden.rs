@@ -189,6 +189,68 @@ fn mig_devices_can_be_allocated_together_exactly_when_their_placements_do_not_ov
     }
 }
 
+/// Beyond pairs: every set of non-overlapping MIG placements on a GPU fits the published counters exactly
+/// when it keeps to each profile's `instanceCount`, the hardware's own rule. This is what lets the
+/// controller leave out counters no such set can overdraw.
+#[test]
+fn every_set_of_non_overlapping_placements_fits_exactly_when_the_hardware_allows_it() {
+    fn walk<'a>(
+        devs: &'a [(&'a Device, String, MigPlacement, u32)],
+        from: usize,
+        chosen: &mut Vec<&'a (&'a Device, String, MigPlacement, u32)>,
+        sets: &BTreeMap<String, BTreeMap<String, Quantity>>,
+        checked: &mut usize,
+        gpu: &str,
+    ) {
+        let allowed = chosen
+            .iter()
+            .all(|(_, p, _, max)| chosen.iter().filter(|(_, q, _, _)| q == p).count() as u32 <= *max);
+        let together: Vec<&Device> = chosen.iter().map(|(d, ..)| *d).collect();
+        assert_eq!(
+            fits_together(&together, sets),
+            allowed,
+            "{gpu}: {:?}",
+            together.iter().map(|d| &d.name).collect::<Vec<_>>()
+        );
+        *checked += 1;
+        for i in from..devs.len() {
+            let (_, _, pl, _) = &devs[i];
+            if chosen.iter().any(|(_, _, c, _)| c.overlaps(pl)) {
+                continue;
+            }
+            chosen.push(&devs[i]);
+            walk(devs, i + 1, chosen, sets, checked, gpu);
+            chosen.pop();
+        }
+    }
+    for (node_name, inv) in nodes() {
+        let slices = render_case(&inv, &models()[2]);
+        let sets = counters_of(&slices);
+        let mut by_gpu: BTreeMap<u32, Vec<(&Device, String, MigPlacement, u32)>> = BTreeMap::new();
+        for d in devices(&slices) {
+            if let Some((profile, pl, max)) = placement(&inv, d) {
+                by_gpu
+                    .entry(d.name.parse::<DeviceName>().unwrap().gpu())
+                    .or_default()
+                    .push((d, profile, pl, max));
+            }
+        }
+        let mut checked = 0;
+        for (gpu, devs) in &by_gpu {
+            walk(
+                devs,
+                0,
+                &mut vec![],
+                &sets,
+                &mut checked,
+                &format!("{node_name} GPU {gpu}"),
+            );
+        }
+        // Thousands of layouts per GPU, not a handful: the walk really enumerated them.
+        assert!(checked > 1000 * by_gpu.len(), "{node_name}: only {checked} sets");
+    }
+}
+
 /// A full hardware layout such as 4g + 3g, or seven 1g, fits the counters.
 #[test]
 fn full_mig_layouts_fit_the_counters() {
