@@ -36,9 +36,10 @@ test-unit: ## Rust unit and integration tests (no cluster)
 	cargo build --workspace --all-targets
 	cargo test --workspace
 
-test-bench: ## The packing benchmark's own tests (allocation counts on a fixed slice of the trace; no timing)
+test-bench: ## The benchmarks' and e2e tools' own Go tests (packing counts on a fixed slice of the trace, the fleet model, 1.38's iptables stand-in; no timing)
 	cd e2e/bench && GOTOOLCHAIN=local go test -count=1 ./...
 	cd e2e/k8s && GOTOOLCHAIN=local GOFLAGS=-mod=mod go test -count=1 ./internal/fleet/
+	cd e2e/tools/iptables-wrappers && GOTOOLCHAIN=local go test -count=1 ./...
 
 lint: ## rustfmt and clippy, as CI would want them
 	cargo fmt --all -- --check
@@ -48,7 +49,7 @@ lint: ## rustfmt and clippy, as CI would want them
 # onto a real node (upstream kubelet + containerd), beside the stand-in nodes. Without root, or with
 # INSTALL=host, the controller runs as a host process and no real node comes up.
 INSTALL ?= $(if $(filter 0,$(shell id -u)),chart,host)
-up: ## Local Kubernetes 1.37 cluster without Docker + tessera, installed by its Helm chart onto a real node as root (INSTALL=host: host processes; ADDONS=autoscaling: Prometheus + KEDA; NODES=2 GPUS=8 MODEL=H100-SXM5-80GB; K8S_VERSION=1.36); see e2e/README.md
+up: ## Local Kubernetes 1.37 cluster without Docker + tessera, installed by its Helm chart onto a real node as root (INSTALL=host: host processes; ADDONS=autoscaling,kueue: Prometheus + KEDA, Kueue; NODES=2 GPUS=8 MODEL=H100-SXM5-80GB; K8S_VERSION=1.36); see e2e/README.md
 	@if [ "$(INSTALL)" = chart ]; then e2e/scripts/node-packages.sh --install; fi
 	INSTALL=$(INSTALL) ADDONS=$(ADDONS) e2e/scripts/up.sh
 
@@ -106,9 +107,9 @@ test-sample: ## The scheduler check in `make test`: 1 in 100 of the trace (commi
 		-controller $(CURDIR)/target/debug/tessera-controller -plugin $(CURDIR)/target/debug/tessera-kubelet-plugin \
 		-out $(CURDIR)/bench-results/test-sample
 
-# kube-scheduler's pods/s per policy on 100, 300 and 1,000 fake nodes, 1.36.5 and 1.37.2 side by side
+# kube-scheduler's pods/s per policy on 100, 300 and 1,000 fake nodes, 1.37.2 and 1.38 side by side
 # (e2e/scripts/bench-scheduler-rate.sh: RATE_VERSIONS, RATE_NODES, RATE_POLICIES, RATE_TIME_BOX).
-bench-scheduler-rate: ## Scheduler throughput, 1.36 vs 1.37, whole / dynamic MIG / shares on 100-1,000 nodes (~25 min)
+bench-scheduler-rate: ## Scheduler throughput, 1.37 vs 1.38, whole / dynamic MIG / lean-mig on 100-1,000 nodes (RATE_VERSIONS="1.37 1.38:hints-off"; ~45 min)
 	cargo build -p tessera-controller -p tessera-kubelet-plugin
 	e2e/scripts/bench-scheduler-rate.sh
 

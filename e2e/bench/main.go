@@ -84,6 +84,7 @@ func parseArgs() (args, error) {
 	flag.DurationVar(&a.rate.timeBox, "rate-time-box", 120*time.Second, "scheduler rate mode: a cell stops this long after its first pod and reports what was bound by then")
 	flag.IntVar(&a.rate.migMaxNodes, "rate-mig-max-nodes", 0, "scheduler rate mode: skip dynamic-MIG cells with more nodes than this (0: measure every size)")
 	flag.StringVar(&a.rate.schedulerPIDFile, "rate-scheduler-pid-file", "", "scheduler rate mode: file with kube-scheduler's pid (same machine), to report its CPU time per pod")
+	flag.StringVar(&a.rate.serverNote, "rate-server-note", "", "scheduler rate mode: words after the server version in the table's column names, e.g. the feature gates the run had")
 	flag.StringVar(&a.rate.jsonOut, "rate-json", "", "scheduler rate mode: write the cells to this JSON file")
 	flag.StringVar(&a.rateReport, "rate-report", "", "comma-separated -rate-json files (one per Kubernetes version): print them as one table, versions side by side")
 	flag.StringVar(&a.rateMarkdown, "rate-markdown", "", "with -rate-report: also write the table to this file")

@@ -429,6 +429,8 @@ type rateArgs struct {
 	burst       int
 	timeBox     time.Duration
 	jsonOut     string
+	// serverNote tells runs of one server version apart in the table (e.g. "PreQueueingHints off").
+	serverNote string
 	// migMaxNodes skips dynamic-MIG cells above this size (0: none skipped): 9 slices of 208 devices per
 	// node make 1,000 such nodes more than a small machine's API server holds.
 	migMaxNodes int
@@ -448,7 +450,11 @@ func runRate(ctx context.Context, a args, ra rateArgs, r *Renderer, policies []P
 	if err != nil {
 		return fmt.Errorf("failed to build a metadata client for %s: %w", restCfg.Host, err)
 	}
-	b := &RateBench{Client: client, Metadata: meta, Server: version.GitVersion, PodsPerNode: ra.podsPerNode, Burst: ra.burst, TimeBox: ra.timeBox, Workers: 16}
+	server := version.GitVersion
+	if ra.serverNote != "" {
+		server += " " + ra.serverNote
+	}
+	b := &RateBench{Client: client, Metadata: meta, Server: server, PodsPerNode: ra.podsPerNode, Burst: ra.burst, TimeBox: ra.timeBox, Workers: 16}
 	if ra.schedulerPIDFile != "" {
 		data, err := os.ReadFile(ra.schedulerPIDFile)
 		if err != nil {
@@ -597,21 +603,30 @@ func RateTable(cells []RateCell) string {
 	}
 	sb.WriteString("\n")
 	for _, n := range ns {
-		fmt.Fprintf(&sb, "| %d | dynamic MIG / whole |", n)
-		for _, s := range servers {
-			whole, okW := byKey[fmt.Sprintf("%s/whole/%d", s, n)]
-			mig, okM := byKey[fmt.Sprintf("%s/mig/%d", s, n)]
-			if !okW || !okM || whole.PodsPerSecond() == 0 {
-				sb.WriteString(" – |")
+		for _, p := range policies {
+			if p == "whole" || p == "shares" {
 				continue
 			}
-			cpu := ""
-			if mig.CPUMillisPerPod() > 0 && whole.CPUMillisPerPod() > 0 {
-				cpu = fmt.Sprintf(" (CPU per pod: %.1f %%)", 100*whole.CPUMillisPerPod()/mig.CPUMillisPerPod())
+			label := p + " / whole"
+			if p == "mig" {
+				label = "dynamic MIG / whole"
 			}
-			fmt.Fprintf(&sb, " %.1f %%%s |", 100*mig.PodsPerSecond()/whole.PodsPerSecond(), cpu)
+			fmt.Fprintf(&sb, "| %d | %s |", n, label)
+			for _, s := range servers {
+				whole, okW := byKey[fmt.Sprintf("%s/whole/%d", s, n)]
+				other, okO := byKey[fmt.Sprintf("%s/%s/%d", s, p, n)]
+				if !okW || !okO || whole.PodsPerSecond() == 0 {
+					sb.WriteString(" – |")
+					continue
+				}
+				cpu := ""
+				if other.CPUMillisPerPod() > 0 && whole.CPUMillisPerPod() > 0 {
+					cpu = fmt.Sprintf(" (CPU per pod: %.1f %%)", 100*whole.CPUMillisPerPod()/other.CPUMillisPerPod())
+				}
+				fmt.Fprintf(&sb, " %.1f %%%s |", 100*other.PodsPerSecond()/whole.PodsPerSecond(), cpu)
+			}
+			sb.WriteString("\n")
 		}
-		sb.WriteString("\n")
 	}
 	return sb.String()
 }

@@ -131,3 +131,21 @@ func TestAWholeGPUPolicyAsksForOneGPUAndTheOthersForTheirSlice(t *testing.T) {
 		t.Errorf("MIG pod %+v", p)
 	}
 }
+
+func TestEveryPartitionedPolicyGetsItsOwnRatioRowAndNotedRunsOfOneVersionStayApart(t *testing.T) {
+	cells := []RateCell{
+		rateCell("v1.38.0 PreQueueingHints off", "whole", 100, 200, 2, false),
+		rateCell("v1.38.0 PreQueueingHints off", "lean-mig", 100, 200, 8, false),
+		rateCell("v1.38.0", "whole", 100, 200, 2, false),
+		rateCell("v1.38.0", "lean-mig", 100, 200, 4, false),
+		rateCell("v1.38.0", "shares", 100, 200, 2, false),
+	}
+	table := RateTable(cells)
+	// Sorted, the plain version comes first: 50 % for it, 25 % for the run with hints off.
+	if !strings.Contains(table, "| 100 | lean-mig / whole | 50.0 % | 25.0 % |") {
+		t.Errorf("table:\n%s", table)
+	}
+	if strings.Contains(table, "shares / whole") {
+		t.Errorf("shares are not partitioned devices and get no ratio row:\n%s", table)
+	}
+}

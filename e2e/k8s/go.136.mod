@@ -12,6 +12,8 @@ require (
 	k8s.io/apimachinery v0.36.5
 	k8s.io/apiserver v0.36.5
 	k8s.io/client-go v0.36.5
+	k8s.io/component-base v0.36.5
+	k8s.io/dynamic-resource-allocation v0.36.5
 	k8s.io/klog/v2 v2.140.0
 	k8s.io/kubelet v0.36.5
 	k8s.io/kubernetes v1.36.5
@@ -151,13 +153,11 @@ require (
 	gopkg.in/yaml.v3 v3.0.1 // indirect
 	k8s.io/cloud-provider v0.36.5 // indirect
 	k8s.io/cluster-bootstrap v0.0.0 // indirect
-	k8s.io/component-base v0.36.5 // indirect
 	k8s.io/component-helpers v0.36.5 // indirect
 	k8s.io/controller-manager v0.36.5 // indirect
 	k8s.io/cri-api v0.36.5 // indirect
 	k8s.io/cri-client v0.0.0 // indirect
 	k8s.io/csi-translation-lib v0.0.0 // indirect
-	k8s.io/dynamic-resource-allocation v0.36.5 // indirect
 	k8s.io/endpointslice v0.0.0 // indirect
 	k8s.io/externaljwt v0.0.0 // indirect
 	k8s.io/kms v0.36.5 // indirect

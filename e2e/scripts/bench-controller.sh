@@ -15,7 +15,7 @@ source "$here/common.sh"
 
 fresh_cluster
 step "build: bench-controller"
-(cd "$E2E_DIR/k8s" && GOFLAGS="-buildvcs=false -modfile=$K8S_MODFILE" CGO_ENABLED=0 go build -trimpath -o "$BIN_DIR/bench-controller" ./cmd/bench-controller)
+(cd "$E2E_DIR/k8s" && GOTOOLCHAIN="$K8S_TOOLCHAIN" GOFLAGS="-buildvcs=false -modfile=$K8S_MODFILE" CGO_ENABLED=0 go build -trimpath -o "$BIN_DIR/bench-controller" ./cmd/bench-controller)
 step "bench-controller $*"
 "$BIN_DIR/bench-controller" -kubeconfig "$ADMIN_KUBECONFIG" -controller "$CONTROLLER_BIN" -plugin "$PLUGIN_BIN" \
   -apiserver-pid-file "$PID_DIR/kube-apiserver.pid" -log-dir "$LOG_DIR" "$@"

@@ -14,6 +14,6 @@ source "$here/common.sh"
 
 fresh_cluster
 step "build: bench-prepare"
-(cd "$E2E_DIR/k8s" && GOFLAGS="-buildvcs=false -modfile=$K8S_MODFILE" CGO_ENABLED=0 go build -trimpath -o "$BIN_DIR/bench-prepare" ./cmd/bench-prepare)
+(cd "$E2E_DIR/k8s" && GOTOOLCHAIN="$K8S_TOOLCHAIN" GOFLAGS="-buildvcs=false -modfile=$K8S_MODFILE" CGO_ENABLED=0 go build -trimpath -o "$BIN_DIR/bench-prepare" ./cmd/bench-prepare)
 step "bench-prepare $*"
 "$BIN_DIR/bench-prepare" -kubeconfig "$ADMIN_KUBECONFIG" -plugin "$PLUGIN_BIN" -work-dir "$RUN_DIR/bench-node" "$@" 2> >(tee "$LOG_DIR/bench-prepare.log" >&2)

@@ -10,7 +10,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 MOD_DIR="$E2E_DIR/k8s"
 SELF="$E2E_DIR/scripts/$(basename "${BASH_SOURCE[0]}")"
-export GOTOOLCHAIN=local GOFLAGS="-mod=mod -buildvcs=false -modfile=$K8S_MODFILE" CGO_ENABLED=0
+export GOTOOLCHAIN="$K8S_TOOLCHAIN" GOFLAGS="-mod=mod -buildvcs=false -modfile=$K8S_MODFILE" CGO_ENABLED=0
 
 if ! command -v go >/dev/null 2>&1; then
   echo "error: go not found in PATH; install Go >= 1.26.0 (the Kubernetes 1.36 and 1.37 modules need it)" >&2
@@ -61,6 +61,6 @@ fi
 if [[ "${SKIP_HARNESS:-0}" != 1 ]]; then
   start=$(date +%s)
   (cd "$MOD_DIR" && go build -trimpath -o "$BIN_DIR/" ./cmd/mini-kubelet ./cmd/clusterctl)
-  (cd "$MOD_DIR" && go test -trimpath -c -o "$BIN_DIR/e2e.test" ./e2etest)
+  (cd "$MOD_DIR" && go test -trimpath ${K8S_TEST_TAGS:+-tags "$K8S_TEST_TAGS"} -c -o "$BIN_DIR/e2e.test" ./e2etest)
   echo "harness (mini-kubelet, clusterctl, e2e.test) built in $(( $(date +%s) - start ))s"
 fi

@@ -15,7 +15,7 @@ SELF="$E2E_DIR/scripts/$(basename "${BASH_SOURCE[0]}")"
 K8S_MOD="$E2E_DIR/k8s"
 NODE_MOD="$E2E_DIR/tools/node"
 NODE_BIN="${NODE_BIN_DIR:-$E2E_DIR/bin/node}"
-export GOTOOLCHAIN=local
+export GOTOOLCHAIN="$K8S_TOOLCHAIN"
 
 command -v go >/dev/null 2>&1 || { echo "error: go not found in PATH; install Go >= 1.26.0" >&2; exit 2; }
 "$E2E_DIR/scripts/node-packages.sh" --check
@@ -40,7 +40,8 @@ else
   echo "kubelet $KUBE_VERSION built in $(( $(date +%s) - start ))s"
 fi
 
-export GOFLAGS="-mod=mod -buildvcs=false"
+# The node's own tools build with the machine's Go whatever the Kubernetes release needs.
+export GOTOOLCHAIN=local GOFLAGS="-mod=mod -buildvcs=false"
 RUNTIME_PKGS=(github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2
   github.com/containerd/containerd/v2/cmd/ctr sigs.k8s.io/cri-tools/cmd/crictl)
 CNI_PKGS=(github.com/containernetworking/plugins/plugins/main/bridge github.com/containernetworking/plugins/plugins/main/loopback
@@ -79,7 +80,7 @@ else
   echo "CoreDNS $DNS_VERSION built in $(( $(date +%s) - start ))s"
 fi
 
-PAUSE_C="$(cd "$K8S_MOD" && GOFLAGS="-mod=mod -modfile=$K8S_MODFILE" go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
+PAUSE_C="$(cd "$K8S_MOD" && GOTOOLCHAIN="$K8S_TOOLCHAIN" GOFLAGS="-mod=mod -modfile=$K8S_MODFILE" go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
 [[ -f "$PAUSE_C" ]] || { echo "error: $PAUSE_C missing (go mod download k8s.io/kubernetes in $K8S_MOD)" >&2; exit 2; }
 # The cuda-probe image carries the glibc libraries the simulated driver's files need (their NEEDED entries,
 # read with ldd), besides the probe's own: those built by cargo (up.sh builds them before this script).

@@ -7,13 +7,21 @@ E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 REPO_ROOT="$(cd "$E2E_DIR/.." && pwd)"
 RUN_DIR="${RUN_DIR:-$REPO_ROOT/.run}"
 # K8S_VERSION picks the Kubernetes minor the control plane, the kubelet stand-in and the tests are built
-# from: 1.37 (default, e2e/k8s/go.mod) or 1.36 (e2e/k8s/go.136.mod, the previous release kept runnable).
-# Each version has its own bin dir, so both builds coexist and switching back relinks nothing.
+# from: 1.37 (default, e2e/k8s/go.mod), 1.38 (e2e/k8s/go.138.mod, the next release) or 1.36
+# (e2e/k8s/go.136.mod, the previous release kept runnable). Each version has its own bin dir, so the
+# builds coexist and switching back relinks nothing.
 K8S_VERSION="${K8S_VERSION:-1.37}"
+# Kubernetes 1.38's modules say `go 1.27.0`; the machine's Go (1.26) fetches that toolchain from the Go
+# module proxy like any module (K8S_TOOLCHAIN, for what is built from e2e/k8s); 1.36 and 1.37 and every
+# other tool build with the machine's own Go.
+K8S_TOOLCHAIN=local
+# Build tags of the scenarios (e2etest): 1.36 builds the files written against its older APIs.
+K8S_TEST_TAGS=""
 case "$K8S_VERSION" in
   1.37) K8S_MODFILE=go.mod; _default_bin="$E2E_DIR/bin" ;;
-  1.36) K8S_MODFILE=go.136.mod; _default_bin="$E2E_DIR/bin/1.36" ;;
-  *) echo "error: K8S_VERSION=$K8S_VERSION is not supported: use 1.37 (the default) or 1.36" >&2; exit 2 ;;
+  1.38) K8S_MODFILE=go.138.mod; _default_bin="$E2E_DIR/bin/1.38"; K8S_TOOLCHAIN=go1.27.3 ;;
+  1.36) K8S_MODFILE=go.136.mod; _default_bin="$E2E_DIR/bin/1.36"; K8S_TEST_TAGS=k8s_1_36 ;;
+  *) echo "error: K8S_VERSION=$K8S_VERSION is not supported: use 1.37 (the default), 1.38 or 1.36" >&2; exit 2 ;;
 esac
 BIN_DIR="${E2E_BIN_DIR:-$_default_bin}"
 LOG_DIR="$RUN_DIR/logs"

@@ -7,7 +7,6 @@ package e2etest
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"regexp"
 	"sort"
@@ -18,10 +17,6 @@ import (
 	v1 "k8s.io/api/core/v1"
 	resourcev1 "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime/schema"
-	metadatav1alpha1 "k8s.io/dynamic-resource-allocation/api/metadata/v1alpha1"
-	metadatav1beta1 "k8s.io/dynamic-resource-allocation/api/metadata/v1beta1"
-	"k8s.io/dynamic-resource-allocation/devicemetadata"
 	"k8s.io/utils/ptr"
 )
 
@@ -53,31 +48,7 @@ func metadataFiles(logs string) (map[string]string, string) {
 // then nvidia-smi -L.
 const metadataListing = `cd ` + metadataDir + ` && for f in $(find . -type f | sort); do echo "== $f"; cat "$f"; echo "== end"; done; nvidia-smi -L`
 
-// decodeMetadata decodes a metadata file as an application would (the first version it knows), with
-// upstream's validation, and checks the older version the stream carries decodes too.
-func decodeMetadata(t *testing.T, path, content string) metadatav1beta1.DeviceMetadata {
-	t.Helper()
-	var dm metadatav1beta1.DeviceMetadata
-	var gvk schema.GroupVersionKind
-	var invalid error
-	if err := devicemetadata.DecodeMetadataFromStream(json.NewDecoder(strings.NewReader(content)), &dm,
-		devicemetadata.DecodeMetadataStoreGVKResult(&gvk), devicemetadata.DecodeMetadataWithValidationResult(&invalid)); err != nil {
-		t.Fatalf("%s: upstream's decoder refuses it: %v\n%s", path, err, content)
-	}
-	if invalid != nil {
-		t.Errorf("%s: upstream's validation: %v\n%s", path, invalid, content)
-	}
-	if gvk.Version != "v1beta1" || gvk.Kind != "DeviceMetadata" {
-		t.Errorf("%s: decoded %s, want the v1beta1 DeviceMetadata first", path, gvk)
-	}
-	var old metadatav1alpha1.DeviceMetadata
-	if err := devicemetadata.DecodeMetadataFromStream(json.NewDecoder(strings.NewReader(content)), &old); err != nil {
-		t.Errorf("%s: no v1alpha1 object for 1.36's readers: %v", path, err)
-	}
-	return dm
-}
-
-func metadataString(d metadatav1beta1.Device, name string) string {
+func metadataString(d metadataDevice, name string) string {
 	if a, ok := d.Attributes[resourcev1.QualifiedName(name)]; ok && a.StringValue != nil {
 		return *a.StringValue
 	}
