@@ -193,7 +193,11 @@ func run(ctx context.Context, o options) error {
 	if err := b.manager.Start(ctx, b.activePods, getNode, sourcesReady); err != nil {
 		return fmt.Errorf("failed to start the DRA manager: %w", err)
 	}
-	defer b.manager.Stop()
+	// 1.36's manager has no Stop (its goroutines end with ctx); asking through an interface keeps this command
+	// building against every release in the matrix.
+	if m, ok := any(b.manager).(interface{ Stop() }); ok {
+		defer m.Stop()
+	}
 	plugins := pluginmanager.NewPluginManager(dirs["registry"], &record.FakeRecorder{})
 	plugins.AddHandler(registerapi.DRAPlugin, b.manager.GetWatcherHandler())
 	go plugins.Run(ctx, sourcesReady, ctx.Done())
