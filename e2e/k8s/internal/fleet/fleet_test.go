@@ -86,23 +86,21 @@ func TestReadTraceGivesArrivalTimesFromTheFirstRowAndTheTokenCounts(t *testing.T
 }
 
 func TestReadTraceNamesTheLineAndFieldOfABadTimestamp(t *testing.T) {
-	_, err := ReadTrace("testdata/bad_timestamp.csv")
-	if err == nil {
-		t.Fatal("no error for a malformed timestamp")
-	}
-	for _, want := range []string{"bad_timestamp.csv:4:", "TIMESTAMP"} {
-		if !strings.Contains(err.Error(), want) {
-			t.Errorf("error %q does not name %q", err, want)
-		}
-	}
+	readTraceFailsNaming(t, "testdata/bad_timestamp.csv", "a malformed timestamp", "bad_timestamp.csv:4:", "TIMESTAMP")
 }
 
 func TestReadTraceNamesTheLineAndFieldOfANegativeTokenCount(t *testing.T) {
-	_, err := ReadTrace("testdata/bad_tokens.csv")
+	readTraceFailsNaming(t, "testdata/bad_tokens.csv", "a negative token count", "bad_tokens.csv:3:", "GeneratedTokens")
+}
+
+// readTraceFailsNaming reads a bad trace and wants an error that names each of wants (its line, its field).
+func readTraceFailsNaming(t *testing.T, path, what string, wants ...string) {
+	t.Helper()
+	_, err := ReadTrace(path)
 	if err == nil {
-		t.Fatal("no error for a negative token count")
+		t.Fatalf("no error for %s", what)
 	}
-	for _, want := range []string{"bad_tokens.csv:3:", "GeneratedTokens"} {
+	for _, want := range wants {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not name %q", err, want)
 		}
