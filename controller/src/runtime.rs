@@ -3,7 +3,8 @@
 //! Each watch mirrors one kind into a store. When a watch fails (API server restarted or unreachable),
 //! its view counts as lost until a fresh list has completed: the watch is started over rather than
 //! resumed, and [`crate::liveness`] neither withdraws pools nor counts heartbeat age meanwhile. Retries
-//! are capped at [`RELIST_MAX_BACKOFF`] so the view comes back within seconds of the API server.
+//! are capped at [`crate::mirror::RELIST_MAX_BACKOFF`] so the view comes back within seconds of the API
+//! server.
 //!
 //! Events from any watch (inventories, nodes, the policy, this driver's slices) wake the loop after a
 //! short debounce; a timer wakes it every lease-renew interval so stale heartbeats are noticed and the
@@ -15,16 +16,16 @@
 //! the slice cache shows its own writes, so a stale cache never triggers a second round of writes.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
-    sync::{Arc, Mutex},
+    collections::BTreeMap,
+    path::PathBuf,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 use anyhow::Context as _;
 use chrono::Utc;
-use futures::StreamExt;
+use clap::Args as ClapArgs;
 use k8s_openapi::api::{coordination::v1::Lease, core::v1::Node, resource::v1::ResourceSlice};
-use kube::runtime::WatchStreamExt as _;
 use kube::{
     Api, Client, Config,
     api::{DeleteParams, Patch, PatchParams, PostParams},
@@ -43,10 +44,10 @@ use tessera_api::{
 use tokio::sync::Notify;
 
 use crate::{
-    cli::RunArgs,
     features::{ApiFeatures, features_from_probes, probe_slices},
     leader::{LeaderElector, LeaseError, LeaseStore},
     liveness::{Liveness, View},
+    mirror::{Deletions, ViewCell, drop_managed_fields, mirror, mirror_waking},
     pool::{CONTENT_HASH_ANNOTATION, NodeRef},
     pool_diff::{Plan, trim_to_what_diff_reads},
     publisher::{ApiError, ClusterApi, Reconciler, Replica, Snapshot},
@@ -63,10 +64,6 @@ const CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(5);
 const LEASE_LIST_WAIT: Duration = Duration::from_secs(10);
 /// How often the API server's features are probed again.
 const REPROBE_EVERY: Duration = Duration::from_secs(300);
-/// First delay before listing again after a watch failed.
-const RELIST_INITIAL_BACKOFF: Duration = Duration::from_millis(500);
-/// Longest delay between list attempts: a restarted API server is seen again within this (plus jitter).
-const RELIST_MAX_BACKOFF: Duration = Duration::from_secs(4);
 
 /// [`ClusterApi`] on a kube client.
 pub struct KubeApi {
@@ -227,59 +224,6 @@ struct Stores {
     lease_view: ViewCell,
 }
 
-/// The [`View`] of one watched kind, and a count of the events applied to its store, written by its
-/// [`mirror`] task.
-#[derive(Clone, Debug)]
-pub struct ViewCell {
-    view: Arc<Mutex<View>>,
-    changes: Arc<std::sync::atomic::AtomicU64>,
-    listed: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl ViewCell {
-    /// A view not listed yet (lost since `now`).
-    pub fn new(now: Instant) -> Self {
-        Self {
-            view: Arc::new(Mutex::new(View::Lost { since: now })),
-            changes: Arc::default(),
-            listed: Arc::default(),
-        }
-    }
-
-    pub fn get(&self) -> View {
-        *self.view.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn set(&self, view: View) {
-        if let View::Synced { .. } = view {
-            self.listed.store(true, std::sync::atomic::Ordering::Release);
-        }
-        *self.view.lock().unwrap_or_else(|e| e.into_inner()) = view;
-    }
-
-    /// True once a list has completed, whatever happened since.
-    pub fn listed_once(&self) -> bool {
-        self.listed.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    /// How many watch events the store has applied; unchanged means the store is as it was.
-    pub fn changes(&self) -> u64 {
-        self.changes.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    fn changed(&self) {
-        self.changes.fetch_add(1, std::sync::atomic::Ordering::Release);
-    }
-
-    /// Marks the view lost, keeping the earliest loss.
-    fn lose(&self, now: Instant) {
-        let mut v = self.view.lock().unwrap_or_else(|e| e.into_inner());
-        if let View::Synced { .. } = *v {
-            *v = View::Lost { since: now };
-        }
-    }
-}
-
 /// The inventories' view as liveness needs it: lost while either the inventories or the Nodes are
 /// (a pool's fate depends on both; the node Leases' view is combined the same way), numbered by the
 /// inventories' lists.
@@ -417,113 +361,37 @@ fn health_checks(views: [ViewCell; 4]) -> tessera_api::health::Checks {
     }
 }
 
-/// What the cache of every watched kind drops: managed fields, which nothing in the controller reads.
-pub fn drop_managed_fields<K: kube::Resource>(object: &mut K) {
-    object.meta_mut().managed_fields = None;
-}
-
-/// A delay in `[d/2, d]`: replicas and watches that failed together do not retry together.
-fn jittered(d: Duration) -> Duration {
-    use std::hash::{BuildHasher, RandomState};
-    let r = RandomState::new().hash_one(Instant::now()) % 1000;
-    d / 2 + d / 2 * r as u32 / 1000
-}
-
-/// Keeps `writer`'s store in step with the objects `api` lists and watches, and `view` with how current
-/// it is; wakes `wake` (when given) on every change. A failed watch is started over with a fresh list instead of
-/// resumed, so "synced" always means "listed since the failure".
-pub async fn mirror<K>(
-    kind: &'static str,
-    writer: reflector::store::Writer<K>,
-    api: Api<K>,
-    config: watcher::Config,
-    trim: fn(&mut K),
-    view: ViewCell,
-    wake: Option<Arc<Notify>>,
-) where
-    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
-{
-    mirror_waking(kind, writer, api, config, trim, view, wake, None).await
-}
-
-/// Slices deleted since the loop last cleared the record, by name, and a wake for each. kubelet's start-up wipe is a
-/// DeleteCollection that may still be deleting when the controller has written the pool again: a slice
-/// written and then deleted never shows in the cache as written, and the loop must not wait for it.
-#[derive(Debug, Default)]
-pub struct Deletions {
-    wake: Notify,
-    names: Mutex<BTreeSet<String>>,
-}
-
-impl Deletions {
-    fn record(&self, name: String) {
-        self.names.lock().unwrap_or_else(|e| e.into_inner()).insert(name);
-        self.wake.notify_one();
-    }
-
-    /// Forgets the names recorded so far.
-    fn clear(&self) {
-        self.names.lock().unwrap_or_else(|e| e.into_inner()).clear();
-    }
-
-    fn seen(&self, name: &str) -> bool {
-        self.names
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(name)
-    }
-}
-
-/// [`mirror`], which also records in `deleted` each object deleted (the slices kubelet wipes at its start),
-/// so the loop can skip its debounce for it.
-#[allow(clippy::too_many_arguments)]
-pub async fn mirror_waking<K>(
-    kind: &'static str,
-    mut writer: reflector::store::Writer<K>,
-    api: Api<K>,
-    config: watcher::Config,
-    trim: fn(&mut K),
-    view: ViewCell,
-    wake: Option<Arc<Notify>>,
-    deleted: Option<Arc<Deletions>>,
-) where
-    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
-{
-    let mut lists = 0u64;
-    let mut backoff = RELIST_INITIAL_BACKOFF;
-    loop {
-        let mut events = std::pin::pin!(watcher(api.clone(), config.clone()).modify(trim));
-        while let Some(event) = events.next().await {
-            match event {
-                Ok(event) => {
-                    writer.apply_watcher_event(&event);
-                    view.changed();
-                    if let (watcher::Event::Delete(gone), Some(deleted)) = (&event, &deleted) {
-                        deleted.record(gone.meta().name.clone().unwrap_or_default());
-                    }
-                    if let watcher::Event::InitDone = event {
-                        lists += 1;
-                        view.set(View::Synced { list: lists });
-                        backoff = RELIST_INITIAL_BACKOFF;
-                        if lists > 1 {
-                            tracing::info!(kind, "listed again; the view is current");
-                        }
-                    }
-                }
-                Err(e) => {
-                    view.lose(Instant::now());
-                    tracing::warn!(kind, error = %e, retry_in = ?backoff, "watch failed; listing again");
-                    wake.iter().for_each(|w| w.notify_one());
-                    break;
-                }
-            }
-            wake.iter().for_each(|w| w.notify_one());
-        }
-        tokio::time::sleep(jittered(backoff)).await;
-        backoff = (backoff * 2).min(RELIST_MAX_BACKOFF);
-    }
+// The flags of `tessera-controller run`, and of the bare command.
+#[derive(Debug, Clone, ClapArgs)]
+pub struct RunArgs {
+    /// Kubeconfig file; in-cluster configuration when absent.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "TESSERA_LEASE_NAMESPACE", default_value = "tessera-system")]
+    pub lease_namespace: String,
+    /// Name of the leader-election Lease.
+    #[arg(long, env = "TESSERA_LEASE_NAME", default_value = "tessera-controller")]
+    pub lease_name: String,
+    /// Identity in the Lease; defaults to `<hostname>-<pid>`.
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Seconds without a heartbeat change, as this controller observes it (time during which its watch is
+    /// down does not count), after which a node's pool is withdrawn.
+    #[arg(long, env = "TESSERA_HEARTBEAT_TIMEOUT", default_value_t = 40)]
+    pub heartbeat_timeout: u64,
+    /// Seconds a node's plugin may report not ready (a restart, until kubelet registers it again) before
+    /// its pool is withdrawn; until then the pool is kept unchanged.
+    #[arg(long, env = "TESSERA_NOT_READY_GRACE", default_value_t = 30)]
+    pub not_ready_grace: u64,
+    /// Skip probing the API server and assume these features (`none`, `all`, or a list of
+    /// partitionable, consumable, taints).
+    #[arg(long, env = "TESSERA_FEATURES")]
+    pub features: Option<ApiFeatures>,
+    /// Address for kubelet's probes: `GET /livez` (the runtime answers) and `GET /readyz` (every watched
+    /// kind has been listed), e.g. `:8081`. Off when unset.
+    #[arg(long, env = "TESSERA_HEALTH_ADDR", value_parser = tessera_api::health::parse_listen_addr)]
+    pub health_addr: Option<std::net::SocketAddr>,
 }
 
 /// Runs the controller until SIGINT/SIGTERM.
@@ -887,24 +755,5 @@ mod tests {
                 since: t0 + Duration::from_secs(3)
             }
         );
-    }
-
-    #[test]
-    fn a_lost_view_keeps_the_time_of_its_first_failure() {
-        let t0 = Instant::now();
-        let cell = ViewCell::new(t0);
-        cell.set(View::Synced { list: 1 });
-        cell.lose(t0 + Duration::from_secs(1));
-        cell.lose(t0 + Duration::from_secs(2));
-        assert_eq!(
-            cell.get(),
-            View::Lost {
-                since: t0 + Duration::from_secs(1)
-            }
-        );
-        for _ in 0..100 {
-            let d = jittered(RELIST_MAX_BACKOFF);
-            assert!(d >= RELIST_MAX_BACKOFF / 2 && d <= RELIST_MAX_BACKOFF, "{d:?}");
-        }
     }
 }

@@ -225,7 +225,7 @@ async fn a_failed_watch_loses_the_view_until_a_fresh_list_completes() {
     use tessera_controller::{
         fixtures::{GpuModel, node},
         liveness::View,
-        runtime::{ViewCell, mirror},
+        mirror::{ViewCell, mirror},
     };
     let lists = Arc::new(Mutex::new(0u32));
     let counted = Arc::clone(&lists);
@@ -254,7 +254,7 @@ async fn a_failed_watch_loses_the_view_until_a_fresh_list_completes() {
         writer,
         kube::Api::all(client),
         kube::runtime::watcher::Config::default(),
-        tessera_controller::runtime::drop_managed_fields,
+        tessera_controller::mirror::drop_managed_fields,
         view.clone(),
         Some(Arc::new(tokio::sync::Notify::new())),
     ));

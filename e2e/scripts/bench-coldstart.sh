@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make bench-coldstart`: a fresh cluster whose real node's simulated driver spends hardware-like time in
 # MIG reconfiguration, MPS daemon starts and first CUDA contexts (e2e/bench/hardware-like-latencies.yaml:
-# estimates, kubelet-plugin/README.md#latencies), the cold-start scenario (TestColdStart: whole GPU, MIG and
+# estimates, kubelet-plugin/sim-driver/README.md#latencies), the cold-start scenario (TestColdStart: whole GPU, MIG and
 # MPS Deployments scaled 0 → N → 0 → N, cold and warm) at COLDSTART_REPLICAS (default 4), then `make down`.
 # The table goes to COLDSTART_OUT (default e2e/bench/results/coldstart.md). Root only (the real node).
 set -euo pipefail

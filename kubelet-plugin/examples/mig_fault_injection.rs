@@ -22,13 +22,9 @@ use std::{
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use tessera_api::GpuInfo;
-use tessera_kubelet_plugin::{
-    gpu::{
-        GpuBackend,
-        simulated::{NodeSpec, SimulatedBackend},
-    },
-    mig::{self, MigDevice},
-};
+use tessera_kubelet_plugin::gpu::mig::MigDevice;
+use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
+use tessera_kubelet_plugin::gpu::{GpuBackend, mig};
 
 const MODEL: &str = "H100-SXM5-80GB";
 /// Placements the child cycles through; the held device sits at 7g-free slice 0 (1g.10gb@0).

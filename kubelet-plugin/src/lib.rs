@@ -1,43 +1,30 @@
 //! tessera's kubelet plugin: the node half of the `gpu.tessera.dev` DRA driver.
 //!
+//! Its folders are its layers; each imports only the layers below it.
+//!
 //! ```text
-//!  kubelet ──registration socket──▶ [`registration`]   (GetInfo / NotifyRegistrationStatus)
-//!     │                                   │ registered?
-//!     └──────DRA socket──▶ [`driver`] ──▶ [`state`] ──▶ [`gpu`] backend (NVML or simulated)
-//!                                          │   │
-//!                            [`claims`] ◀──┘   ├──▶ [`cdi`] specs (one per claim)
-//!                  (ResourceClaim from the     └──▶ [`checkpoint`] (prepared claims, two-phase)
-//!                        API server)
-//!  [`inventory`] ──▶ NodeInventory (spec: discovered GPUs; status: ready + heartbeat)
+//!  cli        flags, subcommands and `run`, which wires the layers below
+//!   │
+//!  kubelet    the edges: kubelet's registration, DRA and health sockets, the API server's claims,
+//!   │         the NodeInventory and the node Lease, prepare retries, pod events
+//!   │
+//!  devices    how each device kind is prepared: whole GPUs, MIG devices, MPS and time-sliced shares
+//!   │
+//!  node       the prepare/unprepare state machine and what it keeps: checkpoint, CDI specs, device
+//!   │         metadata, warm partitions
+//!   │
+//!  gpu        the hardware: the GpuBackend trait, NVML and simulated backends, MIG instances, the
+//!             driver's files, device health, usage
+//!
+//!  metrics    a sink: the layers report events through `metrics::sink`; `metrics::prometheus` renders
 //! ```
 //!
-//! Device kinds are prepared by [`preparers`], which composes [`mig`] and [`sharing`] (neither imports the
-//! other) and adds the driver's files ([`driver_root`]) to each device's nodes ([`edits`]).
-//!
-//! Start with [`state::NodeState`]: the prepare/unprepare state machine; everything else adapts it to
-//! kubelet, the API server, the runtime (CDI) and the disk.
+//! Start with [`node::state::NodeState`]; everything else adapts it to kubelet, the API server, the runtime
+//! (CDI) and the hardware.
 
-pub mod args;
-pub mod cdi;
-pub mod checkpoint;
-pub mod claims;
-pub mod coexistence;
-pub mod device_metadata;
-pub mod driver;
-pub mod driver_root;
-pub mod driver_watch;
-pub mod edits;
-pub mod error;
+pub mod cli;
+pub mod devices;
 pub mod gpu;
-pub mod health;
-pub mod inventory;
+pub mod kubelet;
 pub mod metrics;
-pub mod mig;
-pub mod mig_records;
-pub mod mps_events;
-pub mod prepare_retry;
-pub mod preparers;
-pub mod registration;
-pub mod sharing;
-pub mod state;
-pub mod warm;
+pub mod node;

@@ -1,5 +1,5 @@
 use clap::Parser;
-use tessera_kubelet_plugin::args::Args;
+use tessera_kubelet_plugin::cli::args::Args;
 
 #[tokio::main]
 async fn main() {

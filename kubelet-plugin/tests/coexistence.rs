@@ -6,11 +6,11 @@ mod common;
 use std::{collections::BTreeMap, sync::Arc};
 
 use common::{BOOT_ID, TestNode};
-use tessera_kubelet_plugin::{
-    coexistence::{CoexistenceMode, MIG_CONFIG_LABEL, NodeFacts, Verdict, decide},
-    mig,
-    state::NodeState,
+use tessera_kubelet_plugin::gpu::mig;
+use tessera_kubelet_plugin::kubelet::coexistence::{
+    CoexistenceMode, MIG_CONFIG_LABEL, NodeFacts, Verdict, decide,
 };
+use tessera_kubelet_plugin::node::state::NodeState;
 
 /// A MIG device made outside tessera (as mig-manager does) on GPU 0 of `node`.
 fn foreign_mig_device(node: &TestNode) -> mig::MigDevice {

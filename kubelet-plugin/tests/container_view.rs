@@ -14,21 +14,17 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 use tempfile::TempDir;
 use tessera_api::GROUP_VERSION;
-use tessera_kubelet_plugin::{
-    cdi::Spec,
-    claims::fake::{FakeClaims, NODE, claim},
-    driver_root::{DriverFiles, DriverRoot},
-    gpu::{
-        GpuBackend, TimeSlice,
-        simulated::{NodeSpec, SIMULATED_DRIVER_VERSION, SimulatedBackend, SimulatedFault},
-    },
-    preparers::{SharedPreparer, with_preparers},
-    sharing::{
-        Sharer,
-        mps::{Launcher, MpsError, MpsManager},
-    },
-    state::{ClaimRef, NodeState, StateConfig},
+use tessera_kubelet_plugin::devices::preparers::{SharedPreparer, with_preparers};
+use tessera_kubelet_plugin::devices::sharing::Sharer;
+use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsError, MpsManager};
+use tessera_kubelet_plugin::gpu::driver_root::{DriverFiles, DriverRoot};
+use tessera_kubelet_plugin::gpu::simulated::{
+    NodeSpec, SIMULATED_DRIVER_VERSION, SimulatedBackend, SimulatedFault,
 };
+use tessera_kubelet_plugin::gpu::{GpuBackend, TimeSlice};
+use tessera_kubelet_plugin::kubelet::claims::fake::{FakeClaims, NODE, claim};
+use tessera_kubelet_plugin::node::cdi::Spec;
+use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState, StateConfig};
 
 const BOOT_ID: &str = "11111111-2222-3333-4444-555555555555";
 

@@ -16,14 +16,12 @@ use std::{
 };
 
 use tessera_api::MigPlacement;
-use tessera_kubelet_plugin::{
-    gpu::{
-        ComputeMode, GpuBackend, TimeSlice, models,
-        sim_driver_root::{artifact_dirs, install},
-        simulated::{DEV_ROOT_ENV, NodeSpec, SimulatedBackend, mig_minors_by_formula},
-    },
-    sharing::mps::{Launcher, MpsManager},
+use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager};
+use tessera_kubelet_plugin::gpu::sim_driver_root::{artifact_dirs, install};
+use tessera_kubelet_plugin::gpu::simulated::{
+    DEV_ROOT_ENV, NodeSpec, SimulatedBackend, mig_minors_by_formula,
 };
+use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, TimeSlice, models};
 
 const MODEL: &str = "H100-SXM5-80GB";
 const PRODUCT: &str = "NVIDIA H100 80GB HBM3";
@@ -542,7 +540,7 @@ fn the_plugins_nvidia_launcher_drives_the_simulated_mps_tools_unchanged() {
             driver_root: d.root(),
         },
     );
-    let defaults = tessera_kubelet_plugin::sharing::mps::DaemonDefaults {
+    let defaults = tessera_kubelet_plugin::devices::sharing::supervisor_protocol::DaemonDefaults {
         active_thread_percentage: Some(40),
         pinned_memory_bytes: Some(3 << 30),
     };
@@ -575,7 +573,7 @@ struct QuitOnDrop(PathBuf);
 
 impl Drop for QuitOnDrop {
     fn drop(&mut self) {
-        let _ = tessera_kubelet_plugin::sharing::mps::send_control(&self.0, "quit");
+        let _ = tessera_kubelet_plugin::devices::sharing::mps::send_control(&self.0, "quit");
     }
 }
 
@@ -711,11 +709,9 @@ fn nvidia_smi_sets_the_compute_time_slice_through_the_library() {
 
 #[test]
 fn the_cdi_edits_of_an_installed_root_mount_its_libraries_tools_and_kernel() {
-    use tessera_kubelet_plugin::{
-        driver_root::{DriverFiles, DriverRoot},
-        edits::driver_edits,
-        gpu::simulated::SIMULATED_DRIVER_VERSION,
-    };
+    use tessera_kubelet_plugin::gpu::driver_root::{DriverFiles, DriverRoot};
+    use tessera_kubelet_plugin::gpu::simulated::SIMULATED_DRIVER_VERSION;
+    use tessera_kubelet_plugin::node::edits::driver_edits;
     let d = Driver::new(1);
     let edits = driver_edits(&DriverFiles::discover(
         &DriverRoot::new(d.root()),

@@ -8,11 +8,9 @@ use std::{path::PathBuf, sync::Arc};
 
 use common::{BOOT_ID, StopDaemons, TestNode, add, instances};
 use serde_json::Value;
-use tessera_kubelet_plugin::{
-    cdi::Mount,
-    claims::fake::{NODE, claim},
-    state::{ClaimRef, NodeState},
-};
+use tessera_kubelet_plugin::kubelet::claims::fake::{NODE, claim};
+use tessera_kubelet_plugin::node::cdi::Mount;
+use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState};
 
 const DIR: &str = "/var/run/kubernetes.io/dra-device-attributes";
 

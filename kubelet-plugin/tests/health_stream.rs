@@ -7,13 +7,13 @@ mod common;
 use std::{sync::Arc, time::Duration};
 
 use common::{TestNode, dial, wait_for_socket};
-use tessera_kubelet_plugin::{
-    claims::fake::NODE,
-    driver::{SocketPaths, StateGate, serve_gated},
-    gpu::simulated_health::{Fault, SimulatedHealth},
-    health::{Health, service::HealthService, sources::SimulatedSource, spawn_monitor},
-    registration::RegistrationState,
-};
+use tessera_kubelet_plugin::gpu::health::sources::SimulatedSource;
+use tessera_kubelet_plugin::gpu::health::{Health, spawn_monitor};
+use tessera_kubelet_plugin::gpu::simulated_health::{Fault, SimulatedHealth};
+use tessera_kubelet_plugin::kubelet::claims::fake::NODE;
+use tessera_kubelet_plugin::kubelet::driver::{SocketPaths, StateGate, serve_gated};
+use tessera_kubelet_plugin::kubelet::health_service::HealthService;
+use tessera_kubelet_plugin::kubelet::registration::RegistrationState;
 use tessera_proto::{
     health::{v1, v1alpha1},
     pluginregistration::{InfoRequest, registration_client::RegistrationClient},

@@ -5,12 +5,10 @@ mod common;
 use std::{sync::Arc, time::Duration};
 
 use common::{TestNode, dial, wait_for_socket};
-use tessera_kubelet_plugin::{
-    claims::fake::{NODE, claim},
-    driver::{SocketPaths, serve},
-    registration::RegistrationState,
-    state::NodeState,
-};
+use tessera_kubelet_plugin::kubelet::claims::fake::{NODE, claim};
+use tessera_kubelet_plugin::kubelet::driver::{SocketPaths, serve};
+use tessera_kubelet_plugin::kubelet::registration::RegistrationState;
+use tessera_kubelet_plugin::node::state::NodeState;
 use tessera_proto::{
     dra::{v1, v1beta1},
     pluginregistration::{InfoRequest, RegistrationStatus, registration_client::RegistrationClient},
@@ -22,7 +20,7 @@ struct Running {
     paths: SocketPaths,
     registration: watch::Receiver<RegistrationState>,
     stop: watch::Sender<bool>,
-    task: JoinHandle<tessera_kubelet_plugin::error::Result<()>>,
+    task: JoinHandle<tessera_kubelet_plugin::kubelet::error::Result<()>>,
 }
 
 async fn start(node: &TestNode, state: Arc<NodeState>) -> Running {
@@ -255,38 +253,40 @@ async fn one_bad_claim_fails_alone_and_the_rest_of_the_batch_is_prepared() {
 async fn a_share_id_from_the_allocation_reaches_v1_kubelets() {
     // The shared-device preparer is not wired yet, so a stand-in preparer that exposes the GPU is registered
     // for the Shared kind; what is tested is that the share id travels from the allocation to kubelet.
-    use tessera_kubelet_plugin::state::{DeviceKind, WholeGpuPreparer};
+    use tessera_kubelet_plugin::node::state::{DeviceKind, WholeGpuPreparer};
     let node = TestNode::new();
     let c = claim("s").allocated_share("gpu-2-shared", "share-abc").build();
     let uid = c.metadata.uid.clone().unwrap();
     node.claims.insert(c);
     struct AsWholeGpu;
-    impl tessera_kubelet_plugin::state::DevicePreparer for AsWholeGpu {
+    impl tessera_kubelet_plugin::node::state::DevicePreparer for AsWholeGpu {
         fn plan(
             &self,
-            ctx: &tessera_kubelet_plugin::state::DeviceContext,
-        ) -> Result<tessera_kubelet_plugin::checkpoint::DeviceDetail, tessera_kubelet_plugin::error::ClaimError>
-        {
+            ctx: &tessera_kubelet_plugin::node::state::DeviceContext,
+        ) -> Result<
+            tessera_kubelet_plugin::node::checkpoint::DeviceDetail,
+            tessera_kubelet_plugin::node::error::ClaimError,
+        > {
             WholeGpuPreparer.plan(ctx)
         }
         fn prepare(
             &self,
-            ctx: &tessera_kubelet_plugin::state::DeviceContext,
-            planned: tessera_kubelet_plugin::checkpoint::DeviceDetail,
+            ctx: &tessera_kubelet_plugin::node::state::DeviceContext,
+            planned: tessera_kubelet_plugin::node::checkpoint::DeviceDetail,
         ) -> Result<
             (
-                tessera_kubelet_plugin::checkpoint::DeviceDetail,
-                tessera_kubelet_plugin::cdi::ContainerEdits,
+                tessera_kubelet_plugin::node::checkpoint::DeviceDetail,
+                tessera_kubelet_plugin::node::cdi::ContainerEdits,
             ),
-            tessera_kubelet_plugin::error::ClaimError,
+            tessera_kubelet_plugin::node::error::ClaimError,
         > {
             WholeGpuPreparer.prepare(ctx, planned)
         }
         fn unprepare(
             &self,
-            _: &tessera_kubelet_plugin::state::DeviceContext,
-            _: &tessera_kubelet_plugin::checkpoint::DeviceDetail,
-        ) -> Result<(), tessera_kubelet_plugin::error::ClaimError> {
+            _: &tessera_kubelet_plugin::node::state::DeviceContext,
+            _: &tessera_kubelet_plugin::node::checkpoint::DeviceDetail,
+        ) -> Result<(), tessera_kubelet_plugin::node::error::ClaimError> {
             Ok(())
         }
     }

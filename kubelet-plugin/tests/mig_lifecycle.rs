@@ -6,14 +6,10 @@ use std::{
 };
 
 use tessera_api::{GpuInfo, MigPlacement};
-use tessera_kubelet_plugin::{
-    gpu::{
-        GpuBackend,
-        models::MODELS,
-        simulated::{NodeSpec, SimulatedBackend},
-    },
-    mig::{self, MigDevice, MigError},
-};
+use tessera_kubelet_plugin::gpu::mig::{MigDevice, MigError};
+use tessera_kubelet_plugin::gpu::models::MODELS;
+use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
+use tessera_kubelet_plugin::gpu::{GpuBackend, mig};
 
 struct Node {
     _dir: tempfile::TempDir,

@@ -20,17 +20,14 @@ use std::{
     time::Duration,
 };
 
-use tessera_kubelet_plugin::{
-    driver_root::DriverRoot,
-    gpu::{
-        GpuBackend,
-        sim_driver_root::{artifact_dirs, install},
-        simulated::{NodeSpec, SimulatedBackend},
-    },
-    sharing::mps::{
-        CLIENT_CONNECT, ClientGrant, DAEMON_LOG, DaemonDefaults, Launcher, MpsManager, send_control,
-    },
+use tessera_kubelet_plugin::devices::sharing::mps::{
+    CLIENT_CONNECT, ClientGrant, DAEMON_LOG, Launcher, MpsManager, send_control,
 };
+use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::DaemonDefaults;
+use tessera_kubelet_plugin::gpu::GpuBackend;
+use tessera_kubelet_plugin::gpu::driver_root::DriverRoot;
+use tessera_kubelet_plugin::gpu::sim_driver_root::{artifact_dirs, install};
+use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
 
 /// Where the rootfs's own libc goes (see the module comment).
 const DISTRO_LIB_DIR: &str = "lib/x86_64-linux-gnu";

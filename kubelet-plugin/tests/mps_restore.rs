@@ -17,20 +17,15 @@ use std::{
 };
 
 use tessera_api::{DeviceName, config::SharingStrategy};
-use tessera_kubelet_plugin::{
-    claims::fake::{FakeClaims, NODE, claim},
-    gpu::{
-        GpuBackend,
-        simulated::{NodeSpec, SimulatedBackend},
-    },
-    preparers::SharedPreparer,
-    sharing::{
-        Sharer,
-        mps::{DaemonDefaults, Launcher, MpsManager, send_control},
-        supervisor::{self, DaemonRecord, RECORD_FILE, Request, Supervisor},
-    },
-    state::{ClaimRef, NodeState},
-};
+use tessera_kubelet_plugin::devices::preparers::SharedPreparer;
+use tessera_kubelet_plugin::devices::sharing::Sharer;
+use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager, send_control};
+use tessera_kubelet_plugin::devices::sharing::supervisor::{DaemonRecord, RECORD_FILE, Supervisor};
+use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::{self, DaemonDefaults, Request};
+use tessera_kubelet_plugin::gpu::GpuBackend;
+use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
+use tessera_kubelet_plugin::kubelet::claims::fake::{FakeClaims, NODE, claim};
+use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState};
 
 use common::BOOT_ID as BOOT;
 const GPU0: &str = "GPU-0a1b2c3d-0000-1111-2222-333344445555";
@@ -284,9 +279,9 @@ fn the_supervisor_quits_its_daemons_and_exits_at_once_on_sigterm_and_the_next_on
     let mut cleanup = Cleanup::default();
     cleanup.children.push(spawn_supervisor(dir, &socket));
     wait_for("the supervisor's socket", Duration::from_secs(30), || {
-        supervisor::request(&socket, &Request::Running).is_ok()
+        supervisor_protocol::request(&socket, &Request::Running).is_ok()
     });
-    let pid = supervisor::request(&socket, &start("gpu-0", GPU0, defaults(40, 3072)))
+    let pid = supervisor_protocol::request(&socket, &start("gpu-0", GPU0, defaults(40, 3072)))
         .unwrap()
         .pid
         .unwrap();
@@ -320,7 +315,7 @@ fn the_supervisor_quits_its_daemons_and_exits_at_once_on_sigterm_and_the_next_on
         settings(&dir.join("state"), "gpu-0"),
         ("40.0".into(), "3072M".into())
     );
-    let again = supervisor::request(&socket, &Request::Pid { key: "gpu-0".into() })
+    let again = supervisor_protocol::request(&socket, &Request::Pid { key: "gpu-0".into() })
         .unwrap()
         .pid
         .expect("the restored daemon");
@@ -413,7 +408,7 @@ struct Supervised {
 fn supervised(dir: &Path, socket: &Path, cleanup: &mut Cleanup) -> Supervised {
     cleanup.children.push(spawn_supervisor(dir, socket));
     wait_for("the supervisor's socket", Duration::from_secs(30), || {
-        supervisor::request(socket, &Request::Running).is_ok()
+        supervisor_protocol::request(socket, &Request::Running).is_ok()
     });
     let state_dir = dir.join("state");
     let backend = Arc::new(
@@ -460,7 +455,7 @@ const GPU0_SHARED: DeviceName = DeviceName::SharedGpu { gpu: 0 };
 /// Prepares an MPS share of GPU 0 for `holder`, with no config.
 fn share_gpu0(sharer: &Sharer, gpus: &[tessera_api::GpuInfo], holder: &str) {
     sharer
-        .prepare(&tessera_kubelet_plugin::sharing::ShareRequest {
+        .prepare(&tessera_kubelet_plugin::devices::sharing::ShareRequest {
             holder: holder.into(),
             device: &GPU0_SHARED,
             gpu: &gpus[0],
@@ -487,7 +482,7 @@ async fn a_share_whose_daemon_cannot_start_stays_reported_down_until_it_is_back(
     kill_supervisor_and_daemons(&mut cleanup);
     let watch = sharer.watch_daemons(&gpus, true);
     assert_eq!(watch.down, ["gpu-0"], "{watch:?}");
-    let problems = tessera_kubelet_plugin::sharing::daemons_down_problems(&sharer.daemons_down());
+    let problems = tessera_kubelet_plugin::devices::sharing::daemons_down_problems(&sharer.daemons_down());
     assert_eq!(problems.len(), 1);
     assert!(
         problems[0].contains("the MPS daemon of gpu-0") && problems[0].contains("MPS supervisor"),
@@ -557,7 +552,7 @@ async fn a_share_slots_daemon_gets_the_slots_size_as_its_defaults_so_a_client_wi
         "the daemon's defaults are the slot"
     );
     let checkpoint = state.checkpoint();
-    let tessera_kubelet_plugin::checkpoint::DeviceDetail::Shared(detail) =
+    let tessera_kubelet_plugin::node::checkpoint::DeviceDetail::Shared(detail) =
         &checkpoint.claims["uid-slot"].devices[0].detail
     else {
         panic!("a shared device record");

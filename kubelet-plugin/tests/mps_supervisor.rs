@@ -13,16 +13,13 @@ use std::{
 };
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use tessera_kubelet_plugin::{
-    claims::fake::{FakeClaims, claim},
-    gpu::{ComputeMode, GpuBackend, simulated::SimulatedBackend},
-    preparers::SharedPreparer,
-    sharing::{
-        mps::Launcher,
-        supervisor::{self, Request},
-    },
-    state::{ClaimRef, NodeState},
-};
+use tessera_kubelet_plugin::devices::preparers::SharedPreparer;
+use tessera_kubelet_plugin::devices::sharing::mps::Launcher;
+use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::{self, Request};
+use tessera_kubelet_plugin::gpu::simulated::SimulatedBackend;
+use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend};
+use tessera_kubelet_plugin::kubelet::claims::fake::{FakeClaims, claim};
+use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState};
 
 /// Set in the child process: it plays the plugin over this directory until it is killed.
 const PLUGIN_DIR_ENV: &str = "TESSERA_TEST_PLUGIN_DIR";
@@ -140,7 +137,7 @@ async fn an_mps_daemon_outlives_a_killed_plugin_and_a_restarted_plugin_stops_it(
         dir.join("prepared").exists()
     });
 
-    let daemon = supervisor::request(&socket, &Request::Pid { key: "gpu-0".into() })
+    let daemon = supervisor_protocol::request(&socket, &Request::Pid { key: "gpu-0".into() })
         .unwrap()
         .pid
         .expect("a daemon for the share");

@@ -17,24 +17,21 @@ use std::{
 
 use sim_driver::{BuiltDriver, SimDriver};
 use tessera_api::{MigPlacement, inventory::HealthReason};
-use tessera_kubelet_plugin::{
-    checkpoint::{CheckpointStore, DeviceDetail, Loaded},
-    claims::fake::{FakeClaims, NODE, claim},
-    driver_root::{DriverFiles, DriverRoot},
-    gpu::{
-        ComputeMode, GpuBackend, GpuError,
-        nvml::NvmlBackend,
-        simulated::{DeviceView, FabricState, GpuGroup, NamedProcess, VirtualizationMode},
-        simulated_health::{Fault, FaultKind},
-    },
-    health::{HealthSource, Observation, sources::NvmlSource},
-    preparers::{SharedPreparer, with_preparers},
-    sharing::{
-        Sharer,
-        mps::{Launcher, MpsManager},
-    },
-    state::{ClaimRef, NodeState, StateConfig},
+use tessera_kubelet_plugin::devices::preparers::{SharedPreparer, with_preparers};
+use tessera_kubelet_plugin::devices::sharing::Sharer;
+use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager};
+use tessera_kubelet_plugin::gpu::driver_root::{DriverFiles, DriverRoot};
+use tessera_kubelet_plugin::gpu::health::sources::NvmlSource;
+use tessera_kubelet_plugin::gpu::health::{HealthSource, Observation};
+use tessera_kubelet_plugin::gpu::nvml::NvmlBackend;
+use tessera_kubelet_plugin::gpu::simulated::{
+    DeviceView, FabricState, GpuGroup, NamedProcess, VirtualizationMode,
 };
+use tessera_kubelet_plugin::gpu::simulated_health::{Fault, FaultKind};
+use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, GpuError};
+use tessera_kubelet_plugin::kubelet::claims::fake::{FakeClaims, NODE, claim};
+use tessera_kubelet_plugin::node::checkpoint::{CheckpointStore, DeviceDetail, Loaded};
+use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState, StateConfig};
 
 const H100: &str = "H100-SXM5-80GB";
 /// `1g.10gb` on an H100.
@@ -75,7 +72,7 @@ fn poll_until(
     panic!("no matching observation within {within:?}; saw {seen:?}");
 }
 
-fn failed(o: &Observation) -> Option<&tessera_kubelet_plugin::health::Failure> {
+fn failed(o: &Observation) -> Option<&tessera_kubelet_plugin::gpu::health::Failure> {
     match o {
         Observation::Failed(f) => Some(f),
         _ => None,

@@ -27,11 +27,9 @@ use nvml_wrapper_sys::bindings::{
 };
 use sim_driver::SimDriver;
 use tessera_api::MigPlacement;
-use tessera_kubelet_plugin::gpu::{
-    ComputeMode, GpuBackend, GpuError, NodeGpus,
-    simulated::{FabricState, GpuGroup, NamedProcess, VirtualizationMode},
-    simulated_health::{Fault, FaultKind},
-};
+use tessera_kubelet_plugin::gpu::simulated::{FabricState, GpuGroup, NamedProcess, VirtualizationMode};
+use tessera_kubelet_plugin::gpu::simulated_health::{Fault, FaultKind};
+use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, GpuError, NodeGpus};
 
 fn placement(start: u32, size: u32) -> MigPlacement {
     MigPlacement { start, size }
@@ -263,10 +261,9 @@ fn processes_are_listed_per_gpu_and_per_mig_device_and_named_ones_by_their_name(
 /// PID with its memory and SM share; the backend leaves the owner to the metrics' host /proc lookup.
 #[test]
 fn a_synthetic_load_on_a_host_pid_is_reported_through_nvml_with_its_memory_and_sm_samples() {
-    use tessera_kubelet_plugin::gpu::{
-        simulated_load::{self, LoadEntry},
-        usage::UsageQuery,
-    };
+    use tessera_kubelet_plugin::gpu::simulated_load;
+    use tessera_kubelet_plugin::gpu::simulated_load::LoadEntry;
+    use tessera_kubelet_plugin::gpu::usage::UsageQuery;
     let driver = SimDriver::new().gpus("H100-SXM5-80GB", 2).build();
     let pid = std::process::id();
     let entry = LoadEntry {
@@ -629,7 +626,7 @@ fn a_driver_root_read_at_its_container_path_gets_a_spec_that_names_its_host_path
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let spec: tessera_kubelet_plugin::cdi::Spec = serde_json::from_slice(&out.stdout).unwrap();
+    let spec: tessera_kubelet_plugin::node::cdi::Spec = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(spec.devices.len(), 2, "NVML was loaded from the container path");
     let mounts = &spec.container_edits.mounts;
     let host_of = |target: &str| {

@@ -11,15 +11,16 @@ use std::sync::{
 };
 
 use common::{BOOT_ID, Plugin, StopDaemons, TestNode, add, instances, start};
-use tessera_kubelet_plugin::{
-    cdi::{self, ContainerEdits},
-    checkpoint::{
-        Checkpoint, CheckpointStore, ClaimRecord, DeviceDetail, DeviceRecord, Loaded, Phase, SharedDetail,
-    },
-    claims::fake::{NODE, claim},
-    error::ClaimError,
-    gpu::simulated::NodeSpec,
-    state::{ClaimRef, DeviceContext, DeviceKind, DevicePreparer, WholeGpuPreparer},
+use tessera_kubelet_plugin::gpu::simulated::NodeSpec;
+use tessera_kubelet_plugin::kubelet::claims::fake::{NODE, claim};
+use tessera_kubelet_plugin::node::cdi;
+use tessera_kubelet_plugin::node::cdi::ContainerEdits;
+use tessera_kubelet_plugin::node::checkpoint::{
+    Checkpoint, CheckpointStore, ClaimRecord, DeviceDetail, DeviceRecord, Loaded, Phase, SharedDetail,
+};
+use tessera_kubelet_plugin::node::error::ClaimError;
+use tessera_kubelet_plugin::node::state::{
+    ClaimRef, DeviceContext, DeviceKind, DevicePreparer, WholeGpuPreparer,
 };
 
 /// A running pod's claim of a 3g MIG slice on GPU 2.

@@ -8,16 +8,11 @@ use tessera_api::{
     DeviceName, GpuInfo,
     config::{MpsConfig, SharingStrategy, TimeSliceInterval},
 };
-use tessera_kubelet_plugin::{
-    gpu::{
-        ComputeMode, GpuBackend, TimeSlice,
-        simulated::{NodeSpec, SimulatedBackend},
-    },
-    sharing::{
-        ShareRequest, Sharer, SharingError,
-        mps::{DaemonDefaults, Launcher, MpsManager},
-    },
-};
+use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager};
+use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::DaemonDefaults;
+use tessera_kubelet_plugin::devices::sharing::{ShareRequest, Sharer, SharingError};
+use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
+use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, TimeSlice};
 
 fn plugin_binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"))
@@ -251,7 +246,8 @@ fn mps_shares_of_a_mig_device_run_on_its_uuid_and_leave_the_gpu_compute_mode_alo
     let s = sharer(&n);
     let gpu = &n.gpus[0];
     // The caller (the preparers) makes the MIG device; sharing only shares it.
-    let mig = tessera_kubelet_plugin::mig::prepare_mig(n.backend.as_ref(), gpu, "3g.40gb", 4, None).unwrap();
+    let mig =
+        tessera_kubelet_plugin::gpu::mig::prepare_mig(n.backend.as_ref(), gpu, "3g.40gb", 4, None).unwrap();
     let dev = DeviceName::SharedMig {
         gpu: 0,
         profile: "3g.40gb".into(),
@@ -283,7 +279,7 @@ fn mps_shares_of_a_mig_device_run_on_its_uuid_and_leave_the_gpu_compute_mode_alo
         1,
         "sharing never destroys MIG devices"
     );
-    tessera_kubelet_plugin::mig::unprepare_mig(n.backend.as_ref(), gpu, &mig).unwrap();
+    tessera_kubelet_plugin::gpu::mig::unprepare_mig(n.backend.as_ref(), gpu, &mig).unwrap();
 }
 
 #[test]

@@ -9,21 +9,15 @@ use common::{BOOT_ID, TestNode};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 use tessera_api::GROUP_VERSION;
-use tessera_kubelet_plugin::{
-    checkpoint::DeviceDetail,
-    claims::fake::claim,
-    driver_root::{DriverFiles, DriverRoot},
-    gpu::{
-        ComputeMode,
-        simulated::{SIMULATED_DRIVER_VERSION, mig_minors_by_formula},
-    },
-    preparers::{SharedPreparer, with_preparers},
-    sharing::{
-        Sharer,
-        mps::{Launcher, MpsManager},
-    },
-    state::{ClaimRef, NodeState, Recovery},
-};
+use tessera_kubelet_plugin::devices::preparers::{SharedPreparer, with_preparers};
+use tessera_kubelet_plugin::devices::sharing::Sharer;
+use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager};
+use tessera_kubelet_plugin::gpu::ComputeMode;
+use tessera_kubelet_plugin::gpu::driver_root::{DriverFiles, DriverRoot};
+use tessera_kubelet_plugin::gpu::simulated::{SIMULATED_DRIVER_VERSION, mig_minors_by_formula};
+use tessera_kubelet_plugin::kubelet::claims::fake::claim;
+use tessera_kubelet_plugin::node::checkpoint::DeviceDetail;
+use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState, Recovery};
 
 struct Plugin {
     state: Arc<NodeState>,

@@ -10,15 +10,16 @@ use std::{
 
 use common::{BOOT_ID, TestNode};
 use tessera_api::MigPlacement;
-use tessera_kubelet_plugin::{
-    cdi::{self, ContainerEdits, DeviceNode},
-    checkpoint::{
-        Checkpoint, CheckpointStore, ClaimRecord, DeviceDetail, DeviceRecord, Loaded, MigDetail, Phase,
-    },
-    claims::fake::{NODE, claim},
-    error::ClaimError,
-    gpu::GpuError,
-    state::{ClaimRef, DeviceContext, DeviceKind, DevicePreparer, NodeState, WholeGpuPreparer},
+use tessera_kubelet_plugin::gpu::GpuError;
+use tessera_kubelet_plugin::kubelet::claims::fake::{NODE, claim};
+use tessera_kubelet_plugin::node::cdi;
+use tessera_kubelet_plugin::node::cdi::{ContainerEdits, DeviceNode};
+use tessera_kubelet_plugin::node::checkpoint::{
+    Checkpoint, CheckpointStore, ClaimRecord, DeviceDetail, DeviceRecord, Loaded, MigDetail, Phase,
+};
+use tessera_kubelet_plugin::node::error::ClaimError;
+use tessera_kubelet_plugin::node::state::{
+    ClaimRef, DeviceContext, DeviceKind, DevicePreparer, NodeState, WholeGpuPreparer,
 };
 
 /// Asserts the node holds no trace of any claim: no CDI spec, no checkpoint record.
@@ -35,7 +36,7 @@ fn assert_nothing_written(node: &TestNode, state: &NodeState) {
     );
     let on_disk = CheckpointStore::new(&node.state_dir()).load(BOOT_ID).unwrap();
     assert!(
-        matches!(on_disk, tessera_kubelet_plugin::checkpoint::Loaded::Current(cp) if cp.claims.is_empty())
+        matches!(on_disk, tessera_kubelet_plugin::node::checkpoint::Loaded::Current(cp) if cp.claims.is_empty())
     );
 }
 

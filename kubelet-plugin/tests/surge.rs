@@ -14,11 +14,9 @@ use std::{
 };
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use tessera_kubelet_plugin::{
-    checkpoint::{CheckpointStore, Loaded},
-    claims::fake::{NODE, claim},
-    driver::SocketPaths,
-};
+use tessera_kubelet_plugin::kubelet::claims::fake::{NODE, claim};
+use tessera_kubelet_plugin::kubelet::driver::SocketPaths;
+use tessera_kubelet_plugin::node::checkpoint::{CheckpointStore, Loaded};
 use tessera_proto::{
     dra::v1,
     pluginregistration::{InfoRequest, RegistrationStatus, registration_client::RegistrationClient},

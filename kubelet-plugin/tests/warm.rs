@@ -7,11 +7,9 @@ mod common;
 use std::time::Duration;
 
 use common::{BOOT_ID, StopDaemons, TestNode, add, instances, start};
-use tessera_kubelet_plugin::{
-    claims::fake::{NODE, claim},
-    gpu::ComputeMode,
-    state::ClaimRef,
-};
+use tessera_kubelet_plugin::gpu::ComputeMode;
+use tessera_kubelet_plugin::kubelet::claims::fake::{NODE, claim};
+use tessera_kubelet_plugin::node::state::ClaimRef;
 
 /// Long enough that no test sees a window end unless it asks for one.
 const WINDOW: u64 = 3600;
@@ -46,7 +44,7 @@ fn mig_mode_on(node: &TestNode, gpu: u32) -> bool {
     node.backend.mig_mode(gpu).unwrap().current
 }
 
-fn warm_keys(state: &tessera_kubelet_plugin::state::NodeState) -> Vec<String> {
+fn warm_keys(state: &tessera_kubelet_plugin::node::state::NodeState) -> Vec<String> {
     state.checkpoint().warm.into_keys().collect()
 }
 
@@ -127,7 +125,7 @@ async fn a_warm_instance_in_the_way_of_an_overlapping_placement_goes_before_that
     assert_eq!(after.len(), 2, "the 3g and the warm 1g at slice 6: {after:?}");
     let kept_6 = plugin.state.checkpoint().warm["gpu-0-mig-1g-10gb-6"].clone();
     let kept_uuid = match kept_6.detail {
-        tessera_kubelet_plugin::checkpoint::DeviceDetail::Mig(m) => m.uuid.unwrap(),
+        tessera_kubelet_plugin::node::checkpoint::DeviceDetail::Mig(m) => m.uuid.unwrap(),
         other => panic!("{other:?}"),
     };
     assert!(

@@ -14,7 +14,7 @@ use kube::{
     config::{KubeConfigOptions, Kubeconfig},
 };
 
-use super::{Cluster, ExplainError, Target, explain, input};
+use super::{cluster::Cluster, diagnose::explain, error::ExplainError, input, target::Target};
 
 /// What explain leaves out, shown in `--help`.
 pub const NOT_MODELLED: &str = "\

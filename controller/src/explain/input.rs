@@ -9,7 +9,7 @@ use std::path::Path;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use super::{Cluster, ExplainError};
+use super::{cluster::Cluster, error::ExplainError};
 
 fn file_error(path: &str, message: impl ToString) -> ExplainError {
     ExplainError::File {

@@ -7,7 +7,7 @@ use k8s_openapi::api::resource::v1::{
     CapacityRequirements, DeviceSelector, DeviceToleration, ResourceClaimSpec,
 };
 
-use super::ExplainError;
+use super::error::ExplainError;
 use crate::cel::Quantity;
 
 /// The devices one claim may hold at most (`AllocationResultsMaxSize`).

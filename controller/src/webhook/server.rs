@@ -1,9 +1,12 @@
 //! The HTTPS layer: `POST /validate` takes an AdmissionReview and answers with [`super::review_body`];
 //! `GET /healthz` is for probes. Nothing else is served.
+//!
+//! [`run`] starts it with the `webhook` subcommand's flags ([`WebhookArgs`]).
 
 use std::{
     convert::Infallible,
     net::SocketAddr,
+    path::PathBuf,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -11,6 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use clap::Args as ClapArgs;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::{Method, Request, Response, StatusCode, body::Bytes, service::service_fn};
 use hyper_util::{
@@ -28,7 +32,7 @@ use tokio::{net::TcpListener, sync::Notify};
 use tokio_rustls::TlsAcceptor;
 
 use super::{ClassCatalog, WebhookError, classes::ClusterClasses, review_body, tls};
-use crate::{cli::WebhookArgs, runtime::ViewCell};
+use crate::mirror::{ViewCell, drop_managed_fields, mirror};
 
 /// Largest AdmissionReview read: the API server's own request limit is 3 MiB and a review carries the
 /// object (and, on update, the old one).
@@ -145,22 +149,22 @@ async fn watch_classes(kubeconfig: Option<&std::path::Path>) -> Result<Arc<Clust
     let (classes, classes_writer) = reflector::store::<DeviceClass>();
     let (slices, slices_writer) = reflector::store::<ResourceSlice>();
     let now = Instant::now();
-    tokio::spawn(crate::runtime::mirror(
+    tokio::spawn(mirror(
         "DeviceClass",
         classes_writer,
         Api::all(client.clone()),
         watcher::Config::default(),
-        crate::runtime::drop_managed_fields,
+        drop_managed_fields,
         ViewCell::new(now),
         Some(wake.clone()),
     ));
-    tokio::spawn(crate::runtime::mirror(
+    tokio::spawn(mirror(
         "ResourceSlice",
         slices_writer,
         Api::all(client),
         watcher::Config::default().fields(&format!("spec.driver={DRIVER_NAME}")),
         // The webhook judges classes by the devices, so it keeps them.
-        crate::runtime::drop_managed_fields,
+        drop_managed_fields,
         ViewCell::new(now),
         Some(wake.clone()),
     ));
@@ -172,6 +176,77 @@ async fn watch_classes(kubeconfig: Option<&std::path::Path>) -> Result<Arc<Clust
         }
     });
     Ok(Arc::new(ClusterClasses::new(classes, slices, generation)))
+}
+
+// The flags of `tessera-controller webhook`.
+#[derive(Debug, Clone, ClapArgs)]
+pub struct WebhookArgs {
+    /// Address to serve HTTPS on.
+    #[arg(long, env = "TESSERA_WEBHOOK_LISTEN", default_value = "0.0.0.0:8443")]
+    pub listen: std::net::SocketAddr,
+    /// PEM serving certificate (chain), e.g. cert-manager's; re-read when it changes. Without it the
+    /// webhook makes and rotates its own (--cert-secret).
+    #[arg(
+        long,
+        env = "TESSERA_WEBHOOK_TLS_CERT",
+        requires = "tls_key_file",
+        required_unless_present = "cert_secret"
+    )]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of the serving certificate; re-read when it changes.
+    #[arg(long, env = "TESSERA_WEBHOOK_TLS_KEY", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
+    /// Secret (in --namespace, created by the chart) that holds the serving certificate the webhook
+    /// makes itself, its CA, and the next and previous CA during a rotation. Needs --webhook-configuration
+    /// and --service.
+    #[arg(
+        long,
+        env = "TESSERA_WEBHOOK_CERT_SECRET",
+        conflicts_with = "tls_cert_file",
+        requires_all = ["webhook_configuration", "service"]
+    )]
+    pub cert_secret: Option<String>,
+    /// ValidatingWebhookConfiguration whose caBundle the webhook keeps to its own CAs (--cert-secret).
+    #[arg(long, env = "TESSERA_WEBHOOK_CONFIGURATION")]
+    pub webhook_configuration: Option<String>,
+    /// Service the API server calls the webhook through: the certificate names
+    /// `<service>.<namespace>.svc` (--cert-secret).
+    #[arg(long, env = "TESSERA_WEBHOOK_SERVICE")]
+    pub service: Option<String>,
+    /// Namespace of --cert-secret and --service.
+    #[arg(long, env = "TESSERA_WEBHOOK_NAMESPACE", default_value = "tessera-system")]
+    pub namespace: String,
+    /// Lifetime of each CA and serving certificate the webhook makes (`<n>s`, `<n>m` or `<n>h`, at
+    /// least 30s); a rotation starts with a third of it left.
+    #[arg(long, env = "TESSERA_WEBHOOK_CERT_VALIDITY", default_value = "8760h", value_parser = parse_validity)]
+    pub cert_validity: std::time::Duration,
+    /// Kubeconfig file; in-cluster configuration when absent.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// `<n>s`, `<n>m` or `<n>h`, at least 30 s (a rotation needs time to stage the new CA).
+pub fn parse_validity(s: &str) -> Result<std::time::Duration, String> {
+    let unit = match s.chars().last() {
+        Some('s') => 1,
+        Some('m') => 60,
+        Some('h') => 3600,
+        _ => {
+            return Err(format!(
+                "{s:?}: want a number of seconds, minutes or hours such as 8760h, 90m or 45s"
+            ));
+        }
+    };
+    let n: u64 = s[..s.len() - 1].parse().map_err(|_| {
+        format!("{s:?}: want a number of seconds, minutes or hours such as 8760h, 90m or 45s")
+    })?;
+    let d = std::time::Duration::from_secs(n.saturating_mul(unit));
+    if d < std::time::Duration::from_secs(30) {
+        return Err(format!(
+            "{s:?}: at least 30s, so a rotation can stage the new CA before the old one expires"
+        ));
+    }
+    Ok(d)
 }
 
 /// `tessera-controller webhook`: serves the files it is given (cert-manager's), or a certificate it makes

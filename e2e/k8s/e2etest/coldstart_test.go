@@ -518,7 +518,7 @@ func printColdTable(t *testing.T, rows []coldRow, replicas int) {
 
 `+"`make bench-coldstart`"+`: the real node (upstream kubelet 1.37 and containerd, the chart's pods, the nvml backend over the
 simulated driver root) with hardware-like latencies (REAL_NODE_LATENCIES, %s; estimates, not measurements:
-kubelet-plugin/README.md#latencies). Each Deployment is scaled 0 → %d → 0 → %d; each pod's time runs from the
+kubelet-plugin/sim-driver/README.md#latencies). Each Deployment is scaled 0 → %d → 0 → %d; each pod's time runs from the
 scale command to its first CUDA context (the first report line of its container), split into scheduling (the
 scheduler's Scheduled event), tessera's prepare (the plugin's `+"`prepared claim`"+` line: its duration) and the rest
 (kubelet's sync before and after the prepare, the sandbox, the container's start, the first context). Under

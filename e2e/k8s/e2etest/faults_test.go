@@ -217,7 +217,7 @@ type nodeHolds struct {
 	cdi       []string                    // claim UIDs with a tessera CDI spec
 	cdiText   map[string]string           // each of those specs, by claim UID
 	records   map[string]checkpointRecord // checkpoint records by claim UID
-	warm      map[string]warmRecord       // warm records by warm key (kubelet-plugin/src/warm.rs)
+	warm      map[string]warmRecord       // warm records by warm key (kubelet-plugin/src/node/warm.rs)
 	corrupt   string                      // why the checkpoint could not be read, if so
 }
 

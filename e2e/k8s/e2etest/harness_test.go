@@ -511,7 +511,7 @@ func checkPrepared(t *testing.T, a allocation) map[string]string {
 	}
 	env := a.edits.EnvMap()
 	// void on every device: the CDI spec carries everything, NVIDIA's runtime must add nothing, and the env
-	// merge of a multi-device claim stays consistent (kubelet-plugin/src/edits.rs).
+	// merge of a multi-device claim stays consistent (kubelet-plugin/src/node/edits.rs).
 	if env["NVIDIA_VISIBLE_DEVICES"] != "void" {
 		t.Errorf("%s: NVIDIA_VISIBLE_DEVICES=%q, want void (env %v)", a.pod.Name, env["NVIDIA_VISIBLE_DEVICES"], a.edits.Env)
 	}

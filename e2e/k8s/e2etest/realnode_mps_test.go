@@ -2,7 +2,7 @@ package e2etest
 
 // MPS on the real node when the supervisor goes: its daemons end with its container, and the next
 // supervisor must bring back the daemon of every prepared share at once, with the same settings, in the
-// pipe directory the running clients have mounted (kubelet-plugin/src/sharing/supervisor.rs).
+// pipe directory the running clients have mounted (kubelet-plugin/src/devices/sharing/supervisor.rs).
 
 import (
 	"context"

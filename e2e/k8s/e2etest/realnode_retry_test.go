@@ -12,7 +12,7 @@ import (
 )
 
 // The annotation the plugin stamps on a pod whose prepare kubelet gave up on while the plugin was away
-// (kubelet-plugin/src/prepare_retry.rs).
+// (kubelet-plugin/src/kubelet/prepare_retry.rs).
 const prepareRetryAnnotation = "gpu.tessera.dev/prepare-retry"
 
 // Issue 27 item 3: upstream kubelet does not back off and retry a NodePrepareResources that failed because

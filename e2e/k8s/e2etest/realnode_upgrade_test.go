@@ -29,7 +29,7 @@ import (
 const upgradedDriverVersion = "580.200.01"
 
 // driverChangedExitCode is the plugin's exit status when the driver changed under it
-// (kubelet-plugin/src/driver_watch.rs, DRIVER_CHANGED_EXIT_CODE).
+// (kubelet-plugin/src/gpu/driver_watch.rs, DRIVER_CHANGED_EXIT_CODE).
 const driverChangedExitCode = 75
 
 var nvrmVersion = regexp.MustCompile(`Kernel Module\s+(\d+(?:\.\d+)+)`)

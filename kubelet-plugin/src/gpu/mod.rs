@@ -8,6 +8,10 @@
 //! GPU-instance and compute-instance handles are never kept: every call names the GPU by index and the
 //! instance by id, the way NVML handles must be re-resolved after a destroy or reset.
 
+pub mod driver_root;
+pub mod driver_watch;
+pub mod health;
+pub mod mig;
 pub mod models;
 pub mod nvml;
 pub mod nvml_events;
@@ -202,7 +206,7 @@ pub trait GpuBackend: Send + Sync + 'static {
     /// Root of the driver's user-space files as this process reads them (`/`, `/run/nvidia/driver`, GKE's
     /// `/home/kubernetes/bin/nvidia`, or where a container mounts one of them; the simulated driver root for
     /// the simulated backend), whose libraries and binaries every container gets (see
-    /// [`crate::driver_root`]; the host path specs name is the plugin's `--driver-root`).
+    /// [`crate::gpu::driver_root`]; the host path specs name is the plugin's `--driver-root`).
     fn driver_root(&self) -> &std::path::Path;
 
     /// Discovers every GPU with its identity, capacities and MIG profiles (with placements). Works whether or

@@ -32,7 +32,7 @@ use nvml_wrapper_sys::bindings::nvmlReturn_t;
 use tessera_api::{GpuInfo, MigPlacement, MigProfileInfo, inventory::MigInfo};
 use tracing::{debug, info, warn};
 
-use crate::driver_root::DriverRoot;
+use crate::gpu::driver_root::DriverRoot;
 
 use super::{
     CharDevice, ComputeInstance, ComputeMode, GpuBackend, GpuError, GpuInstance, MigMode, NodeGpus, Result,
@@ -43,7 +43,7 @@ use super::{
 const LIBRARY_NAME: &str = "libnvidia-ml.so.1";
 
 /// Where the NVML library is looked for under a driver root, in order (every layout of
-/// [`crate::driver_root::LIBRARY_DIRS`], GKE's `lib64` included, then the root itself); the bare name last
+/// [`crate::gpu::driver_root::LIBRARY_DIRS`], GKE's `lib64` included, then the root itself); the bare name last
 /// lets the dynamic loader search its usual paths.
 pub fn library_candidates(driver_root: &Path) -> Vec<PathBuf> {
     let mut out = DriverRoot::new(driver_root).library_candidates(LIBRARY_NAME);
@@ -275,7 +275,7 @@ pub fn char_device_from_host(path: &str, proc_root: &Path) -> Result<CharDevice>
                     "character device {path}: the nvidia-uvm kernel module is not loaded ({} lists no \
                      nvidia-uvm); {}",
                     proc_root.join("devices").display(),
-                    crate::driver_watch::UVM_FIX
+                    crate::gpu::driver_watch::UVM_FIX
                 ))
             })
         }

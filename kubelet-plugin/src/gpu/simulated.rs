@@ -13,7 +13,7 @@
 //! that the file is whole (an older version or the newer one) and the next start does not stop at a torn
 //! file; the directory is not fsynced, because which version comes back after a power loss does not matter
 //! to hardware whose MIG instances a reboot erases anyway (the plugin's checkpoint of the old boot is not
-//! trusted either, see [`crate::checkpoint`]).
+//! trusted either, see [`crate::node::checkpoint`]).
 //!
 //! The state file is also the e2e interface: a harness may add a PID to `processes` of a GPU or compute
 //! instance (under the same lock) to make the GPU busy.
@@ -617,7 +617,7 @@ const PROC_GENERATION_FILE: &str = ".generation";
 pub const KERNEL_VERSION_FILE: &str = "driver/nvidia/version";
 
 /// What the simulated kernel module of driver `version` shows in `proc/driver/nvidia/version` (the
-/// format of NVIDIA's, which [`crate::driver_watch::parse_kernel_version`] reads).
+/// format of NVIDIA's, which [`crate::gpu::driver_watch::parse_kernel_version`] reads).
 pub fn kernel_version_text(version: &str) -> String {
     format!(
         "NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  (tessera simulated)\nGCC version:  simulated\n"
@@ -627,7 +627,7 @@ pub fn kernel_version_text(version: &str) -> String {
 /// The driver version the simulated kernel `dir` reports (its `proc/driver/nvidia/version`), if any.
 pub fn kernel_driver_version(dir: &Path) -> Option<String> {
     let text = fs::read_to_string(dir.join(PROC_DIR).join(KERNEL_VERSION_FILE)).ok()?;
-    crate::driver_watch::parse_kernel_version(&text)
+    crate::gpu::driver_watch::parse_kernel_version(&text)
 }
 
 /// The driver version of a simulated library file loaded from `own` (`…/libcuda.so.1` as the loader named
@@ -639,7 +639,7 @@ pub fn kernel_driver_version(dir: &Path) -> Option<String> {
 pub fn library_driver_version(own: &Path, inode: Option<u64>, stem: &str) -> String {
     use std::os::unix::fs::MetadataExt;
     let file = own.file_name().map(PathBuf::from).unwrap_or_default();
-    if let Some(v) = crate::driver_watch::version_in_name(&file, stem) {
+    if let Some(v) = crate::gpu::driver_watch::version_in_name(&file, stem) {
         return v;
     }
     let inode = inode.or_else(|| fs::metadata(own).ok().map(|m| m.ino()));
@@ -649,7 +649,7 @@ pub fn library_driver_version(own: &Path, inode: Option<u64>, stem: &str) -> Str
             if meta.ino() != ino {
                 return None;
             }
-            crate::driver_watch::version_in_name(Path::new(&e.file_name()), stem)
+            crate::gpu::driver_watch::version_in_name(Path::new(&e.file_name()), stem)
         })
     });
     from_dir.unwrap_or_else(|| SIMULATED_DRIVER_VERSION.to_string())

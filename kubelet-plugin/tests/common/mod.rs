@@ -6,14 +6,10 @@ use std::{path::Path, sync::Arc};
 
 use hyper_util::rt::TokioIo;
 use tempfile::TempDir;
-use tessera_kubelet_plugin::{
-    claims::fake::{FakeClaims, NODE},
-    gpu::{
-        GpuBackend,
-        simulated::{NodeSpec, SimulatedBackend},
-    },
-    state::{NodeState, StateConfig},
-};
+use tessera_kubelet_plugin::gpu::GpuBackend;
+use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
+use tessera_kubelet_plugin::kubelet::claims::fake::{FakeClaims, NODE};
+use tessera_kubelet_plugin::node::state::{NodeState, StateConfig};
 use tonic::transport::{Channel, Endpoint};
 
 pub const BOOT_ID: &str = "11111111-2222-3333-4444-555555555555";
@@ -129,15 +125,11 @@ pub fn real_plugin(
     node: &TestNode,
     boot_id: &str,
     program: std::path::PathBuf,
-) -> (NodeState, Arc<tessera_kubelet_plugin::sharing::Sharer>) {
-    use tessera_kubelet_plugin::{
-        driver_root::DriverFiles,
-        preparers::{SharedPreparer, with_preparers},
-        sharing::{
-            Sharer,
-            mps::{Launcher, MpsManager},
-        },
-    };
+) -> (NodeState, Arc<tessera_kubelet_plugin::devices::sharing::Sharer>) {
+    use tessera_kubelet_plugin::devices::preparers::{SharedPreparer, with_preparers};
+    use tessera_kubelet_plugin::devices::sharing::Sharer;
+    use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager};
+    use tessera_kubelet_plugin::gpu::driver_root::DriverFiles;
     let mps = MpsManager::new(&node.state_dir(), Launcher::Simulated { program });
     let sharer = Arc::new(Sharer::new(node.backend.clone(), mps, false));
     let shared = Arc::new(SharedPreparer::new(sharer.clone(), DriverFiles::default()));
@@ -187,11 +179,11 @@ pub fn plugin_command(d: &Path, node: &str, node_file: &Path, server: &str) -> s
 pub fn assembled_plugin(
     dir: &Path,
     gpus: u32,
-    launcher: tessera_kubelet_plugin::sharing::mps::Launcher,
+    launcher: tessera_kubelet_plugin::devices::sharing::mps::Launcher,
     claims: FakeClaims,
 ) -> (
     Arc<NodeState>,
-    Arc<tessera_kubelet_plugin::preparers::SharedPreparer>,
+    Arc<tessera_kubelet_plugin::devices::preparers::SharedPreparer>,
     Arc<SimulatedBackend>,
 ) {
     assembled_plugin_with(dir, gpus, launcher, claims, |state| state)
@@ -202,19 +194,18 @@ pub fn assembled_plugin(
 pub fn assembled_plugin_with(
     dir: &Path,
     gpus: u32,
-    launcher: tessera_kubelet_plugin::sharing::mps::Launcher,
+    launcher: tessera_kubelet_plugin::devices::sharing::mps::Launcher,
     claims: FakeClaims,
     finish: impl FnOnce(NodeState) -> NodeState,
 ) -> (
     Arc<NodeState>,
-    Arc<tessera_kubelet_plugin::preparers::SharedPreparer>,
+    Arc<tessera_kubelet_plugin::devices::preparers::SharedPreparer>,
     Arc<SimulatedBackend>,
 ) {
-    use tessera_kubelet_plugin::{
-        driver_root::DriverFiles,
-        preparers::{SharedPreparer, with_preparers},
-        sharing::{Sharer, mps::MpsManager},
-    };
+    use tessera_kubelet_plugin::devices::preparers::{SharedPreparer, with_preparers};
+    use tessera_kubelet_plugin::devices::sharing::Sharer;
+    use tessera_kubelet_plugin::devices::sharing::mps::MpsManager;
+    use tessera_kubelet_plugin::gpu::driver_root::DriverFiles;
     let state_dir = dir.join("state");
     let backend = Arc::new(
         SimulatedBackend::from_spec(
@@ -249,8 +240,8 @@ pub fn assembled_plugin_with(
 /// (local recovery, then the API).
 pub struct Plugin {
     pub state: Arc<NodeState>,
-    pub mps: Arc<tessera_kubelet_plugin::sharing::Sharer>,
-    pub recovery: tessera_kubelet_plugin::state::Recovery,
+    pub mps: Arc<tessera_kubelet_plugin::devices::sharing::Sharer>,
+    pub recovery: tessera_kubelet_plugin::node::state::Recovery,
 }
 
 pub async fn start(node: &TestNode, boot_id: &str) -> Plugin {
@@ -264,14 +255,14 @@ pub async fn start(node: &TestNode, boot_id: &str) -> Plugin {
 /// Stops, when the test ends, every simulated MPS daemon still running in the node's state directory
 /// (tests that restart the plugin leave them running on purpose; the processes must not outlive the test).
 /// Declare it after the node, so it runs before the temp dir goes.
-pub struct StopDaemons(pub tessera_kubelet_plugin::sharing::mps::MpsManager);
+pub struct StopDaemons(pub tessera_kubelet_plugin::devices::sharing::mps::MpsManager);
 
 impl StopDaemons {
     pub fn new(node: &TestNode) -> Self {
         let program = std::path::PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
-        Self(tessera_kubelet_plugin::sharing::mps::MpsManager::new(
+        Self(tessera_kubelet_plugin::devices::sharing::mps::MpsManager::new(
             &node.state_dir(),
-            tessera_kubelet_plugin::sharing::mps::Launcher::Simulated { program },
+            tessera_kubelet_plugin::devices::sharing::mps::Launcher::Simulated { program },
         ))
     }
 }
@@ -288,8 +279,8 @@ impl Drop for StopDaemons {
 pub fn add(
     node: &TestNode,
     c: k8s_openapi::api::resource::v1::ResourceClaim,
-) -> tessera_kubelet_plugin::state::ClaimRef {
-    let r = tessera_kubelet_plugin::state::ClaimRef::of(&c);
+) -> tessera_kubelet_plugin::node::state::ClaimRef {
+    let r = tessera_kubelet_plugin::node::state::ClaimRef::of(&c);
     node.claims.insert(c);
     r
 }

@@ -23,11 +23,9 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use tessera_kubelet_plugin::gpu::{
-    nvml::NvmlBackend,
-    sim_driver_root,
-    simulated::{GpuGroup, NodeSpec, SimulatedBackend},
-};
+use tessera_kubelet_plugin::gpu::nvml::NvmlBackend;
+use tessera_kubelet_plugin::gpu::sim_driver_root;
+use tessera_kubelet_plugin::gpu::simulated::{GpuGroup, NodeSpec, SimulatedBackend};
 
 /// Where cargo put the plugin binary, and with it the cdylibs of the workspace.
 pub fn artifacts_dir() -> PathBuf {

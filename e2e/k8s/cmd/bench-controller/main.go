@@ -529,7 +529,7 @@ func (b *bench) heartbeats(ctx context.Context, names []string) {
 }
 
 // beat is one heartbeat of one node's plugin. With -heartbeat-object lease it does what the plugin does
-// (kubelet-plugin/src/inventory.rs): a server-side apply of the node's small Lease, a GET of the leader
+// (kubelet-plugin/src/kubelet/inventory.rs): a server-side apply of the node's small Lease, a GET of the leader
 // Lease when the last read is leaderLeaseReadInterval old, and the NodeInventory status rewritten too
 // unless that leader said it reads node Leases. With inventory, only the status write, as plugins before
 // the Lease heartbeat did.

@@ -44,17 +44,14 @@ use std::{
     sync::{Mutex, OnceLock},
 };
 
-use tessera_kubelet_plugin::{
-    gpu::{
-        ComputeMode, GpuBackend,
-        simulated::{
-            DEV_ROOT_ENV, DeviceView, Latencies, SIMULATED_CUDA_DRIVER_VERSION, SimulatedBackend,
-            kernel_driver_version, library_driver_version, locate_kernel, mapped_inode,
-            mig_minors_by_formula,
-        },
-    },
-    sharing::mps::{CLIENT_CONNECT, ClientGrant, parse_mem_limit, send_control},
+use tessera_kubelet_plugin::devices::sharing::mps::{
+    CLIENT_CONNECT, ClientGrant, parse_mem_limit, send_control,
 };
+use tessera_kubelet_plugin::gpu::simulated::{
+    DEV_ROOT_ENV, DeviceView, Latencies, SIMULATED_CUDA_DRIVER_VERSION, SimulatedBackend,
+    kernel_driver_version, library_driver_version, locate_kernel, mapped_inode, mig_minors_by_formula,
+};
+use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend};
 
 /// `CUresult`.
 pub type CUresult = c_int;

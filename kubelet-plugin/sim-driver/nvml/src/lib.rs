@@ -45,15 +45,13 @@ use nvml_wrapper_sys::bindings::{
     nvmlMemory_t, nvmlMemory_v2_t, nvmlPciInfo_t, nvmlProcessInfo_t, nvmlProcessInfo_v1_t,
     nvmlProcessUtilizationSample_t, nvmlReturn_t, nvmlUtilization_t,
 };
-use tessera_kubelet_plugin::gpu::{
-    ComputeMode, GpuBackend, GpuError, TimeSlice,
-    models::{Architecture, GpuModel},
-    simulated::{
-        DeviceView, MigDevice, SIMULATED_CUDA_DRIVER_VERSION, SimulatedBackend, SimulatedFault, SimulatedGpu,
-        kernel_driver_version, library_driver_version, locate_kernel, mapped_inode,
-    },
-    usage::{ProcessUsage, UsageQuery},
+use tessera_kubelet_plugin::gpu::models::{Architecture, GpuModel};
+use tessera_kubelet_plugin::gpu::simulated::{
+    DeviceView, MigDevice, SIMULATED_CUDA_DRIVER_VERSION, SimulatedBackend, SimulatedFault, SimulatedGpu,
+    kernel_driver_version, library_driver_version, locate_kernel, mapped_inode,
 };
+use tessera_kubelet_plugin::gpu::usage::{ProcessUsage, UsageQuery};
+use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, GpuError, TimeSlice};
 
 // === NVML return codes (nvml.h) ===
 

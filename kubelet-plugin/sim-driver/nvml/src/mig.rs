@@ -16,11 +16,9 @@ use nvml_wrapper_sys::bindings::{
     nvmlGpuInstanceProfileInfo_v3_t, nvmlReturn_t,
 };
 use tessera_api::MigPlacement;
-use tessera_kubelet_plugin::gpu::{
-    ComputeInstance, GpuBackend, GpuInstance,
-    models::{ComputeInstanceProfile, GpuModel, MigProfile},
-    simulated::{MigDevice, VirtualizationMode, mig_minors_by_formula},
-};
+use tessera_kubelet_plugin::gpu::models::{ComputeInstanceProfile, GpuModel, MigProfile};
+use tessera_kubelet_plugin::gpu::simulated::{MigDevice, VirtualizationMode, mig_minors_by_formula};
+use tessera_kubelet_plugin::gpu::{ComputeInstance, GpuBackend, GpuInstance};
 
 use crate::{
     Handle, INVALID_ARGUMENT, Lib, NOT_FOUND, NOT_SUPPORTED, Out, R, UNKNOWN, accepted_version, answer, ffi,

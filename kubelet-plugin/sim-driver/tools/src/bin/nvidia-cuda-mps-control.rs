@@ -17,10 +17,10 @@ use std::{
     process::{Command, ExitCode},
 };
 
-use tessera_kubelet_plugin::{
-    gpu::simulated::Latencies,
-    sharing::mps::{ControlDaemon, detach_daemon, send_control, sibling_server},
+use tessera_kubelet_plugin::devices::sharing::mps::{
+    ControlDaemon, detach_daemon, send_control, sibling_server,
 };
+use tessera_kubelet_plugin::gpu::simulated::Latencies;
 
 const DEFAULT_PIPE_DIR: &str = "/tmp/nvidia-mps";
 const DEFAULT_LOG_DIR: &str = "/var/log/nvidia-mps";

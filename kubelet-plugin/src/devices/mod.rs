@@ -1,0 +1,5 @@
+//! How each device kind is prepared for the state machine: whole GPUs, MIG devices, and MPS or
+//! time-sliced shares.
+
+pub mod preparers;
+pub mod sharing;

@@ -1,0 +1,112 @@
+//! The MPS supervisor's protocol: one JSON request per connection on its unix socket, and the client
+//! side of it that the plugin's daemon manager ([`super::mps`]) uses. The supervisor itself
+//! ([`super::supervisor`]) serves it.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    os::unix::net::UnixStream,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use serde::{Deserialize, Serialize};
+
+/// Settings applied to a daemon right after start (servers spawned later inherit them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DaemonDefaults {
+    pub active_thread_percentage: Option<u32>,
+    pub pinned_memory_bytes: Option<u64>,
+}
+
+/// One request to the supervisor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "camelCase", deny_unknown_fields)]
+pub enum Request {
+    /// Start the daemon of `key` on device `uuid` unless it runs; apply `defaults`.
+    Start {
+        key: String,
+        uuid: String,
+        defaults: DaemonDefaults,
+    },
+    /// `quit` the daemon of `key`, wait for it, remove its directories.
+    Stop { key: String },
+    /// Send one control command.
+    Send { key: String, command: String },
+    /// The daemon's pid, if it runs.
+    Pid { key: String },
+    /// Keys of the running daemons.
+    Running,
+}
+
+/// The supervisor's answer; `error` set means the request failed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Answer {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<String>,
+}
+
+/// A failed exchange with the supervisor.
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisorError {
+    /// The socket could not be used.
+    #[error(
+        "cannot reach the MPS supervisor at {socket}: {reason}; is the mps-supervisor container running and \
+         sharing the plugin's state directory?"
+    )]
+    Unreachable { socket: PathBuf, reason: String },
+    /// The supervisor answered with an error.
+    #[error("the MPS supervisor refused {op}: {reason}")]
+    Refused { op: &'static str, reason: String },
+}
+
+/// Starting a daemon may take up to its own start timeout (10 s) plus the default settings.
+pub(super) const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub(super) fn op_name(req: &Request) -> &'static str {
+    match req {
+        Request::Start { .. } => "start",
+        Request::Stop { .. } => "stop",
+        Request::Send { .. } => "send",
+        Request::Pid { .. } => "pid",
+        Request::Running => "running",
+    }
+}
+
+/// Sends one request and returns the answer.
+pub fn request(socket: &Path, req: &Request) -> Result<Answer, SupervisorError> {
+    let unreachable = |e: std::io::Error| SupervisorError::Unreachable {
+        socket: socket.to_path_buf(),
+        reason: e.to_string(),
+    };
+    let mut stream = UnixStream::connect(socket).map_err(unreachable)?;
+    stream
+        .set_read_timeout(Some(REQUEST_TIMEOUT))
+        .map_err(unreachable)?;
+    stream
+        .set_write_timeout(Some(REQUEST_TIMEOUT))
+        .map_err(unreachable)?;
+    let line = serde_json::to_string(req).map_err(|e| unreachable(std::io::Error::other(e)))?;
+    writeln!(stream, "{line}").map_err(unreachable)?;
+    stream.shutdown(std::net::Shutdown::Write).map_err(unreachable)?;
+    let mut reply = String::new();
+    BufReader::new(&stream)
+        .read_line(&mut reply)
+        .map_err(unreachable)?;
+    let answer: Answer = serde_json::from_str(reply.trim())
+        .map_err(|e| unreachable(std::io::Error::other(format!("unreadable answer {reply:?}: {e}"))))?;
+    match answer.error {
+        Some(reason) => Err(SupervisorError::Refused {
+            op: op_name(req),
+            reason,
+        }),
+        None => Ok(answer),
+    }
+}

@@ -1,0 +1,377 @@
+//! CDI specs: how a prepared claim's devices reach the container.
+//!
+//! One spec file per claim, `<cdi dir>/k8s.gpu.tessera.dev-claim_<claim UID>.json`, kind
+//! `k8s.gpu.tessera.dev/claim`, one CDI device per allocated device named `<claim UID>-<device name>`.
+//! kubelet passes the fully qualified names ([`qualified_name`]) to the runtime, which reads the spec when the
+//! container is created. A per-claim file (rather than one node-wide spec) makes prepare and unprepare of
+//! different claims independent: no read-modify-write of a shared file.
+//!
+//! The driver's files and hook calls are the spec's own `containerEdits`, once per claim; a device's edits
+//! are its device nodes, env and (for a share) MPS mounts ([`crate::node::edits`]). The hook they call,
+//! `tessera-cdi-hook` (`kubelet-plugin/cdi-hook`), is installed on the host by [`install_hook`].
+
+use std::{
+    fs,
+    io::{self, Write},
+    os::unix::fs::{OpenOptionsExt, PermissionsExt},
+    path::{Path, PathBuf},
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::node::error::{Error, Result};
+
+/// `cdiVersion` written: the minimum that knows every field tessera uses (`hostPath` on device nodes came in
+/// 0.5.0), so runtimes built with older CDI libraries still load the specs.
+pub const CDI_VERSION: &str = "0.5.0";
+
+/// CDI vendor of tessera's claim specs (`k8s.` + driver name, as kubelet plugins conventionally use).
+pub const CDI_VENDOR: &str = "k8s.gpu.tessera.dev";
+
+/// CDI class of tessera's claim specs.
+pub const CDI_CLASS: &str = "claim";
+
+/// `kind` of every spec tessera writes.
+pub const CDI_KIND: &str = "k8s.gpu.tessera.dev/claim";
+
+/// Prefix of spec file names; only files with this prefix are ever removed by the plugin, so specs of other
+/// drivers and hand-written ones in the same directory are safe.
+const SPEC_FILE_PREFIX: &str = "k8s.gpu.tessera.dev-claim_";
+
+/// A CDI spec (JSON keys as in the CDI `specs-go` package).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Spec {
+    pub cdi_version: String,
+    pub kind: String,
+    pub devices: Vec<Device>,
+    #[serde(default, skip_serializing_if = "ContainerEdits::is_empty")]
+    pub container_edits: ContainerEdits,
+}
+
+/// One CDI device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Device {
+    pub name: String,
+    pub container_edits: ContainerEdits,
+}
+
+/// What the runtime changes in the container for a device.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ContainerEdits {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_nodes: Vec<DeviceNode>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<Mount>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hooks: Vec<Hook>,
+}
+
+impl ContainerEdits {
+    /// True when the edits change nothing.
+    pub fn is_empty(&self) -> bool {
+        self.env.is_empty() && self.device_nodes.is_empty() && self.mounts.is_empty() && self.hooks.is_empty()
+    }
+
+    /// Appends `other`'s edits to these.
+    pub fn extend(&mut self, other: ContainerEdits) {
+        self.env.extend(other.env);
+        self.device_nodes.extend(other.device_nodes);
+        self.mounts.extend(other.mounts);
+        self.hooks.extend(other.hooks);
+    }
+}
+
+/// A device node in the container.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DeviceNode {
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<String>,
+    /// `c` for the NVIDIA character devices.
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub major: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor: Option<i64>,
+}
+
+impl DeviceNode {
+    /// A character device with explicit numbers, so the runtime need not stat the host node.
+    pub fn char_device(path: &str, major: u32, minor: u32) -> Self {
+        Self {
+            path: path.to_string(),
+            host_path: None,
+            kind: Some("c".to_string()),
+            major: Some(major.into()),
+            minor: Some(minor.into()),
+        }
+    }
+}
+
+/// A bind mount into the container (MPS pipe directories, for instance).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Mount {
+    pub host_path: String,
+    pub container_path: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub options: Vec<String>,
+}
+
+/// An OCI hook the runtime runs while creating the container (on the host, outside the container).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Hook {
+    /// `createContainer`, `createRuntime`, `startContainer`, `poststart`, `poststop` or `prestart`.
+    pub hook_name: String,
+    /// Absolute path of the executable on the host.
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+}
+
+/// CDI device name of one allocated device of a claim: `<claim UID>-<device name>`.
+pub fn device_name(claim_uid: &str, device: &str) -> String {
+    format!("{claim_uid}-{device}")
+}
+
+/// Fully qualified CDI device name kubelet hands to the runtime: `k8s.gpu.tessera.dev/claim=<name>`.
+pub fn qualified_name(cdi_device_name: &str) -> String {
+    format!("{CDI_KIND}={cdi_device_name}")
+}
+
+/// The CDI spec directory, seen through the files tessera owns in it.
+#[derive(Clone, Debug)]
+pub struct CdiDir {
+    dir: PathBuf,
+}
+
+impl CdiDir {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self { dir: dir.into() }
+    }
+
+    /// The spec file of a claim.
+    pub fn spec_path(&self, claim_uid: &str) -> PathBuf {
+        self.dir.join(format!("{SPEC_FILE_PREFIX}{claim_uid}.json"))
+    }
+
+    /// Writes a claim's spec atomically: the runtime may read the directory at any moment, so it must see
+    /// either no file or a whole one. The temporary name starts with `.` and does not end in `.json`, so CDI
+    /// caches never load it.
+    ///
+    /// Not fsynced (`Durability::ProcessCrash`): a plugin crash (kill -9, OOM, upgrade) keeps the page cache,
+    /// so the renamed file is whole for the runtime and for the restarted plugin. Only a power loss can tear
+    /// it, and that is a new boot: the checkpoint of the old boot is not trusted, a record is re-adopted only
+    /// when its spec still parses (`spec_present`), and every spec no record owns is removed once the API
+    /// server has said which claims are in use (`NodeState::recover`, `NodeState::reconcile`). After a
+    /// reboot no container holds these specs, and kubelet prepares its claims again, which writes them anew.
+    /// (`/var/run/cdi`, the usual directory, is a tmpfs, where there is nothing to sync anyway.)
+    pub fn write(&self, claim_uid: &str, spec: &Spec) -> Result<PathBuf> {
+        let path = self.spec_path(claim_uid);
+        let err = |source| Error::WriteCdiSpec {
+            path: path.clone(),
+            source,
+        };
+        fs::create_dir_all(&self.dir).map_err(err)?;
+        let tmp = self.dir.join(format!(".{SPEC_FILE_PREFIX}{claim_uid}.json.tmp"));
+        let json = serde_json::to_vec_pretty(spec).map_err(|e| err(io::Error::other(e)))?;
+        write_atomically(&tmp, &path, &json, Durability::ProcessCrash).map_err(err)?;
+        Ok(path)
+    }
+
+    /// Reads a claim's spec back (tests and diagnostics).
+    pub fn read(&self, claim_uid: &str) -> Result<Option<Spec>> {
+        let path = self.spec_path(claim_uid);
+        match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| Error::ReadCdiSpec {
+                    path,
+                    source: io::Error::other(e),
+                }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(Error::ReadCdiSpec { path, source }),
+        }
+    }
+
+    /// Removes a claim's spec; a spec that is already gone is success, which keeps unprepare idempotent.
+    pub fn remove(&self, claim_uid: &str) -> Result<()> {
+        let path = self.spec_path(claim_uid);
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(Error::RemoveCdiSpec { path, source }),
+        }
+    }
+
+    /// Claim UIDs of every tessera claim spec in the directory (a missing directory has none).
+    pub fn claim_uids(&self) -> Result<Vec<String>> {
+        let entries = match fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(source) => {
+                return Err(Error::ListCdiDir {
+                    path: self.dir.clone(),
+                    source,
+                });
+            }
+        };
+        let mut uids = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|source| Error::ListCdiDir {
+                path: self.dir.clone(),
+                source,
+            })?;
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if let Some(uid) = name
+                .strip_prefix(SPEC_FILE_PREFIX)
+                .and_then(|n| n.strip_suffix(".json"))
+            {
+                uids.push(uid.to_string());
+            }
+        }
+        uids.sort();
+        Ok(uids)
+    }
+}
+
+/// What a write through [`write_atomically`] must survive. Either way the rename makes the change atomic for
+/// every reader of this boot: they see the old file or the new one, never a mix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Durability {
+    /// A process crash only: the page cache survives it, so nothing is synced. For files that a power loss
+    /// (a reboot) makes stale anyway and whose readers after a reboot cope with them torn or missing.
+    ProcessCrash,
+    /// Also a power loss, in the weak form "parseable, or absent, or an older version": the temp file is
+    /// fsynced before the rename, so the name never points at data that did not reach the disk. The
+    /// directory is not fsynced: that would only make the rename itself durable, and after a power loss
+    /// the old file and the new one are equally from the old boot.
+    WholeAfterPowerLoss,
+}
+
+/// Writes `bytes` to `path` through `tmp`: write, fsync as `durability` asks, rename.
+pub(crate) fn write_atomically(
+    tmp: &Path,
+    path: &Path,
+    bytes: &[u8],
+    durability: Durability,
+) -> io::Result<()> {
+    let mut file = fs::File::create(tmp)?;
+    file.write_all(bytes)?;
+    if durability == Durability::WholeAfterPowerLoss {
+        // fdatasync: the data and the size, which is all "whole" needs; the mtime may stay behind.
+        file.sync_data()?;
+    }
+    drop(file);
+    fs::rename(tmp, path)
+}
+
+/// File name of tessera's CDI hook binary, shipped next to the plugin's executable (`/usr/bin` in the
+/// image) and installed into the hook directory.
+pub const HOOK_BINARY: &str = "tessera-cdi-hook";
+
+/// The hook binary shipped with this executable: next to it (the image's `/usr/bin`, cargo's
+/// `target/<profile>`; a test in `target/<profile>/deps` looks one level up too).
+pub fn shipped_hook() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let dir = exe.parent()?;
+    let mut dirs = vec![dir.to_path_buf()];
+    if dir.file_name().is_some_and(|n| n == "deps")
+        && let Some(parent) = dir.parent()
+    {
+        dirs.push(parent.to_path_buf());
+    }
+    dirs.into_iter()
+        .map(|d| d.join(HOOK_BINARY))
+        .find(|p| fs::metadata(p).is_ok_and(|m| m.is_file()))
+}
+
+/// Installs the hook binary `source` as `<dir>/tessera-cdi-hook` (the path the specs name: `dir` is seen
+/// at its host path) and returns that path. A copy whose bytes already match is kept; otherwise the new
+/// file is written under a temporary name, made executable and renamed over the old one, so a runtime that
+/// runs the hook meanwhile starts the old binary or the new one, never a part of one.
+pub fn install_hook(source: &Path, dir: &Path) -> Result<PathBuf> {
+    let path = dir.join(HOOK_BINARY);
+    let err = |source_err| Error::InstallCdiHook {
+        source_path: source.to_path_buf(),
+        path: path.clone(),
+        source: source_err,
+    };
+    let bytes = fs::read(source).map_err(err)?;
+    if fs::read(&path).is_ok_and(|old| old == bytes) {
+        return Ok(path);
+    }
+    fs::create_dir_all(dir).map_err(err)?;
+    let tmp = dir.join(format!(".{HOOK_BINARY}.{}.tmp", std::process::id()));
+    let write = || -> io::Result<()> {
+        let _ = fs::remove_file(&tmp);
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o755)
+            .open(&tmp)?;
+        file.write_all(&bytes)?;
+        file.set_permissions(fs::Permissions::from_mode(0o755))?;
+        // Synced: a hook torn by a power loss would fail every container start after the reboot.
+        file.sync_data()?;
+        drop(file);
+        fs::rename(&tmp, &path)
+    };
+    write().map_err(|e| {
+        let _ = fs::remove_file(&tmp);
+        err(e)
+    })?;
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    #[test]
+    fn the_hook_is_installed_executable_replaced_by_rename_and_kept_when_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("built");
+        fs::write(&source, b"hook v1").unwrap();
+        let hooks = dir.path().join("state/bin");
+        let path = install_hook(&source, &hooks).unwrap();
+        assert_eq!(path, hooks.join(HOOK_BINARY));
+        assert_eq!(fs::read(&path).unwrap(), b"hook v1");
+        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o755);
+        let first = fs::metadata(&path).unwrap().ino();
+        install_hook(&source, &hooks).unwrap();
+        assert_eq!(
+            fs::metadata(&path).unwrap().ino(),
+            first,
+            "an unchanged hook is not rewritten"
+        );
+        // A runtime running the old one keeps its file; the name points at the new one.
+        let running = fs::File::open(&path).unwrap();
+        fs::write(&source, b"hook v2, longer").unwrap();
+        install_hook(&source, &hooks).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"hook v2, longer");
+        assert_eq!(io::read_to_string(&running).unwrap(), "hook v1");
+        assert_eq!(
+            fs::read_dir(&hooks).unwrap().count(),
+            1,
+            "no temporary file is left"
+        );
+        let e = install_hook(&dir.path().join("missing"), &hooks)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--cdi-hook-dir") && e.contains("missing"), "{e}");
+    }
+}

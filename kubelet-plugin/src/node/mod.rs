@@ -1,0 +1,11 @@
+//! The node's prepare/unprepare state machine and what it keeps on disk: the checkpoint, the claims' CDI
+//! specs and device metadata, warm partitions.
+
+pub mod cdi;
+pub mod checkpoint;
+pub mod device_metadata;
+pub mod edits;
+pub mod error;
+pub mod mig_records;
+pub mod state;
+pub mod warm;
