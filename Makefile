@@ -41,6 +41,14 @@ test-bench: ## The benchmarks' and e2e tools' own Go tests (packing counts on a 
 	cd e2e/k8s && GOTOOLCHAIN=local GOFLAGS=-mod=mod go test -count=1 ./internal/fleet/
 	cd e2e/tools/iptables-wrappers && GOTOOLCHAIN=local go test -count=1 ./...
 
+# Import circles between the files of every crate of the workspace (the tool lives beside the project, in
+# ../shared/tools; CI runs it before the tests).
+MODULE_CYCLES ?= $(abspath $(CURDIR)/../shared/tools/rust-module-cycles)
+CRATE_SRCS = $(sort $(dir $(wildcard */src/lib.rs */src/main.rs */*/src/lib.rs */*/src/main.rs */*/*/src/lib.rs */*/*/src/main.rs)))
+.PHONY: check-cycles
+check-cycles: ## No import circle between the files of any crate (../shared/tools/rust-module-cycles)
+	$(MODULE_CYCLES) $(filter-out third_party/% e2e/%,$(CRATE_SRCS))
+
 lint: ## rustfmt and clippy, as CI would want them
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings

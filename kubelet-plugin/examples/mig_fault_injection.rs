@@ -23,8 +23,8 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 use tessera_api::GpuInfo;
 use tessera_kubelet_plugin::gpu::mig::MigDevice;
-use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
 use tessera_kubelet_plugin::gpu::{GpuBackend, mig};
+use tessera_sim_model::backend::{NodeSpec, SimulatedBackend};
 
 const MODEL: &str = "H100-SXM5-80GB";
 /// Placements the child cycles through; the held device sits at 7g-free slice 0 (1g.10gb@0).

@@ -10,6 +10,9 @@ use std::{
     time::Duration,
 };
 
+#[path = "common/sim_driver.rs"]
+mod sim_driver;
+
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 use tempfile::TempDir;
@@ -18,13 +21,12 @@ use tessera_kubelet_plugin::devices::preparers::{SharedPreparer, with_preparers}
 use tessera_kubelet_plugin::devices::sharing::Sharer;
 use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsError, MpsManager};
 use tessera_kubelet_plugin::gpu::driver_root::{DriverFiles, DriverRoot};
-use tessera_kubelet_plugin::gpu::simulated::{
-    NodeSpec, SIMULATED_DRIVER_VERSION, SimulatedBackend, SimulatedFault,
-};
 use tessera_kubelet_plugin::gpu::{GpuBackend, TimeSlice};
 use tessera_kubelet_plugin::kubelet::claims::fake::{FakeClaims, NODE, claim};
 use tessera_kubelet_plugin::node::cdi::Spec;
 use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState, StateConfig};
+use tessera_sim_model::backend::{NodeSpec, SimulatedBackend, SimulatedFault};
+use tessera_sim_model::kernel::SIMULATED_DRIVER_VERSION;
 
 const BOOT_ID: &str = "11111111-2222-3333-4444-555555555555";
 
@@ -48,8 +50,10 @@ impl Node {
         self.dir.path().join("state")
     }
 
-    /// The node's GPUs as a freshly started plugin opens them (a new backend: nothing cached).
+    /// The node's GPUs as a freshly started plugin opens them (a new backend: nothing cached), over a driver
+    /// root of the built libraries.
     fn backend(&self) -> Arc<SimulatedBackend> {
+        sim_driver::artifacts_dir();
         Arc::new(SimulatedBackend::from_spec(NODE, &self.spec, &self.state_dir()).unwrap())
     }
 

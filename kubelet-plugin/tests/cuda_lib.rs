@@ -1,11 +1,14 @@
 //! The simulated driver's `libcuda.so.1`, `nvidia-smi` and MPS tools, loaded and run as a CUDA program
 //! and an administrator would, from a driver root installed from the built artifacts.
 //!
-//! Needs the artifacts: `cargo build -p tessera-sim-cuda -p tessera-sim-tools -p tessera-sim-nvml` first.
+//! The artifacts are built first ([`sim_driver::artifacts_dir`]).
 //!
 //! The library is `dlopen`ed in a child process (this test binary re-run as [`probe`]), one per check:
 //! the environment (`CUDA_VISIBLE_DEVICES`, the test-only `/dev` override) is per process, and glibc loads
 //! one inode once per process, so a fresh process is the only clean start.
+
+#[path = "common/sim_driver.rs"]
+mod sim_driver;
 
 use std::{
     collections::BTreeMap,
@@ -16,12 +19,12 @@ use std::{
 };
 
 use tessera_api::MigPlacement;
+use tessera_gpu_api::models;
 use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager};
-use tessera_kubelet_plugin::gpu::sim_driver_root::{artifact_dirs, install};
-use tessera_kubelet_plugin::gpu::simulated::{
-    DEV_ROOT_ENV, NodeSpec, SimulatedBackend, mig_minors_by_formula,
-};
-use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, TimeSlice, models};
+use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, TimeSlice};
+use tessera_sim_model::backend::{NodeSpec, SimulatedBackend, mig_minors_by_formula};
+use tessera_sim_model::driver_root::{artifact_dirs, install};
+use tessera_sim_model::kernel::DEV_ROOT_ENV;
 
 const MODEL: &str = "H100-SXM5-80GB";
 const PRODUCT: &str = "NVIDIA H100 80GB HBM3";
@@ -40,6 +43,7 @@ impl Driver {
         let kernel = dir.path().join("kernel");
         let spec = NodeSpec::default().with_gpus(MODEL, gpus);
         let backend = SimulatedBackend::from_spec("cuda-node", &spec, &kernel).unwrap();
+        sim_driver::artifacts_dir();
         let dirs = artifact_dirs();
         install(&dir.path().join("root"), &kernel, &dirs)
             .unwrap()
@@ -710,8 +714,8 @@ fn nvidia_smi_sets_the_compute_time_slice_through_the_library() {
 #[test]
 fn the_cdi_edits_of_an_installed_root_mount_its_libraries_tools_and_kernel() {
     use tessera_kubelet_plugin::gpu::driver_root::{DriverFiles, DriverRoot};
-    use tessera_kubelet_plugin::gpu::simulated::SIMULATED_DRIVER_VERSION;
     use tessera_kubelet_plugin::node::edits::driver_edits;
+    use tessera_sim_model::kernel::SIMULATED_DRIVER_VERSION;
     let d = Driver::new(1);
     let edits = driver_edits(&DriverFiles::discover(
         &DriverRoot::new(d.root()),

@@ -9,7 +9,6 @@ use std::{sync::Arc, time::Duration};
 use common::{TestNode, dial, wait_for_socket};
 use tessera_kubelet_plugin::gpu::health::sources::SimulatedSource;
 use tessera_kubelet_plugin::gpu::health::{Health, spawn_monitor};
-use tessera_kubelet_plugin::gpu::simulated_health::{Fault, SimulatedHealth};
 use tessera_kubelet_plugin::kubelet::claims::fake::NODE;
 use tessera_kubelet_plugin::kubelet::driver::{SocketPaths, StateGate, serve_gated};
 use tessera_kubelet_plugin::kubelet::health_service::HealthService;
@@ -18,6 +17,7 @@ use tessera_proto::{
     health::{v1, v1alpha1},
     pluginregistration::{InfoRequest, registration_client::RegistrationClient},
 };
+use tessera_sim_model::faults::{Fault, SimulatedHealth};
 use tokio::sync::watch;
 
 /// `(device, healthy, message)` of one response.

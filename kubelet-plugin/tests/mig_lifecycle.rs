@@ -6,10 +6,10 @@ use std::{
 };
 
 use tessera_api::{GpuInfo, MigPlacement};
+use tessera_gpu_api::models::MODELS;
 use tessera_kubelet_plugin::gpu::mig::{MigDevice, MigError};
-use tessera_kubelet_plugin::gpu::models::MODELS;
-use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
 use tessera_kubelet_plugin::gpu::{GpuBackend, mig};
+use tessera_sim_model::backend::{NodeSpec, SimulatedBackend};
 
 struct Node {
     _dir: tempfile::TempDir,

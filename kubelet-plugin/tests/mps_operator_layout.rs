@@ -3,8 +3,8 @@
 //! the simulated one, installed from the built artifacts) with its own loader; were that directory on the
 //! tool's library path, the loader would take the rootfs's libc and the tool would die before `main`.
 //!
-//! Needs the artifacts: `cargo build --workspace` (or `-p tessera-sim-cuda -p tessera-sim-tools -p
-//! tessera-sim-nvml`) and a C compiler `cc` (the one cargo links with) for the decoy libc.
+//! Needs the artifacts (built first, [`sim_driver::artifacts_dir`]) and a C compiler `cc` (the one cargo
+//! links with) for the decoy libc.
 //!
 //! Where the decoy lies: `R/lib/x86_64-linux-gnu/libc.so.6`, where a non-merged-/usr Ubuntu (the 20.04
 //! driver containers) has its libc, with NVIDIA's libraries in `R/usr/lib/x86_64-linux-gnu`. Not in
@@ -12,6 +12,9 @@
 //! (`$ORIGIN/../lib/x86_64-linux-gnu:$ORIGIN/../lib64:$ORIGIN/../lib`, see `sim-driver/tools/build.rs`), which
 //! the loader searches after `LD_LIBRARY_PATH`, so a libc there kills them whatever the plugin does; NVIDIA's
 //! binaries have no run path.
+
+#[path = "common/sim_driver.rs"]
+mod sim_driver;
 
 use std::{
     fs,
@@ -26,8 +29,8 @@ use tessera_kubelet_plugin::devices::sharing::mps::{
 use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::DaemonDefaults;
 use tessera_kubelet_plugin::gpu::GpuBackend;
 use tessera_kubelet_plugin::gpu::driver_root::DriverRoot;
-use tessera_kubelet_plugin::gpu::sim_driver_root::{artifact_dirs, install};
-use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
+use tessera_sim_model::backend::{NodeSpec, SimulatedBackend};
+use tessera_sim_model::driver_root::{artifact_dirs, install};
 
 /// Where the rootfs's own libc goes (see the module comment).
 const DISTRO_LIB_DIR: &str = "lib/x86_64-linux-gnu";
@@ -44,6 +47,7 @@ impl OperatorRoot {
         let kernel = dir.path().join("kernel");
         let spec = NodeSpec::default().with_gpus("H100-SXM5-80GB", 1);
         let backend = SimulatedBackend::from_spec("operator-node", &spec, &kernel).unwrap();
+        sim_driver::artifacts_dir();
         let dirs = artifact_dirs();
         install(&dir.path().join("root"), &kernel, &dirs)
             .unwrap()

@@ -21,11 +21,12 @@ use tessera_kubelet_plugin::devices::preparers::SharedPreparer;
 use tessera_kubelet_plugin::devices::sharing::Sharer;
 use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager, send_control};
 use tessera_kubelet_plugin::devices::sharing::supervisor::{DaemonRecord, RECORD_FILE, Supervisor};
-use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::{self, DaemonDefaults, Request};
+use tessera_kubelet_plugin::devices::sharing::supervisor_protocol;
+use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::{DaemonDefaults, Request};
 use tessera_kubelet_plugin::gpu::GpuBackend;
-use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
 use tessera_kubelet_plugin::kubelet::claims::fake::{FakeClaims, NODE, claim};
 use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState};
+use tessera_sim_model::backend::{NodeSpec, SimulatedBackend};
 
 use common::BOOT_ID as BOOT;
 const GPU0: &str = "GPU-0a1b2c3d-0000-1111-2222-333344445555";

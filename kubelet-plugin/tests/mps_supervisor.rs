@@ -15,11 +15,12 @@ use std::{
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use tessera_kubelet_plugin::devices::preparers::SharedPreparer;
 use tessera_kubelet_plugin::devices::sharing::mps::Launcher;
-use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::{self, Request};
-use tessera_kubelet_plugin::gpu::simulated::SimulatedBackend;
+use tessera_kubelet_plugin::devices::sharing::supervisor_protocol;
+use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::Request;
 use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend};
 use tessera_kubelet_plugin::kubelet::claims::fake::{FakeClaims, claim};
 use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState};
+use tessera_sim_model::backend::SimulatedBackend;
 
 /// Set in the child process: it plays the plugin over this directory until it is killed.
 const PLUGIN_DIR_ENV: &str = "TESSERA_TEST_PLUGIN_DIR";

@@ -24,14 +24,12 @@ use tessera_kubelet_plugin::gpu::driver_root::{DriverFiles, DriverRoot};
 use tessera_kubelet_plugin::gpu::health::sources::NvmlSource;
 use tessera_kubelet_plugin::gpu::health::{HealthSource, Observation};
 use tessera_kubelet_plugin::gpu::nvml::NvmlBackend;
-use tessera_kubelet_plugin::gpu::simulated::{
-    DeviceView, FabricState, GpuGroup, NamedProcess, VirtualizationMode,
-};
-use tessera_kubelet_plugin::gpu::simulated_health::{Fault, FaultKind};
 use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, GpuError};
 use tessera_kubelet_plugin::kubelet::claims::fake::{FakeClaims, NODE, claim};
 use tessera_kubelet_plugin::node::checkpoint::{CheckpointStore, DeviceDetail, Loaded};
 use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState, StateConfig};
+use tessera_sim_model::backend::{DeviceView, FabricState, GpuGroup, NamedProcess, VirtualizationMode};
+use tessera_sim_model::faults::{Fault, FaultKind};
 
 const H100: &str = "H100-SXM5-80GB";
 /// `1g.10gb` on an H100.
@@ -133,7 +131,7 @@ fn a_gi_profile_past_the_bindings_profile_count_is_discovered() {
     assert_eq!(gfx.placements.len(), 2);
     assert!(profile(1, 0x11).is_none(), "only the GPU that has it");
     // Everything the model has is still there (NOT_SUPPORTED indices skipped, not ended on).
-    let model: Vec<u32> = tessera_kubelet_plugin::gpu::models::model(H100)
+    let model: Vec<u32> = tessera_gpu_api::models::model(H100)
         .unwrap()
         .mig_profiles
         .iter()
@@ -482,17 +480,12 @@ async fn a_whole_gpu_claim_gets_its_gpu_back_in_the_default_compute_mode() {
 /// saw at its first `nvmlInit`, as a process keeps its NVML.
 fn reboot(
     driver: &BuiltDriver,
-    spec: &tessera_kubelet_plugin::gpu::simulated::NodeSpec,
+    spec: &tessera_sim_model::backend::NodeSpec,
 ) -> (tempfile::TempDir, Arc<NvmlBackend>) {
-    tessera_kubelet_plugin::gpu::simulated::SimulatedBackend::from_spec("node-nvml", spec, &driver.kernel)
-        .unwrap();
+    tessera_sim_model::backend::SimulatedBackend::from_spec("node-nvml", spec, &driver.kernel).unwrap();
     let root = tempfile::tempdir().unwrap();
-    tessera_kubelet_plugin::gpu::sim_driver_root::install(
-        root.path(),
-        &driver.kernel,
-        &[sim_driver::artifacts_dir()],
-    )
-    .unwrap();
+    tessera_sim_model::driver_root::install(root.path(), &driver.kernel, &[sim_driver::artifacts_dir()])
+        .unwrap();
     let b = Arc::new(NvmlBackend::new(root.path()).unwrap());
     b.discover().unwrap();
     (root, b)
@@ -527,7 +520,7 @@ async fn a_record_whose_gpu_index_now_names_another_gpu_is_not_readopted() {
     first.prepare(&c).await.unwrap();
     drop(first);
 
-    let spec = tessera_kubelet_plugin::gpu::simulated::NodeSpec::default().with_group(four_h100s(&[1]));
+    let spec = tessera_sim_model::backend::NodeSpec::default().with_group(four_h100s(&[1]));
     let (_root, after) = reboot(&driver, &spec);
     assert_eq!(
         after.uuid_of(2).as_deref(),
@@ -560,7 +553,7 @@ async fn a_claim_rebuilt_without_a_checkpoint_is_not_readopted_onto_a_shifted_gp
     drop(first);
     fs::remove_file(plugin.dir.path().join("state/checkpoint.json")).unwrap();
 
-    let spec = tessera_kubelet_plugin::gpu::simulated::NodeSpec::default().with_group(four_h100s(&[1]));
+    let spec = tessera_sim_model::backend::NodeSpec::default().with_group(four_h100s(&[1]));
     let (_root, after) = reboot(&driver, &spec);
     let second = plugin.start(after, "boot-2");
     let recovery = second.reconcile().await;

@@ -27,9 +27,9 @@ use nvml_wrapper_sys::bindings::{
 };
 use sim_driver::SimDriver;
 use tessera_api::MigPlacement;
-use tessera_kubelet_plugin::gpu::simulated::{FabricState, GpuGroup, NamedProcess, VirtualizationMode};
-use tessera_kubelet_plugin::gpu::simulated_health::{Fault, FaultKind};
 use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, GpuError, NodeGpus};
+use tessera_sim_model::backend::{FabricState, GpuGroup, NamedProcess, VirtualizationMode};
+use tessera_sim_model::faults::{Fault, FaultKind};
 
 fn placement(start: u32, size: u32) -> MigPlacement {
     MigPlacement { start, size }
@@ -261,9 +261,9 @@ fn processes_are_listed_per_gpu_and_per_mig_device_and_named_ones_by_their_name(
 /// PID with its memory and SM share; the backend leaves the owner to the metrics' host /proc lookup.
 #[test]
 fn a_synthetic_load_on_a_host_pid_is_reported_through_nvml_with_its_memory_and_sm_samples() {
-    use tessera_kubelet_plugin::gpu::simulated_load;
-    use tessera_kubelet_plugin::gpu::simulated_load::LoadEntry;
-    use tessera_kubelet_plugin::gpu::usage::UsageQuery;
+    use tessera_gpu_api::usage::UsageQuery;
+    use tessera_sim_model::load as simulated_load;
+    use tessera_sim_model::load::LoadEntry;
     let driver = SimDriver::new().gpus("H100-SXM5-80GB", 2).build();
     let pid = std::process::id();
     let entry = LoadEntry {

@@ -11,7 +11,6 @@ use std::sync::{
 };
 
 use common::{BOOT_ID, Plugin, StopDaemons, TestNode, add, instances, start};
-use tessera_kubelet_plugin::gpu::simulated::NodeSpec;
 use tessera_kubelet_plugin::kubelet::claims::fake::{NODE, claim};
 use tessera_kubelet_plugin::node::cdi;
 use tessera_kubelet_plugin::node::cdi::ContainerEdits;
@@ -22,6 +21,7 @@ use tessera_kubelet_plugin::node::error::ClaimError;
 use tessera_kubelet_plugin::node::state::{
     ClaimRef, DeviceContext, DeviceKind, DevicePreparer, WholeGpuPreparer,
 };
+use tessera_sim_model::backend::NodeSpec;
 
 /// A running pod's claim of a 3g MIG slice on GPU 2.
 fn add_mig_slice(node: &TestNode) -> ClaimRef {

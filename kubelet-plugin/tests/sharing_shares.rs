@@ -11,8 +11,8 @@ use tessera_api::{
 use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager};
 use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::DaemonDefaults;
 use tessera_kubelet_plugin::devices::sharing::{ShareRequest, Sharer, SharingError};
-use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
 use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, TimeSlice};
+use tessera_sim_model::backend::{NodeSpec, SimulatedBackend};
 
 fn plugin_binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"))

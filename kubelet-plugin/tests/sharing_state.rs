@@ -14,10 +14,11 @@ use tessera_kubelet_plugin::devices::sharing::Sharer;
 use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager};
 use tessera_kubelet_plugin::gpu::ComputeMode;
 use tessera_kubelet_plugin::gpu::driver_root::{DriverFiles, DriverRoot};
-use tessera_kubelet_plugin::gpu::simulated::{SIMULATED_DRIVER_VERSION, mig_minors_by_formula};
 use tessera_kubelet_plugin::kubelet::claims::fake::claim;
 use tessera_kubelet_plugin::node::checkpoint::DeviceDetail;
 use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState, Recovery};
+use tessera_sim_model::backend::mig_minors_by_formula;
+use tessera_sim_model::kernel::SIMULATED_DRIVER_VERSION;
 
 struct Plugin {
     state: Arc<NodeState>,

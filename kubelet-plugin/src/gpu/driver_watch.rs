@@ -37,6 +37,7 @@ use std::{
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
+use tessera_gpu_api::driver_version::{parse_kernel_version, version_in_name};
 
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -61,31 +62,6 @@ pub const DRIVER_CHANGED_EXIT_CODE: i32 = 75;
 /// Where kubelet reads a container's termination message from (the pod's default
 /// `terminationMessagePath`).
 pub const TERMINATION_LOG: &str = "/dev/termination-log";
-
-/// The driver version in the kernel module's version file: the first word of its `NVRM version` line that
-/// is a version number (`NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.95.05  Sun …` → `580.95.05`;
-/// the open module's `… Open Kernel Module for x86_64  580.95.05  Release Build …` too).
-pub fn parse_kernel_version(text: &str) -> Option<String> {
-    let line = text.lines().find(|l| l.starts_with("NVRM version:"))?;
-    line.split_whitespace()
-        .find(|w| is_version(w))
-        .map(str::to_string)
-}
-
-/// `580.95.05`, `550.54`: digits and dots, starting with a digit, with at least one dot.
-fn is_version(word: &str) -> bool {
-    word.starts_with(|c: char| c.is_ascii_digit())
-        && word.contains('.')
-        && word.chars().all(|c| c.is_ascii_digit() || c == '.')
-}
-
-/// The version a library file's name carries: `libcuda.so.580.95.05` → `580.95.05` for stem `libcuda`;
-/// `None` for a soname (`libcuda.so.1`) or another library.
-pub fn version_in_name(file: &Path, stem: &str) -> Option<String> {
-    let name = file.file_name()?.to_str()?;
-    let rest = name.strip_prefix(stem)?.strip_prefix(".so.")?;
-    is_version(rest).then(|| rest.to_string())
-}
 
 /// Which driver the driver root holds now, by each of the three sources.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

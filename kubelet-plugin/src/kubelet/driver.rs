@@ -21,13 +21,11 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status, transport::Server};
 use tracing::{info, warn};
 
+use crate::kubelet::error::{Error, Result};
 use crate::kubelet::health_service::HealthService;
 use crate::kubelet::registration::{RegistrationService, RegistrationState};
+use crate::node::error::ClaimError;
 use crate::node::state::{ClaimRef, NodeState, PreparedDevice};
-use crate::{
-    kubelet::error::{Error, Result},
-    node::error::ClaimError,
-};
 
 /// File name of the registration socket in kubelet's registry directory when the plugin runs without a pod
 /// UID (a host process, the local cluster): one instance per node.

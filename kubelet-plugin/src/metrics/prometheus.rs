@@ -28,7 +28,7 @@
 //! of its own processes. A process is a share's when its environment names the claim (readable in the
 //! host's PID namespace with `CAP_SYS_PTRACE`), or else when its cgroup in the host's `/proc`
 //! (`--host-proc`) puts it in a pod the claim is reserved for and that pod has no other claim on the device
-//! ([`crate::gpu::usage`]). `pod` is the pod (or pods, comma-separated) in the claim's `status.reservedFor`,
+//! ([`tessera_gpu_api::usage`]). `pod` is the pod (or pods, comma-separated) in the claim's `status.reservedFor`,
 //! learned from the claim the plugin already reads at prepare and from the claim list of every reconcile
 //! (a minute apart, and at start): no request of its own reaches the API server.
 //!
@@ -53,9 +53,9 @@ use tessera_api::metrics::duration_buckets;
 
 use crate::devices::sharing::mps::MpsManager;
 use crate::gpu::GpuBackend;
-use crate::gpu::usage::{DeviceUsage, HostProc, ProcessIdentity, ProcessUsage, UsageQuery};
 use crate::metrics::sink::Sink;
 use crate::node::checkpoint::{Checkpoint, DeviceDetail, Phase};
+use tessera_gpu_api::usage::{DeviceUsage, HostProc, ProcessIdentity, ProcessUsage, UsageQuery};
 
 /// The checkpoint the node last committed: what the gauges are read from on each scrape.
 pub type CheckpointView = Arc<dyn Fn() -> Checkpoint + Send + Sync>;
@@ -732,11 +732,11 @@ fn encode_claim_usage(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::simulated::{NodeSpec, SimulatedBackend};
-    use crate::gpu::simulated_load;
-    use crate::gpu::simulated_load::LoadEntry;
     use crate::node::checkpoint::{ClaimRecord, DeviceRecord};
     use crate::node::error::ClaimError;
+    use tessera_sim_model::backend::{NodeSpec, SimulatedBackend};
+    use tessera_sim_model::load as simulated_load;
+    use tessera_sim_model::load::LoadEntry;
 
     /// A prepared claim of `devices` (`(request, device, detail)`), as the checkpoint records it.
     fn prepared(
@@ -832,7 +832,7 @@ mod tests {
     /// processes are found through the host's /proc mounted into the pod and their pods' cgroups.
     #[test]
     fn a_shares_processes_are_found_by_their_pods_cgroup_under_either_driver_and_ambiguity_counts_for_none() {
-        use crate::gpu::usage::ProcFixture;
+        use tessera_gpu_api::usage::ProcFixture;
         let (pod_a, pod_b, pod_ab) = (
             "aaaaaaaa-0000-4000-8000-000000000001",
             "bbbbbbbb-0000-4000-8000-000000000002",

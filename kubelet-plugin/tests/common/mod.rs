@@ -7,9 +7,9 @@ use std::{path::Path, sync::Arc};
 use hyper_util::rt::TokioIo;
 use tempfile::TempDir;
 use tessera_kubelet_plugin::gpu::GpuBackend;
-use tessera_kubelet_plugin::gpu::simulated::{NodeSpec, SimulatedBackend};
 use tessera_kubelet_plugin::kubelet::claims::fake::{FakeClaims, NODE};
 use tessera_kubelet_plugin::node::state::{NodeState, StateConfig};
+use tessera_sim_model::backend::{NodeSpec, SimulatedBackend};
 use tonic::transport::{Channel, Endpoint};
 
 pub const BOOT_ID: &str = "11111111-2222-3333-4444-555555555555";

@@ -15,7 +15,7 @@
 //! independent and able to run in parallel, at the cost of copying the library per test.
 //!
 //! The artifacts are the ones next to the plugin binary cargo built for the tests (`target/<profile>`);
-//! they are not a dependency cargo knows of, so build them first: `cargo build -p tessera-sim-nvml`.
+//! [`artifacts_dir`] builds them first.
 #![allow(dead_code, reason = "each test file uses the part of the fixture it needs")]
 
 use std::{
@@ -24,19 +24,47 @@ use std::{
 };
 
 use tessera_kubelet_plugin::gpu::nvml::NvmlBackend;
-use tessera_kubelet_plugin::gpu::sim_driver_root;
-use tessera_kubelet_plugin::gpu::simulated::{GpuGroup, NodeSpec, SimulatedBackend};
+use tessera_sim_model::backend::{GpuGroup, NodeSpec, SimulatedBackend};
+use tessera_sim_model::driver_root as sim_driver_root;
 
-/// Where cargo put the plugin binary, and with it the cdylibs of the workspace.
+/// Where cargo put the plugin binary, and with it the cdylibs and tools of the workspace, built first: they
+/// are no dependency of the plugin that cargo knows of, so a plain `cargo test --workspace` on a fresh clone
+/// would not have them. cargo releases its build lock while tests run, so a test may call it; once per test
+/// process, and a no-op when they are up to date.
 pub fn artifacts_dir() -> PathBuf {
-    let exe = Path::new(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
-    let dir = exe.parent().expect("the binary has a directory").to_path_buf();
-    assert!(
-        dir.join("libnvidia_ml.so").is_file(),
-        "{} has no libnvidia_ml.so: run `cargo build -p tessera-sim-nvml` first",
-        dir.display()
-    );
-    dir
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = Path::new(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
+            let dir = exe.parent().expect("the binary has a directory").to_path_buf();
+            let mut cargo = std::process::Command::new(env!("CARGO"));
+            cargo.args(["build", "--quiet", "--manifest-path"]);
+            cargo.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml"));
+            cargo.args([
+                "-p",
+                "tessera-sim-nvml",
+                "-p",
+                "tessera-sim-cuda",
+                "-p",
+                "tessera-sim-tools",
+            ]);
+            if dir.file_name().is_some_and(|n| n == "release") {
+                cargo.arg("--release");
+            }
+            let out = cargo.output().expect("cargo runs");
+            assert!(
+                out.status.success(),
+                "building the simulated driver's libraries failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(
+                dir.join("libnvidia_ml.so").is_file(),
+                "{} has no libnvidia_ml.so after `cargo build -p tessera-sim-nvml`",
+                dir.display()
+            );
+            dir
+        })
+        .clone()
 }
 
 /// Builder of a simulated driver root.

@@ -44,14 +44,16 @@ use std::{
     sync::{Mutex, OnceLock},
 };
 
+use tessera_gpu_api::{ComputeMode, GpuBackend};
 use tessera_kubelet_plugin::devices::sharing::mps::{
     CLIENT_CONNECT, ClientGrant, parse_mem_limit, send_control,
 };
-use tessera_kubelet_plugin::gpu::simulated::{
-    DEV_ROOT_ENV, DeviceView, Latencies, SIMULATED_CUDA_DRIVER_VERSION, SimulatedBackend,
-    kernel_driver_version, library_driver_version, locate_kernel, mapped_inode, mig_minors_by_formula,
+use tessera_sim_model::backend::{
+    DeviceView, Latencies, SimulatedBackend, locate_kernel, mig_minors_by_formula,
 };
-use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend};
+use tessera_sim_model::kernel::{
+    DEV_ROOT_ENV, SIMULATED_CUDA_DRIVER_VERSION, kernel_driver_version, library_driver_version, mapped_inode,
+};
 
 /// `CUresult`.
 pub type CUresult = c_int;
@@ -385,7 +387,7 @@ fn pci_numbers(bus_id: &str) -> (i32, i32, i32) {
 
 /// Every device this process's `/dev` shows, in enumeration order (GPUs by bus order; a MIG-enabled
 /// GPU's MIG devices by GPU-instance then compute-instance id).
-fn enumerate(kernel: &SimulatedBackend, dev: &Path) -> tessera_kubelet_plugin::gpu::Result<Vec<Device>> {
+fn enumerate(kernel: &SimulatedBackend, dev: &Path) -> tessera_gpu_api::Result<Vec<Device>> {
     let view = DeviceView::at(dev);
     let cap = |minor: u32| dev.join(format!("nvidia-caps/nvidia-cap{minor}")).exists();
     let mut out = Vec::new();

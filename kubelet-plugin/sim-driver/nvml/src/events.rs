@@ -18,7 +18,7 @@ use nvml_wrapper_sys::bindings::{
     nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlEventTypeDoubleBitEccError,
     nvmlEventTypeXidCriticalError, nvmlReturn_t,
 };
-use tessera_kubelet_plugin::gpu::simulated_health::{Fault, FaultKind};
+use tessera_sim_model::faults::{Fault, FaultKind};
 
 use crate::{
     GPU_IS_LOST, Handle, INVALID_ARGUMENT, Lib, NO_INSTANCE, NOT_SUPPORTED, Out, R, TIMEOUT, answer, ffi,

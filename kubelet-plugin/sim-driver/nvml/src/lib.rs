@@ -45,13 +45,15 @@ use nvml_wrapper_sys::bindings::{
     nvmlMemory_t, nvmlMemory_v2_t, nvmlPciInfo_t, nvmlProcessInfo_t, nvmlProcessInfo_v1_t,
     nvmlProcessUtilizationSample_t, nvmlReturn_t, nvmlUtilization_t,
 };
-use tessera_kubelet_plugin::gpu::models::{Architecture, GpuModel};
-use tessera_kubelet_plugin::gpu::simulated::{
-    DeviceView, MigDevice, SIMULATED_CUDA_DRIVER_VERSION, SimulatedBackend, SimulatedFault, SimulatedGpu,
-    kernel_driver_version, library_driver_version, locate_kernel, mapped_inode,
+use tessera_gpu_api::models::{Architecture, GpuModel};
+use tessera_gpu_api::usage::{ProcessUsage, UsageQuery};
+use tessera_gpu_api::{ComputeMode, GpuBackend, GpuError, TimeSlice};
+use tessera_sim_model::backend::{
+    DeviceView, MigDevice, SimulatedBackend, SimulatedFault, SimulatedGpu, locate_kernel,
 };
-use tessera_kubelet_plugin::gpu::usage::{ProcessUsage, UsageQuery};
-use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, GpuError, TimeSlice};
+use tessera_sim_model::kernel::{
+    SIMULATED_CUDA_DRIVER_VERSION, kernel_driver_version, library_driver_version, mapped_inode,
+};
 
 // === NVML return codes (nvml.h) ===
 
@@ -1435,9 +1437,7 @@ pub unsafe extern "C" fn nvmlDeviceSetMigMode(
             1 => true,
             _ => return Err(INVALID_ARGUMENT),
         };
-        if lib.info(gpu)?.virtualization_mode
-            == tessera_kubelet_plugin::gpu::simulated::VirtualizationMode::Vgpu
-        {
+        if lib.info(gpu)?.virtualization_mode == tessera_sim_model::backend::VirtualizationMode::Vgpu {
             return Err(NOT_SUPPORTED);
         }
         lib.sim.set_mig_mode_nvml(gpu, enabled).map_err(model_err)

@@ -3,7 +3,7 @@
 //! The rules are the model's (`gpu-mig-mps.md` 3.8, enforced by `SimulatedBackend`); here only NVML's
 //! shapes: profile indices versus IDs, struct versions, the two-call array pattern, and which handle
 //! each call takes. A container sees the GPU and compute instances whose capability nodes it holds
-//! (every one with `mig/monitor`), as [`DeviceView`](tessera_kubelet_plugin::gpu::simulated::DeviceView)
+//! (every one with `mig/monitor`), as [`DeviceView`](tessera_sim_model::backend::DeviceView)
 //! decides.
 
 use std::ffi::c_uint;
@@ -16,9 +16,9 @@ use nvml_wrapper_sys::bindings::{
     nvmlGpuInstanceProfileInfo_v3_t, nvmlReturn_t,
 };
 use tessera_api::MigPlacement;
-use tessera_kubelet_plugin::gpu::models::{ComputeInstanceProfile, GpuModel, MigProfile};
-use tessera_kubelet_plugin::gpu::simulated::{MigDevice, VirtualizationMode, mig_minors_by_formula};
-use tessera_kubelet_plugin::gpu::{ComputeInstance, GpuBackend, GpuInstance};
+use tessera_gpu_api::models::{ComputeInstanceProfile, GpuModel, MigProfile};
+use tessera_gpu_api::{ComputeInstance, GpuBackend, GpuInstance};
+use tessera_sim_model::backend::{MigDevice, VirtualizationMode, mig_minors_by_formula};
 
 use crate::{
     Handle, INVALID_ARGUMENT, Lib, NOT_FOUND, NOT_SUPPORTED, Out, R, UNKNOWN, accepted_version, answer, ffi,

@@ -16,7 +16,7 @@
 
 use std::path::Path;
 
-use tessera_kubelet_plugin::gpu::models::MigProfile;
+use tessera_gpu_api::models::MigProfile;
 
 /// The file in the kernel directory.
 pub(crate) const FILE: &str = "test-gi-profiles";

@@ -47,7 +47,7 @@ use tessera_api::{
 use tracing::{info, warn};
 
 use crate::gpu::{ComputeMode, GpuBackend, GpuError};
-use mps::{MpsError, MpsManager};
+use mps::{MpsError, MpsManager, ShareLimits};
 use supervisor_protocol::DaemonDefaults;
 use timeslice::{TimeSliceError, TimeSliceRecord};
 
@@ -681,15 +681,6 @@ fn daemon_defaults(req: &ShareRequest<'_>, limits: ShareLimits) -> DaemonDefault
             .mps
             .and_then(|m| m.pinned_limit_bytes(&req.device.to_string())),
     }
-}
-
-/// The limits one MPS share gets.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ShareLimits {
-    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`; `None` = no limit.
-    pub active_thread_percentage: Option<u32>,
-    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` in bytes; `None` = no limit.
-    pub pinned_memory_bytes: Option<u64>,
 }
 
 /// A share's limits: the allocation's consumed `compute` (percent) and `memory` (bytes) capacity when the

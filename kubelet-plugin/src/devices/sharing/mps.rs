@@ -75,8 +75,8 @@ use std::{
 
 use tracing::{info, warn};
 
+use super::private_shm;
 use super::supervisor_protocol::{self as supervisor, DaemonDefaults};
-use super::{ShareLimits, private_shm};
 use crate::gpu::driver_root::DriverRoot;
 
 /// Pid file the daemon writes in its pipe directory.
@@ -183,6 +183,15 @@ pub struct DaemonDirs {
     pub shm: PathBuf,
     /// Links to the driver's libraries, the `LD_LIBRARY_PATH` of NVIDIA's tools.
     pub lib: PathBuf,
+}
+
+/// The limits one MPS share gets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShareLimits {
+    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`; `None` = no limit.
+    pub active_thread_percentage: Option<u32>,
+    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` in bytes; `None` = no limit.
+    pub pinned_memory_bytes: Option<u64>,
 }
 
 /// Starts, finds and stops MPS control daemons under `<state dir>/mps`.

@@ -9,7 +9,7 @@ use super::{
     Failure, HealthSource, Observation,
     xid::{Verdict, classify_xid},
 };
-use crate::gpu::simulated_health::{Fault, FaultKind, SimulatedHealth};
+use tessera_sim_model::faults::{Fault, FaultKind, SimulatedHealth};
 
 /// Reads the simulated fault file once a second (the running plugin notices an injection within about
 /// that), reporting the complete set of failures each time.

@@ -20,7 +20,7 @@ use std::{
 use tessera_kubelet_plugin::devices::sharing::mps::{
     ControlDaemon, detach_daemon, send_control, sibling_server,
 };
-use tessera_kubelet_plugin::gpu::simulated::Latencies;
+use tessera_sim_model::backend::Latencies;
 
 const DEFAULT_PIPE_DIR: &str = "/tmp/nvidia-mps";
 const DEFAULT_LOG_DIR: &str = "/var/log/nvidia-mps";

@@ -43,10 +43,9 @@ use std::{
 
 use tracing::warn;
 
-use super::{
-    GpuError, Result,
-    simulated::{KERNEL_DIR_NAME, KERNEL_VERSION_FILE, SIMULATED_DRIVER_VERSION, kernel_version_text},
-};
+use tessera_gpu_api::{GpuError, Result};
+
+use crate::kernel::{KERNEL_DIR_NAME, KERNEL_VERSION_FILE, SIMULATED_DRIVER_VERSION, kernel_version_text};
 
 /// Directory of the built artifacts, overriding the executable's directory.
 pub const ARTIFACTS_ENV: &str = "TESSERA_SIM_DRIVER_DIR";
@@ -355,7 +354,8 @@ pub struct Upgraded {
 /// simulated kernel module behind `root/tessera-sim` reports `version`. Libraries first: a plugin that
 /// reads the root in between sees sources that disagree and waits (`driver_watch`).
 pub fn upgrade(root: &Path, version: &str) -> Result<Upgraded> {
-    if crate::gpu::driver_watch::version_in_name(Path::new(&format!("x.so.{version}")), "x").is_none() {
+    if tessera_gpu_api::driver_version::version_in_name(Path::new(&format!("x.so.{version}")), "x").is_none()
+    {
         return Err(GpuError::InvalidArgument(format!(
             "--version {version:?} is not a driver version such as 580.159.03 (digits and dots)"
         )));
@@ -382,7 +382,7 @@ pub fn upgrade(root: &Path, version: &str) -> Result<Upgraded> {
             }
         })?;
         if from.is_none() {
-            from = crate::gpu::driver_watch::version_in_name(&current, stem);
+            from = tessera_gpu_api::driver_version::version_in_name(&current, stem);
         }
         let name = format!("{}.{version}", artifact.installed);
         let new = lib_dir.join(&name);
@@ -392,7 +392,7 @@ pub fn upgrade(root: &Path, version: &str) -> Result<Upgraded> {
         replace_symlink(Path::new(&name), &link).map_err(|e| err(&link, e))?;
         for entry in fs::read_dir(&lib_dir).map_err(|e| err(&lib_dir, e))?.flatten() {
             let path = entry.path();
-            let other = crate::gpu::driver_watch::version_in_name(&path, stem);
+            let other = tessera_gpu_api::driver_version::version_in_name(&path, stem);
             if other.is_some_and(|v| v != version) && entry.file_type().is_ok_and(|t| t.is_file()) {
                 fs::remove_file(&path).map_err(|e| err(&path, e))?;
                 removed.push(path);
@@ -603,7 +603,7 @@ mod tests {
         let lib = r.join(LIBRARY_DIR);
         let old = lib.join(format!("libcuda.so.{SIMULATED_DRIVER_VERSION}"));
         let held = File::open(&old).unwrap();
-        let version = || crate::gpu::simulated::kernel_driver_version(kernel.path());
+        let version = || crate::kernel::kernel_driver_version(kernel.path());
         assert_eq!(version().as_deref(), Some(SIMULATED_DRIVER_VERSION));
 
         let done = upgrade(&r, "580.200.01").unwrap();

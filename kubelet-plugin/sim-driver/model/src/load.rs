@@ -14,10 +14,12 @@ use std::{fs, path::Path};
 use serde::{Deserialize, Serialize};
 use tessera_api::DeviceName;
 
-use super::{
-    GpuError, Result, state_file,
+use tessera_gpu_api::{
+    GpuError, Result,
     usage::{DeviceUsage, ProcessOwner, ProcessUsage, UsageQuery},
 };
+
+use crate::state_file;
 
 /// File of the synthetic load in the state directory.
 pub const LOAD_FILE: &str = "simulated-load.json";
@@ -154,7 +156,7 @@ pub struct LoadArgs {
     #[arg(long, env = "TESSERA_LOAD_UTIL", default_value_t = 0)]
     pub util: u32,
     /// Memory in use, as a quantity (`20Gi`, `512Mi`).
-    #[arg(long, env = "TESSERA_LOAD_MEMORY", default_value = "0", value_parser = super::usage::parse_bytes)]
+    #[arg(long, env = "TESSERA_LOAD_MEMORY", default_value = "0", value_parser = tessera_gpu_api::usage::parse_bytes)]
     pub memory: u64,
     /// The host PID of the process that makes the load (a container's); the plugin finds its claim
     /// through the host's `/proc` (`--host-proc`), as for NVML's processes.

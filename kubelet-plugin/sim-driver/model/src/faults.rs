@@ -18,7 +18,9 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use super::{GpuError, Result, state_file};
+use tessera_gpu_api::{GpuError, Result};
+
+use crate::state_file;
 
 /// The fault file in the state directory.
 pub const HEALTH_FILE: &str = "simulated-health.json";

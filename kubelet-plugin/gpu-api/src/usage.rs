@@ -184,21 +184,21 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     n.checked_mul(factor).ok_or_else(|| format!("{s:?} is too large"))
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "fixtures"))]
 /// A fake `/proc`: one directory per process with the files the plugin reads.
-pub(crate) struct ProcFixture {
+pub struct ProcFixture {
     dir: tempfile::TempDir,
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "fixtures"))]
 impl ProcFixture {
-    pub(crate) fn new() -> Self {
+    pub fn new() -> Self {
         Self {
             dir: tempfile::tempdir().unwrap(),
         }
     }
 
-    pub(crate) fn file(self, pid: u32, name: &str, contents: &[u8]) -> Self {
+    pub fn file(self, pid: u32, name: &str, contents: &[u8]) -> Self {
         let dir = self.dir.path().join(pid.to_string());
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join(name), contents).unwrap();
@@ -206,7 +206,7 @@ impl ProcFixture {
     }
 
     /// cgroup v1 as the cgroupfs driver writes it: one line per controller.
-    pub(crate) fn cgroupfs_v1(self, pid: u32, qos: &str, uid: &str) -> Self {
+    pub fn cgroupfs_v1(self, pid: u32, qos: &str, uid: &str) -> Self {
         let pod = match qos {
             "guaranteed" => format!("/kubepods/pod{uid}"),
             qos => format!("/kubepods/{qos}/pod{uid}"),
@@ -218,7 +218,7 @@ impl ProcFixture {
     }
 
     /// cgroup v2 as the systemd driver writes it (containerd's `cri-containerd-<id>.scope`).
-    pub(crate) fn systemd_v2(self, pid: u32, qos: &str, uid: &str) -> Self {
+    pub fn systemd_v2(self, pid: u32, qos: &str, uid: &str) -> Self {
         let uid = uid.replace('-', "_");
         let path = match qos {
             "guaranteed" => format!("/kubepods.slice/kubepods-pod{uid}.slice"),
@@ -231,11 +231,11 @@ impl ProcFixture {
         )
     }
 
-    pub(crate) fn environ(self, pid: u32, env: &[u8]) -> Self {
+    pub fn environ(self, pid: u32, env: &[u8]) -> Self {
         self.file(pid, "environ", env)
     }
 
-    pub(crate) fn host(&self) -> HostProc {
+    pub fn host(&self) -> HostProc {
         HostProc::new(self.dir.path())
     }
 }

@@ -12,7 +12,7 @@ use std::{
 
 use serde::Serialize;
 
-use super::{GpuError, Result};
+use tessera_gpu_api::{GpuError, Result};
 
 fn state_err(path: &Path, reason: impl std::fmt::Display) -> GpuError {
     GpuError::SimulatedState {

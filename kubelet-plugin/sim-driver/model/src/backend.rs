@@ -50,16 +50,16 @@ use sha2::{Digest, Sha256};
 use tessera_api::{GpuInfo, MigPlacement};
 use tracing::warn;
 
-use super::{
+use tessera_gpu_api::{
     CharDevice, ComputeInstance, ComputeMode, GpuBackend, GpuError, GpuInstance, MigMode, NodeGpus, Result,
     TimeSlice,
     models::{self, GpuModel, MigProfile},
 };
 
-/// Driver version the simulated node reports.
-pub const SIMULATED_DRIVER_VERSION: &str = "580.159.03";
-/// CUDA driver version the simulated node reports.
-pub const SIMULATED_CUDA_DRIVER_VERSION: &str = "13.0";
+use crate::kernel::{
+    DEV_ROOT_ENV, KERNEL_DIR_NAME, KERNEL_ENV, KERNEL_FILE, KERNEL_VERSION, KERNEL_VERSION_FILE, PROC_DIR,
+    PROC_GENERATION_FILE, SIMULATED_CUDA_DRIVER_VERSION, SIMULATED_DRIVER_VERSION, kernel_version_text,
+};
 
 const STATE_FILE: &str = "simulated-gpus.json";
 const LOCK_FILE: &str = "simulated-gpus.lock";
@@ -600,80 +600,6 @@ pub struct KernelSpec {
     pub node: NodeSpec,
 }
 
-/// The kernel file in a simulated kernel directory.
-pub const KERNEL_FILE: &str = "kernel.json";
-/// Name of the simulated kernel directory (or link to it) at a driver root: `<root>/tessera-sim`.
-pub const KERNEL_DIR_NAME: &str = "tessera-sim";
-/// Overrides where the NVML and CUDA libraries look for the simulated kernel (tests, tools).
-pub const KERNEL_ENV: &str = "TESSERA_SIM_KERNEL";
-/// Test-only: the directory the libraries take for `/dev` when deciding what a process sees. A real
-/// container has `/dev/nvidiactl`, and tests on a shared host cannot make one; nothing else reads it.
-pub const DEV_ROOT_ENV: &str = "TESSERA_SIM_DEV_ROOT";
-const KERNEL_VERSION: u32 = 1;
-/// `proc/` of the kernel directory, and the file saying which state generation it shows.
-const PROC_DIR: &str = "proc";
-const PROC_GENERATION_FILE: &str = ".generation";
-/// The kernel module's version file under `proc/`, which the libraries compare their own version with.
-pub const KERNEL_VERSION_FILE: &str = "driver/nvidia/version";
-
-/// What the simulated kernel module of driver `version` shows in `proc/driver/nvidia/version` (the
-/// format of NVIDIA's, which [`crate::gpu::driver_watch::parse_kernel_version`] reads).
-pub fn kernel_version_text(version: &str) -> String {
-    format!(
-        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  (tessera simulated)\nGCC version:  simulated\n"
-    )
-}
-
-/// The driver version the simulated kernel `dir` reports (its `proc/driver/nvidia/version`), if any.
-pub fn kernel_driver_version(dir: &Path) -> Option<String> {
-    let text = fs::read_to_string(dir.join(PROC_DIR).join(KERNEL_VERSION_FILE)).ok()?;
-    crate::gpu::driver_watch::parse_kernel_version(&text)
-}
-
-/// The driver version of a simulated library file loaded from `own` (`…/libcuda.so.1` as the loader named
-/// it) whose mapped inode is `inode`: the version in the name of the `<stem>.so.<version>` file of its
-/// directory that is the same file (a driver root's soname link points at it; a container has both bind
-/// mounted from one host file), else the version [`SIMULATED_DRIVER_VERSION`] the artifacts are built as
-/// (a library loaded straight from `target/`). Read by the library once, at its first init, so a process
-/// keeps the version it loaded when a driver upgrade repoints the links.
-pub fn library_driver_version(own: &Path, inode: Option<u64>, stem: &str) -> String {
-    use std::os::unix::fs::MetadataExt;
-    let file = own.file_name().map(PathBuf::from).unwrap_or_default();
-    if let Some(v) = crate::gpu::driver_watch::version_in_name(&file, stem) {
-        return v;
-    }
-    let inode = inode.or_else(|| fs::metadata(own).ok().map(|m| m.ino()));
-    let from_dir = own.parent().zip(inode).and_then(|(dir, ino)| {
-        fs::read_dir(dir).ok()?.filter_map(|e| e.ok()).find_map(|e| {
-            let meta = fs::metadata(e.path()).ok()?;
-            if meta.ino() != ino {
-                return None;
-            }
-            crate::gpu::driver_watch::version_in_name(Path::new(&e.file_name()), stem)
-        })
-    });
-    from_dir.unwrap_or_else(|| SIMULATED_DRIVER_VERSION.to_string())
-}
-
-/// The inode of the file mapped at `addr` in this process (`/proc/self/maps`): the library file a function
-/// was loaded from, even after its name was repointed or removed.
-pub fn mapped_inode(addr: usize) -> Option<u64> {
-    let maps = fs::read_to_string("/proc/self/maps").ok()?;
-    maps.lines().find_map(|line| {
-        let mut f = line.split_whitespace();
-        let (start, end) = f.next()?.split_once('-')?;
-        let (start, end) = (
-            usize::from_str_radix(start, 16).ok()?,
-            usize::from_str_radix(end, 16).ok()?,
-        );
-        if !(start..end).contains(&addr) {
-            return None;
-        }
-        let inode: u64 = f.nth(3)?.parse().ok()?;
-        (inode != 0).then_some(inode)
-    })
-}
-
 /// Majors of the dynamic drivers, as [`canned_char_device`] numbers them.
 const NVIDIA_UVM_MAJOR: u32 = 510;
 const NVIDIA_CAPS_MAJOR: u32 = 508;
@@ -694,11 +620,7 @@ pub fn kernel_dir_in(state_dir: &Path) -> Result<PathBuf> {
         reason: e.to_string(),
     };
     fs::create_dir_all(&kernel).map_err(|e| err(&kernel, e))?;
-    for file in [
-        STATE_FILE,
-        super::simulated_health::HEALTH_FILE,
-        super::simulated_load::LOAD_FILE,
-    ] {
+    for file in [STATE_FILE, crate::faults::HEALTH_FILE, crate::load::LOAD_FILE] {
         let old = state_dir.join(file);
         let new = kernel.join(file);
         if old.is_file() && !new.exists() {
@@ -1014,8 +936,8 @@ impl SimulatedBackend {
     }
 
     /// The fault file of this node.
-    pub fn health(&self) -> super::simulated_health::SimulatedHealth {
-        super::simulated_health::SimulatedHealth::new(&self.state_dir, self.gpu_count())
+    pub fn health(&self) -> crate::faults::SimulatedHealth {
+        crate::faults::SimulatedHealth::new(&self.state_dir, self.gpu_count())
     }
 
     /// The fault of `gpu` that makes every NVML call on it fail, as NVML's return code: 15 for a lost GPU
@@ -1134,7 +1056,7 @@ impl SimulatedBackend {
     /// `nvmlDeviceSetMigMode` as the driver answers it: the call fails only when GPU instances exist;
     /// otherwise it records the wish and returns the activation status: `IN_USE` (19) when processes
     /// hold the GPU (the mode stays pending), 0 otherwise (Hopper and newer switch now, Ampere waits for a
-    /// reset). The outcome is judged by reading the mode back ([`super::mig_mode_change_outcome`]).
+    /// reset). The outcome is judged by reading the mode back ([`tessera_gpu_api::mig_mode_change_outcome`]).
     pub fn set_mig_mode_nvml(&self, gpu: u32, enabled: bool) -> Result<u32> {
         let toggles_now = self.sim_gpu(gpu)?.model.architecture.mig_toggle_without_reset();
         self.write(|state| {
@@ -1153,7 +1075,7 @@ impl SimulatedBackend {
             Latencies::charge(self.latencies.mig_mode_change_ms);
             g.mig_pending = enabled;
             if !g.all_processes().is_empty() {
-                return Ok(super::NVML_ERROR_IN_USE);
+                return Ok(tessera_gpu_api::NVML_ERROR_IN_USE);
             }
             if toggles_now {
                 g.mig_current = enabled;
@@ -1512,8 +1434,8 @@ impl GpuBackend for SimulatedBackend {
     fn driver_root(&self) -> &Path {
         if self.owns_driver_root {
             self.install_driver_root.call_once(|| {
-                let dirs = super::sim_driver_root::artifact_dirs();
-                match super::sim_driver_root::install(&self.driver_root, &self.state_dir, &dirs) {
+                let dirs = crate::driver_root::artifact_dirs();
+                match crate::driver_root::install(&self.driver_root, &self.state_dir, &dirs) {
                     Ok(installed) => installed.warn_once_if_incomplete(&dirs),
                     Err(e) => warn!(error = %e, "cannot install the simulated driver root"),
                 }
@@ -1524,7 +1446,7 @@ impl GpuBackend for SimulatedBackend {
 
     fn discover(&self) -> Result<NodeGpus> {
         self.read(|state| {
-            let (gpus, unusable) = super::discover_each(self.gpus.len() as u32, |i| {
+            let (gpus, unusable) = tessera_gpu_api::discover_each(self.gpus.len() as u32, |i| {
                 let index = i as usize;
                 let (gpu, hw) = (&self.gpus[index], &state.gpus[index]);
                 match gpu.fault {
@@ -1578,7 +1500,7 @@ impl GpuBackend for SimulatedBackend {
 
     fn set_mig_mode(&self, gpu: u32, enabled: bool) -> Result<()> {
         let status = self.set_mig_mode_nvml(gpu, enabled)?;
-        super::mig_mode_change_outcome(gpu, enabled, status, self.mig_mode(gpu)?)
+        tessera_gpu_api::mig_mode_change_outcome(gpu, enabled, status, self.mig_mode(gpu)?)
     }
 
     fn create_gpu_instance(&self, gpu: u32, profile_id: u32, placement: MigPlacement) -> Result<u32> {
@@ -1791,9 +1713,12 @@ impl GpuBackend for SimulatedBackend {
         canned_char_device(path)
     }
 
-    fn usage(&self, query: &super::usage::UsageQuery<'_>) -> Result<super::usage::DeviceUsage> {
+    fn usage(
+        &self,
+        query: &tessera_gpu_api::usage::UsageQuery<'_>,
+    ) -> Result<tessera_gpu_api::usage::DeviceUsage> {
         self.sim_gpu(query.gpu)?;
-        super::simulated_load::usage(&self.state_dir, query)
+        crate::load::usage(&self.state_dir, query)
     }
 
     fn processes(&self, gpu: u32, mig: Option<(u32, u32)>) -> Result<Vec<u32>> {
@@ -1871,7 +1796,8 @@ mod tests {
 
     #[test]
     fn the_latencies_file_the_benchmarks_give_the_real_node_is_the_documented_hardware_like_estimate() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../e2e/bench/hardware-like-latencies.yaml");
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../e2e/bench/hardware-like-latencies.yaml");
         let text = std::fs::read_to_string(&path).unwrap();
         let read: Latencies = serde_norway::from_str(&text).unwrap();
         assert_eq!(read, Latencies::HARDWARE_LIKE, "{}", path.display());
