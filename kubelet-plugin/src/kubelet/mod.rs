@@ -1,5 +1,4 @@
-//! The edges to kubelet and the API server: the DRA, registration and health gRPC services, the
-//! claims read from the API server, the NodeInventory and node Lease, prepare retries and pod events.
+//! The edges to kubelet and the API server: gRPC services, claims, NodeInventory, Lease, events.
 
 pub mod claims;
 pub mod coexistence;

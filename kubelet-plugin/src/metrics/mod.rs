@@ -1,5 +1,4 @@
-//! Metrics as a sink: the layers report what happened through [`sink`]; [`prometheus`] turns it into the
-//! Prometheus metrics served at `/metrics`.
+//! Metrics as a sink: the layers report through [`sink`]; [`prometheus`] implements it and serves `/metrics`.
 
 pub mod prometheus;
 pub mod sink;

@@ -1,5 +1,4 @@
-//! The node's prepare/unprepare state machine and what it keeps on disk: the checkpoint, the claims' CDI
-//! specs and device metadata, warm partitions.
+//! The prepare/unprepare state machine and what it keeps: the checkpoint, CDI specs, device metadata, warm partitions.
 
 pub mod cdi;
 pub mod checkpoint;

@@ -9,8 +9,10 @@ use super::{
     Failure, HealthSource, Observation,
     xid::{Verdict, classify_xid},
 };
+#[cfg(feature = "simulated")]
 use tessera_sim_model::faults::{Fault, FaultKind, SimulatedHealth};
 
+#[cfg(feature = "simulated")]
 /// Reads the simulated fault file once a second (the running plugin notices an injection within about
 /// that), reporting the complete set of failures each time.
 pub struct SimulatedSource {
@@ -20,6 +22,7 @@ pub struct SimulatedSource {
     last_error: Option<String>,
 }
 
+#[cfg(feature = "simulated")]
 impl SimulatedSource {
     pub fn new(faults: SimulatedHealth, extra_ignored_xids: Vec<u32>) -> Self {
         Self {
@@ -31,6 +34,7 @@ impl SimulatedSource {
     }
 }
 
+#[cfg(feature = "simulated")]
 /// The failure an injected fault stands for, or `None` for an XID that is not the GPU's fault.
 pub fn failure_of(fault: &Fault, extra_ignored_xids: &[u32]) -> Option<Failure> {
     let (reason, message) = match fault.kind {
@@ -72,6 +76,7 @@ pub fn failure_of(fault: &Fault, extra_ignored_xids: &[u32]) -> Option<Failure> 
     })
 }
 
+#[cfg(feature = "simulated")]
 impl HealthSource for SimulatedSource {
     fn poll(&mut self, timeout: Duration) -> Vec<Observation> {
         if self.started {
@@ -468,6 +473,7 @@ mod tests {
         assert!(failures_of_unattributed(EVENT_XID_CRITICAL, 13, 0..3, &[]).is_empty());
     }
 
+    #[cfg(feature = "simulated")]
     #[test]
     fn simulated_faults_map_like_the_events_they_stand_for() {
         let lost = Fault::lost(1);
