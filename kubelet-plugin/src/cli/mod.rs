@@ -1,4 +1,11 @@
 //! Flags, subcommands and start-up: `run` wires the layers together as `lib.rs` draws them.
 
 pub mod args;
+mod backend;
+mod discover;
 pub mod error;
+mod mps;
+mod run;
+mod simulate;
+mod take_over;
+mod wait_for_driver;
