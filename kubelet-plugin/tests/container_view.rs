@@ -68,7 +68,7 @@ impl Node {
     }
 }
 
-/// The plugin as `args.rs` assembles it, (re)started over `backend`.
+/// The plugin as `cli/take_over.rs` assembles it, (re)started over `backend`.
 fn plugin(node: &Node, backend: &Arc<SimulatedBackend>) -> Arc<NodeState> {
     let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
     let mps = MpsManager::new(&node.state_dir(), Launcher::Simulated { program });

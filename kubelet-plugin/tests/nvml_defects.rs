@@ -410,7 +410,7 @@ impl Plugin {
         }
     }
 
-    /// The plugin as `args.rs` assembles it over `backend`, started in boot `boot_id`.
+    /// The plugin as `cli/take_over.rs` assembles it over `backend`, started in boot `boot_id`.
     fn start(&self, backend: Arc<NvmlBackend>, boot_id: &str) -> Arc<NodeState> {
         let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
         let state_dir = self.dir.path().join("state");

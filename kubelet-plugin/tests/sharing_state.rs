@@ -26,7 +26,7 @@ struct Plugin {
     recovery: Recovery,
 }
 
-/// The plugin as `args.rs` assembles it, (re)started over `node`.
+/// The plugin as `cli/take_over.rs` assembles it, (re)started over `node`.
 fn plugin(node: &TestNode) -> Plugin {
     let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
     let mps = MpsManager::new(&node.state_dir(), Launcher::Simulated { program });

@@ -191,6 +191,13 @@ pub struct ProcFixture {
 }
 
 #[cfg(any(test, feature = "fixtures"))]
+impl Default for ProcFixture {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(any(test, feature = "fixtures"))]
 impl ProcFixture {
     pub fn new() -> Self {
         Self {

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use crate::cli::backend::BackendArgs;
 use crate::cli::discover::DiscoverArgs;
 use crate::cli::mps::{MpsControlSimArgs, MpsSupervisorArgs};
+#[cfg(feature = "simulated")]
 use crate::cli::simulate::SimulateArgs;
 use crate::cli::wait_for_driver::WaitForDriverArgs;
 use crate::kubelet::coexistence::CoexistenceMode;
@@ -158,6 +159,7 @@ pub(super) enum Command {
     MpsSupervisor(MpsSupervisorArgs),
     /// Make a simulated GPU sick or well again (an XID, a double-bit ECC error, a lost GPU, a recovery);
     /// the running plugin notices within about a second.
+    #[cfg(feature = "simulated")]
     Simulate(SimulateArgs),
     /// Wait until the NVIDIA driver is installed under the driver root (its `libnvidia-ml.so.1` and the
     /// loaded kernel module), printing what is missing at intervals: the chart's init container.

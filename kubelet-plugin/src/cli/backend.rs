@@ -15,7 +15,8 @@ use crate::devices::sharing::mps::Launcher;
 use crate::gpu::GpuBackend;
 use crate::gpu::driver_root::DriverRoot;
 use crate::gpu::nvml::NvmlBackend;
-use crate::gpu::simulated::SimulatedBackend;
+#[cfg(feature = "simulated")]
+use tessera_sim_model::backend::SimulatedBackend;
 
 /// Which GPUs the plugin drives.
 #[derive(Debug, clap::Args)]
@@ -93,14 +94,21 @@ impl BackendArgs {
         ignored_xids: Vec<u32>,
     ) -> Result<Box<dyn crate::gpu::health::HealthSource>> {
         match self.backend {
+            #[cfg(not(feature = "simulated"))]
             BackendKind::Simulated => {
-                let kernel =
-                    crate::gpu::simulated::kernel_dir_in(state_dir).map_err(|source| Error::OpenBackend {
+                let _ = state_dir;
+                Err(Error::SimulatedNotBuilt)
+            }
+            #[cfg(feature = "simulated")]
+            BackendKind::Simulated => {
+                let kernel = tessera_sim_model::backend::kernel_dir_in(state_dir).map_err(|source| {
+                    Error::OpenBackend {
                         backend: "simulated health".into(),
                         source,
-                    })?;
+                    }
+                })?;
                 Ok(Box::new(crate::gpu::health::sources::SimulatedSource::new(
-                    crate::gpu::simulated_health::SimulatedHealth::new(&kernel, gpu_count),
+                    tessera_sim_model::faults::SimulatedHealth::new(&kernel, gpu_count),
                     ignored_xids,
                 )))
             }
@@ -120,12 +128,18 @@ impl BackendArgs {
 
     pub(super) fn open(&self, node_name: &str, state_dir: &Path) -> Result<Arc<dyn GpuBackend>> {
         match self.backend {
+            #[cfg(not(feature = "simulated"))]
+            BackendKind::Simulated => {
+                let _ = (node_name, state_dir);
+                Err(Error::SimulatedNotBuilt)
+            }
+            #[cfg(feature = "simulated")]
             BackendKind::Simulated => {
                 let file = self
                     .simulated_node_file
                     .as_deref()
                     .ok_or(Error::MissingSimulatedNodeFile)?;
-                let backend = crate::gpu::simulated::kernel_dir_in(state_dir)
+                let backend = tessera_sim_model::backend::kernel_dir_in(state_dir)
                     .and_then(|kernel| SimulatedBackend::new(node_name, file, &kernel))
                     .map_err(|source| Error::OpenBackend {
                         backend: "simulated".into(),

@@ -128,6 +128,12 @@ pub enum Error {
     /// Printing the inventory (`discover`) failed.
     #[error("failed to print the inventory as YAML: {0}")]
     PrintInventory(#[source] serde_norway::Error),
+    /// `--backend simulated` in a plugin built without the simulated backend.
+    #[error(
+        "this tessera-kubelet-plugin was built without the simulated backend: use --backend nvml, or build it \
+         with the Cargo feature `simulated` (on by default)"
+    )]
+    SimulatedNotBuilt,
     /// What the node keeps (checkpoint, CDI specs, device metadata, the state lock) could not be read or
     /// written.
     #[error(transparent)]

@@ -6,6 +6,7 @@ mod discover;
 pub mod error;
 mod mps;
 mod run;
+#[cfg(feature = "simulated")]
 mod simulate;
 mod take_over;
 mod wait_for_driver;

@@ -156,6 +156,7 @@ impl Command {
             Command::Discover(args) => args.run(),
             Command::MpsControlSim(args) => args.run(),
             Command::MpsSupervisor(args) => args.run(),
+            #[cfg(feature = "simulated")]
             Command::Simulate(args) => args.run(),
             Command::WaitForDriver(args) => args.run(),
         }

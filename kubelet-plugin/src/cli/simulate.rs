@@ -6,7 +6,7 @@ use clap::Subcommand;
 
 use crate::cli::error::{Error, Result};
 use crate::gpu::GpuBackend;
-use crate::gpu::simulated::SimulatedBackend;
+use tessera_sim_model::backend::SimulatedBackend;
 
 #[derive(Debug, clap::Args)]
 pub(super) struct SimulateArgs {
@@ -85,11 +85,11 @@ enum SimulateAction {
         /// Whose driver root to imitate: `host` (usr/lib/x86_64-linux-gnu, usr/bin), `operator` (the GPU
         /// Operator's distribution rootfs, with a decoy libc.so.6 and loader beside NVIDIA's libraries) or
         /// `gke` (lib64/ and bin/ only).
-        #[arg(long, value_enum, default_value_t = crate::gpu::sim_driver_root::Layout::Host)]
-        layout: crate::gpu::sim_driver_root::Layout,
+        #[arg(long, value_enum, default_value_t = tessera_sim_model::driver_root::Layout::Host)]
+        layout: tessera_sim_model::driver_root::Layout,
     },
     /// Set a synthetic load on a device (utilization and memory, for the per-claim usage metrics).
-    Load(crate::gpu::simulated_load::LoadArgs),
+    Load(tessera_sim_model::load::LoadArgs),
     /// Make a MIG device outside tessera, as mig-manager or `nvidia-smi mig -cgi <profile> -C` would:
     /// MIG mode on, one GPU instance at the placement and one compute instance; prints it as JSON.
     CreateMig {
@@ -126,7 +126,7 @@ enum FailingError {
 /// `simulate create-mig`: a MIG device no tessera claim owns, on the simulated kernel of `state_dir`.
 fn create_mig_out_of_band(state_dir: &Path, gpu: u32, profile: &str, start: u32) -> Result<()> {
     let fail = |reason: String| Error::SimulateCreateMig { reason };
-    let kernel = crate::gpu::simulated::kernel_dir_in(state_dir).map_err(|e| fail(e.to_string()))?;
+    let kernel = tessera_sim_model::backend::kernel_dir_in(state_dir).map_err(|e| fail(e.to_string()))?;
     let backend = SimulatedBackend::open_kernel(&kernel).map_err(|e| fail(e.to_string()))?;
     let discovered = backend.discover().map_err(|e| fail(e.to_string()))?;
     let info = discovered
@@ -142,14 +142,14 @@ fn create_mig_out_of_band(state_dir: &Path, gpu: u32, profile: &str, start: u32)
 
 impl SimulateArgs {
     pub(super) fn run(self) -> Result<()> {
-        use crate::gpu::simulated_health::{Fault, FaultKind, SimulatedHealth};
+        use tessera_sim_model::faults::{Fault, FaultKind, SimulatedHealth};
         let Self {
             action,
             state_dir,
             simulated_node_file,
         } = self;
         if let SimulateAction::Load(load) = action {
-            return crate::gpu::simulated::kernel_dir_in(&state_dir)
+            return tessera_sim_model::backend::kernel_dir_in(&state_dir)
                 .and_then(|kernel| load.run(&kernel))
                 .map_err(|source| Error::SimulateLoad { source });
         }
@@ -157,7 +157,7 @@ impl SimulateArgs {
             return create_mig_out_of_band(&state_dir, *gpu, profile, *start);
         }
         if let SimulateAction::UpgradeDriver { root, version } = action {
-            let done = crate::gpu::sim_driver_root::upgrade(&root, &version)
+            let done = tessera_sim_model::driver_root::upgrade(&root, &version)
                 .map_err(|source| Error::SimulateUpgradeDriver { source })?;
             println!(
                 "upgraded {} from {} to {version} (removed {})",
@@ -180,18 +180,18 @@ impl SimulateArgs {
         } = action
         {
             let make = || -> crate::gpu::Result<()> {
-                let spec = crate::gpu::simulated::NodeSpec::from_file(&node_file)?;
+                let spec = tessera_sim_model::backend::NodeSpec::from_file(&node_file)?;
                 SimulatedBackend::from_spec(&node_name, &spec, &kernel)?;
-                let dirs = crate::gpu::sim_driver_root::artifact_dirs();
-                crate::gpu::sim_driver_root::install_layout(&root, &kernel, &dirs, layout)?
+                let dirs = tessera_sim_model::driver_root::artifact_dirs();
+                tessera_sim_model::driver_root::install_layout(&root, &kernel, &dirs, layout)?
                     .require_complete(&dirs)
             };
             return make().map_err(|source| Error::SimulateDriverRoot { source });
         }
         let file = simulated_node_file.ok_or(Error::MissingSimulatedNodeFile)?;
-        let node = crate::gpu::simulated::NodeSpec::from_file(&file)
+        let node = tessera_sim_model::backend::NodeSpec::from_file(&file)
             .map_err(|source| Error::SimulateFault { source })?;
-        let kernel = crate::gpu::simulated::kernel_dir_in(&state_dir)
+        let kernel = tessera_sim_model::backend::kernel_dir_in(&state_dir)
             .map_err(|source| Error::SimulateFault { source })?;
         let faults = SimulatedHealth::new(&kernel, node.gpus.iter().map(|g| g.count).sum());
         let fault = |gpu, gpu_instance, kind, xid| Fault {

@@ -334,7 +334,7 @@ fn register_metrics(
     health: &Arc<Health>,
     host_proc: &Path,
 ) {
-    if !crate::gpu::usage::HostProc::new(host_proc).looks_like_proc() {
+    if !tessera_gpu_api::usage::HostProc::new(host_proc).looks_like_proc() {
         warn!(host_proc = %host_proc.display(), "--host-proc shows no processes: shares' usage gauges \
             will read 0; mount the host's /proc there read-only (the chart does, at /host/proc)");
     }
@@ -346,7 +346,7 @@ fn register_metrics(
             Some(mps_daemons),
         )
         .with_health(health.clone())
-        .with_host_proc(crate::gpu::usage::HostProc::new(host_proc)),
+        .with_host_proc(tessera_gpu_api::usage::HostProc::new(host_proc)),
     );
 }
 

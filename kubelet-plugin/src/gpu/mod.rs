@@ -1,8 +1,8 @@
 //! The hardware: the GPU backends, MIG instances over them, the driver's files and life, device health.
 //!
 //! The interface every backend implements, [`GpuBackend`], is the `tessera-gpu-api` crate's, re-exported
-//! here. Two implementations: [`nvml`] drives real GPUs through NVML; [`simulated`] (the
-//! `tessera-sim-model` crate, with the `simulated` feature) models the same state machine
+//! here. Two implementations: [`nvml`] drives real GPUs through NVML; `tessera_sim_model::backend` (with the
+//! `simulated` feature) models the same state machine
 //! (MIG profile tables, placements, NVML error codes, state that survives a plugin restart) for kind,
 //! laptops and tests. The operations mirror NVML one call each, so a crash between two calls leaves the same
 //! half-done state on both backends, and recovery code is exercised by the tests as it runs on hardware.
@@ -20,9 +20,3 @@ mod nvml_raw;
 
 // The interface every backend implements lives in its own crate, shared with the simulated driver.
 pub use tessera_gpu_api::*;
-// The simulated backend and its driver: the hardware model's crate.
-#[cfg(feature = "simulated")]
-pub use tessera_sim_model::{
-    backend as simulated, driver_root as sim_driver_root, faults as simulated_health, load as simulated_load,
-    state_file,
-};

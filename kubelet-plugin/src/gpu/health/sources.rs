@@ -5,10 +5,9 @@ use std::time::Duration;
 use tessera_api::inventory::HealthReason;
 use tracing::{debug, info, warn};
 
-use super::{
-    Failure, HealthSource, Observation,
-    xid::{Verdict, classify_xid},
-};
+#[cfg(feature = "simulated")]
+use super::xid::classify_xid;
+use super::{Failure, HealthSource, Observation, xid::Verdict};
 #[cfg(feature = "simulated")]
 use tessera_sim_model::faults::{Fault, FaultKind, SimulatedHealth};
 
