@@ -183,6 +183,12 @@ impl PodBuilder {
         self.allocated = Some((node.to_string(), device.to_string()));
         self
     }
+    /// Container `ctr` waiting with `reason` and kubelet's `message` (the runtime's error).
+    fn container_waiting(mut self, reason: &str, message: &str) -> Self {
+        self.pod["status"]["containerStatuses"] = json!([{"name": "ctr", "image": "cuda", "imageID": "",
+            "ready": false, "restartCount": 0, "state": {"waiting": {"reason": reason, "message": message}}}]);
+        self
+    }
     fn phase(mut self, phase: &str) -> Self {
         self.pod["status"]["phase"] = json!(phase);
         self
@@ -211,7 +217,7 @@ impl PodBuilder {
         {
             let mut c = json!({
                 "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                "metadata": {"name": format!("{name}-gpu"), "namespace": "default"},
+                "metadata": {"name": format!("{name}-gpu"), "namespace": "default", "uid": format!("uid-{name}-gpu")},
                 "spec": {"devices": {"requests": [self.request]}},
             });
             if let Some((node, device)) = &self.allocated {
@@ -536,6 +542,58 @@ fn a_prepare_failure_followed_by_a_start_is_over() {
             )
             .event("Normal", "Started", "Started container ctr", 9),
     );
+
+    let report = c.explain("p");
+
+    assert!(report.fits, "{}", report.to_text());
+    assert_eq!(report.summary, "pod default/p: every claim is allocated already");
+}
+
+#[test]
+fn a_pod_whose_container_the_runtime_refuses_for_a_tessera_device_does_not_fit_and_says_what_to_do() {
+    // containerd's error for a spec it could not load: the CDI devices it should have held are unknown.
+    let message = "failed to generate container \"4f1d\" spec: failed to apply OCI options: CDI device \
+                   injection failed: unresolvable CDI devices k8s.gpu.tessera.dev/claim=uid-p-gpu-gpu-1-shared";
+    let c = two_nodes().pod(
+        pod("p")
+            .allocated_on("gpu-node-0", "gpu-1")
+            .event(
+                "Normal",
+                "Scheduled",
+                "Successfully assigned default/p to gpu-node-0",
+                1,
+            )
+            .event("Warning", "Failed", &format!("Error: {message}"), 9)
+            .container_waiting("CreateContainerError", message),
+    );
+
+    let report = c.explain("p");
+
+    assert!(!report.fits, "{}", report.to_text());
+    assert_eq!(
+        report.summary,
+        format!(
+            "pod default/p: every claim is prepared, but the container runtime on gpu-node-0 refuses \
+             container ctr with tessera's devices (CreateContainerError): {message}"
+        )
+    );
+    let text = report.to_text();
+    for what in [
+        &format!("\nkubelet on gpu-node-0 reports container ctr CreateContainerError: {message}\n"),
+        "k8s.gpu.tessera.dev-claim_uid-p-gpu.json",
+        "upgrade the plugin",
+        "delete the pod",
+    ] {
+        assert!(text.contains(what), "{what:?} missing from:\n{text}");
+    }
+}
+
+#[test]
+fn a_container_the_runtime_refuses_for_something_else_is_not_put_on_tesseras_devices() {
+    let c = two_nodes().pod(pod("p").allocated_on("gpu-node-0", "gpu-1").container_waiting(
+        "CreateContainerError",
+        "failed to create containerd container: mount /data: no such file or directory",
+    ));
 
     let report = c.explain("p");
 

@@ -5,7 +5,7 @@ mod common;
 
 use std::{path::PathBuf, sync::Arc};
 
-use common::{BOOT_ID, TestNode};
+use common::{BOOT_ID, StopDaemons, TestNode, start};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 use tessera_api::GROUP_VERSION;
@@ -15,6 +15,7 @@ use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager};
 use tessera_kubelet_plugin::gpu::ComputeMode;
 use tessera_kubelet_plugin::gpu::driver_root::{DriverFiles, DriverRoot};
 use tessera_kubelet_plugin::kubelet::claims::fake::claim;
+use tessera_kubelet_plugin::node::cdi;
 use tessera_kubelet_plugin::node::checkpoint::DeviceDetail;
 use tessera_kubelet_plugin::node::state::{ClaimRef, NodeState, Recovery};
 use tessera_sim_model::backend::mig_minors_by_formula;
@@ -392,4 +393,139 @@ async fn a_restarted_plugin_destroys_a_shared_mig_device_after_its_last_share() 
     second.state.unprepare(&shares[1]).await.unwrap();
     assert!(node.backend.list_gpu_instances(0).unwrap_or_default().is_empty());
     assert!(second.shared.sharer.mps().running().is_empty());
+}
+
+/// Share ids as the scheduler gives them (UIDs), one per share of GPU 0 that [`two_shares_of_gpu_0`] holds.
+const SMALL_SHARE: &str = "5f0c6a44-1b7e-4d2a-9c61-3e8f2a7b9d10";
+const LARGE_SHARE: &str = "a83d2e19-6c4f-47b5-8e02-d1b7c9f4e265";
+
+/// A running pod's claim whose two requests got shares of one GPU (`matchAttribute` on its `uuid`, which
+/// consumable capacity allows): 10 % and 5Gi, 30 % and 20Gi.
+fn two_shares_of_gpu_0(node: &TestNode) -> ClaimRef {
+    add(
+        node,
+        claim("pair")
+            .request("small")
+            .allocated_share("gpu-0-shared", SMALL_SHARE)
+            .consumed("compute", "10")
+            .consumed("memory", "5Gi")
+            .request("large")
+            .allocated_share("gpu-0-shared", LARGE_SHARE)
+            .consumed("compute", "30")
+            .consumed("memory", "20Gi")
+            .reserved_for_pod("pod-pair")
+            .build(),
+    )
+}
+
+/// The CDI device names of a claim's spec, in order.
+fn cdi_names(state: &NodeState, r: &ClaimRef) -> Vec<String> {
+    let spec = state.cdi().read(&r.uid).unwrap().expect("the claim's CDI spec");
+    spec.devices.into_iter().map(|d| d.name).collect()
+}
+
+#[tokio::test]
+async fn two_shares_of_one_gpu_in_one_claim_get_a_cdi_device_each_with_its_own_limits_and_go_together() {
+    let node = TestNode::with_gpus(1);
+    let p = plugin(&node);
+    let r = two_shares_of_gpu_0(&node);
+
+    let prepared = p.state.prepare(&r).await.unwrap();
+
+    let names = cdi_names(&p.state, &r);
+    assert_eq!(
+        names,
+        vec![
+            format!("{}-gpu-0-shared-{SMALL_SHARE}", r.uid),
+            format!("{}-gpu-0-shared-{LARGE_SHARE}", r.uid),
+        ],
+        "a spec naming one device twice is refused by the runtime"
+    );
+    let returned: Vec<(Option<&str>, &[String])> = prepared
+        .iter()
+        .map(|d| (d.share_id.as_deref(), d.cdi_device_ids.as_slice()))
+        .collect();
+    assert_eq!(
+        returned,
+        vec![
+            (Some(SMALL_SHARE), &[cdi::qualified_name(&names[0])][..]),
+            (Some(LARGE_SHARE), &[cdi::qualified_name(&names[1])][..]),
+        ]
+    );
+    let spec = p.state.cdi().read(&r.uid).unwrap().unwrap();
+    for (device, (pct, mem)) in spec.devices.iter().zip([("10", "5120M"), ("30", "20480M")]) {
+        let env = &device.container_edits.env;
+        let limits: Vec<&String> = env
+            .iter()
+            .filter(|e| e.starts_with("CUDA_MPS_ACTIVE_THREAD") || e.starts_with("CUDA_MPS_PINNED"))
+            .collect();
+        assert_eq!(
+            limits,
+            [
+                &format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={pct}"),
+                &format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={mem}"),
+            ],
+            "{}: {env:?}",
+            device.name
+        );
+    }
+    assert_eq!(
+        p.shared.sharer.users().count("gpu-0"),
+        2,
+        "each share holds the GPU's daemon"
+    );
+    assert_eq!(
+        p.state.prepare(&r).await.unwrap(),
+        prepared,
+        "kubelet's retry gets the same devices"
+    );
+
+    p.state.unprepare(&r).await.unwrap();
+    assert!(p.state.cdi().claim_uids().unwrap().is_empty());
+    assert!(p.state.checkpoint().claims.is_empty());
+    assert!(p.shared.sharer.mps().running().is_empty());
+    assert_eq!(node.backend.compute_mode(0).unwrap(), ComputeMode::Default);
+}
+
+#[tokio::test]
+async fn a_restarted_plugin_keeps_both_shares_of_one_claim_under_their_cdi_names_with_or_without_its_checkpoint()
+ {
+    let node = TestNode::with_gpus(1);
+    let _stop = StopDaemons::new(&node);
+    let r = two_shares_of_gpu_0(&node);
+    let first = plugin(&node);
+    let prepared = first.state.prepare(&r).await.unwrap();
+    let spec = first.state.cdi().read(&r.uid).unwrap().unwrap();
+    let daemon = first.shared.sharer.mps().pid("gpu-0").unwrap();
+    assert_eq!(cdi_names(&first.state, &r).len(), 2);
+    assert_ne!(prepared[0].cdi_device_ids, prepared[1].cdi_device_ids);
+    drop(first);
+
+    let second = plugin(&node);
+    assert_eq!(second.recovery.prepared, 1, "{:?}", second.recovery);
+    assert_eq!(second.state.prepare(&r).await.unwrap(), prepared);
+    assert_eq!(second.state.cdi().read(&r.uid).unwrap().unwrap(), spec);
+    assert_eq!(second.shared.sharer.users().count("gpu-0"), 2);
+    drop(second);
+
+    // Without its record the claim is rebuilt from the API server and its spec, under the same names.
+    let path = node.state_dir().join("checkpoint.json");
+    std::fs::rename(&path, node.state_dir().join("checkpoint.json.aside")).unwrap();
+    let third = start(&node, BOOT_ID).await;
+    assert_eq!(
+        third.recovery.adopted,
+        vec![r.uid.clone()],
+        "{:?}",
+        third.recovery
+    );
+    assert_eq!(third.state.prepare(&r).await.unwrap(), prepared);
+    assert_eq!(third.state.cdi().read(&r.uid).unwrap().unwrap(), spec);
+    assert_eq!(third.mps.mps().pid("gpu-0"), Some(daemon));
+
+    third.state.unprepare(&r).await.unwrap();
+    assert!(third.state.cdi().claim_uids().unwrap().is_empty());
+    assert!(
+        third.mps.mps().running().is_empty(),
+        "the daemon outlived both shares"
+    );
 }

@@ -25,7 +25,8 @@ request alone (with its firstAvailable alternatives in order), then all pending 
 (with their matchAttribute and distinctAttribute constraints), with the devices, shared counters (MIG \
 placements), consumable capacity (shares) that allocated claims already hold, and the taints of \
 DeviceTaintRules (where the API server serves them; their driver, pool and device selector). For a pod whose \
-claims are allocated but that does not start, the FailedPrepareDynamicResources event kubelet last reported. \
+claims are allocated but that does not start, the FailedPrepareDynamicResources event kubelet last reported, \
+or a container the runtime refuses for tessera's CDI devices (CreateContainerError and the like). \
 Not modelled: slices selected by nodeSelector or per-device node selection (only nodeName and allNodes \
 slices count), v1alpha3 DeviceTaintRules' class and CEL selectors, binding conditions, claims the scheduler \
 has reserved but not yet written, cpu, memory and pod-count fit, inter-pod affinity, topology spread, and \
@@ -36,8 +37,9 @@ evaluate it, as the scheduler does; the device is listed with the error.";
 
 const EXIT_CODES: &str = "\
 Exit status: 0 when everything fits on some node (or is allocated already), 1 when something does not \
-fit or the pod cannot start (its own constraints rule out every node, or kubelet cannot prepare its \
-allocated claims), 2 on errors (object not found, API server unreachable, malformed file).";
+fit or the pod cannot start (its own constraints rule out every node, kubelet cannot prepare its \
+allocated claims, or the runtime refuses a container for tessera's devices), 2 on errors (object not found, \
+API server unreachable, malformed file).";
 
 /// tessera's kubectl plugin.
 #[derive(Debug, Parser)]

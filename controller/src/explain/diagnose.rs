@@ -371,6 +371,10 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
     let prepare = pod
         .filter(|_| bound && resolved.pending.is_empty() && !resolved.allocated.is_empty())
         .and_then(|p| pod::prepare_failure(p, &cluster.events));
+    // Prepared, yet not running: kubelet retries the container from the same CDI spec, which fails alike.
+    let runtime = pod
+        .filter(|_| bound && resolved.pending.is_empty() && prepare.is_none())
+        .and_then(|p| pod::runtime_failure(p, &cluster.claims));
     let models: Vec<NodeModel<'_>> = nodes
         .iter()
         .map(|n| NodeModel::build(n, &cluster.slices, &state, &cluster.taint_rules))
@@ -625,8 +629,11 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
         .map(|n| n.node.as_str())
         .collect();
     let all_excluded = !excluded.is_empty() && models.is_empty();
-    let fits =
-        everywhere.is_none() && prepare.is_none() && !all_excluded && (!pending || !fit_nodes.is_empty());
+    let fits = everywhere.is_none()
+        && prepare.is_none()
+        && runtime.is_none()
+        && !all_excluded
+        && (!pending || !fit_nodes.is_empty());
     let of_nodes = format!(
         "any of {total_nodes} node{}",
         if total_nodes == 1 { "" } else { "s" }
@@ -636,6 +643,13 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
         format!(
             "{label}: every claim is allocated, but kubelet on {} cannot prepare them: {first}",
             p.node
+        )
+    } else if let Some(r) = &runtime {
+        let first = r.message.lines().next().unwrap_or("");
+        format!(
+            "{label}: every claim is prepared, but the container runtime on {} refuses container {} with \
+             tessera's devices ({}): {first}",
+            r.node, r.container, r.reason
         )
     } else if let Some(why) = &everywhere {
         format!("{label} does not fit: {why}")
@@ -682,18 +696,47 @@ pub fn explain(cluster: &Cluster, target: &Target) -> Result<Report, ExplainErro
         fits,
         summary,
         pod_nodes: !excluded.is_empty(),
-        kubelet: prepare.map(|p| {
-            format!(
-                "kubelet on {} reported FailedPrepareDynamicResources ({} time{}): {}",
-                p.node,
-                p.count,
-                if p.count == 1 { "" } else { "s" },
-                p.message
-            )
-        }),
+        kubelet: prepare
+            .map(|p| {
+                format!(
+                    "kubelet on {} reported FailedPrepareDynamicResources ({} time{}): {}",
+                    p.node,
+                    p.count,
+                    if p.count == 1 { "" } else { "s" },
+                    p.message
+                )
+            })
+            .or_else(|| runtime.as_ref().map(runtime_advice)),
         nodes: node_verdicts,
         claims: claims_out,
     })
+}
+
+/// What kubelet reports of a container the runtime refuses, and what to do: kubelet's retries read the same
+/// spec, so the pod waits until the spec changes, which only a new prepare does.
+fn runtime_advice(r: &pod::RuntimeFailure) -> String {
+    let specs = if r.claim_uids.is_empty() {
+        "the CDI specs of its claims (k8s.gpu.tessera.dev-claim_<claim UID>.json)".to_string()
+    } else {
+        let files: Vec<String> = r
+            .claim_uids
+            .iter()
+            .map(|uid| format!("k8s.gpu.tessera.dev-claim_{uid}.json"))
+            .collect();
+        format!("the CDI spec {}", files.join(", "))
+    };
+    format!(
+        "kubelet on {node} reports container {} {}: {}\n\
+         Retrying does not help: kubelet creates the container from the same CDI spec each time. Read {specs} \
+         in the runtime's CDI directory on {node} (/var/run/cdi by default) and the tessera kubelet plugin's \
+         log there. A spec naming one device twice (two shares of one GPU in one claim) comes from a plugin \
+         older than this kubectl-tessera: upgrade the plugin. Then delete the pod: kubelet unprepares its \
+         claims, and the pod that replaces it gets them prepared anew.",
+        r.container,
+        r.reason,
+        r.message,
+        node = r.node,
+    )
 }
 
 /// `node-a, node-b: reason; node-c: other reason`, the nodes of each reason together, first seen first.

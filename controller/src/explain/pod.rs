@@ -1,14 +1,15 @@
 //! What the scheduler checks of a pod before its claims, per node, in the order its filter plugins run:
 //! NodeUnschedulable, NodeAffinity (nodeSelector and required node affinity), TaintToleration, then
 //! NodeResourcesFit for extended resources no DeviceClass serves. And, for a pod whose claims are all
-//! allocated but that does not start, the prepare failure kubelet reported.
+//! allocated but that does not start, the prepare failure kubelet reported, or the container the runtime
+//! refuses for tessera's devices.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Event, Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, Taint, Toleration,
 };
-use k8s_openapi::api::resource::v1::DeviceClass;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 
 use crate::cel::Quantity;
 
@@ -302,5 +303,74 @@ pub fn prepare_failure(pod: &Pod, events: &[Event]) -> Option<PrepareFailure> {
         node,
         message: latest.message.clone().unwrap_or_default(),
         count: latest.count.unwrap_or(1),
+    })
+}
+
+/// A container of a bound pod that the container runtime refuses because of tessera's devices: its claims
+/// are allocated and prepared, so nothing the scheduler or kubelet's prepare reports says why it waits.
+#[derive(Clone, Debug)]
+pub struct RuntimeFailure {
+    pub node: String,
+    pub container: String,
+    /// Kubelet's reason: `CreateContainerError`, `RunContainerError`, `StartError`, ...
+    pub reason: String,
+    pub message: String,
+    /// UIDs of the claims whose CDI devices the message names, for the spec file on the node.
+    pub claim_uids: Vec<String>,
+}
+
+/// Reasons kubelet gives a container the runtime refused: a CDI device it cannot resolve or inject fails
+/// the create, a CDI hook that fails fails the start.
+const RUNTIME_REASONS: &[&str] = &[
+    "CreateContainerError",
+    "RunContainerError",
+    "StartError",
+    "ContainerCannotRun",
+];
+
+/// What ties a runtime's message to tessera: the vendor of its CDI devices, or the hook its specs run.
+const TESSERA_MARKS: &[&str] = &["k8s.gpu.tessera.dev", "tessera-cdi-hook"];
+
+/// The first container (init containers first) the runtime refuses for tessera's devices, with the claims
+/// (of `claims`) the message names.
+pub fn runtime_failure(pod: &Pod, claims: &[ResourceClaim]) -> Option<RuntimeFailure> {
+    let status = pod.status.as_ref()?;
+    if matches!(status.phase.as_deref(), Some("Succeeded" | "Failed")) {
+        return None;
+    }
+    let mut statuses = status
+        .init_container_statuses
+        .iter()
+        .flatten()
+        .chain(status.container_statuses.iter().flatten());
+    let (container, reason, message) = statuses.find_map(|s| {
+        let refused = |reason: Option<&String>, message: Option<&String>| {
+            let (reason, message) = (reason?, message?);
+            (RUNTIME_REASONS.contains(&reason.as_str()) && TESSERA_MARKS.iter().any(|m| message.contains(m)))
+                .then(|| (s.name.clone(), reason.clone(), message.clone()))
+        };
+        let state = s.state.as_ref();
+        let waiting = state.and_then(|st| st.waiting.as_ref())?;
+        // A container in back-off after a failed start waits as CrashLoopBackOff; its last state says why.
+        refused(waiting.reason.as_ref(), waiting.message.as_ref()).or_else(|| {
+            let last = s.last_state.as_ref()?.terminated.as_ref()?;
+            refused(last.reason.as_ref(), last.message.as_ref())
+        })
+    })?;
+    let claim_uids = claims
+        .iter()
+        .filter_map(|c| c.metadata.uid.clone())
+        .filter(|uid| !uid.is_empty() && message.contains(uid.as_str()))
+        .collect();
+    Some(RuntimeFailure {
+        node: pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_else(|| "its node".into()),
+        container,
+        reason,
+        message,
+        claim_uids,
     })
 }

@@ -87,8 +87,13 @@ fn strategy_of(detail: &SharedDetail) -> SharingStrategy {
     }
 }
 
+/// The share `ctx` prepares, as its device's holder: a claim may hold two shares of one device (each with
+/// its own share id), and the device's setup must stay until the last of them goes.
 fn holder(ctx: &DeviceContext) -> String {
-    format!("{}/{}", ctx.claim.uid, ctx.device)
+    match &ctx.allocation.share_id {
+        Some(id) => format!("{}/{}/{id}", ctx.claim.uid, ctx.device),
+        None => format!("{}/{}", ctx.claim.uid, ctx.device),
+    }
 }
 
 fn mig_error(ctx: &DeviceContext) -> impl Fn(MigError) -> ClaimError + '_ {

@@ -1,7 +1,8 @@
 //! CDI specs: how a prepared claim's devices reach the container.
 //!
 //! One spec file per claim, `<cdi dir>/k8s.gpu.tessera.dev-claim_<claim UID>.json`, kind
-//! `k8s.gpu.tessera.dev/claim`, one CDI device per allocated device named `<claim UID>-<device name>`.
+//! `k8s.gpu.tessera.dev/claim`, one CDI device per allocated device named `<claim UID>-<device name>`
+//! (`…-<share id>` for each share of a device the claim holds twice: [`device_names`]).
 //! kubelet passes the fully qualified names ([`qualified_name`]) to the runtime, which reads the spec when the
 //! container is created. A per-claim file (rather than one node-wide spec) makes prepare and unprepare of
 //! different claims independent: no read-modify-write of a shared file.
@@ -142,6 +143,50 @@ pub struct Hook {
 /// CDI device name of one allocated device of a claim: `<claim UID>-<device name>`.
 pub fn device_name(claim_uid: &str, device: &str) -> String {
     format!("{claim_uid}-{device}")
+}
+
+/// CDI device names of a claim's allocated devices, in the allocation's order (`(device, share id)` each):
+/// [`device_name`], except for a device the claim holds more than once. Consumable capacity lets two
+/// requests (or one request's two results) take shares of one device, and a spec naming a device twice is
+/// refused by the runtime, so each of those shares is `<claim UID>-<device name>-<share id>`. A name that is
+/// unique already stays as it is: runtimes, users and the e2e contract know those names. Both the device and
+/// the share id come from the claim's allocation, which does not change while the claim is allocated, so
+/// every prepare and every rebuild of a lost record from the claim names the devices alike. A share id
+/// that CDI does not allow in a name (or that is missing or repeated, which no scheduler allocates) gives
+/// way to the result's index.
+pub fn device_names<'a>(
+    claim_uid: &str,
+    devices: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
+) -> Vec<String> {
+    let devices: Vec<(&str, Option<&str>)> = devices.into_iter().collect();
+    let times = |device: &str| devices.iter().filter(|(d, _)| *d == device).count();
+    let names: Vec<Option<String>> = devices
+        .iter()
+        .map(|&(device, share_id)| {
+            if times(device) == 1 {
+                return Some(device_name(claim_uid, device));
+            }
+            let id = share_id.filter(|id| is_name_part(id))?;
+            Some(device_name(claim_uid, &format!("{device}-{id}")))
+        })
+        .collect();
+    let once = |name: &String| names.iter().flatten().filter(|n| *n == name).count() == 1;
+    names
+        .iter()
+        .zip(&devices)
+        .enumerate()
+        .map(|(i, (name, (device, _)))| match name {
+            Some(name) if once(name) => name.clone(),
+            _ => device_name(claim_uid, &format!("{device}-{i}")),
+        })
+        .collect()
+}
+
+/// Whether `s` may follow `-` in a CDI device name (letters, digits, `_`, `-`, `.`, `:`).
+fn is_name_part(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':'))
 }
 
 /// Fully qualified CDI device name kubelet hands to the runtime: `k8s.gpu.tessera.dev/claim=<name>`.
@@ -340,6 +385,38 @@ mod tests {
     use std::os::unix::fs::MetadataExt;
 
     use super::*;
+
+    #[test]
+    fn only_the_shares_of_a_device_a_claim_holds_twice_get_their_share_id_in_the_name() {
+        let names = device_names(
+            "U",
+            [
+                ("gpu-0", None),
+                ("gpu-1-shared", Some("a1")),
+                ("gpu-2-shared", Some("c3")),
+                ("gpu-1-shared", Some("b2")),
+            ],
+        );
+        assert_eq!(
+            names,
+            [
+                "U-gpu-0",
+                "U-gpu-1-shared-a1",
+                "U-gpu-2-shared",
+                "U-gpu-1-shared-b2"
+            ]
+        );
+        // What no scheduler allocates still gets names the runtime takes: the result's index.
+        let odd = device_names(
+            "U",
+            [
+                ("gpu-1-shared", Some("x/y")),
+                ("gpu-1-shared", Some("s")),
+                ("gpu-1-shared", Some("s")),
+            ],
+        );
+        assert_eq!(odd, ["U-gpu-1-shared-0", "U-gpu-1-shared-1", "U-gpu-1-shared-2"]);
+    }
 
     #[test]
     fn the_hook_is_installed_executable_replaced_by_rename_and_kept_when_unchanged() {

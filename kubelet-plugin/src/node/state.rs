@@ -1402,8 +1402,14 @@ impl NodeState {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
         })?;
+        let cdi_names = cdi::device_names(
+            &claim.uid,
+            allocated
+                .iter()
+                .map(|a| (a.device.as_str(), a.share_id.as_deref())),
+        );
         let mut planned = Vec::with_capacity(allocated.len());
-        for allocation in allocated {
+        for (allocation, cdi_name) in allocated.into_iter().zip(cdi_names) {
             if allocation.pool != self.node_name {
                 return Err(ClaimError::WrongPool {
                     request: allocation.request,
@@ -1434,7 +1440,6 @@ impl NodeState {
                 allocation: allocation.clone(),
             };
             let detail = preparer.plan(&ctx)?;
-            let cdi_name = cdi::device_name(&claim.uid, &allocation.device);
             let record = DeviceRecord {
                 request: allocation.request,
                 pool: allocation.pool,

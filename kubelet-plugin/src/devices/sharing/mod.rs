@@ -169,7 +169,8 @@ pub fn share_key(device: &DeviceName) -> String {
 /// One share to prepare.
 #[derive(Clone, Debug)]
 pub struct ShareRequest<'a> {
-    /// Unique per claim and device: `<claim uid>/<device name>`.
+    /// Unique per share: `<claim uid>/<device name>`, and `/<share id>` for a share allocated through
+    /// consumable capacity (one claim may hold two of a device).
     pub holder: String,
     pub device: &'a DeviceName,
     /// The physical GPU.
