@@ -13,13 +13,22 @@
 #      private mount namespace whose /dev holds only the spec's device nodes and whose driver files are the
 #      spec's mounts, with the spec's environment, as a container runtime would apply them. Where the
 #      namespace cannot be made (no unshare, a sandbox that refuses mknod), the probe runs with the spec's
-#      environment only, and the output says so.
+#      environment only, and the output says so;
+#   7. the simulator's rules against this driver (the review's first-GPU check list): facts from
+#      `target/debug/examples/driver_facts` (kubelet-plugin/examples/driver_facts.rs: the GPU-instance profile
+#      calls v1 and V with MIG off, the compute and MPS process lists, 8 concurrent nvmlDeviceGetHandleByUUID
+#      under a usage scrape, fabric info), the mount of the CDI hook's directory (GPU_CHECK_HOOK_DIR, default
+#      /var/lib/tessera/bin) and the host's ldconfig, then a table: rule, what the simulator does, what this
+#      node did, CONFIRMED / CONTRADICTED / NOT SEEN, and a line naming the simulator rules to change
+#      (also in $OUT_DIR/simulator-rules.md). It starts no MPS daemon: the MPS row needs a share's workload
+#      already running. A contradiction does not fail the check.
 #
 # Usage: e2e/scripts/gpu-check.sh [DRIVER_ROOT]. Without an argument the driver root is found: `/` when the
 # loader knows libnvidia-ml.so.1, else /run/nvidia/driver (GPU Operator), /home/kubernetes/bin/nvidia
 # (GKE), /usr/local/nvidia. PLUGIN_BIN names the plugin binary (default target/debug, `make gpu-check`
-# builds it); OUT_DIR where the outputs go (default bench-results/gpu-check). Exit status: 0 when every
-# check ran and agreed, 1 when one disagreed, 2 when no GPU or driver was found.
+# builds it), DRIVER_FACTS_BIN the facts program (default target/debug/examples/driver_facts); OUT_DIR where
+# the outputs go (default bench-results/gpu-check). Exit status: 0 when every check ran and agreed, 1 when
+# one disagreed or did not run, 2 when no GPU or driver was found.
 set -uo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PLUGIN_BIN="${PLUGIN_BIN:-$REPO_ROOT/target/debug/tessera-kubelet-plugin}"
@@ -175,6 +184,75 @@ EOF
   first_uuid=$(grep -o 'UUID: GPU-[0-9a-f-]*' "$OUT_DIR/nvidia-smi-L.txt" | head -1 | cut -d' ' -f2)
   grep -q "$first_uuid" "$OUT_DIR/probe.txt" && echo "probe sees $first_uuid" || disagree "probe does not see $first_uuid"
 fi
+
+section "7. simulator rules against this driver"
+# The places where the simulated driver (kubelet-plugin/sim-driver) may be kinder than NVIDIA's, review
+# 9b52720 §2e: facts from kubelet-plugin/examples/driver_facts.rs (read-only NVML calls; it starts no MPS
+# daemon and changes nothing), the hook directory's mount and the host's ldconfig. A CONTRADICTED row is a
+# finding for the simulator, not a failure of this check; a program that did not run is.
+FACTS_BIN="${DRIVER_FACTS_BIN:-$REPO_ROOT/target/debug/examples/driver_facts}"
+HOOK_DIR="${GPU_CHECK_HOOK_DIR:-/var/lib/tessera/bin}"
+: > "$OUT_DIR/simulator-rules.tsv"
+if [[ ! -x "$FACTS_BIN" ]]; then
+  echo "$FACTS_BIN missing: build it (make gpu-check does: cargo build --example driver_facts) or set DRIVER_FACTS_BIN"
+  failed=1
+else
+  "$FACTS_BIN" --driver-root "$DRIVER_ROOT" > "$OUT_DIR/driver-facts.txt" 2>&1
+  facts_rc=$?
+  grep -v $'^verdict\t' "$OUT_DIR/driver-facts.txt"
+  grep $'^verdict\t' "$OUT_DIR/driver-facts.txt" | cut -f2- >> "$OUT_DIR/simulator-rules.tsv"
+  if [[ $facts_rc != 0 ]]; then echo "driver_facts exited $facts_rc: the NVML rules were not checked"; failed=1; fi
+fi
+facts_missing=""
+grep -q . "$OUT_DIR/simulator-rules.tsv" ||
+  facts_missing="the NVML rules (N6, N7, N8, N3) were not checked: driver_facts did not run"
+# N1 (GKE COS): the hook is installed to <stateDir>/bin and run by runc from there; `/var` noexec refuses it.
+dir="$HOOK_DIR"
+while [[ ! -e "$dir" && "$dir" != / ]]; do dir="$(dirname "$dir")"; done
+if command -v findmnt >/dev/null; then
+  read -r mnt_target mnt_opts < <(findmnt -n -o TARGET,OPTIONS --target "$dir")
+else
+  read -r mnt_target mnt_opts < <(awk -v d="$dir" '{ m = $2; p = (m == "/") ? "/" : m "/";
+    if ((d == m || index(d "/", p) == 1) && length(m) >= best) { best = length(m); t = m; o = $4 } }
+    END { print t, o }' /proc/self/mounts)
+fi
+echo "hook dir $HOOK_DIR: mount $mnt_target ($mnt_opts)"
+mount 2>/dev/null | grep -E ' on /var( |$)' || echo "(/var is not a mount of its own)"
+sim_var="the CDI hook runs from <stateDir>/bin, $HOOK_DIR (exec on every test node)"
+if [[ ",$mnt_opts," == *,noexec,* ]]; then
+  printf '%s\t%s\t%s\t%s\n' "N1 /var noexec" "$sim_var" \
+    "$HOOK_DIR is on $mnt_target mounted noexec: runc cannot run the hook; set stateDir to an exec mount \
+(GKE: /home/kubernetes/bin/tessera)" \
+    CONTRADICTED >> "$OUT_DIR/simulator-rules.tsv"
+else
+  printf '%s\t%s\t%s\t%s\n' "N1 /var noexec" "$sim_var" "$HOOK_DIR is on $mnt_target, exec ($mnt_opts)" CONFIRMED \
+    >> "$OUT_DIR/simulator-rules.tsv"
+fi
+# N1: the hook runs the host's ldconfig, the first of these (kubelet-plugin/cdi-hook LDCONFIG_CANDIDATES).
+ls -l /sbin/ldconfig* /usr/sbin/ldconfig* 2>/dev/null || echo "no /sbin/ldconfig* or /usr/sbin/ldconfig*"
+ldconfig_found=""
+for l in /sbin/ldconfig.real /sbin/ldconfig /usr/sbin/ldconfig; do
+  [[ -x "$l" ]] && ldconfig_found="${ldconfig_found:+$ldconfig_found, }$l"
+done
+sim_ldconfig="the hook finds the host's ldconfig (/sbin/ldconfig.real, /sbin/ldconfig or /usr/sbin/ldconfig)"
+if [[ -n "$ldconfig_found" ]]; then
+  printf '%s\t%s\t%s\t%s\n' "N1 ldconfig present" "$sim_ldconfig" "found $ldconfig_found" CONFIRMED \
+    >> "$OUT_DIR/simulator-rules.tsv"
+else
+  printf '%s\t%s\t%s\t%s\n' "N1 ldconfig present" "$sim_ldconfig" \
+    "none of the three: the hook fails every container with a tessera device (pass it --ldconfig-path)" CONTRADICTED \
+    >> "$OUT_DIR/simulator-rules.tsv"
+fi
+echo
+awk -F'\t' 'BEGIN { print "| rule | simulator | this node | verdict |"; print "|---|---|---|---|" }
+  { printf "| %s | %s | %s | %s |\n", $1, $2, $3, $4 }' "$OUT_DIR/simulator-rules.tsv" | tee "$OUT_DIR/simulator-rules.md"
+to_change=$(awk -F'\t' '$4 == "CONTRADICTED" { printf "%s%s", sep, $1; sep = "; " }' "$OUT_DIR/simulator-rules.tsv")
+not_seen=$(awk -F'\t' '$4 == "NOT SEEN" { printf "%s%s", sep, $1; sep = "; " }' "$OUT_DIR/simulator-rules.tsv")
+[[ -n "$facts_missing" ]] && echo "$facts_missing" | tee -a "$OUT_DIR/simulator-rules.md"
+[[ -n "$not_seen" ]] && echo "not seen on this node (re-run where they can be): $not_seen" |
+  tee -a "$OUT_DIR/simulator-rules.md"
+echo "simulator rules to change: ${to_change:-none, the driver contradicted no rule checked}" |
+  tee -a "$OUT_DIR/simulator-rules.md"
 
 section "result"
 if [[ $failed == 0 ]]; then echo "GPU CHECK PASS"; else echo "GPU CHECK FAIL"; fi
