@@ -183,7 +183,7 @@ async fn every_device_mounts_the_driver_libraries_and_an_nvidia_smi_that_lists_t
                     .unwrap_or_else(|| panic!("{target} not mounted for {}: {mounts:?}", r.name));
                 assert!(Path::new(host).starts_with(&root), "{host}");
                 // What the container opens: the runtime bind-mounts the file the host path resolves to,
-                // a shared object this repository builds (`gpu::sim_driver_root`).
+                // a shared object this repository builds (`tessera_sim_model::driver_root`).
                 let content = std::fs::read(host).unwrap();
                 assert!(content.starts_with(b"\x7fELF"), "{host} is not a built library");
             }

@@ -202,7 +202,7 @@ pub trait GpuBackend: Send + Sync + 'static {
     /// Root of the driver's user-space files as this process reads them (`/`, `/run/nvidia/driver`, GKE's
     /// `/home/kubernetes/bin/nvidia`, or where a container mounts one of them; the simulated driver root for
     /// the simulated backend), whose libraries and binaries every container gets (see
-    /// [`crate::gpu::driver_root`]; the host path specs name is the plugin's `--driver-root`).
+    /// the plugin's `gpu::driver_root`; the host path specs name is the plugin's `--driver-root`).
     fn driver_root(&self) -> &std::path::Path;
 
     /// Discovers every GPU with its identity, capacities and MIG profiles (with placements). Works whether or

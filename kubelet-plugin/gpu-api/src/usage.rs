@@ -1,4 +1,4 @@
-//! What runs on a GPU or MIG device now, for the per-claim usage metrics ([`crate::metrics::prometheus`]).
+//! What runs on a GPU or MIG device now, for the per-claim usage metrics (the plugin's `metrics::prometheus`).
 //!
 //! NVML reports usage per physical GPU (`nvmlDeviceGetUtilizationRates`, `nvmlDeviceGetMemoryInfo`) and per
 //! process (`nvmlDeviceGetComputeRunningProcesses`: memory; `nvmlDeviceGetProcessUtilization`: SM percent),

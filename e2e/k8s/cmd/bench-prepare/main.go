@@ -379,7 +379,7 @@ type timing struct {
 }
 
 // nvmlTimeFile is where the plugin's simulated backend publishes its own time so far (calls, nanoseconds)
-// after every call that touches its state; see kubelet-plugin/src/gpu/simulated.rs.
+// after every call that touches its state; see kubelet-plugin/sim-driver/model/src/backend.rs.
 const nvmlTimeFile = "simulated-kernel/simulated-nvml-time.json"
 
 // simulatedNVML reads the plugin's simulated NVML time so far; ok is false when the plugin does not

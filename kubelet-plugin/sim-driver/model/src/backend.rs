@@ -13,7 +13,7 @@
 //! that the file is whole (an older version or the newer one) and the next start does not stop at a torn
 //! file; the directory is not fsynced, because which version comes back after a power loss does not matter
 //! to hardware whose MIG instances a reboot erases anyway (the plugin's checkpoint of the old boot is not
-//! trusted either, see [`crate::node::checkpoint`]).
+//! trusted either, see the plugin's `node::checkpoint`).
 //!
 //! The state file is also the e2e interface: a harness may add a PID to `processes` of a GPU or compute
 //! instance (under the same lock) to make the GPU busy.
@@ -30,7 +30,7 @@
 //! (the inventory a real kernel module would find on the PCI bus), and `proc/` holds what the NVIDIA kernel
 //! module shows in `/proc` (`devices`, `driver/nvidia/version`, and the MIG capability `access` files of
 //! every live GPU and compute instance, kept equal to the state under the same lock). The driver root's
-//! libraries built from this repository (`libnvidia-ml.so.1`, `libcuda.so.1`, see [`super::sim_driver_root`])
+//! libraries built from this repository (`libnvidia-ml.so.1`, `libcuda.so.1`, see [`crate::driver_root`])
 //! find K by walking up from their own path to `<dir>/tessera-sim/kernel.json` ([`find_kernel_from`]) and
 //! open it with [`SimulatedBackend::open_kernel`]: the same model, the same state, the same faults, through
 //! NVML's C ABI. Where K cannot be written (a container's read-only mount) the backend is read-only: it
@@ -1327,7 +1327,7 @@ impl SimulatedBackend {
         )
         .map_err(err)?;
         // Written once: the module's version is the driver's, which `simulate upgrade-driver` changes
-        // (sim_driver_root.rs), not the hardware state's.
+        // (driver_root.rs), not the hardware state's.
         let version_file = proc.join(KERNEL_VERSION_FILE);
         if !version_file.exists() {
             write_if_changed(&version_file, &kernel_version_text(SIMULATED_DRIVER_VERSION)).map_err(err)?;
@@ -1429,7 +1429,7 @@ impl GpuBackend for SimulatedBackend {
         "simulated"
     }
 
-    /// Installs the driver root on first use (see [`super::sim_driver_root`]); a failure is logged, and
+    /// Installs the driver root on first use (see [`crate::driver_root`]); a failure is logged, and
     /// what could be installed is there.
     fn driver_root(&self) -> &Path {
         if self.owns_driver_root {
