@@ -40,7 +40,7 @@ use std::{
     ffi::OsStr,
     fmt, fs, mem,
     os::raw::c_uint,
-    path::{Path, PathBuf},
+    path::PathBuf,
     ptr,
     sync::{
         Barrier,
@@ -55,7 +55,7 @@ use nvml_wrapper_sys::bindings::{
     nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfoV_t, nvmlGpuInstanceProfileInfo_t,
     nvmlGpuInstanceProfileInfo_v2_t, nvmlGpuInstanceProfileInfo_v3_t,
 };
-use tessera_kubelet_plugin::gpu::{driver_root::DriverRoot, nvml::library_candidates};
+use tessera_kubelet_plugin::gpu::nvml::library_path;
 
 // === NVML return codes (nvml.h) ===
 
@@ -644,23 +644,6 @@ struct Args {
     rounds: usize,
 }
 
-/// The library `NvmlBackend::new` would load: the first candidate under the root, soname links with an
-/// absolute target followed inside the root.
-fn library(driver_root: &Path) -> PathBuf {
-    let root = DriverRoot::new(driver_root);
-    library_candidates(driver_root)
-        .into_iter()
-        .filter(|p| p.is_absolute())
-        .find_map(|p| {
-            if p.exists() {
-                Some(p)
-            } else {
-                root.resolve(&p).filter(|r| r.is_file())
-            }
-        })
-        .unwrap_or_else(|| PathBuf::from("libnvidia-ml.so.1"))
-}
-
 /// Quotes a value with spaces, so every fact stays `key=value` separated by spaces.
 fn v(s: &str) -> String {
     if s.is_empty() || s.contains(char::is_whitespace) || s.contains('"') {
@@ -1090,7 +1073,7 @@ fn read_facts(nvml: &Nvml, rounds: usize) -> anyhow::Result<Facts> {
 
 fn main() {
     let args = Args::parse();
-    let library = library(&args.driver_root);
+    let library = library_path(&args.driver_root);
     let nvml = match Nvml::builder().lib_path(OsStr::new(library.as_os_str())).init() {
         Ok(n) => n,
         Err(e) => {

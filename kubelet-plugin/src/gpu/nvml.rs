@@ -51,6 +51,24 @@ pub fn library_candidates(driver_root: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// The NVML library [`NvmlBackend::new`] loads: the first of [`library_candidates`] that exists, else the
+/// bare name for the dynamic loader. A soname link with an absolute target (an Operator rootfs's) dangles
+/// in this process's filesystem, so it is followed inside the driver root instead.
+pub fn library_path(driver_root: &Path) -> PathBuf {
+    let root = DriverRoot::new(driver_root);
+    library_candidates(driver_root)
+        .into_iter()
+        .filter(|p| p.is_absolute())
+        .find_map(|p| {
+            if p.exists() {
+                Some(p)
+            } else {
+                root.resolve(&p).filter(|r| r.is_file())
+            }
+        })
+        .unwrap_or_else(|| PathBuf::from(LIBRARY_NAME))
+}
+
 /// NVML return codes (`nvml.h`) and the [`GpuError`] each maps to.
 pub fn error_for_code(call: &'static str, code: u32, context: impl Display) -> GpuError {
     let msg = format!("{context} ({call} returned {code})");
@@ -316,20 +334,7 @@ impl NvmlBackend {
     /// [`GpuError::LibraryNotFound`] naming the paths tried when there is no usable library.
     pub fn new(driver_root: &Path) -> Result<Self> {
         let candidates = library_candidates(driver_root);
-        // A soname link with an absolute target (an Operator rootfs's) dangles in this process's filesystem:
-        // it is followed inside the driver root instead.
-        let root = DriverRoot::new(driver_root);
-        let library = candidates
-            .iter()
-            .filter(|p| p.is_absolute())
-            .find_map(|p| {
-                if p.exists() {
-                    Some(p.clone())
-                } else {
-                    root.resolve(p).filter(|r| r.is_file())
-                }
-            })
-            .unwrap_or_else(|| PathBuf::from(LIBRARY_NAME));
+        let library = library_path(driver_root);
         let tried = candidates
             .iter()
             .map(|p| p.display().to_string())
