@@ -15,10 +15,15 @@
 //!   without `/etc/ld.so.cache` or `/etc/ld.so.conf.d` in the image (not a glibc image), or with an older or
 //!   equal compat driver.
 //! * `update-ldcache --folder <dir>…`: `/etc/ld.so.conf.d/00-tessera-driver.conf` names the driver's library
-//!   directories of the container (written whole, by rename), `/etc/ld.so.conf` is created including
-//!   `ld.so.conf.d` when the image has none, and the host's `ldconfig -r <root>` rebuilds
-//!   `<root>/etc/ld.so.cache`. So the image's own loader finds `libcuda.so.1` through its cache, whatever
-//!   directories it searches by default (another distribution family, GKE's `/usr/local/nvidia/lib64`).
+//!   directories that the image does not already search (its `ld.so.conf` with its includes, its system
+//!   directories: a directory named again would jump ahead of the image's own order),
+//!   `/etc/ld.so.conf.d/zz-tessera-system.conf` names the image's system directories (Debian's multiarch
+//!   ones or `/lib64`, `/usr/lib64`, by `/etc/debian_version`), both written whole, by rename;
+//!   `/etc/ld.so.conf` is created including `ld.so.conf.d` when the image has none, and the host's
+//!   `ldconfig -r <root>` rebuilds `<root>/etc/ld.so.cache`. So the image's own loader finds `libcuda.so.1`
+//!   through its cache, whatever directories it searches by default (another distribution family, GKE's
+//!   `/usr/local/nvidia/lib64`), and `ldconfig -p` still lists the image's own libraries in the image's
+//!   order when the host's ldconfig was built for another family. NVIDIA's rules, see [`update_ldcache`].
 //!
 //! **The container root** is read as the runtime hands it: the OCI state on stdin names the bundle, whose
 //! `config.json` names `root.path` (relative to the bundle, or absolute). `/` is refused.
@@ -36,15 +41,20 @@ use std::{
     fmt,
     fs::{self, OpenOptions},
     io::{self, Write},
-    os::unix::fs::{OpenOptionsExt, PermissionsExt},
+    os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt},
     path::{Component, Path, PathBuf},
     process::Command,
 };
 
 use serde::Deserialize;
 
-/// The file `update-ldcache` writes in the container.
+pub mod ldconf;
+
+/// The file `update-ldcache` writes in the container: the driver's directories the image does not search.
 pub const DRIVER_CONF: &str = "/etc/ld.so.conf.d/00-tessera-driver.conf";
+/// The file `update-ldcache` writes in the container: the image's own system directories, named so that it
+/// sorts after the image's files (NVIDIA's `zz-nvcr-*.conf`), as its own ldconfig searches them last.
+pub const SYSTEM_CONF: &str = "/etc/ld.so.conf.d/zz-tessera-system.conf";
 /// The file `enable-cuda-compat` writes in the container.
 pub const COMPAT_CONF: &str = "/etc/ld.so.conf.d/00-compat-tessera.conf";
 /// Where CUDA images keep the forward-compatibility driver.
@@ -426,27 +436,25 @@ pub fn host_ldconfig(explicit: Option<&Path>) -> Result<PathBuf> {
         .ok_or(Error::NoLdconfig(tried))
 }
 
-/// `update-ldcache`: the folders in the container's loader configuration, then its cache rebuilt by the
-/// host's `ldconfig` chrooted into the root.
+/// `update-ldcache`: the driver's folders the image does not already search in
+/// [`DRIVER_CONF`], the image's own system directories in [`SYSTEM_CONF`], then the container's cache
+/// rebuilt by the host's `ldconfig` chrooted into the root.
+///
+/// NVIDIA's rules (`internal/ldconfig/ldconfig.go`): a folder that the image's configuration (with its
+/// includes) or its system directories already name is left out, so the image's order of precedence stays
+/// (`/usr/local/lib` ahead of `/usr/lib/x86_64-linux-gnu` on Ubuntu); and the system directories of the
+/// container's family ([`ldconf::system_dirs`], Debian or not by `/etc/debian_version`) are written to a
+/// file that sorts last, since the host's ldconfig adds the *host's* compiled-in ones, not the image's (a
+/// Debian host's misses a UBI image's `/usr/lib64`, and the other way round). An image whose configuration
+/// does not include `/etc/ld.so.conf.d/*.conf` gets both lists on ldconfig's command line instead (scanned
+/// first).
 pub fn update_ldcache(root: &Rootfs, folders: &[String], ldconfig: &Path) -> Result<()> {
-    let mut lines = String::new();
     for f in folders {
-        let f = checked_dir(f)?;
-        if !lines.lines().any(|l| l == f) {
-            lines.push_str(f);
-            lines.push('\n');
-        }
+        checked_dir(f)?;
     }
     let conf = Path::new("/etc/ld.so.conf");
-    let mut args: Vec<String> = Vec::new();
-    match root.resolve(conf).map(fs::read_to_string) {
-        Ok(Ok(text)) => {
-            // An image whose configuration does not include ld.so.conf.d (rare) still gets the folders:
-            // on the command line they are scanned first.
-            if !text.contains("ld.so.conf.d") {
-                args.extend(folders.iter().cloned());
-            }
-        }
+    match root.resolve(conf).map(fs::symlink_metadata) {
+        Ok(Ok(_)) => {}
         Ok(Err(e)) if e.kind() == io::ErrorKind::NotFound => {
             root.write_file(conf, LD_SO_CONF.as_bytes())?;
         }
@@ -458,8 +466,21 @@ pub fn update_ldcache(root: &Rootfs, folders: &[String], ldconfig: &Path) -> Res
         }
         Err(e) => return Err(e),
     }
-    if !lines.is_empty() {
-        root.write_file(Path::new(DRIVER_CONF), lines.as_bytes())?;
+    let config = ldconf::read_config(root, "/etc/ld.so.conf", &[DRIVER_CONF, SYSTEM_CONF]);
+    let system = ldconf::system_dirs(ldconf::is_debian_like(root), std::env::consts::ARCH);
+    let tracked: Vec<String> = config.dirs.iter().chain(&system).cloned().collect();
+    let driver = ldconf::untracked(root, &tracked, folders);
+    let mut args: Vec<String> = Vec::new();
+    if config.includes_file(DRIVER_CONF) && config.includes_file(SYSTEM_CONF) {
+        root.write_file(Path::new(DRIVER_CONF), lines(&driver).as_bytes())?;
+        root.write_file(Path::new(SYSTEM_CONF), lines(&system).as_bytes())?;
+    } else {
+        args.extend(driver.iter().map(|d| d.to_string()));
+        args.extend(
+            ldconf::untracked(root, &config.dirs, &system)
+                .iter()
+                .map(|d| d.to_string()),
+        );
     }
     // -r: ldconfig chroots into the root before it reads anything, so the paths below and every link it
     // meets are the container's.
@@ -485,6 +506,52 @@ pub fn update_ldcache(root: &Rootfs, folders: &[String], ldconfig: &Path) -> Res
         });
     }
     Ok(())
+}
+
+/// A configuration file's text: one directory a line.
+fn lines<S: AsRef<str>>(dirs: &[S]) -> String {
+    dirs.iter().map(|d| format!("{}\n", d.as_ref())).collect()
+}
+
+/// How big a configuration file of the image the hook reads: a real one is a few lines.
+const MAX_CONF_BYTES: u64 = 1 << 20;
+
+/// The container's files seen through [`Rootfs::resolve`], for the loader configuration reader. Only
+/// regular files are read, and at most [`MAX_CONF_BYTES`] of each: a hostile image's FIFO or huge file at
+/// `/etc/ld.so.conf` does not hold up the container's creation.
+impl ldconf::ContainerFiles for Rootfs {
+    fn read(&self, path: &Path) -> Option<String> {
+        let path = self.resolve(path).ok()?;
+        // Before the open: opening a FIFO blocks. No container process exists to swap it in between.
+        if !fs::metadata(&path).ok()?.is_file() {
+            return None;
+        }
+        let file = fs::File::open(path).ok()?;
+        let mut text = String::new();
+        io::Read::read_to_string(&mut io::Read::take(file, MAX_CONF_BYTES), &mut text).ok()?;
+        Some(text)
+    }
+
+    fn list(&self, dir: &Path) -> Vec<String> {
+        let Ok(dir) = self.resolve(dir) else {
+            return Vec::new();
+        };
+        fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect()
+    }
+
+    fn identity(&self, dir: &Path) -> Option<(u64, u64)> {
+        let meta = fs::metadata(self.resolve(dir).ok()?).ok()?;
+        meta.is_dir().then(|| (meta.dev(), meta.ino()))
+    }
+
+    fn is_file(&self, path: &Path) -> bool {
+        self.resolve(path)
+            .is_ok_and(|p| fs::metadata(p).is_ok_and(|m| m.is_file()))
+    }
 }
 
 #[cfg(test)]
