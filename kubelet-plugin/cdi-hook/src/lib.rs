@@ -9,8 +9,10 @@
 //!   `libcuda.so -> libcuda.so.1` for programs that `dlopen("libcuda.so")` or link `-lcuda` at run time
 //!   (Triton, `torch.compile`); a link that already points there is left alone.
 //! * `enable-cuda-compat --host-driver-version <v>`: when the image ships CUDA's forward-compatibility
-//!   driver (`/usr/local/cuda/compat/libcuda.so.<major>.<minor>…`, exactly one) of a newer major version than
-//!   the host's driver, `/etc/ld.so.conf.d/00-compat-tessera.conf` names that directory, ahead of the driver's
+//!   driver (`/usr/local/cuda/compat/libcuda.so.<major>.<minor>…`, exactly one) that runs on the host's
+//!   driver branch and is newer than its driver (the branches its `.note.cuda.fwd_compatibility` lists, see
+//!   [`elfnote`]; without that note, a newer major version),
+//!   `/etc/ld.so.conf.d/00-compat-tessera.conf` names that directory, ahead of the driver's
 //!   (`00-compat-…` sorts before `00-tessera-driver.conf`). A no-op, as NVIDIA's, without the directory,
 //!   without `/etc/ld.so.cache` or `/etc/ld.so.conf.d` in the image (not a glibc image), or with an older or
 //!   equal compat driver.
@@ -48,6 +50,7 @@ use std::{
 
 use serde::Deserialize;
 
+pub mod elfnote;
 pub mod ldconf;
 
 /// The file `update-ldcache` writes in the container: the driver's directories the image does not search.
@@ -368,21 +371,35 @@ pub fn create_symlinks(root: &Rootfs, links: &[(String, String)]) -> Result<()> 
     Ok(())
 }
 
-/// The first number of a version (`580.159.03` → 580).
-fn major(version: &str) -> Option<u32> {
-    version.split('.').next()?.parse().ok()
+/// A version's numbers (`580.159.03` → [580, 159, 3]); `None` when a part is not a number.
+fn version(v: &str) -> Option<Vec<u64>> {
+    v.split('.').map(|p| p.parse().ok()).collect()
+}
+
+/// Whether version `a` is newer than `b`, number by number, a missing number counting as 0
+/// (`590.10` = `590.10.0`).
+fn newer(a: &[u64], b: &[u64]) -> bool {
+    let at = |v: &[u64], i: usize| v.get(i).copied().unwrap_or(0);
+    (0..a.len().max(b.len()))
+        .map(|i| at(a, i).cmp(&at(b, i)))
+        .find(|o| o.is_ne())
+        .is_some_and(|o| o.is_gt())
 }
 
 /// What `enable-cuda-compat` decided.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Compat {
-    /// The compat driver (its version) is newer than the host's: its directory goes first.
-    Enabled(String),
+    /// The compat driver's directory goes first: its version, and why.
+    Enabled(String, String),
     /// Nothing to do, and why.
     Skipped(String),
 }
 
-/// `enable-cuda-compat`: NVIDIA's rule (`cmd/nvidia-cdi-hook/cudacompat`), the versions compared as numbers.
+/// `enable-cuda-compat`: NVIDIA's rule (`cmd/nvidia-cdi-hook/cudacompat`, `UseCompat`), the versions
+/// compared as numbers. When the compat `libcuda.so` carries its [`elfnote`] (every one CUDA ships), it is
+/// used only on a host driver branch the note lists and when it is newer than the host's driver: on another
+/// branch CUDA's minor-version compatibility is what works, and the compat driver would refuse to load.
+/// Without the note (an older compat package), only a newer major version enables it.
 pub fn enable_cuda_compat(root: &Rootfs, host_driver_version: &str) -> Result<Compat> {
     let skip = |why: &str| Ok(Compat::Skipped(why.to_string()));
     let Ok(dir) = root.resolve(Path::new(CUDA_COMPAT_DIR)) else {
@@ -409,18 +426,60 @@ pub fn enable_cuda_compat(root: &Rootfs, host_driver_version: &str) -> Result<Co
         ));
     }
     let compat = versions.remove(0);
-    let (Some(compat_major), Some(host_major)) = (major(&compat), major(host_driver_version)) else {
+    let (Some(compat_v), Some(host_v)) = (version(&compat), version(host_driver_version)) else {
         return skip(&format!(
             "cannot compare the compat driver {compat:?} with the host's {host_driver_version:?}"
         ));
     };
-    if compat_major <= host_major {
-        return skip(&format!(
-            "the compat driver {compat} is not newer than the host's {host_driver_version}"
-        ));
-    }
+    let host_branch = host_v[0];
+    let why = match compat_note(root, &compat) {
+        Ok(Some(note)) => {
+            if !note.driver_branches.iter().any(|&b| u64::from(b) == host_branch) {
+                return skip(&format!(
+                    "the compat driver {compat} does not run on the host's driver branch {host_branch} \
+                     (its {} lists {:?})",
+                    elfnote::SECTION,
+                    note.driver_branches
+                ));
+            }
+            if !newer(&compat_v, &host_v) {
+                return skip(&format!(
+                    "the compat driver {compat} is not newer than the host's {host_driver_version}"
+                ));
+            }
+            format!(
+                "it is newer than the host's {host_driver_version} and its {} lists branch {host_branch}",
+                elfnote::SECTION
+            )
+        }
+        note => {
+            let unread = match note {
+                Err(e) => format!("its {} is unreadable ({e})", elfnote::SECTION),
+                _ => format!("it has no {}", elfnote::SECTION),
+            };
+            if compat_v[0] <= host_branch {
+                return skip(&format!(
+                    "{unread} and the compat driver {compat} is not of a newer major version than the \
+                     host's {host_driver_version}"
+                ));
+            }
+            format!("{unread} and it is of a newer major version than the host's {host_driver_version}")
+        }
+    };
     root.write_file(Path::new(COMPAT_CONF), format!("{CUDA_COMPAT_DIR}\n").as_bytes())?;
-    Ok(Compat::Enabled(compat))
+    Ok(Compat::Enabled(compat, why))
+}
+
+/// The note of the image's compat `libcuda.so.<compat>`; only a regular file is opened (a FIFO would hold
+/// the hook).
+fn compat_note(root: &Rootfs, compat: &str) -> io::Result<Option<elfnote::CompatNote>> {
+    let path = root
+        .resolve(&Path::new(CUDA_COMPAT_DIR).join(format!("libcuda.so.{compat}")))
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    if !fs::metadata(&path)?.is_file() {
+        return Ok(None);
+    }
+    elfnote::read(&fs::File::open(path)?)
 }
 
 /// The host's ldconfig: `explicit`, else the first of [`LDCONFIG_CANDIDATES`] that exists.
@@ -704,15 +763,71 @@ mod tests {
         }
     }
 
+    /// A compat directory whose `libcuda.so.<version>` carries NVIDIA's note listing `branches`.
+    fn noted_compat_image(d: &Path, version: &str, branches: &[u32]) {
+        compat_image(d, &[]);
+        fs::write(
+            d.join("usr/local/cuda/compat")
+                .join(format!("libcuda.so.{version}")),
+            elfnote::fixture::compat_libcuda(branches),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn a_compat_driver_with_its_note_is_used_only_on_a_host_branch_it_lists() {
+        // CUDA 13.0's compat driver runs on the 535/550/570 branches: not on a 580 host, where minor-version
+        // compatibility applies, although its major version is newer.
+        let (dir, root) = rootfs();
+        noted_compat_image(dir.path(), "590.10.01", &[535, 550, 570]);
+        let conf = dir.path().join("etc/ld.so.conf.d/00-compat-tessera.conf");
+        match enable_cuda_compat(&root, "580.159.03").unwrap() {
+            Compat::Skipped(why) => assert!(
+                why.contains("branch 580") && why.contains(".note.cuda.fwd_compatibility"),
+                "{why}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert!(!conf.exists());
+        assert!(matches!(
+            enable_cuda_compat(&root, "570.195.03").unwrap(),
+            Compat::Enabled(v, _) if v == "590.10.01"
+        ));
+        assert_eq!(fs::read_to_string(&conf).unwrap(), "/usr/local/cuda/compat\n");
+        // A listed branch, the same major version, a newer driver: enabled, where the major-version rule says
+        // no; an older one is not.
+        let (dir, root) = rootfs();
+        noted_compat_image(dir.path(), "580.200.1", &[535, 580]);
+        assert!(matches!(
+            enable_cuda_compat(&root, "580.159.03").unwrap(),
+            Compat::Enabled(v, _) if v == "580.200.1"
+        ));
+        assert!(matches!(
+            enable_cuda_compat(&root, "580.200.01").unwrap(),
+            Compat::Skipped(why) if why.contains("not newer")
+        ));
+    }
+
+    #[test]
+    fn versions_compare_number_by_number() {
+        let v = |s: &str| version(s).unwrap();
+        assert!(newer(&v("590.10.01"), &v("580.159.03")));
+        assert!(newer(&v("580.200"), &v("580.159.03")));
+        assert!(!newer(&v("580.159.3"), &v("580.159.03")));
+        assert!(!newer(&v("580.159"), &v("580.159.0")));
+        assert!(newer(&v("1000.1"), &v("999.99")));
+        assert_eq!(version("580.x"), None);
+    }
+
     #[test]
     fn a_newer_major_compat_driver_goes_first_and_an_older_or_equal_one_does_not() {
         let (dir, root) = rootfs();
         compat_image(dir.path(), &["libcuda.so.1", "libcuda.so.590.10.01"]);
         let conf = dir.path().join("etc/ld.so.conf.d/00-compat-tessera.conf");
-        assert_eq!(
+        assert!(matches!(
             enable_cuda_compat(&root, "580.159.03").unwrap(),
-            Compat::Enabled("590.10.01".into())
-        );
+            Compat::Enabled(v, _) if v == "590.10.01"
+        ));
         assert_eq!(fs::read_to_string(&conf).unwrap(), "/usr/local/cuda/compat\n");
         fs::remove_file(&conf).unwrap();
         for host in ["590.48.01", "600.1"] {
@@ -725,10 +840,10 @@ mod tests {
         // Numbers, not strings: 1000 > 999.
         let (dir, root) = rootfs();
         compat_image(dir.path(), &["libcuda.so.1000.1"]);
-        assert_eq!(
+        assert!(matches!(
             enable_cuda_compat(&root, "999.1").unwrap(),
-            Compat::Enabled("1000.1".into())
-        );
+            Compat::Enabled(v, _) if v == "1000.1"
+        ));
         // Two compat drivers, or none, or an image without a loader cache: nothing.
         let (dir, root) = rootfs();
         compat_image(dir.path(), &["libcuda.so.590.1", "libcuda.so.600.1"]);

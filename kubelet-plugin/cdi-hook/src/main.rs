@@ -91,10 +91,8 @@ fn run(args: &[String]) -> Result<()> {
             let version = o.host_driver_version.ok_or_else(|| {
                 Error::Usage(format!("enable-cuda-compat needs --host-driver-version\n{USAGE}"))
             })?;
-            if let Compat::Enabled(v) = enable_cuda_compat(&root, &version)? {
-                eprintln!(
-                    "tessera-cdi-hook: CUDA compat driver {v} is newer than the host's {version}: enabled"
-                );
+            if let Compat::Enabled(v, why) = enable_cuda_compat(&root, &version)? {
+                eprintln!("tessera-cdi-hook: CUDA compat driver {v} enabled: {why}");
             }
             Ok(())
         }
