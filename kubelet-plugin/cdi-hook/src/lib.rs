@@ -20,6 +20,9 @@
 //!   `<root>/etc/ld.so.cache`. So the image's own loader finds `libcuda.so.1` through its cache, whatever
 //!   directories it searches by default (another distribution family, GKE's `/usr/local/nvidia/lib64`).
 //!
+//! A fourth, `disable-device-node-modification` ([`params`]), masks the driver's `ModifyDeviceFiles` in the
+//! container's `/proc/driver/nvidia/params`, as NVIDIA's hook of that name.
+//!
 //! **The container root** is read as the runtime hands it: the OCI state on stdin names the bundle, whose
 //! `config.json` names `root.path` (relative to the bundle, or absolute). `/` is refused.
 //!
@@ -42,6 +45,8 @@ use std::{
 };
 
 use serde::Deserialize;
+
+pub mod params;
 
 /// The file `update-ldcache` writes in the container.
 pub const DRIVER_CONF: &str = "/etc/ld.so.conf.d/00-tessera-driver.conf";

@@ -88,3 +88,27 @@ initContainers:
   mountPath: /dev
 {{- end }}
 {{- end }}
+
+{{/*
+The host directory the plugin installs tessera's CDI hook into (cdiHookDir), which the container runtime
+executes the hook from: on GKE (driverRoot /home/kubernetes/bin/nvidia) /home/kubernetes/bin/tessera, as
+Container-Optimized OS mounts /var noexec and /home/kubernetes/bin exec; elsewhere <stateDir>/bin.
+*/}}
+{{- define "tessera.cdiHookDir" -}}
+{{- if .Values.cdiHookDir -}}
+{{ clean .Values.cdiHookDir }}
+{{- else if eq (clean .Values.driverRoot) "/home/kubernetes/bin/nvidia" -}}
+/home/kubernetes/bin/tessera
+{{- else -}}
+{{ printf "%s/bin" (clean .Values.stateDir) }}
+{{- end -}}
+{{- end }}
+
+{{/* "true" when the hook directory needs a volume of its own (it is not under stateDir, mounted anyway). */}}
+{{- define "tessera.cdiHookDirMounted" -}}
+{{- $dir := include "tessera.cdiHookDir" . -}}
+{{- $state := clean .Values.stateDir -}}
+{{- if and (not .Values.cdiHook) (ne $dir $state) (not (hasPrefix (printf "%s/" (trimSuffix "/" $state)) $dir)) -}}
+true
+{{- end -}}
+{{- end }}
