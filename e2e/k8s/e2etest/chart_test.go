@@ -475,6 +475,42 @@ func TestTheChartAdmitsItsNodeCriticalPodsWithAPriorityClassQuota(t *testing.T) 
 	}
 }
 
+// Issue 38 (row 26): with kubeletPlugin.maskDriverParams both node pods get a tmpfs for the copy of the
+// driver's params they mount over their own /proc/driver/nvidia/params, and are told where it is; off by
+// default, and never with the simulated backend (no driver module).
+func TestTheChartsNodePodsMaskTheDriversParamsOnlyWhenAsked(t *testing.T) {
+	helm := helmBinary(t)
+	masked := func(ds appsv1.DaemonSet) bool {
+		var tmpfs, mounted bool
+		for _, v := range ds.Spec.Template.Spec.Volumes {
+			if v.Name == "driver-params" && v.EmptyDir != nil && v.EmptyDir.Medium == corev1.StorageMediumMemory {
+				tmpfs = true
+			}
+		}
+		for _, m := range ds.Spec.Template.Spec.Containers[0].VolumeMounts {
+			if m.Name == "driver-params" && m.MountPath == "/run/tessera-params" && !m.ReadOnly {
+				mounted = true
+			}
+		}
+		return tmpfs && mounted && containerEnv(ds)["TESSERA_DRIVER_PARAMS_MASK_DIR"] == "/run/tessera-params"
+	}
+	for _, c := range []struct {
+		set  []string
+		want bool
+	}{
+		{[]string{"backend=nvml"}, false},
+		{[]string{"backend=nvml", "kubeletPlugin.maskDriverParams=true"}, true},
+		{[]string{"backend=simulated", "kubeletPlugin.maskDriverParams=true"}, false},
+	} {
+		objs := renderChart(t, helm, c.set...)
+		for _, name := range []string{"tessera-kubelet-plugin", "tessera-mps-supervisor"} {
+			if got := masked(daemonSet(t, objs, name)); got != c.want {
+				t.Errorf("--set %v: %s masks the driver's params: %v, want %v", c.set, name, got, c.want)
+			}
+		}
+	}
+}
+
 // Values the chart cannot honour fail at `helm template`/`helm install` time, naming the value.
 func TestTheChartRejectsBadValuesNamingThem(t *testing.T) {
 	helm := helmBinary(t)

@@ -57,19 +57,53 @@ pub fn without_device_node_modification(params: &str) -> Option<String> {
     changed.then_some(out)
 }
 
+/// Masks `/proc/driver/nvidia/params` in this process's own mount namespace (the plugin's and the MPS
+/// supervisor's containers, privileged), as [`disable_device_node_modification`] does in a container's: the
+/// changed copy is written into `dir`, a tmpfs the caller already has (an `emptyDir` of medium `Memory`: a
+/// read-only root filesystem has nowhere to mount one), and bind-mounted read-only over the file. Processes
+/// started later in the namespace (NVML's, the MPS daemons) read `ModifyDeviceFiles: 0`.
+pub fn mask_in_own_namespace(host_params: &Path, dir: &Path) -> Result<Params> {
+    let params = match read_host_params(host_params)? {
+        Some(p) => p,
+        None => return Ok(Params::NoDriver),
+    };
+    let Some(masked) = without_device_node_modification(&params) else {
+        return Ok(Params::Unchanged);
+    };
+    let file = dir.join("nvidia-params");
+    let write = || -> io::Result<()> {
+        let _ = fs::remove_file(&file);
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o444)
+            .open(&file)?;
+        f.write_all(masked.as_bytes())?;
+        drop(f);
+        bind_read_only(&file, host_params)
+    };
+    write().map_err(write_err)?;
+    Ok(Params::Masked)
+}
+
+fn read_host_params(host_params: &Path) -> Result<Option<String>> {
+    match fs::read_to_string(host_params) {
+        Ok(p) => Ok(Some(p)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(write_err(io::Error::new(
+            e.kind(),
+            format!("reading {}: {e}", host_params.display()),
+        ))),
+    }
+}
+
 /// Masks the container's `/proc/driver/nvidia/params` (see the module comment) with the host's file at
 /// `host_params` (the hook's own `/proc`, which is the host's: the driver's procfs entries are not
 /// namespaced). Needs `CAP_SYS_ADMIN` in the container's mount namespace, which a runtime's hook has.
 pub fn disable_device_node_modification(root: &Rootfs, host_params: &Path) -> Result<Params> {
-    let params = match fs::read_to_string(host_params) {
-        Ok(p) => p,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Params::NoDriver),
-        Err(e) => {
-            return Err(write_err(io::Error::new(
-                e.kind(),
-                format!("reading {}: {e}", host_params.display()),
-            )));
-        }
+    let params = match read_host_params(host_params)? {
+        Some(p) => p,
+        None => return Ok(Params::NoDriver),
     };
     let Some(masked) = without_device_node_modification(&params) else {
         return Ok(Params::Unchanged);
@@ -120,13 +154,23 @@ fn mask_with_tmpfs(dir: &Path, target: &Path, contents: &[u8]) -> io::Result<()>
         .open(&file)?;
     f.write_all(contents)?;
     drop(f);
-    mount(Some(&file), target, None, libc::MS_BIND, None)?;
+    bind_read_only(&file, target)
+}
+
+/// `file` bind-mounted over `target`, read-only, nosuid, nodev, noexec.
+fn bind_read_only(file: &Path, target: &Path) -> io::Result<()> {
+    mount(Some(file), target, None, libc::MS_BIND, None)?;
     // A bind mount takes its flags only on a remount.
     mount(
         None,
         target,
         None,
-        libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nosuid_nodev_noexec,
+        libc::MS_BIND
+            | libc::MS_REMOUNT
+            | libc::MS_RDONLY
+            | libc::MS_NOSUID
+            | libc::MS_NODEV
+            | libc::MS_NOEXEC,
         None,
     )
 }
@@ -246,6 +290,32 @@ mod tests {
             "the host's file is not touched"
         );
         umount_detach(&target).unwrap();
+    }
+
+    /// As above: `unshare -m --propagation private cargo test -p tessera-cdi-hook --lib params -- --ignored`.
+    #[test]
+    #[ignore = "needs CAP_SYS_ADMIN in a private mount namespace (see its comment)"]
+    fn a_process_masks_the_params_of_its_own_namespace_with_a_file_in_its_tmpfs() {
+        let dir = tempfile::tempdir().unwrap();
+        // The params file stands in for /proc's: the same path read and then masked.
+        let params = dir.path().join("params");
+        fs::write(&params, PARAMS).unwrap();
+        let tmpfs = dir.path().join("tmpfs");
+        fs::create_dir(&tmpfs).unwrap();
+        assert_eq!(mask_in_own_namespace(&params, &tmpfs).unwrap(), Params::Masked);
+        let seen = fs::read_to_string(&params).unwrap();
+        assert!(seen.contains("ModifyDeviceFiles: 0\n"), "{seen}");
+        assert!(fs::write(&params, PARAMS).is_err(), "the mask is read-only");
+        umount_detach(&params).unwrap();
+        assert_eq!(
+            fs::read_to_string(&params).unwrap(),
+            PARAMS,
+            "the file under the mask is unchanged"
+        );
+        assert_eq!(
+            mask_in_own_namespace(&dir.path().join("none"), &tmpfs).unwrap(),
+            Params::NoDriver
+        );
     }
 
     #[test]

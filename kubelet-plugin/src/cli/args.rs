@@ -92,6 +92,13 @@ pub struct Args {
     #[arg(long, env = "TESSERA_CDI_HOOK_DIR")]
     pub(super) cdi_hook_dir: Option<PathBuf>,
 
+    /// A writable tmpfs directory (the chart's `emptyDir` of medium `Memory`): at start the plugin shows
+    /// itself `ModifyDeviceFiles: 0` in `/proc/driver/nvidia/params`, a copy written here bind-mounted over
+    /// it, so that NVML in this container never creates or changes device nodes. Needs a privileged
+    /// container; nothing happens without the driver's params file. Off when unset.
+    #[arg(long, env = "TESSERA_DRIVER_PARAMS_MASK_DIR")]
+    pub(super) driver_params_mask_dir: Option<PathBuf>,
+
     /// kubeconfig file; without it the in-cluster configuration is used.
     #[arg(long, env = "KUBECONFIG")]
     pub(super) kubeconfig: Option<PathBuf>,

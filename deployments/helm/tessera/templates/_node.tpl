@@ -11,6 +11,11 @@
 - name: TESSERA_CONTAINER_DRIVER_ROOT
   value: {{ include "tessera.containerDriverRoot" . | quote }}
 {{- end }}
+{{- if and (eq .Values.backend "nvml") .Values.kubeletPlugin.maskDriverParams }}
+# ModifyDeviceFiles: 0 in this container's /proc/driver/nvidia/params, from a copy on the tmpfs below.
+- name: TESSERA_DRIVER_PARAMS_MASK_DIR
+  value: /run/tessera-params
+{{- end }}
 {{- if .Values.mpsSupervisor.enabled }}
 - name: TESSERA_MPS_SUPERVISOR_SOCKET
   value: {{ printf "%s/mps-supervisor.sock" (clean .Values.stateDir) | quote }}
@@ -30,6 +35,10 @@ driver root, which is mounted at tessera.containerDriverRoot. */}}
 # MIG device nodes (/dev/nvidia-caps/…) appear after the pod starts; a privileged container's /dev is a copy.
 - name: dev
   hostPath: {path: /dev, type: Directory}
+{{- if .Values.kubeletPlugin.maskDriverParams }}
+- name: driver-params
+  emptyDir: {medium: Memory, sizeLimit: 1Mi}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -86,6 +95,10 @@ initContainers:
   mountPropagation: HostToContainer
 - name: dev
   mountPath: /dev
+{{- if .Values.kubeletPlugin.maskDriverParams }}
+- name: driver-params
+  mountPath: /run/tessera-params
+{{- end }}
 {{- end }}
 {{- end }}
 
