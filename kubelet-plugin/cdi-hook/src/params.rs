@@ -115,6 +115,8 @@ pub fn disable_device_node_modification(root: &Rootfs, host_params: &Path) -> Re
         return Ok(Params::NoDriver);
     }
     let dir = std::env::temp_dir().join(format!("tessera-params-{}", std::process::id()));
+    // An empty one left by a hook of the same pid that was killed: its tmpfs lived in that container only.
+    let _ = fs::remove_dir(&dir);
     fs::DirBuilder::new()
         .mode(0o700)
         .create(&dir)
