@@ -221,8 +221,8 @@ mount 2>/dev/null | grep -E ' on /var( |$)' || echo "(/var is not a mount of its
 sim_var="the CDI hook runs from <stateDir>/bin, $HOOK_DIR (exec on every test node)"
 if [[ ",$mnt_opts," == *,noexec,* ]]; then
   printf '%s\t%s\t%s\t%s\n' "N1 /var noexec" "$sim_var" \
-    "$HOOK_DIR is on $mnt_target mounted noexec: runc cannot run the hook; set stateDir to an exec mount \
-(GKE: /home/kubernetes/bin/tessera)" \
+    "$HOOK_DIR is on $mnt_target mounted noexec: runc cannot run the hook; set the chart value cdiHookDir to an exec mount \
+(its default with GKE's driverRoot: /home/kubernetes/bin/tessera)" \
     CONTRADICTED >> "$OUT_DIR/simulator-rules.tsv"
 else
   printf '%s\t%s\t%s\t%s\n' "N1 /var noexec" "$sim_var" "$HOOK_DIR is on $mnt_target, exec ($mnt_opts)" CONFIRMED \

@@ -64,6 +64,35 @@ fn the_plugin_refuses_to_start_without_a_node_name() {
 }
 
 #[test]
+fn cdi_hook_features_are_nvidias_subcommand_names_and_need_cdi_hook() {
+    let dir = tempfile::tempdir().unwrap();
+    let alone = plugin_in(dir.path())
+        .args(["--cdi-hook-features", "enable-cuda-compat"])
+        .output()
+        .unwrap();
+    assert!(!alone.status.success());
+    let e = String::from_utf8_lossy(&alone.stderr);
+    assert!(e.contains("--cdi-hook <CDI_HOOK>"), "{e}");
+    let misspelt = plugin_in(dir.path())
+        .args([
+            "--cdi-hook",
+            "/usr/bin/nvidia-cdi-hook",
+            "--cdi-hook-features",
+            "enable-compat",
+        ])
+        .output()
+        .unwrap();
+    assert!(!misspelt.status.success());
+    let e = String::from_utf8_lossy(&misspelt.stderr);
+    assert!(
+        e.contains("enable-compat")
+            && e.contains("enable-cuda-compat")
+            && e.contains("disable-device-node-modification"),
+        "{e}"
+    );
+}
+
+#[test]
 fn the_plugin_serves_kubelet_without_an_api_server_and_cleans_up_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

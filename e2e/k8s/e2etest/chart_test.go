@@ -144,6 +144,8 @@ func TestTheChartRendersObjectsTheAPIServerAcceptsForBothBackends(t *testing.T) 
 				"Role": 4, "RoleBinding": 4, "ValidatingAdmissionPolicy": 3, "ValidatingAdmissionPolicyBinding": 3,
 				"Deployment": 2, "PodDisruptionBudget": 2, "DaemonSet": 2, "GpuPolicy": 1, "Pod": 1,
 				"Service": 1, "Secret": 1, "ValidatingWebhookConfiguration": 1,
+				// Issue 38 (N2): the quota that admits system-node-critical pods outside kube-system (GKE).
+				"ResourceQuota": 1,
 			}
 			for kind, n := range want {
 				if kinds[kind] != n {
@@ -192,7 +194,8 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 	if got := hostPaths(plugin); strings.Join(got, ",") != strings.Join(wantPaths, ",") {
 		t.Errorf("plugin host paths %v, want %v", got, wantPaths)
 	}
-	// GPU nodes however they are labelled: GPU feature discovery, node feature discovery, GKE (ORed terms).
+	// GPU nodes however they are labelled: GPU feature discovery, node feature discovery (vendor, and its
+	// default class+vendor labels, issue 38 row 28), GKE (ORed terms).
 	var terms []string
 	if a := plugin.Spec.Template.Spec.Affinity; a != nil && a.NodeAffinity != nil && a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution != nil {
 		for _, term := range a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution.NodeSelectorTerms {
@@ -201,7 +204,9 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 			}
 		}
 	}
-	wantTerms := []string{"nvidia.com/gpu.present In true", "feature.node.kubernetes.io/pci-10de.present In true", "cloud.google.com/gke-accelerator Exists "}
+	wantTerms := []string{"nvidia.com/gpu.present In true", "feature.node.kubernetes.io/pci-10de.present In true",
+		"feature.node.kubernetes.io/pci-0302_10de.present In true", "feature.node.kubernetes.io/pci-0300_10de.present In true",
+		"cloud.google.com/gke-accelerator Exists "}
 	if strings.Join(terms, "|") != strings.Join(wantTerms, "|") {
 		t.Errorf("plugin node affinity terms %q, want %q", terms, wantTerms)
 	}
@@ -218,6 +223,8 @@ func TestTheChartsNodeComponentsUseTheHostPathsAndRollWithASurge(t *testing.T) {
 		"TESSERA_COEXISTENCE": "refuse", "TESSERA_HOST_PROC": "/host/proc",
 		// Issue 26 item 3: device metadata for every prepared claim.
 		"TESSERA_DEVICE_METADATA": "true",
+		// Issue 38 (N1): the hook where the plugin installs it, under the state dir off GKE.
+		"TESSERA_CDI_HOOK_DIR": "/var/lib/tessera/bin",
 	} {
 		if env[k] != v {
 			t.Errorf("plugin env %s=%q, want %q", k, env[k], v)
@@ -386,6 +393,122 @@ func leaseVerbs(role *unstructured.Unstructured) []string {
 		}
 	}
 	return verbs
+}
+
+// Issue 38 (N1, N10): on GKE (driverRoot /home/kubernetes/bin/nvidia) the hook goes where Container-Optimized
+// OS can execute it, not on its noexec /var, and that host directory is mounted into the plugin at its host
+// path; cdiHookDir overrides; with NVIDIA's hook nothing is installed and the specs call only the
+// subcommands cdiHookFeatures names.
+func TestTheChartInstallsTheCDIHookWhereTheNodeCanExecuteIt(t *testing.T) {
+	helm := helmBinary(t)
+	hookMount := func(ds appsv1.DaemonSet) (host, at string) {
+		for _, v := range ds.Spec.Template.Spec.Volumes {
+			if v.Name == "cdi-hook" && v.HostPath != nil {
+				host = v.HostPath.Path
+			}
+		}
+		for _, m := range ds.Spec.Template.Spec.Containers[0].VolumeMounts {
+			if m.Name == "cdi-hook" {
+				at = m.MountPath
+			}
+		}
+		return host, at
+	}
+	for _, c := range []struct {
+		set                []string
+		wantDir, wantMount string
+	}{
+		{[]string{"backend=nvml", "driverRoot=/home/kubernetes/bin/nvidia"}, "/home/kubernetes/bin/tessera", "/home/kubernetes/bin/tessera"},
+		{[]string{"backend=nvml", "driverRoot=/home/kubernetes/bin/nvidia", "cdiHookDir=/opt/tessera/bin"}, "/opt/tessera/bin", "/opt/tessera/bin"},
+		// Under stateDir, which is mounted anyway.
+		{[]string{"backend=nvml", "driverRoot=/"}, "/var/lib/tessera/bin", ""},
+		{[]string{"backend=nvml", "stateDir=/home/kubernetes/bin/tessera-state"}, "/home/kubernetes/bin/tessera-state/bin", ""},
+	} {
+		plugin := daemonSet(t, renderChart(t, helm, c.set...), "tessera-kubelet-plugin")
+		if got := containerEnv(plugin)["TESSERA_CDI_HOOK_DIR"]; got != c.wantDir {
+			t.Errorf("--set %v: TESSERA_CDI_HOOK_DIR=%q, want %q", c.set, got, c.wantDir)
+		}
+		if host, at := hookMount(plugin); host != c.wantMount || at != c.wantMount {
+			t.Errorf("--set %v: cdi-hook volume from host path %q mounted at %q, want both %q", c.set, host, at, c.wantMount)
+		}
+	}
+
+	nvidia := daemonSet(t, renderChart(t, helm, "backend=nvml", "cdiHook=/usr/local/nvidia/toolkit/nvidia-cdi-hook",
+		"cdiHookFeatures={enable-cuda-compat,disable-device-node-modification}"), "tessera-kubelet-plugin")
+	env := containerEnv(nvidia)
+	if env["TESSERA_CDI_HOOK"] != "/usr/local/nvidia/toolkit/nvidia-cdi-hook" ||
+		env["TESSERA_CDI_HOOK_FEATURES"] != "enable-cuda-compat,disable-device-node-modification" {
+		t.Errorf("with NVIDIA's hook: TESSERA_CDI_HOOK=%q TESSERA_CDI_HOOK_FEATURES=%q", env["TESSERA_CDI_HOOK"], env["TESSERA_CDI_HOOK_FEATURES"])
+	}
+	if _, ok := env["TESSERA_CDI_HOOK_DIR"]; ok {
+		t.Errorf("with NVIDIA's hook nothing is installed, yet TESSERA_CDI_HOOK_DIR=%q", env["TESSERA_CDI_HOOK_DIR"])
+	}
+	if _, err := helmTemplate(t, helm, "cdiHook=/usr/bin/nvidia-cdi-hook", "cdiHookFeatures={enable-compat}"); err == nil ||
+		!strings.Contains(err.Error(), "cdiHookFeatures") {
+		t.Errorf("a misspelt cdiHookFeatures renders or does not name the value: %v", err)
+	}
+}
+
+// Issue 38 (N2): GKE admits system-node-critical pods outside kube-system only in a namespace with a
+// ResourceQuota scoped to that PriorityClass; the chart brings one to its namespace (none in kube-system,
+// which has GKE's own), and priorityQuota.create=false leaves it out.
+func TestTheChartAdmitsItsNodeCriticalPodsWithAPriorityClassQuota(t *testing.T) {
+	helm := helmBinary(t)
+	var quota corev1.ResourceQuota
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(findObject(t, renderChart(t, helm), "ResourceQuota", "tessera-critical-pods").Object, &quota); err != nil {
+		t.Fatal(err)
+	}
+	var scopes []string
+	if quota.Spec.ScopeSelector != nil {
+		for _, e := range quota.Spec.ScopeSelector.MatchExpressions {
+			scopes = append(scopes, string(e.ScopeName)+" "+string(e.Operator)+" "+strings.Join(e.Values, ","))
+		}
+	}
+	if want := "PriorityClass In system-node-critical,system-cluster-critical"; strings.Join(scopes, "|") != want || quota.Namespace != chartNamespace {
+		t.Errorf("quota %s/%s scopes %q, want %q in %s", quota.Namespace, quota.Name, scopes, want, chartNamespace)
+	}
+	if pods := quota.Spec.Hard[corev1.ResourcePods]; pods.Value() < 1_000_000 {
+		t.Errorf("quota pods %s: it must admit, not limit", pods.String())
+	}
+	if kinds := kindsOf(renderChart(t, helm, "priorityQuota.create=false")); kinds["ResourceQuota"] != 0 {
+		t.Errorf("priorityQuota.create=false renders %d ResourceQuotas", kinds["ResourceQuota"])
+	}
+}
+
+// Issue 38 (row 26): with kubeletPlugin.maskDriverParams both node pods get a tmpfs for the copy of the
+// driver's params they mount over their own /proc/driver/nvidia/params, and are told where it is; off by
+// default, and never with the simulated backend (no driver module).
+func TestTheChartsNodePodsMaskTheDriversParamsOnlyWhenAsked(t *testing.T) {
+	helm := helmBinary(t)
+	masked := func(ds appsv1.DaemonSet) bool {
+		var tmpfs, mounted bool
+		for _, v := range ds.Spec.Template.Spec.Volumes {
+			if v.Name == "driver-params" && v.EmptyDir != nil && v.EmptyDir.Medium == corev1.StorageMediumMemory {
+				tmpfs = true
+			}
+		}
+		for _, m := range ds.Spec.Template.Spec.Containers[0].VolumeMounts {
+			if m.Name == "driver-params" && m.MountPath == "/run/tessera-params" && !m.ReadOnly {
+				mounted = true
+			}
+		}
+		return tmpfs && mounted && containerEnv(ds)["TESSERA_DRIVER_PARAMS_MASK_DIR"] == "/run/tessera-params"
+	}
+	for _, c := range []struct {
+		set  []string
+		want bool
+	}{
+		{[]string{"backend=nvml"}, false},
+		{[]string{"backend=nvml", "kubeletPlugin.maskDriverParams=true"}, true},
+		{[]string{"backend=simulated", "kubeletPlugin.maskDriverParams=true"}, false},
+	} {
+		objs := renderChart(t, helm, c.set...)
+		for _, name := range []string{"tessera-kubelet-plugin", "tessera-mps-supervisor"} {
+			if got := masked(daemonSet(t, objs, name)); got != c.want {
+				t.Errorf("--set %v: %s masks the driver's params: %v, want %v", c.set, name, got, c.want)
+			}
+		}
+	}
 }
 
 // Values the chart cannot honour fail at `helm template`/`helm install` time, naming the value.

@@ -27,6 +27,9 @@
 //!   `/usr/local/nvidia/lib64`), and `ldconfig -p` still lists the image's own libraries in the image's
 //!   order when the host's ldconfig was built for another family. NVIDIA's rules, see [`update_ldcache`].
 //!
+//! A fourth, `disable-device-node-modification` ([`params`]), masks the driver's `ModifyDeviceFiles` in the
+//! container's `/proc/driver/nvidia/params`, as NVIDIA's hook of that name.
+//!
 //! **The container root** is read as the runtime hands it: the OCI state on stdin names the bundle, whose
 //! `config.json` names `root.path` (relative to the bundle, or absolute). `/` is refused.
 //!
@@ -52,6 +55,7 @@ use serde::Deserialize;
 
 pub mod elfnote;
 pub mod ldconf;
+pub mod params;
 
 /// The file `update-ldcache` writes in the container: the driver's directories the image does not search.
 pub const DRIVER_CONF: &str = "/etc/ld.so.conf.d/00-tessera-driver.conf";

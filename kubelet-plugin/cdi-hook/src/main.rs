@@ -1,5 +1,5 @@
-//! `tessera-cdi-hook <create-symlinks|enable-cuda-compat|update-ldcache> [options]`: run by the container
-//! runtime on the host as a `createContainer` hook of tessera's CDI specs, with the OCI state on stdin. See
+//! `tessera-cdi-hook <create-symlinks|enable-cuda-compat|update-ldcache|disable-device-node-modification>
+//! [options]`: run by the container runtime on the host as a `createContainer` hook of tessera's CDI specs, with the OCI state on stdin. See
 //! the library's documentation for what each does.
 
 use std::{
@@ -16,6 +16,7 @@ use tessera_cdi_hook::{
 const USAGE: &str = "usage: tessera-cdi-hook create-symlinks --link <target>::<link>...
        tessera-cdi-hook enable-cuda-compat --host-driver-version <version>
        tessera-cdi-hook update-ldcache --folder <dir>... [--ldconfig-path <host path>]
+       tessera-cdi-hook disable-device-node-modification
   (each reads the OCI container state from stdin, or from --container-spec <file>)";
 
 #[derive(Default)]
@@ -72,7 +73,7 @@ fn run(args: &[String]) -> Result<()> {
     let (command, o) = parse(args)?;
     if !matches!(
         command.as_str(),
-        "create-symlinks" | "enable-cuda-compat" | "update-ldcache"
+        "create-symlinks" | "enable-cuda-compat" | "update-ldcache" | "disable-device-node-modification"
     ) {
         return Err(Error::Usage(format!("unknown subcommand {command:?}\n{USAGE}")));
     }
@@ -95,6 +96,10 @@ fn run(args: &[String]) -> Result<()> {
                 eprintln!("tessera-cdi-hook: CUDA compat driver {v} enabled: {why}");
             }
             Ok(())
+        }
+        "disable-device-node-modification" => {
+            let host = Path::new(tessera_cdi_hook::params::DRIVER_PARAMS);
+            tessera_cdi_hook::params::disable_device_node_modification(&root, host).map(drop)
         }
         _ => update_ldcache(&root, &o.folders, &host_ldconfig(o.ldconfig.as_deref())?),
     }

@@ -10,6 +10,7 @@ use crate::cli::mps::{MpsControlSimArgs, MpsSupervisorArgs};
 #[cfg(feature = "simulated")]
 use crate::cli::simulate::SimulateArgs;
 use crate::cli::wait_for_driver::WaitForDriverArgs;
+use crate::gpu::driver_root::HookFeature;
 use crate::kubelet::coexistence::CoexistenceMode;
 
 /// tessera's kubelet plugin: discovers the node's NVIDIA GPUs, publishes them as a NodeInventory, and
@@ -74,11 +75,29 @@ pub struct Args {
     #[arg(long, env = "TESSERA_CDI_HOOK")]
     pub(super) cdi_hook: Option<PathBuf>,
 
+    /// With `--cdi-hook`: the subcommands NVIDIA's hook has besides `create-symlinks` and `update-ldcache`
+    /// (`nvidia-cdi-hook --help` lists them), comma-separated: `enable-cuda-compat` (container toolkit
+    /// 1.17.5 and later), `disable-device-node-modification` (1.17.8 and later). The specs call only these;
+    /// an older hook would fail every container on an unknown subcommand. tessera's own hook has both.
+    #[arg(long, env = "TESSERA_CDI_HOOK_FEATURES", value_delimiter = ',', requires = "cdi_hook",
+        value_parser = HookFeature::parse)]
+    pub(super) cdi_hook_features: Vec<HookFeature>,
+
     /// Host directory tessera's CDI hook (`tessera-cdi-hook`, shipped next to this binary) is installed
-    /// into at start, and which CDI specs name; this process must see it at its host path (the chart's
-    /// stateDir is). Default: `<state dir>/bin`.
+    /// into at start, and which CDI specs name; this process must see it at its host path (the chart mounts
+    /// its cdiHookDir there). The runtime executes the hook from it, so its filesystem must not be mounted
+    /// noexec (GKE's Container-Optimized OS mounts /var so): the plugin checks at start, running the
+    /// installed hook once, and exits with an error naming this flag if it cannot. Default:
+    /// `<state dir>/bin`.
     #[arg(long, env = "TESSERA_CDI_HOOK_DIR")]
     pub(super) cdi_hook_dir: Option<PathBuf>,
+
+    /// A writable tmpfs directory (the chart's `emptyDir` of medium `Memory`): at start the plugin shows
+    /// itself `ModifyDeviceFiles: 0` in `/proc/driver/nvidia/params`, a copy written here bind-mounted over
+    /// it, so that NVML in this container never creates or changes device nodes. Needs a privileged
+    /// container; nothing happens without the driver's params file. Off when unset.
+    #[arg(long, env = "TESSERA_DRIVER_PARAMS_MASK_DIR")]
+    pub(super) driver_params_mask_dir: Option<PathBuf>,
 
     /// kubeconfig file; without it the in-cluster configuration is used.
     #[arg(long, env = "KUBECONFIG")]

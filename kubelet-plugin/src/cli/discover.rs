@@ -127,7 +127,7 @@ fn dry_run_cdi_spec(
     cdi_hook: Option<PathBuf>,
 ) -> Result<crate::node::cdi::Spec> {
     let hook = match cdi_hook {
-        Some(path) => CdiHook::nvidia(path),
+        Some(path) => CdiHook::nvidia(path, &[]),
         None => CdiHook::tessera(Path::new("/var/lib/tessera/bin").join(crate::node::cdi::HOOK_BINARY)),
     };
     let files = DriverFiles::discover(driver_root, found.driver_version.as_deref()).with_hook(Some(hook));

@@ -141,6 +141,13 @@ pub enum Error {
     /// The plugin's sockets could not be served.
     #[error(transparent)]
     Kubelet(#[from] crate::kubelet::error::Error),
+    /// `--driver-params-mask-dir`: the driver's params could not be masked in this container.
+    #[error(
+        "failed to mask /proc/driver/nvidia/params with a copy in {dir}: {reason}; the directory must be a \
+        writable tmpfs (the chart's emptyDir) and the container privileged, or turn \
+        kubeletPlugin.maskDriverParams off (--driver-params-mask-dir unset)"
+    )]
+    MaskDriverParams { dir: PathBuf, reason: String },
 }
 
 impl Error {

@@ -3,6 +3,7 @@
 pub mod args;
 mod backend;
 mod discover;
+mod driver_params;
 pub mod error;
 mod mps;
 mod run;

@@ -32,6 +32,11 @@ pub(super) struct MpsSupervisorArgs {
     #[arg(long, env = "TESSERA_CONTAINER_DRIVER_ROOT")]
     container_driver_root: Option<PathBuf>,
 
+    /// A writable tmpfs directory: as the plugin's `--driver-params-mask-dir`, so that the MPS daemons this
+    /// process starts never create or change device nodes. Off when unset.
+    #[arg(long, env = "TESSERA_DRIVER_PARAMS_MASK_DIR")]
+    driver_params_mask_dir: Option<PathBuf>,
+
     /// File holding the node's boot id; daemons recorded under another boot id are not restored.
     #[arg(
         long,
@@ -43,6 +48,10 @@ pub(super) struct MpsSupervisorArgs {
 
 impl MpsSupervisorArgs {
     pub(super) fn run(self) -> Result<()> {
+        // Before any daemon starts: they inherit this mount namespace.
+        if let Some(dir) = &self.driver_params_mask_dir {
+            crate::cli::driver_params::mask(dir)?;
+        }
         let backend = BackendArgs {
             backend: self.backend,
             simulated_node_file: None,

@@ -42,7 +42,9 @@ impl Args {
             pod_uid,
             cdi_dir,
             cdi_hook,
+            cdi_hook_features,
             cdi_hook_dir,
+            driver_params_mask_dir,
             mps_supervisor_socket,
             kubeconfig,
             heartbeat_interval,
@@ -63,6 +65,10 @@ impl Args {
 
         // This instance: its node, its sockets' names, how it is stopped, and kubelet's probes.
         let node_name = node_name.ok_or(Error::MissingNodeName)?;
+        // Before NVML is opened: it reads the params when it loads.
+        if let Some(dir) = &driver_params_mask_dir {
+            crate::cli::driver_params::mask(dir)?;
+        }
         let pod_uid = pod_uid.map(checked_pod_uid).transpose()?;
         let paths = SocketPaths::for_pod(&kubelet_registry_dir, &kubelet_plugins_dir, pod_uid.as_deref());
         let holder = match &pod_uid {
@@ -114,6 +120,7 @@ impl Args {
                     state_dir,
                     cdi_dir,
                     cdi_hook,
+                    cdi_hook_features,
                     cdi_hook_dir,
                     mps_supervisor_socket,
                     kubeconfig,

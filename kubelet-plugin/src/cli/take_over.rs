@@ -16,7 +16,7 @@ use crate::devices::preparers;
 use crate::devices::preparers::SharedPreparer;
 use crate::devices::sharing::Sharer;
 use crate::devices::sharing::mps::MpsManager;
-use crate::gpu::driver_root::{CdiHook, DriverFiles, DriverRoot};
+use crate::gpu::driver_root::{CdiHook, DriverFiles, DriverRoot, HookFeature};
 use crate::gpu::health::Health;
 use crate::gpu::{GpuBackend, UnusableGpu};
 use crate::kubelet::claims::KubeClaims;
@@ -33,6 +33,7 @@ pub(super) struct NodeSetup {
     pub(super) state_dir: PathBuf,
     pub(super) cdi_dir: PathBuf,
     pub(super) cdi_hook: Option<PathBuf>,
+    pub(super) cdi_hook_features: Vec<HookFeature>,
     pub(super) cdi_hook_dir: Option<PathBuf>,
     pub(super) mps_supervisor_socket: Option<PathBuf>,
     pub(super) kubeconfig: Option<PathBuf>,
@@ -63,6 +64,7 @@ impl NodeSetup {
             state_dir,
             cdi_dir,
             cdi_hook,
+            cdi_hook_features,
             cdi_hook_dir,
             mps_supervisor_socket,
             kubeconfig,
@@ -100,8 +102,16 @@ impl NodeSetup {
             backend.backend == BackendKind::Nvml && mps_supervisor_socket.is_none(),
         );
         let driver_root = backend.driver_root_of(gpu_backend.as_ref());
-        let hook = cdi_hook_of(cdi_hook, cdi_hook_dir.unwrap_or_else(|| state_dir.join("bin")))?;
-        let files = driver_files(&driver_root, spec.driver_version.as_deref(), hook);
+        let hook = cdi_hook_of(
+            cdi_hook,
+            &cdi_hook_features,
+            cdi_hook_dir.unwrap_or_else(|| state_dir.join("bin")),
+        )?;
+        // The params file of a loaded NVIDIA module; a simulated driver has none, whatever the machine has.
+        let driver_params = backend.backend == BackendKind::Nvml
+            && Path::new(tessera_cdi_hook::params::DRIVER_PARAMS).exists();
+        let files = driver_files(&driver_root, spec.driver_version.as_deref(), hook)
+            .with_driver_params(driver_params);
         let shared = Arc::new(SharedPreparer::new(Arc::new(sharer), files));
         let mps_daemons = MpsManager::new(&state_dir, backend.mps_launcher(mps_supervisor_socket)?);
 
@@ -258,9 +268,13 @@ async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client> {
 /// The hook the specs call: NVIDIA's at `nvidia` when given, else tessera's own, installed into `dir` from
 /// next to this executable. Without a shipped hook (a build without the `tessera-cdi-hook` crate) the specs
 /// carry mounts only, which the log says.
-fn cdi_hook_of(nvidia: Option<PathBuf>, dir: PathBuf) -> Result<Option<CdiHook>> {
+fn cdi_hook_of(
+    nvidia: Option<PathBuf>,
+    nvidia_features: &[HookFeature],
+    dir: PathBuf,
+) -> Result<Option<CdiHook>> {
     if let Some(path) = nvidia {
-        return Ok(Some(CdiHook::nvidia(path)));
+        return Ok(Some(CdiHook::nvidia(path, nvidia_features)));
     }
     let Some(source) = crate::node::cdi::shipped_hook() else {
         warn!(looked_next_to = ?std::env::current_exe().ok(),
@@ -269,6 +283,8 @@ fn cdi_hook_of(nvidia: Option<PathBuf>, dir: PathBuf) -> Result<Option<CdiHook>>
         return Ok(None);
     };
     let path = crate::node::cdi::install_hook(&source, &dir)?;
+    // As the runtime will run it: a hook on a noexec mount would fail every container, not this process.
+    crate::node::cdi::check_hook_runs(&path)?;
     info!(hook = %path.display(), from = %source.display(), "installed the CDI hook on the host");
     Ok(Some(CdiHook::tessera(path)))
 }

@@ -430,23 +430,69 @@ pub struct CdiHook {
     pub path: PathBuf,
     /// `argv[0]` the specs give it: `tessera-cdi-hook`, or `nvidia-cdi-hook` for NVIDIA's (`--cdi-hook`).
     pub program: String,
+    /// The subcommands it has besides `create-symlinks` and `update-ldcache`, which every hook has: the
+    /// specs call only these (a hook answers an unknown one with an error, and the container fails).
+    pub features: Vec<HookFeature>,
+}
+
+/// A subcommand only some hooks have. Every `nvidia-cdi-hook` that writes CDI specs has `create-symlinks`
+/// and `update-ldcache`; `enable-cuda-compat` came with the container toolkit 1.17.5 (and after
+/// CVE-2025-23266 runs only in a fixed toolkit), `disable-device-node-modification` with 1.17.8.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HookFeature {
+    EnableCudaCompat,
+    DisableDeviceNodeModification,
+}
+
+impl HookFeature {
+    /// Every feature, as tessera's own hook has them.
+    pub const ALL: [HookFeature; 2] = [
+        HookFeature::EnableCudaCompat,
+        HookFeature::DisableDeviceNodeModification,
+    ];
+
+    /// The subcommand's name, which `--cdi-hook-features` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            HookFeature::EnableCudaCompat => "enable-cuda-compat",
+            HookFeature::DisableDeviceNodeModification => "disable-device-node-modification",
+        }
+    }
+
+    /// A feature by its subcommand's name.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        Self::ALL.into_iter().find(|f| f.name() == name).ok_or_else(|| {
+            format!(
+                "unknown hook subcommand {name:?}: want {}",
+                Self::ALL.map(HookFeature::name).join(" or ")
+            )
+        })
+    }
 }
 
 impl CdiHook {
-    /// tessera's own hook, installed at `path` on the host.
+    /// tessera's own hook, installed at `path` on the host: it has every feature.
     pub fn tessera(path: impl Into<PathBuf>) -> Self {
         Self {
             path: path.into(),
             program: "tessera-cdi-hook".into(),
+            features: HookFeature::ALL.to_vec(),
         }
     }
 
-    /// NVIDIA's `nvidia-cdi-hook` at `path` on the host (same subcommands and arguments).
-    pub fn nvidia(path: impl Into<PathBuf>) -> Self {
+    /// NVIDIA's `nvidia-cdi-hook` at `path` on the host (same subcommands and arguments), with the optional
+    /// subcommands `features` (`--cdi-hook-features`; none assumed, as an older toolkit has none).
+    pub fn nvidia(path: impl Into<PathBuf>, features: &[HookFeature]) -> Self {
         Self {
             path: path.into(),
             program: "nvidia-cdi-hook".into(),
+            features: features.to_vec(),
         }
+    }
+
+    /// Whether the specs may call `feature`.
+    pub fn has(&self, feature: HookFeature) -> bool {
+        self.features.contains(&feature)
     }
 }
 
@@ -463,6 +509,9 @@ pub struct DriverFiles {
     /// A simulated driver's kernel directory (`R/tessera-sim`, see [`DriverFiles::discover`]), mounted
     /// read-only at [`SIMULATED_KERNEL_CONTAINER_PATH`]; `None` for a real driver.
     pub simulated_kernel: Option<DriverFile>,
+    /// Whether the host has the driver's `/proc/driver/nvidia/params`, which the hook then masks in each
+    /// container (`disable-device-node-modification`, see [`DriverFiles::with_driver_params`]).
+    pub driver_params: bool,
 }
 
 impl DriverFiles {
@@ -517,7 +566,17 @@ impl DriverFiles {
             hook: None,
             driver_version: driver_version.map(str::to_string),
             simulated_kernel,
+            driver_params: false,
         }
+    }
+
+    /// Whether the host has the driver's params file (a loaded NVIDIA kernel module: the plugin checks
+    /// its own `/proc/driver/nvidia/params`, the host's, as the driver's procfs is not namespaced). With it
+    /// the specs call the hook's `disable-device-node-modification`, so the driver's libraries in the
+    /// container never create or change device nodes (NVIDIA's specs do the same).
+    pub fn with_driver_params(mut self, present: bool) -> Self {
+        self.driver_params = present;
+        self
     }
 
     /// The hook the specs run (see [`CdiHook`]); without one the container gets the mounts only.

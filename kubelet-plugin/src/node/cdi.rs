@@ -380,6 +380,83 @@ pub fn install_hook(source: &Path, dir: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// Checks that the hook installed at `path` can be executed as the runtime will: its directory's
+/// filesystem is not mounted noexec, and running it (`--help`, which tessera's hook answers with its usage)
+/// succeeds. The runtime executes it on the host; this process sees the same mount at the same path
+/// (a bind mount keeps its source's noexec), so what fails here fails there.
+pub fn check_hook_runs(path: &Path) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    let run = || {
+        std::process::Command::new(path)
+            .arg("--help")
+            .stdin(std::process::Stdio::null())
+            .output()
+    };
+    // ETXTBSY: a child another thread forked while the file was still open for writing holds that
+    // descriptor until it execs; a moment later the file is free.
+    let mut result = run();
+    for _ in 0..50 {
+        match &result {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                result = run();
+            }
+            _ => break,
+        }
+    }
+    hook_verdict(path, mounted_noexec(dir), result)
+}
+
+/// The decision of [`check_hook_runs`] from what it found: `noexec` is the directory's mount flag
+/// (`None` where statvfs failed, which is not a reason to refuse), `run` the result of running the hook.
+pub(crate) fn hook_verdict(
+    path: &Path,
+    noexec: Option<bool>,
+    run: io::Result<std::process::Output>,
+) -> Result<()> {
+    let refuse = |reason: String| {
+        Err(Error::CdiHookNotExecutable {
+            path: path.to_path_buf(),
+            reason,
+        })
+    };
+    if noexec == Some(true) {
+        return refuse(format!(
+            "its directory {} is on a filesystem mounted noexec",
+            path.parent().unwrap_or(Path::new("/")).display()
+        ));
+    }
+    match run {
+        Err(e) => refuse(format!("exec failed: {e}")),
+        Ok(out) if !out.status.success() => refuse(format!(
+            "`{} --help` {}: {}",
+            path.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Whether the filesystem under `dir` is mounted noexec (statvfs's ST_NOEXEC); `None` where statvfs fails.
+#[allow(
+    unsafe_code,
+    reason = "statvfs(2): std has no call that reads a mount's flags"
+)]
+fn mounted_noexec(dir: &Path) -> Option<bool> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `c` is a NUL-terminated path and `st` a writable statvfs, both outliving the call.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    Some(st.f_flag & libc::ST_NOEXEC != 0)
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::MetadataExt;
@@ -450,5 +527,50 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("--cdi-hook-dir") && e.contains("missing"), "{e}");
+    }
+
+    /// A hook file at `dir/name` with `script` as its text and `mode`.
+    fn hook_file(dir: &Path, script: &str, mode: u32) -> PathBuf {
+        let path = dir.join(HOOK_BINARY);
+        fs::write(&path, script).unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(mode)).unwrap();
+        path
+    }
+
+    #[test]
+    fn an_installed_hook_that_cannot_be_executed_stops_the_plugin_naming_cdi_hook_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        // Not executable: exec answers EACCES, as it does on a noexec mount (which needs privileges to make).
+        let hook = hook_file(dir.path(), "#!/bin/sh\nexit 0\n", 0o644);
+        let e = check_hook_runs(&hook).unwrap_err().to_string();
+        assert!(
+            e.contains("cdiHookDir") && e.contains("--cdi-hook-dir") && e.contains("exec failed"),
+            "{e}"
+        );
+        assert!(e.contains(&hook.display().to_string()), "{e}");
+
+        let runs = hook_file(dir.path(), "#!/bin/sh\n[ \"$1\" = --help ]\n", 0o755);
+        check_hook_runs(&runs).unwrap();
+        let fails = hook_file(dir.path(), "#!/bin/sh\necho broken >&2; exit 3\n", 0o755);
+        let e = check_hook_runs(&fails).unwrap_err().to_string();
+        assert!(e.contains("broken") && e.contains("cdiHookDir"), "{e}");
+    }
+
+    #[test]
+    fn a_hook_directory_on_a_noexec_mount_is_refused_even_before_the_hook_runs() {
+        let path = Path::new("/var/lib/tessera/bin/tessera-cdi-hook");
+        let ran = || {
+            std::process::Command::new("true")
+                .output()
+                .map_err(|e| panic!("true: {e}"))
+        };
+        let e = hook_verdict(path, Some(true), ran()).unwrap_err().to_string();
+        assert!(
+            e.contains("/var/lib/tessera/bin is on a filesystem mounted noexec") && e.contains("cdiHookDir"),
+            "{e}"
+        );
+        hook_verdict(path, Some(false), ran()).unwrap();
+        // statvfs failing is no reason to refuse a hook that runs.
+        hook_verdict(path, None, ran()).unwrap();
     }
 }

@@ -11,7 +11,7 @@
 
 use tessera_api::GpuInfo;
 
-use crate::gpu::driver_root::{DriverFiles, MOUNT_OPTIONS};
+use crate::gpu::driver_root::{DriverFiles, HookFeature, MOUNT_OPTIONS};
 use crate::gpu::{GpuBackend, GpuError};
 use crate::node::cdi::{ContainerEdits, DeviceNode, Hook, Mount};
 
@@ -78,7 +78,9 @@ pub fn device_edits(
 /// at `/tessera-sim` (see [`crate::gpu::driver_root`]), and the hook's `createContainer` calls in the order
 /// NVIDIA's `nvcdi` writes them: `create-symlinks` (before the cache is built, so `libcuda.so` gets an
 /// entry), `enable-cuda-compat` (its configuration file must exist when the cache is built) and
-/// `update-ldcache`.
+/// `update-ldcache`, then, where the host has the driver's params file, `disable-device-node-modification`
+/// (the container's `/proc/driver/nvidia/params` says `ModifyDeviceFiles: 0`). The optional calls only
+/// where the hook has them ([`crate::gpu::driver_root::CdiHook::features`]).
 pub fn driver_edits(files: &DriverFiles) -> ContainerEdits {
     let options: Vec<String> = MOUNT_OPTIONS.map(String::from).to_vec();
     let mounts = files
@@ -109,7 +111,12 @@ pub fn driver_edits(files: &DriverFiles) -> ContainerEdits {
             }
             hooks.push(call(args));
         }
-        if let Some(version) = &files.driver_version {
+        // Only a hook that has it: an older nvidia-cdi-hook fails every container on an unknown subcommand.
+        if let Some(version) = files
+            .driver_version
+            .as_ref()
+            .filter(|_| hook.has(HookFeature::EnableCudaCompat))
+        {
             hooks.push(call(vec![
                 "enable-cuda-compat".into(),
                 "--host-driver-version".into(),
@@ -125,6 +132,9 @@ pub fn driver_edits(files: &DriverFiles) -> ContainerEdits {
             }
             hooks.push(call(args));
         }
+        if files.driver_params && hook.has(HookFeature::DisableDeviceNodeModification) {
+            hooks.push(call(vec!["disable-device-node-modification".into()]));
+        }
     }
     ContainerEdits {
         mounts,
@@ -138,7 +148,7 @@ mod tests {
     use std::{fs, os::unix::fs::symlink};
 
     use super::*;
-    use crate::gpu::driver_root::{CdiHook, DriverRoot};
+    use crate::gpu::driver_root::{CdiHook, DriverRoot, HookFeature};
 
     #[test]
     fn driver_edits_mount_every_file_read_only_and_call_the_hook_to_link_enable_compat_and_cache() {
@@ -211,7 +221,10 @@ mod tests {
             )
         );
         // NVIDIA's hook takes the same calls under its own name.
-        let nvidia = driver_edits(&files.with_hook(Some(CdiHook::nvidia("/usr/bin/nvidia-cdi-hook"))));
+        let nvidia = driver_edits(&files.with_hook(Some(CdiHook::nvidia(
+            "/usr/bin/nvidia-cdi-hook",
+            &HookFeature::ALL,
+        ))));
         assert!(
             nvidia
                 .hooks
@@ -223,6 +236,83 @@ mod tests {
             !targets.contains(&"/tessera-sim"),
             "a real driver has no simulated kernel"
         );
+    }
+
+    /// A driver root with `libcuda.so.1` of driver 580.1, as the specs' tests need it.
+    fn driver_files_of_580() -> (tempfile::TempDir, DriverFiles) {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("usr/lib/x86_64-linux-gnu");
+        fs::create_dir_all(&lib).unwrap();
+        fs::write(lib.join("libcuda.so.580.1"), b"stub").unwrap();
+        symlink("libcuda.so.580.1", lib.join("libcuda.so.1")).unwrap();
+        let files = DriverFiles::discover(&DriverRoot::new(dir.path()), Some("580.1"));
+        (dir, files)
+    }
+
+    fn subcommands(edits: &ContainerEdits) -> Vec<&str> {
+        edits.hooks.iter().map(|h| h.args[1].as_str()).collect()
+    }
+
+    #[test]
+    fn nvidias_hook_is_called_for_enable_cuda_compat_only_where_it_has_that_subcommand() {
+        let (_dir, files) = driver_files_of_580();
+        let hook = |features: &[HookFeature]| {
+            driver_edits(
+                &files
+                    .clone()
+                    .with_hook(Some(CdiHook::nvidia("/usr/bin/nvidia-cdi-hook", features))),
+            )
+        };
+        // An older toolkit's hook answers an unknown subcommand with an error: every container would fail.
+        assert_eq!(subcommands(&hook(&[])), ["create-symlinks", "update-ldcache"]);
+        assert_eq!(
+            subcommands(&hook(&[HookFeature::EnableCudaCompat])),
+            ["create-symlinks", "enable-cuda-compat", "update-ldcache"]
+        );
+        assert_eq!(
+            HookFeature::parse("enable-cuda-compat"),
+            Ok(HookFeature::EnableCudaCompat)
+        );
+        let e = HookFeature::parse("enable-compat").unwrap_err();
+        assert!(
+            e.contains("enable-cuda-compat") && e.contains("disable-device-node-modification"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_hook_masks_the_drivers_params_in_the_container_where_the_host_has_them() {
+        let (_dir, files) = driver_files_of_580();
+        let tessera = Some(CdiHook::tessera("/var/lib/tessera/bin/tessera-cdi-hook"));
+        let with_params = driver_edits(&files.clone().with_hook(tessera.clone()).with_driver_params(true));
+        assert_eq!(
+            subcommands(&with_params),
+            [
+                "create-symlinks",
+                "enable-cuda-compat",
+                "update-ldcache",
+                "disable-device-node-modification"
+            ]
+        );
+        let mask = with_params.hooks.last().unwrap();
+        assert_eq!(mask.hook_name, "createContainer");
+        assert_eq!(
+            mask.args,
+            ["tessera-cdi-hook", "disable-device-node-modification"]
+        );
+        // No driver module on the host (a simulated driver): nothing to mask.
+        let without = driver_edits(&files.clone().with_hook(tessera).with_driver_params(false));
+        assert!(!subcommands(&without).contains(&"disable-device-node-modification"));
+        // NVIDIA's hook only where it has the subcommand.
+        let nvidia = |features: &[HookFeature]| {
+            let hook = Some(CdiHook::nvidia("/usr/bin/nvidia-cdi-hook", features));
+            subcommands(&driver_edits(
+                &files.clone().with_hook(hook).with_driver_params(true),
+            ))
+            .contains(&"disable-device-node-modification")
+        };
+        assert!(!nvidia(&[]));
+        assert!(nvidia(&[HookFeature::DisableDeviceNodeModification]));
     }
 
     #[test]

@@ -109,6 +109,15 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// The installed hook cannot be executed, so the runtime could not run it either and every container
+    /// with a tessera device would fail to be created.
+    #[error(
+        "the CDI hook installed at {path} cannot be executed ({reason}), so every container with a tessera \
+        device would fail at createContainer; set the chart value cdiHookDir (--cdi-hook-dir) to a host \
+        directory on a filesystem mounted with exec, e.g. /home/kubernetes/bin/tessera on GKE's \
+        Container-Optimized OS, whose /var is noexec"
+    )]
+    CdiHookNotExecutable { path: PathBuf, reason: String },
 }
 
 /// A failed prepare or unprepare of one claim; its message becomes the claim's `error` in the response.

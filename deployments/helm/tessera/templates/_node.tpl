@@ -11,6 +11,11 @@
 - name: TESSERA_CONTAINER_DRIVER_ROOT
   value: {{ include "tessera.containerDriverRoot" . | quote }}
 {{- end }}
+{{- if and (eq .Values.backend "nvml") .Values.kubeletPlugin.maskDriverParams }}
+# ModifyDeviceFiles: 0 in this container's /proc/driver/nvidia/params, from a copy on the tmpfs below.
+- name: TESSERA_DRIVER_PARAMS_MASK_DIR
+  value: /run/tessera-params
+{{- end }}
 {{- if .Values.mpsSupervisor.enabled }}
 - name: TESSERA_MPS_SUPERVISOR_SOCKET
   value: {{ printf "%s/mps-supervisor.sock" (clean .Values.stateDir) | quote }}
@@ -30,6 +35,10 @@ driver root, which is mounted at tessera.containerDriverRoot. */}}
 # MIG device nodes (/dev/nvidia-caps/…) appear after the pod starts; a privileged container's /dev is a copy.
 - name: dev
   hostPath: {path: /dev, type: Directory}
+{{- if .Values.kubeletPlugin.maskDriverParams }}
+- name: driver-params
+  emptyDir: {medium: Memory, sizeLimit: 1Mi}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -86,5 +95,33 @@ initContainers:
   mountPropagation: HostToContainer
 - name: dev
   mountPath: /dev
+{{- if .Values.kubeletPlugin.maskDriverParams }}
+- name: driver-params
+  mountPath: /run/tessera-params
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The host directory the plugin installs tessera's CDI hook into (cdiHookDir), which the container runtime
+executes the hook from: on GKE (driverRoot /home/kubernetes/bin/nvidia) /home/kubernetes/bin/tessera, as
+Container-Optimized OS mounts /var noexec and /home/kubernetes/bin exec; elsewhere <stateDir>/bin.
+*/}}
+{{- define "tessera.cdiHookDir" -}}
+{{- if .Values.cdiHookDir -}}
+{{ clean .Values.cdiHookDir }}
+{{- else if eq (clean .Values.driverRoot) "/home/kubernetes/bin/nvidia" -}}
+/home/kubernetes/bin/tessera
+{{- else -}}
+{{ printf "%s/bin" (clean .Values.stateDir) }}
+{{- end -}}
+{{- end }}
+
+{{/* "true" when the hook directory needs a volume of its own (it is not under stateDir, mounted anyway). */}}
+{{- define "tessera.cdiHookDirMounted" -}}
+{{- $dir := include "tessera.cdiHookDir" . -}}
+{{- $state := clean .Values.stateDir -}}
+{{- if and (not .Values.cdiHook) (ne $dir $state) (not (hasPrefix (printf "%s/" (trimSuffix "/" $state)) $dir)) -}}
+true
+{{- end -}}
 {{- end }}
