@@ -228,7 +228,7 @@ struct Row {
 
 const N6_V: &str = "N6 V call with MIG off";
 const N6_V1: &str = "N6 v1 call with MIG off";
-const N7: &str = "N7 MPS clients in the compute list";
+const N7: &str = "N7 MPS clients in the MPS list";
 const N8: &str = "N8 UUID lookup under concurrency";
 const N3: &str = "N3 fabric";
 
@@ -379,18 +379,22 @@ fn pids(list: &[u32]) -> String {
     list.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
 
-/// N7: the simulator lists no MPS process in NVML (neither the server in the compute list nor clients)
-/// and does not export `nvmlDeviceGetMPSComputeRunningProcesses_v3`; nvml.h puts the clients in that list
-/// and the server in the compute list.
+/// N7: the simulator lists an MPS client only in `nvmlDeviceGetMPSComputeRunningProcesses_v3` and, while
+/// its clients run, their server in `nvmlDeviceGetComputeRunningProcesses_v3`, as nvml.h (7447-7488) and the
+/// MPS server's role (it holds the GPU context) say; tessera's usage gauges read both lists.
 fn mps_clients(facts: &Facts) -> Row {
-    let simulator = "lists no MPS process: neither the server nor a client in the compute list, \
-                     no nvmlDeviceGetMPSComputeRunningProcesses_v3";
+    let simulator = "an MPS client only in nvmlDeviceGetMPSComputeRunningProcesses_v3, \
+                     its server in the compute list";
     let mps = &facts.mps;
     let mut in_mps_list = BTreeSet::new();
+    let mut mps_errors = BTreeSet::new();
     let mut compute = BTreeSet::new();
     for g in &facts.gpus {
-        if let Ok(list) = &g.mps {
-            in_mps_list.extend(list.iter().map(|p| p.pid));
+        match &g.mps {
+            Ok(list) => in_mps_list.extend(list.iter().map(|p| p.pid)),
+            Err(code) => {
+                mps_errors.insert(code_name(*code));
+            }
         }
         if let Ok(list) = &g.compute {
             compute.extend(list.iter().map(|p| p.pid));
@@ -417,37 +421,57 @@ fn mps_clients(facts: &Facts) -> Row {
         pids(&mps.servers),
         pids(&mps.clients)
     );
-    if !in_mps_list.is_empty() || !servers_listed.is_empty() || !clients_listed.is_empty() {
+    if mps.clients.is_empty() && in_mps_list.is_empty() {
+        let others = if mps.daemons.is_empty() && mps.servers.is_empty() {
+            String::new()
+        } else {
+            format!(" ({running})")
+        };
         return Row {
             rule: N7,
             simulator,
-            node: format!(
-                "{running}; MPS list: {}; compute list: server {}, clients {}",
-                pids(&in_mps_list),
-                pids(&servers_listed),
-                pids(&clients_listed)
-            ),
-            verdict: Verdict::Contradicted,
+            node: format!("no MPS client running{others}: start one share and re-run"),
+            verdict: Verdict::NotSeen,
         };
     }
-    if !mps.servers.is_empty() || !mps.clients.is_empty() {
-        return Row {
+    let mut against = Vec::new();
+    if !clients_listed.is_empty() {
+        against.push(format!("clients {} in the compute list", pids(&clients_listed)));
+    }
+    if in_mps_list.is_empty() {
+        let why = if mps_errors.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " (it answered {})",
+                mps_errors.into_iter().collect::<Vec<_>>().join("/")
+            )
+        };
+        against.push(format!("the MPS list names no client{why}"));
+    }
+    if !mps.servers.is_empty() && servers_listed.is_empty() {
+        against.push("no running server in the compute list".to_string());
+    }
+    let node = format!(
+        "{running}; MPS list: {}; compute list: server {}, clients {}",
+        pids(&in_mps_list),
+        pids(&servers_listed),
+        pids(&clients_listed)
+    );
+    if against.is_empty() {
+        Row {
             rule: N7,
             simulator,
-            node: format!("{running}; neither list names an MPS process"),
+            node,
             verdict: Verdict::Confirmed,
-        };
-    }
-    let daemon = if mps.daemons.is_empty() {
-        String::new()
+        }
     } else {
-        format!(" (MPS control daemon {} running, no client)", pids(&mps.daemons))
-    };
-    Row {
-        rule: N7,
-        simulator,
-        node: format!("no MPS client running{daemon}: start one share and re-run"),
-        verdict: Verdict::NotSeen,
+        Row {
+            rule: N7,
+            simulator,
+            node: format!("{node}: {}", against.join("; ")),
+            verdict: Verdict::Contradicted,
+        }
     }
 }
 
@@ -1211,38 +1235,62 @@ mod tests {
         assert_eq!(row(&verdicts(&none), N6_V1).verdict, Verdict::NotSeen);
     }
 
-    #[test]
-    fn mps_clients_in_the_mps_list_or_the_server_in_the_compute_list_contradict_n7() {
+    fn running_share() -> Facts {
         let mut f = facts(vec![gpu(0, Ok((0, 0)), vec![])]);
         f.mps = MpsHost {
             daemons: vec![10],
             servers: vec![11],
             clients: vec![12],
         };
-        f.gpus[0].compute = Ok(vec![Process {
-            pid: 11,
+        f
+    }
+
+    fn listed(pid: u32) -> Process {
+        Process {
+            pid,
             used_bytes: Some(1 << 20),
-        }]);
+        }
+    }
+
+    #[test]
+    fn a_client_in_the_mps_list_with_its_server_in_the_compute_list_confirms_n7() {
+        let mut f = running_share();
+        f.gpus[0].compute = Ok(vec![listed(11)]);
         f.gpus[0].mps = Ok(vec![Process {
             pid: 12,
             used_bytes: None,
         }]);
         let n7 = row(&verdicts(&f), N7).clone();
-        assert_eq!(n7.verdict, Verdict::Contradicted);
+        assert_eq!(n7.verdict, Verdict::Confirmed, "{}", n7.node);
         assert!(n7.node.contains("MPS list: 12"), "{}", n7.node);
-        assert!(n7.node.contains("compute list: server 11"), "{}", n7.node);
+        assert!(
+            n7.node.contains("compute list: server 11, clients -"),
+            "{}",
+            n7.node
+        );
     }
 
     #[test]
-    fn an_mps_client_that_no_list_names_confirms_n7_and_no_client_is_not_seen() {
-        let mut f = facts(vec![gpu(0, Ok((0, 0)), vec![])]);
-        f.mps = MpsHost {
-            daemons: vec![10],
-            servers: vec![11],
-            clients: vec![12],
-        };
+    fn a_client_in_the_compute_list_or_in_no_list_contradicts_n7_and_no_client_is_not_seen() {
+        let mut f = running_share();
+        f.gpus[0].compute = Ok(vec![listed(11), listed(12)]);
         f.gpus[0].mps = Ok(vec![]);
-        assert_eq!(row(&verdicts(&f), N7).verdict, Verdict::Confirmed);
+        let n7 = row(&verdicts(&f), N7).clone();
+        assert_eq!(n7.verdict, Verdict::Contradicted);
+        assert!(n7.node.contains("clients 12 in the compute list"), "{}", n7.node);
+        assert!(n7.node.contains("the MPS list names no client"), "{}", n7.node);
+
+        let mut f = running_share();
+        f.gpus[0].mps = Err(MISSING_SYMBOL);
+        let n7 = row(&verdicts(&f), N7).clone();
+        assert_eq!(n7.verdict, Verdict::Contradicted);
+        assert!(
+            n7.node.contains("no running server in the compute list"),
+            "{}",
+            n7.node
+        );
+        assert!(n7.node.contains("answered MISSING_SYMBOL"), "{}", n7.node);
+
         f.mps = MpsHost {
             daemons: vec![10],
             ..MpsHost::default()

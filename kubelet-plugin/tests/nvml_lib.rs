@@ -272,6 +272,7 @@ fn a_synthetic_load_on_a_host_pid_is_reported_through_nvml_with_its_memory_and_s
         utilization_percent: 40,
         memory_bytes: 3 << 30,
         pid: Some(pid),
+        ..LoadEntry::default()
     };
     simulated_load::set(&driver.kernel, entry).unwrap();
     let nvml = driver.nvml();

@@ -6,6 +6,13 @@ package e2etest
 // /host/proc, and its claim through the claim's reservedFor. Two share pods on one GPU, each with its own
 // load on its container's real host PID: each claim's gauge must read its own process, not the other's.
 // One of the two processes has an empty environment, so its claim is found through its cgroup alone.
+//
+// Issue 38 (defect N7): the shares are MPS shares, so each process is registered as an MPS client
+// (`simulate load --mps-client`), as a real driver lists it: only in nvmlDeviceGetMPSComputeRunningProcesses,
+// with its MPS server in the compute list. The server stands as the MPS supervisor container's process
+// (`--mps-server-pid`), in the supervisor's pod, which no claim holds: the gauges must read the clients'
+// load exactly, the server's (the sum of its clients') charged to neither. A plugin that reads the compute
+// list alone reads 0 for both.
 
 import (
 	"context"
@@ -56,22 +63,52 @@ func (rn realNodeEnv) containerPID(t *testing.T, p *v1.Pod, container string) in
 type processLoads struct {
 	rn  realNodeEnv
 	bin string
+	// mpsServer is the host PID standing for the MPS server of every share: the MPS supervisor container's
+	// first process (see mpsSupervisorPID).
+	mpsServer int
 }
 
 // realNodeLoads is the real node's load setter; every load it set is cleared when the test ends.
 func realNodeLoads(t *testing.T, rn realNodeEnv) processLoads {
 	t.Helper()
 	bin, _ := pluginLaunch(t, e.nodes[0])
-	l := processLoads{rn: rn, bin: bin}
+	l := processLoads{rn: rn, bin: bin, mpsServer: rn.mpsSupervisorPID(t)}
 	t.Cleanup(l.clear)
 	return l
 }
 
-// set makes the process pid on device use percent of the whole GPU and memory.
+// mpsSupervisorPID is the host PID of the MPS supervisor container's first process. A real MPS server is
+// the child of a control daemon the supervisor runs, so it is in the supervisor pod's cgroup; this process
+// is too, and stands for it (the share pods here run no CUDA, so no simulated server starts).
+func (rn realNodeEnv) mpsSupervisorPID(t *testing.T) int {
+	t.Helper()
+	var supervisor v1.Pod
+	waitFor(t, "the MPS supervisor pod Ready on "+rn.name, 3*time.Minute, func(ctx context.Context) (bool, string) {
+		pods, err := podsOf(ctx, "mps-supervisor")
+		if err != nil {
+			return false, err.Error()
+		}
+		n, states := readyPods(pods)
+		if n == 1 && len(pods) == 1 {
+			supervisor = pods[0]
+		}
+		return n == 1 && len(pods) == 1, strings.Join(states, "; ")
+	})
+	return rn.containerPID(t, &supervisor, "mps-supervisor")
+}
+
+// set makes the process pid on device use percent of the whole GPU and memory. On a share it is an MPS
+// client (every share of these tests is one: MPS is the default strategy and no test that sets load
+// configures another), listed as a real driver lists one (defect N7): only in the MPS process list, with
+// the supervisor's process as its server in the compute list.
 func (l processLoads) set(t *testing.T, device string, pid, percent int, memory string) {
 	t.Helper()
-	out, err := exec.Command(l.bin, "simulate", "--state-dir", l.rn.stateDir, "load", "--device", device,
-		"--pid", fmt.Sprint(pid), "--util", fmt.Sprint(percent), "--memory", memory).CombinedOutput()
+	args := []string{"simulate", "--state-dir", l.rn.stateDir, "load", "--device", device,
+		"--pid", fmt.Sprint(pid), "--util", fmt.Sprint(percent), "--memory", memory}
+	if sharedName.MatchString(device) {
+		args = append(args, "--mps-client", "--mps-server-pid", fmt.Sprint(l.mpsServer))
+	}
+	out, err := exec.Command(l.bin, args...).CombinedOutput()
 	if err != nil {
 		t.Fatalf("simulate load on %s for pid %d: %v\n%s", device, pid, err, out)
 	}

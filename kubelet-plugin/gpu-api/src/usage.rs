@@ -1,8 +1,9 @@
 //! What runs on a GPU or MIG device now, for the per-claim usage metrics (the plugin's `metrics::prometheus`).
 //!
 //! NVML reports usage per physical GPU (`nvmlDeviceGetUtilizationRates`, `nvmlDeviceGetMemoryInfo`) and per
-//! process (`nvmlDeviceGetComputeRunningProcesses`: memory; `nvmlDeviceGetProcessUtilization`: SM percent),
-//! never per claim. A whole GPU or a MIG device belongs to one claim, so its usage is that claim's. A share
+//! process (`nvmlDeviceGetComputeRunningProcesses`, and `nvmlDeviceGetMPSComputeRunningProcesses` for MPS
+//! clients, which the compute list leaves out for their server: memory; `nvmlDeviceGetProcessUtilization`:
+//! SM percent), never per claim. A whole GPU or a MIG device belongs to one claim, so its usage is that claim's. A share
 //! is one of several claims on a device, so its usage is the sum over the device's processes that belong to
 //! it: a process belongs to the claim and device its container was given.
 //!

@@ -1013,21 +1013,52 @@ impl GpuBackend for NvmlBackend {
 // === impl NvmlBackend: usage ===
 
 impl NvmlBackend {
+    /// The MPS clients on `device`: `nvmlDeviceGetMPSComputeRunningProcesses_v3` lists the processes
+    /// "utilizing MPS" (nvml.h 7447-7488), which the compute list leaves out: it names their
+    /// `nvidia-cuda-mps-server` instead, so without this list no process of an MPS share is found. A
+    /// library without the call (FUNCTION_NOT_FOUND) or a GPU without it (NOT_SUPPORTED: pre-Volta) has
+    /// none. nvml-wrapper sizes its buffer to the count it asked just before, so a client that starts in
+    /// between answers INSUFFICIENT_SIZE: the list is asked again.
+    fn mps_clients(
+        device: &Device<'_>,
+        ctx: &str,
+    ) -> Result<Vec<nvml_wrapper::struct_wrappers::device::ProcessInfo>> {
+        const CALL: &str = "nvmlDeviceGetMPSComputeRunningProcesses_v3";
+        const TRIES: usize = 3;
+        for _ in 1..TRIES {
+            match device.mps_running_compute_processes() {
+                Err(NvmlError::InsufficientSize(_)) => continue,
+                Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => return Ok(Vec::new()),
+                other => return other.map_err(|e| wrapper_error(CALL, e, ctx)),
+            }
+        }
+        device
+            .mps_running_compute_processes()
+            .map_err(|e| wrapper_error(CALL, e, ctx))
+    }
+
     /// Whole GPU: `nvmlDeviceGetUtilizationRates` and `nvmlDeviceGetMemoryInfo`. MIG device: the memory of
     /// the processes NVML places on its GPU and compute instance, and no utilization (NVML reports none on
-    /// MIG-enabled GPUs). Processes: `nvmlDeviceGetComputeRunningProcesses` (memory) joined with
+    /// MIG-enabled GPUs). Processes: `nvmlDeviceGetComputeRunningProcesses` and
+    /// `nvmlDeviceGetMPSComputeRunningProcesses` (memory; see [`Self::mps_clients`]) joined with
     /// `nvmlDeviceGetProcessUtilization` (SM percent, samples since one second ago). NVML's PIDs are the
     /// host's, so owners are left to the metrics, which look them up in the host's `/proc` (`--host-proc`),
-    /// not in this process's, which in a pod is another PID namespace.
+    /// not in this process's, which in a pod is another PID namespace. An MPS server stays among the
+    /// processes: it runs in the MPS supervisor's pod (or the plugin's), which no claim is reserved for, so
+    /// the metrics charge it to none.
     fn device_usage(&self, query: &super::usage::UsageQuery<'_>) -> Result<super::usage::DeviceUsage> {
         use super::usage::{DeviceUsage, ProcessUsage};
         use nvml_wrapper::enums::device::UsedGpuMemory;
 
         let device = self.device(query.gpu)?;
         let ctx = format!("read the usage of GPU {}", query.gpu);
-        let procs = device
+        let mut procs = device
             .running_compute_processes()
             .map_err(|e| wrapper_error("nvmlDeviceGetComputeRunningProcesses_v3", e, &ctx))?;
+        let clients = Self::mps_clients(&device, &ctx)?;
+        // Listed once each: a client the driver also put in the compute list keeps its MPS entry.
+        procs.retain(|p| !clients.iter().any(|c| c.pid == p.pid));
+        procs.extend(clients);
         let since = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| (d.as_micros() as u64).saturating_sub(1_000_000))

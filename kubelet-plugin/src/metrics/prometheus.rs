@@ -780,7 +780,7 @@ mod tests {
             claim: claim.map(Into::into),
             utilization_percent: util,
             memory_bytes,
-            pid: None,
+            ..LoadEntry::default()
         }
     }
 

@@ -6,6 +6,8 @@
 //! process on the device: with `--claim`, one whose environment names the claim and device as a prepared
 //! container's would; with `--pid`, a real process of the host (a container's), which the plugin then
 //! attributes through the host's `/proc` as it does NVML's PIDs (the simulated NVML reports these too).
+//! With `--mps-client` the process is an MPS client, which the simulated NVML lists as a real driver does
+//! ([`nvml_lists`]): in the MPS list only, with its MPS server in the compute list.
 //! The file has a lock of its own (`state_file`): load changes must not wait behind, or block, MIG
 //! operations.
 
@@ -27,8 +29,15 @@ const LOCK_FILE: &str = "simulated-load.lock";
 /// Synthetic processes get PIDs above Linux's `pid_max` limit (2^22), so they never name a real process.
 const FIRST_SYNTHETIC_PID: u32 = 1 << 22;
 
+/// Synthetic MPS servers (see [`nvml_lists`]) get PIDs from here on, above the synthetic processes'.
+const FIRST_SYNTHETIC_MPS_SERVER_PID: u32 = FIRST_SYNTHETIC_PID + (1 << 21);
+/// Past the last synthetic MPS server PID.
+const END_SYNTHETIC_MPS_SERVER_PID: u32 = FIRST_SYNTHETIC_PID + (1 << 22);
+/// What `nvmlSystemGetProcessName` names an MPS server.
+pub const MPS_SERVER_NAME: &str = "nvidia-cuda-mps-server";
+
 /// One synthetic process: `utilization_percent` of the device and `memory_bytes` of its memory.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct LoadEntry {
     /// tessera's device name, e.g. `gpu-1`, `gpu-0-mig-3g.40gb-4`, `gpu-1-shared`.
@@ -42,6 +51,18 @@ pub struct LoadEntry {
     /// A real host process to stand for (a container's), instead of a synthetic PID.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid: Option<u32>,
+    /// The process is an MPS client: its work reaches the GPU through its device's MPS server, so NVML lists
+    /// it only in `nvmlDeviceGetMPSComputeRunningProcesses_v3` and the server in the compute list.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub mps_client: bool,
+    /// The host PID of the MPS server an MPS client is attached to (a real process standing for it: the
+    /// MPS supervisor's); without one the device's server is a synthetic process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps_server_pid: Option<u32>,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -79,6 +100,11 @@ pub fn set(state_dir: &Path, entry: LoadEntry) -> Result<()> {
         return Err(GpuError::InvalidArgument(format!(
             "--util {}: must be between 0 and 100 (percent of the device)",
             entry.utilization_percent
+        )));
+    }
+    if let (Some(server), false) = (entry.mps_server_pid, entry.mps_client) {
+        return Err(GpuError::InvalidArgument(format!(
+            "--mps-server-pid {server}: only an MPS client has a server; add --mps-client"
         )));
     }
     update(state_dir, |file| {
@@ -142,6 +168,85 @@ pub fn usage(state_dir: &Path, query: &UsageQuery<'_>) -> Result<DeviceUsage> {
     })
 }
 
+/// One process as NVML's process lists show it (`nvmlProcessInfo_t`'s `pid` and `usedGpuMemory`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ListedProcess {
+    pub pid: u32,
+    pub memory_bytes: u64,
+}
+
+/// The two process lists of a GPU under its synthetic load, as a real driver fills them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NvmlLists {
+    /// `nvmlDeviceGetComputeRunningProcesses_v3`: the processes with a context of their own, and one MPS
+    /// server per device (or per `--mps-server-pid`) with MPS clients.
+    pub compute: Vec<ListedProcess>,
+    /// `nvmlDeviceGetMPSComputeRunningProcesses_v3`: the MPS clients.
+    pub mps: Vec<ListedProcess>,
+}
+
+/// What NVML's process lists show of the synthetic load on GPU `gpu` (loads of its MIG devices included,
+/// without instance ids, as [`usage`] reports them to the GPU).
+///
+/// nvml.h (`nvmlDeviceGetMPSComputeRunningProcesses_v3`, lines 7447-7488 of the header go-nvml vendors)
+/// lists there the compute processes "utilizing MPS"; `nvmlDeviceGetComputeRunningProcesses_v3` (lines
+/// 7361-7401) the processes with a compute context. An MPS client has none of its own: "the MPS server
+/// creates the shared GPU context, manages its clients, and issues work to the GPU on behalf of its
+/// clients" (`nvidia-cuda-mps-control(1)`). So an MPS client is listed only in the MPS list, and while it
+/// runs its server is in the compute list: the process `--mps-server-pid` names, else a synthetic one per
+/// device ([`is_synthetic_mps_server`]), named `nvidia-cuda-mps-server`. A server starts with its first
+/// client and leaves with its last, as MPS's do. Its `usedGpuMemory` is the sum of its clients' (the
+/// simulator's choice, the worst case for a reader that charged the server as well: nvml.h does not say
+/// what a server reports).
+pub fn nvml_lists(state_dir: &Path, gpu: u32) -> Result<NvmlLists> {
+    let loads = list(state_dir)?;
+    let mut lists = NvmlLists::default();
+    // Servers in the order of their first client: (device, server pid), memory.
+    let mut servers: Vec<((String, Option<u32>), ListedProcess)> = Vec::new();
+    for (i, l) in loads.iter().enumerate() {
+        match l.device.parse::<DeviceName>() {
+            Ok(name) if name.gpu() == gpu => {}
+            _ => continue,
+        }
+        let process = ListedProcess {
+            pid: l.pid.unwrap_or(FIRST_SYNTHETIC_PID + i as u32),
+            memory_bytes: l.memory_bytes,
+        };
+        if !l.mps_client {
+            lists.compute.push(process);
+            continue;
+        }
+        lists.mps.push(process);
+        // Clients naming a server share it, whatever their device; the others share their device's.
+        let key = match l.mps_server_pid {
+            Some(pid) => (String::new(), Some(pid)),
+            None => (l.device.clone(), None),
+        };
+        match servers.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, server)) => server.memory_bytes += l.memory_bytes,
+            None => {
+                let pid = key.1.unwrap_or(FIRST_SYNTHETIC_MPS_SERVER_PID + i as u32);
+                servers.push((
+                    key,
+                    ListedProcess {
+                        pid,
+                        memory_bytes: l.memory_bytes,
+                    },
+                ));
+            }
+        }
+    }
+    lists
+        .compute
+        .extend(servers.into_iter().map(|(_, server)| server));
+    Ok(lists)
+}
+
+/// True for the PID [`nvml_lists`] gives a synthetic MPS server.
+pub fn is_synthetic_mps_server(pid: u32) -> bool {
+    (FIRST_SYNTHETIC_MPS_SERVER_PID..END_SYNTHETIC_MPS_SERVER_PID).contains(&pid)
+}
+
 /// `simulate load`: sets (or with `--clear` removes) a device's synthetic load.
 #[derive(Debug, clap::Args)]
 pub struct LoadArgs {
@@ -162,6 +267,14 @@ pub struct LoadArgs {
     /// through the host's `/proc` (`--host-proc`), as for NVML's processes.
     #[arg(long, env = "TESSERA_LOAD_PID")]
     pub pid: Option<u32>,
+    /// The process is an MPS client (a share's under the MPS strategy): NVML lists it only in
+    /// `nvmlDeviceGetMPSComputeRunningProcesses_v3`, and its MPS server in the compute list.
+    #[arg(long, env = "TESSERA_LOAD_MPS_CLIENT")]
+    pub mps_client: bool,
+    /// The host PID of the MPS server the client is attached to (with `--mps-client`); without it the
+    /// simulated driver lists a synthetic `nvidia-cuda-mps-server` of the device.
+    #[arg(long, env = "TESSERA_LOAD_MPS_SERVER_PID")]
+    pub mps_server_pid: Option<u32>,
     /// Remove the loads of `--device` (of every device without it) instead of setting one.
     #[arg(long)]
     pub clear: bool,
@@ -176,6 +289,8 @@ impl LoadArgs {
             util,
             memory,
             pid,
+            mps_client,
+            mps_server_pid,
             clear: remove,
         } = self;
         if remove {
@@ -192,6 +307,8 @@ impl LoadArgs {
                     utilization_percent: util,
                     memory_bytes: memory,
                     pid,
+                    mps_client,
+                    mps_server_pid,
                 },
             )?;
         }
@@ -211,7 +328,7 @@ mod tests {
             claim: claim.map(Into::into),
             utilization_percent: util,
             memory_bytes: gib << 30,
-            pid: None,
+            ..LoadEntry::default()
         }
     }
 
@@ -280,6 +397,73 @@ mod tests {
         assert_eq!(u.processes[0].pid, 4242);
         assert_eq!(u.processes[0].owner, None, "the plugin finds it through /proc");
         assert_eq!(u.utilization_percent, Some(40));
+    }
+
+    #[test]
+    fn an_mps_client_is_only_in_the_mps_list_and_its_server_in_the_compute_list() {
+        let dir = tempfile::tempdir().unwrap();
+        let client = |pid: u32, gib: u64| LoadEntry {
+            pid: Some(pid),
+            mps_client: true,
+            ..load("gpu-1-shared", None, 20, gib)
+        };
+        set(
+            dir.path(),
+            LoadEntry {
+                pid: Some(7),
+                ..load("gpu-1", None, 10, 1)
+            },
+        )
+        .unwrap();
+        set(dir.path(), client(4001, 3)).unwrap();
+        set(dir.path(), client(4002, 1)).unwrap();
+        let mut own_server = client(4003, 2);
+        own_server.mps_server_pid = Some(900);
+        set(dir.path(), own_server).unwrap();
+
+        let lists = nvml_lists(dir.path(), 1).unwrap();
+        let pids = |l: &[ListedProcess]| l.iter().map(|p| p.pid).collect::<Vec<_>>();
+        assert_eq!(pids(&lists.mps), [4001, 4002, 4003]);
+        let compute = pids(&lists.compute);
+        assert_eq!(compute.len(), 3, "{compute:?}");
+        assert_eq!(compute[0], 7, "a process with a context of its own");
+        assert!(is_synthetic_mps_server(compute[1]), "{compute:?}");
+        assert_eq!(
+            lists.compute[1].memory_bytes,
+            4 << 30,
+            "the device's server: its clients' memory"
+        );
+        assert_eq!(
+            lists.compute[2],
+            ListedProcess {
+                pid: 900,
+                memory_bytes: 2 << 30
+            }
+        );
+        assert!(!is_synthetic_mps_server(7) && !is_synthetic_mps_server(FIRST_SYNTHETIC_PID));
+
+        assert_eq!(nvml_lists(dir.path(), 0).unwrap(), NvmlLists::default());
+        clear(dir.path(), Some("gpu-1-shared")).unwrap();
+        let lists = nvml_lists(dir.path(), 1).unwrap();
+        assert_eq!(
+            (pids(&lists.compute), lists.mps.len()),
+            (vec![7], 0),
+            "the server leaves with its last client"
+        );
+    }
+
+    #[test]
+    fn a_server_pid_without_mps_client_is_refused_naming_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let entry = LoadEntry {
+            mps_server_pid: Some(900),
+            ..load("gpu-1-shared", None, 10, 1)
+        };
+        let err = set(dir.path(), entry).unwrap_err().to_string();
+        assert!(
+            err.contains("--mps-server-pid 900") && err.contains("--mps-client"),
+            "{err}"
+        );
     }
 
     #[test]

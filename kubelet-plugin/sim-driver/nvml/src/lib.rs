@@ -54,6 +54,7 @@ use tessera_sim_model::backend::{
 use tessera_sim_model::kernel::{
     SIMULATED_CUDA_DRIVER_VERSION, kernel_driver_version, library_driver_version, mapped_inode,
 };
+use tessera_sim_model::load;
 
 // === NVML return codes (nvml.h) ===
 
@@ -635,7 +636,8 @@ pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) 
     ffi(|| unsafe { out(version, cuda_version()) })
 }
 
-/// Named processes of the node file first (DCGM's `nv-hostengine`), else the host's `/proc/<pid>/comm`.
+/// A synthetic MPS server of the load is `nvidia-cuda-mps-server`; then named processes of the node file
+/// (DCGM's `nv-hostengine`), else the host's `/proc/<pid>/comm`.
 ///
 /// # Safety
 /// `name` is valid for `length` bytes.
@@ -648,11 +650,14 @@ pub unsafe extern "C" fn nvmlSystemGetProcessName(
     // SAFETY: by the caller's contract.
     let name = unsafe { OutStr::new(name, length) };
     answer(name, |lib| {
-        let found = lib.sim.process_name(pid).or_else(|| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .ok()
-                .map(|s| s.trim_end().to_string())
-        });
+        let synthetic_server = load::is_synthetic_mps_server(pid).then(|| load::MPS_SERVER_NAME.to_string());
+        let found = synthetic_server
+            .or_else(|| lib.sim.process_name(pid))
+            .or_else(|| {
+                std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .ok()
+                    .map(|s| s.trim_end().to_string())
+            });
         let found = found.ok_or(NOT_FOUND)?;
         // NVML crops the name to the buffer rather than failing.
         Ok(found.chars().take((length as usize).saturating_sub(1)).collect())
@@ -1210,7 +1215,9 @@ pub extern "C" fn nvmlDeviceSetComputeMode(device: nvmlDevice_t, mode: nvmlCompu
 /// The synthetic load's processes on GPU `gpu` (`tessera-kubelet-plugin simulate load`, in the kernel's
 /// `simulated-load.json`): each stands for a process (`--pid`: a real one of the host, as NVML names host
 /// PIDs) using its memory and SM share of the whole GPU. Loads set on MIG devices show here too, without
-/// their instance ids. A load file that cannot be read is no load.
+/// their instance ids. MPS clients included: their utilization samples carry their own PIDs (which PID a
+/// real driver stamps a client's work with is not documented; the MPS server issues it). A load file that
+/// cannot be read is no load.
 fn load_processes(lib: &Lib, gpu: u32) -> Vec<ProcessUsage> {
     let query = UsageQuery {
         gpu,
@@ -1220,7 +1227,24 @@ fn load_processes(lib: &Lib, gpu: u32) -> Vec<ProcessUsage> {
     lib.sim.usage(&query).map(|u| u.processes).unwrap_or_default()
 }
 
-/// Processes of a GPU (each with its MIG device's ids) or of one MIG device.
+/// NVML's two process lists of the synthetic load on GPU `gpu` (see [`load::nvml_lists`]: an MPS client
+/// only in the MPS list, its server in the compute list). A load file that cannot be read is no load.
+fn load_lists(lib: &Lib, gpu: u32) -> load::NvmlLists {
+    load::nvml_lists(lib.sim.kernel_dir(), gpu).unwrap_or_default()
+}
+
+/// A listed process of the synthetic load, on the whole GPU (loads carry no MIG instance ids).
+fn load_info(p: load::ListedProcess) -> nvmlProcessInfo_t {
+    nvmlProcessInfo_t {
+        pid: p.pid,
+        usedGpuMemory: p.memory_bytes,
+        gpuInstanceId: NO_INSTANCE,
+        computeInstanceId: NO_INSTANCE,
+    }
+}
+
+/// Processes with a compute context of their own on a GPU (each with its MIG device's ids) or on one MIG
+/// device: the model's, the synthetic load's, and the MPS servers of the load's MPS clients.
 fn processes(lib: &Lib, device: nvmlDevice_t) -> R<Vec<nvmlProcessInfo_t>> {
     let d = lib.dev(device)?;
     let all = lib.sim.running_processes(d.gpu).map_err(model_err)?;
@@ -1238,14 +1262,26 @@ fn processes(lib: &Lib, device: nvmlDevice_t) -> R<Vec<nvmlProcessInfo_t>> {
         })
         .collect();
     if d.mig.is_none() {
-        out.extend(load_processes(lib, d.gpu).into_iter().map(|p| nvmlProcessInfo_t {
-            pid: p.pid,
-            usedGpuMemory: p.memory_used_bytes.unwrap_or(VALUE_NOT_AVAILABLE),
-            gpuInstanceId: NO_INSTANCE,
-            computeInstanceId: NO_INSTANCE,
-        }));
+        out.extend(load_lists(lib, d.gpu).compute.into_iter().map(load_info));
     }
     Ok(out)
+}
+
+/// The MPS clients of the synthetic load on a GPU; none on a MIG device handle (loads carry no instance
+/// ids, as in [`processes`]).
+fn mps_processes(lib: &Lib, device: nvmlDevice_t) -> R<Vec<nvmlProcessInfo_t>> {
+    let d = lib.dev(device)?;
+    if d.mig.is_some() {
+        return Ok(Vec::new());
+    }
+    Ok(load_lists(lib, d.gpu).mps.into_iter().map(load_info).collect())
+}
+
+fn v1(p: nvmlProcessInfo_t) -> nvmlProcessInfo_v1_t {
+    nvmlProcessInfo_v1_t {
+        pid: p.pid,
+        usedGpuMemory: p.usedGpuMemory,
+    }
 }
 
 /// # Safety
@@ -1286,13 +1322,57 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses(
     infos: *mut nvmlProcessInfo_v1_t,
 ) -> nvmlReturn_t {
     ffi(|| {
-        let procs = processes(&*lib()?, device)?
-            .into_iter()
-            .map(|p| nvmlProcessInfo_v1_t {
-                pid: p.pid,
-                usedGpuMemory: p.usedGpuMemory,
-            })
-            .collect();
+        let procs = processes(&*lib()?, device)?.into_iter().map(v1).collect();
+        // SAFETY: by the caller's contract.
+        unsafe { out_array(infos, count, procs) }
+    })
+}
+
+/// The processes "utilizing MPS" (nvml.h, `nvmlDeviceGetMPSComputeRunningProcesses_v3`): the MPS clients,
+/// which the compute list leaves out (it names their server). Every simulated GPU is Volta or newer, where
+/// nvml.h supports the call.
+///
+/// # Safety
+/// `count` is valid; `infos` is null or valid for `*count` entries.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let procs = mps_processes(&*lib()?, device)?;
+        // SAFETY: by the caller's contract.
+        unsafe { out_array(infos, count, procs) }
+    })
+}
+
+/// Same layout as v3 (`nvmlProcessInfo_v2_t`; nvml.h keeps `_v2` for older callers, go-nvml looks it up).
+///
+/// # Safety
+/// As [`nvmlDeviceGetMPSComputeRunningProcesses_v3`].
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v2(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    // SAFETY: same contract.
+    unsafe { nvmlDeviceGetMPSComputeRunningProcesses_v3(device, count, infos) }
+}
+
+/// The unversioned call of old callers, `nvmlProcessInfo_v1_t` entries.
+///
+/// # Safety
+/// `count` is valid; `infos` is null or valid for `*count` entries.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_v1_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let procs = mps_processes(&*lib()?, device)?.into_iter().map(v1).collect();
         // SAFETY: by the caller's contract.
         unsafe { out_array(infos, count, procs) }
     })
