@@ -13,10 +13,12 @@
 //! kept (discovery keeps the one it enumerated; a GPU discovery did not see is looked up by UUID, or by
 //! index once while its UUID is unknown), and one backend's NVML calls run one at a time under its session
 //! lock, as NVIDIA's DRA driver does (`cmd/gpu-kubelet-plugin/nvlib.go`: "Getting a device handle by UUID
-//! can take O(10 s) when done concurrently ... cache handles, serialize NVML calls"). A kept handle is
-//! dropped, and looked up again, once the health probe finds its GPU not answering ([`NvmlBackend::forget_handle`]);
-//! a new session (a plugin restart, which a driver reload forces) starts with none. MIG devices are reached
-//! from their parent's handle (`nvmlDeviceGetMigDeviceHandleByIndex`), never by UUID.
+//! can take O(10 s) when done concurrently ... cache handles, serialize NVML calls"). The health probe
+//! drops the handle its backend kept for a GPU that stops answering (lost, needing a reset), so it is
+//! looked up again once the GPU is back ([`NvmlBackend::forget_handle`]); the prepare and scrape backend
+//! keeps its handles for its session, as NVIDIA's driver does, and a new session (a plugin restart, which
+//! a driver reload forces) starts with none. MIG devices are reached from their parent's handle
+//! (`nvmlDeviceGetMigDeviceHandleByIndex`), never by UUID.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -1221,6 +1223,13 @@ mod tests {
             "Architecture11"
         );
         assert_eq!(architecture_name(Some(9), DeviceArchitecture::Hopper), "Hopper");
+    }
+
+    #[test]
+    fn an_errors_nvml_code_is_the_code_it_was_made_from() {
+        for code in [2, 3, 4, 6, 15, 16, 19, 23, 1, 9, 18, 999] {
+            assert_eq!(code_of(&error_for_code("nvmlX", code, "GPU 0")), code, "{code}");
+        }
     }
 
     #[test]
