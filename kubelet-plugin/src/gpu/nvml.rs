@@ -11,8 +11,9 @@
 //! GPUs are named by the index discovery gave them, and found by their UUID: NVML's indices are positions
 //! that shift when a GPU is missing at boot. Each GPU's handle is looked up once per NVML session and
 //! kept (discovery keeps the one it enumerated; a GPU discovery did not see is looked up by UUID, or by
-//! index once while its UUID is unknown), and one backend's NVML calls run one at a time under its session
-//! lock, as NVIDIA's DRA driver does (`cmd/gpu-kubelet-plugin/nvlib.go`: "Getting a device handle by UUID
+//! index once while its UUID is unknown), and one backend's NVML calls on a GPU run one at a time under its
+//! session lock (the event wait, on a backend of its own, is not held up by them), as NVIDIA's DRA driver
+//! does (`cmd/gpu-kubelet-plugin/nvlib.go`: "Getting a device handle by UUID
 //! can take O(10 s) when done concurrently ... cache handles, serialize NVML calls"). The health probe
 //! drops the handle its backend kept for a GPU that stops answering (lost, needing a reset), so it is
 //! looked up again once the GPU is back ([`NvmlBackend::forget_handle`]); the prepare and scrape backend
