@@ -395,6 +395,109 @@ fn gpus_with_a_fabric_are_published_only_once_it_completed() {
     }
 }
 
+// === N8, N9. Handles: lookups by UUID under concurrency, a lost GPU's cached UUID ===
+
+/// N8: the backend looked every GPU's handle up by UUID (`nvmlDeviceGetHandleByUUID`) on every call, and
+/// NVIDIA's DRA driver found that call to take O(10 s) when made concurrently (`nvlib.go`). A usage
+/// scrape, prepare-like queries and the health source's probe from 8 threads at once must look each
+/// GPU's handle up at most once: counted by the simulated driver, not timed.
+#[test]
+fn concurrent_scrapes_and_prepares_look_each_gpus_handle_up_by_uuid_at_most_once() {
+    const GPUS: u32 = 4;
+    let driver = SimDriver::new().gpus(H100, GPUS).build();
+    let nvml = backend(&driver);
+    // The health source has a session of its own, as in the plugin.
+    let mut source = NvmlSource::new(Arc::new(driver.nvml()), GPUS, vec![]);
+    std::thread::scope(|threads| {
+        for thread in 0..8 {
+            let nvml = &nvml;
+            threads.spawn(move || {
+                for round in 0..3 {
+                    for gpu in 0..GPUS {
+                        let device = format!("gpu-{gpu}");
+                        let query = tessera_kubelet_plugin::gpu::usage::UsageQuery {
+                            gpu,
+                            mig: None,
+                            device: &device,
+                        };
+                        nvml.usage(&query).unwrap();
+                        nvml.processes(gpu, None).unwrap();
+                        nvml.mig_mode(gpu).unwrap();
+                        if (thread + round) % 2 == 0 {
+                            nvml.compute_mode(gpu).unwrap();
+                        }
+                    }
+                }
+            });
+        }
+        for _ in 0..3 {
+            source.poll(Duration::from_millis(10));
+        }
+    });
+    let calls = tessera_sim_model::calls::NvmlCalls::read(&driver.kernel).unwrap();
+    for gpu in driver.model.discover().unwrap().gpus {
+        assert!(
+            calls.handle_lookups(&gpu.uuid) <= 1,
+            "GPU {} looked up by UUID {} times: {calls:?}",
+            gpu.index,
+            calls.handle_lookups(&gpu.uuid)
+        );
+    }
+}
+
+/// N9: the probe asked a GPU for its UUID, by a handle it had just looked up by that UUID, and called the
+/// GPU lost only when that failed. A driver may answer both from its cache for a GPU that fell off the bus
+/// (the simulated one does), so such a GPU stayed published healthy while every event wait answered
+/// GPU_IS_LOST.
+#[test]
+fn a_lost_gpu_whose_uuid_the_driver_still_serves_is_reported_lost() {
+    let driver = SimDriver::new().gpus(H100, 2).build();
+    let mut source = NvmlSource::new(backend(&driver), 2, vec![]);
+    source.poll(Duration::from_millis(10));
+    driver.model.health().inject(Fault::lost(1)).unwrap();
+    let uuid = driver.model.discover().unwrap().gpus[1].uuid.clone();
+    let wrapper = driver.nvml_wrapper();
+    let lost = wrapper
+        .device_by_uuid(uuid.as_str())
+        .expect("the lost GPU is still found by its cached UUID");
+    assert_eq!(lost.uuid().unwrap(), uuid, "and still answers its UUID");
+    assert!(
+        lost.memory_info().is_err(),
+        "but nothing the GPU itself must answer"
+    );
+    let seen = poll_until(&mut source, Duration::from_secs(3), |o| {
+        failed(o).is_some_and(|f| f.gpu == 1 && f.reason == HealthReason::GpuLost)
+    });
+    assert!(
+        !seen.iter().filter_map(failed).any(|f| f.gpu == 0),
+        "GPU 0 is not lost: {seen:?}"
+    );
+}
+
+/// N9: a handle lookup by UUID answers GPU_IS_LOST "if any GPU has fallen off the bus" (`nvml.h`), so a
+/// probe that looked each GPU up again marked the GPUs NVML searches past a lost one lost too.
+#[test]
+fn a_lost_gpu_does_not_make_the_gpus_after_it_lost() {
+    let driver = SimDriver::new().gpus(H100, 3).build();
+    let mut source = NvmlSource::new(backend(&driver), 3, vec![]);
+    source.poll(Duration::from_millis(10));
+    driver.model.health().inject(Fault::lost(0)).unwrap();
+    let mut seen = poll_until(&mut source, Duration::from_secs(3), |o| {
+        failed(o).is_some_and(|f| f.gpu == 0 && f.reason == HealthReason::GpuLost)
+    });
+    for _ in 0..3 {
+        seen.extend(source.poll(Duration::from_millis(10)));
+    }
+    let others_failed: Vec<_> = seen.iter().filter_map(failed).filter(|f| f.gpu != 0).collect();
+    assert!(others_failed.is_empty(), "{others_failed:?}");
+    for gpu in [1, 2] {
+        assert!(
+            seen.contains(&Observation::Answering { gpu }),
+            "GPU {gpu}: {seen:?}"
+        );
+    }
+}
+
 // === 8. Compute mode of whole GPUs ===
 
 struct Plugin {

@@ -8,18 +8,29 @@
 //! only that library or a GPU can exercise. The pure parts (library lookup, name derivation, sysfs/proc
 //! parsing, error mapping) are unit-tested.
 //!
-//! GPUs are named by the index discovery gave them, and found by their UUID (`nvmlDeviceGetHandleByUUID`):
-//! NVML's indices are positions that shift when a GPU is missing at boot.
+//! GPUs are named by the index discovery gave them, and found by their UUID: NVML's indices are positions
+//! that shift when a GPU is missing at boot. Each GPU's handle is looked up once per NVML session and
+//! kept (discovery keeps the one it enumerated; a GPU discovery did not see is looked up by UUID, or by
+//! index once while its UUID is unknown), and one backend's NVML calls on a GPU run one at a time under its
+//! session lock (the event wait, on a backend of its own, is not held up by them), as NVIDIA's DRA driver
+//! does (`cmd/gpu-kubelet-plugin/nvlib.go`: "Getting a device handle by UUID
+//! can take O(10 s) when done concurrently ... cache handles, serialize NVML calls"). The health probe
+//! drops the handle its backend kept for a GPU that stops answering (lost, needing a reset), so it is
+//! looked up again once the GPU is back ([`NvmlBackend::forget_handle`]); the prepare and scrape backend
+//! keeps its handles for its session, as NVIDIA's driver does, and a new session (a plugin restart, which
+//! a driver reload forces) starts with none. MIG devices are reached from their parent's handle
+//! (`nvmlDeviceGetMigDeviceHandleByIndex`), never by UUID.
 
 use std::{
     collections::{BTreeMap, HashMap},
     ffi::OsStr,
     fmt::Display,
     fs,
+    ops::{Deref, DerefMut},
     os::unix::fs::{FileTypeExt, MetadataExt},
     path::{Path, PathBuf},
     process::Command,
-    sync::Mutex,
+    sync::{Mutex, MutexGuard},
 };
 
 use nvml_wrapper::{
@@ -90,6 +101,23 @@ pub fn error_for_code(call: &'static str, code: u32, context: impl Display) -> G
         19 => GpuError::InUse(msg),
         23 => GpuError::InsufficientResources(msg),
         code => GpuError::Nvml { call, code },
+    }
+}
+
+/// The NVML return code a [`GpuError`] of this backend stands for ([`error_for_code`] the other way);
+/// `NVML_ERROR_UNKNOWN` (999) for errors that are not NVML's.
+pub fn code_of(e: &GpuError) -> u32 {
+    match e {
+        GpuError::InvalidArgument(_) => 2,
+        GpuError::NotSupported(_) => 3,
+        GpuError::NoPermission(_) => 4,
+        GpuError::NotFound(_) => 6,
+        GpuError::GpuLost(_) => 15,
+        GpuError::ResetRequired(_) => 16,
+        GpuError::InUse(_) => 19,
+        GpuError::InsufficientResources(_) => 23,
+        GpuError::Nvml { code, .. } => *code,
+        _ => 999,
     }
 }
 
@@ -314,9 +342,48 @@ pub fn char_device_from_host(path: &str, proc_root: &Path) -> Result<CharDevice>
 /// source registers again when it sees a new value.
 static MIG_CHANGES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Real GPUs through NVML. Thread-safe: NVML is, and the only local state is the time-slice record.
+/// What the session lock of an [`NvmlBackend`] guards: the handles looked up so far.
+#[derive(Default)]
+struct Session {
+    /// Handle of each GPU by the index discovery gave it.
+    handles: HashMap<u32, nvml_raw::KeptHandle>,
+}
+
+/// A GPU's handle with its backend's session lock held: the backend's other NVML calls wait until it is
+/// dropped. Dereferences to nvml-wrapper's [`Device`].
+pub(super) struct Held<'a> {
+    device: Device<'a>,
+    session: MutexGuard<'a, Session>,
+}
+
+impl Held<'_> {
+    /// Keeps this handle as GPU `gpu`'s for the rest of the session.
+    fn keep_as(&mut self, gpu: u32) {
+        let handle = nvml_raw::KeptHandle::of(&self.device);
+        self.session.handles.insert(gpu, handle);
+    }
+}
+
+impl<'a> Deref for Held<'a> {
+    type Target = Device<'a>;
+    fn deref(&self) -> &Device<'a> {
+        &self.device
+    }
+}
+
+impl<'a> DerefMut for Held<'a> {
+    fn deref_mut(&mut self) -> &mut Device<'a> {
+        &mut self.device
+    }
+}
+
+/// Real GPUs through NVML. Thread-safe: NVML is; the handle cache and the NVML calls that use it are
+/// behind the session lock, and the only other local state is the time-slice record.
 pub struct NvmlBackend {
     nvml: Nvml,
+    /// Held by every NVML call on a GPU (see [`Held`]): calls of this backend run one at a time, and a
+    /// handle is looked up by one caller while the others wait for it rather than looking it up too.
+    session: Mutex<Session>,
     driver_root: PathBuf,
     library: PathBuf,
     /// The kernel module's `/proc` ([`proc_root_for`]): capability minors, `/proc/devices` majors.
@@ -358,6 +425,7 @@ impl NvmlBackend {
         debug!(library = %library.display(), proc_root = %proc_root.display(), "loaded NVML");
         Ok(Self {
             nvml,
+            session: Mutex::default(),
             driver_root: driver_root.to_path_buf(),
             library,
             proc_root,
@@ -399,22 +467,47 @@ impl NvmlBackend {
             .find_map(|(i, u)| (u == uuid).then_some(*i))
     }
 
-    /// The GPU discovery named `gpu`, by its UUID. A GPU not yet discovered is looked up by NVML index
-    /// once and its UUID kept.
-    pub(super) fn device(&self, gpu: u32) -> Result<Device<'_>> {
-        if let Some(uuid) = self.uuid_of(gpu) {
-            return self.nvml.device_by_uuid(uuid.as_str()).map_err(|e| match e {
-                NvmlError::NotFound | NvmlError::InvalidArg => GpuError::NotFound(format!(
-                    "GPU {gpu} ({uuid}) is no longer on the node; its index may now name another GPU"
-                )),
-                e => wrapper_error("nvmlDeviceGetHandleByUUID", e, format!("GPU {gpu} ({uuid})")),
-            });
+    /// The GPU discovery named `gpu`, with the session lock held. Its handle is the one kept for it, else
+    /// looked up by its UUID (once: the lock makes other callers wait for this lookup rather than repeat
+    /// it) and kept; a GPU not yet discovered is looked up by NVML index once and its UUID kept.
+    pub(super) fn device(&self, gpu: u32) -> Result<Held<'_>> {
+        let session = self.session.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(handle) = session.handles.get(&gpu).copied() {
+            let device = handle.device(&self.nvml);
+            return Ok(Held { device, session });
         }
-        let device = self.device_by_index(gpu)?;
-        if let Ok(uuid) = device.uuid() {
-            self.remember_uuid(gpu, &uuid);
-        }
-        Ok(device)
+        let mut held = match self.uuid_of(gpu) {
+            Some(uuid) => {
+                let device = self.nvml.device_by_uuid(uuid.as_str()).map_err(|e| match e {
+                    NvmlError::NotFound | NvmlError::InvalidArg => GpuError::NotFound(format!(
+                        "GPU {gpu} ({uuid}) is no longer on the node; its index may now name another GPU"
+                    )),
+                    e => wrapper_error("nvmlDeviceGetHandleByUUID", e, format!("GPU {gpu} ({uuid})")),
+                })?;
+                Held { device, session }
+            }
+            None => {
+                let held = self.device_by_index_locked(gpu, session)?;
+                match held.uuid() {
+                    Ok(uuid) => self.remember_uuid(gpu, &uuid),
+                    // Not kept: without its UUID nothing says the index still names this GPU next time.
+                    Err(_) => return Ok(held),
+                }
+                held
+            }
+        };
+        held.keep_as(gpu);
+        Ok(held)
+    }
+
+    /// Drops the handle kept for `gpu`, so the next call looks it up again: for a GPU that stopped
+    /// answering, whose handle may not survive its reset.
+    pub fn forget_handle(&self, gpu: u32) {
+        self.session
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .handles
+            .remove(&gpu);
     }
 
     /// Keeps `uuid` as the identity of the GPU named `gpu`.
@@ -426,11 +519,17 @@ impl NvmlBackend {
     }
 
     /// Enumeration only: NVML index `gpu` as the driver numbers GPUs now.
-    fn device_by_index(&self, gpu: u32) -> Result<Device<'_>> {
-        self.nvml.device_by_index(gpu).map_err(|e| match e {
+    fn device_by_index(&self, gpu: u32) -> Result<Held<'_>> {
+        let session = self.session.lock().unwrap_or_else(|e| e.into_inner());
+        self.device_by_index_locked(gpu, session)
+    }
+
+    fn device_by_index_locked<'a>(&'a self, gpu: u32, session: MutexGuard<'a, Session>) -> Result<Held<'a>> {
+        let device = self.nvml.device_by_index(gpu).map_err(|e| match e {
             NvmlError::InvalidArg => GpuError::NotFound(format!("GPU {gpu}")),
             e => wrapper_error("nvmlDeviceGetHandleByIndex_v2", e, format!("GPU {gpu}")),
-        })
+        })?;
+        Ok(Held { device, session })
     }
 
     /// GI profiles of a GPU as `(profile id, instance count)`, every index the driver knows
@@ -549,14 +648,15 @@ impl NvmlBackend {
     }
 
     /// Discovers NVML index `index` (the one place a GPU is looked up by index) and keeps its UUID, by
-    /// which every later call finds it.
+    /// which a later session finds it, and its handle, which this session's later calls use.
     fn gpu_info(&self, index: u32) -> Result<GpuInfo> {
-        let device = self.device_by_index(index)?;
+        let mut device = self.device_by_index(index)?;
         let ctx = |what: &str| format!("read the {what} of GPU {index}");
         let uuid = device
             .uuid()
             .map_err(|e| wrapper_error("nvmlDeviceGetUUID", e, ctx("UUID")))?;
         self.remember_uuid(index, &uuid);
+        device.keep_as(index);
         let minor = device
             .minor_number()
             .map_err(|e| wrapper_error("nvmlDeviceGetMinorNumber", e, ctx("minor")))?;
@@ -614,7 +714,7 @@ impl NvmlBackend {
         let status = device
             .set_mig_mode(enabled)
             .map_err(|e| wrapper_error("nvmlDeviceSetMigMode", e, &ctx))?;
-        let mode = self.mig_mode(gpu)?;
+        let mode = read_mig_mode(&device, gpu)?;
         match mig_mode_change_outcome(gpu, enabled, status, mode) {
             Err(GpuError::InUse(_)) => {
                 let cleared = if mode.pending != mode.current {
@@ -733,6 +833,21 @@ pub fn in_use_message(gpu: u32, enabled: bool, cleared: &str, processes: &[Strin
     )
 }
 
+/// `nvmlDeviceGetMigMode` of GPU `gpu`'s `device`.
+fn read_mig_mode(device: &Device<'_>, gpu: u32) -> Result<MigMode> {
+    let mode = device.mig_mode().map_err(|e| {
+        wrapper_error(
+            "nvmlDeviceGetMigMode",
+            e,
+            format!("read the MIG mode of GPU {gpu}"),
+        )
+    })?;
+    Ok(MigMode {
+        current: mode.current == 1,
+        pending: mode.pending == 1,
+    })
+}
+
 fn to_nvml_mode(mode: ComputeMode) -> NvmlComputeMode {
     match mode {
         ComputeMode::Default => NvmlComputeMode::Default,
@@ -781,17 +896,7 @@ impl GpuBackend for NvmlBackend {
 
     /// Needs hardware.
     fn mig_mode(&self, gpu: u32) -> Result<MigMode> {
-        let mode = self.device(gpu)?.mig_mode().map_err(|e| {
-            wrapper_error(
-                "nvmlDeviceGetMigMode",
-                e,
-                format!("read the MIG mode of GPU {gpu}"),
-            )
-        })?;
-        Ok(MigMode {
-            current: mode.current == 1,
-            pending: mode.pending == 1,
-        })
+        read_mig_mode(&*self.device(gpu)?, gpu)
     }
 
     /// `activationStatus` can be non-zero on success (gpu-mig-mps.md 3.3), so the outcome is judged by
@@ -1150,6 +1255,13 @@ mod tests {
             "Architecture11"
         );
         assert_eq!(architecture_name(Some(9), DeviceArchitecture::Hopper), "Hopper");
+    }
+
+    #[test]
+    fn an_errors_nvml_code_is_the_code_it_was_made_from() {
+        for code in [2, 3, 4, 6, 15, 16, 19, 23, 1, 9, 18, 999] {
+            assert_eq!(code_of(&error_for_code("nvmlX", code, "GPU 0")), code, "{code}");
+        }
     }
 
     #[test]

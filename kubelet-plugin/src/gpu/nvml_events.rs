@@ -17,7 +17,10 @@ use std::{ffi::CStr, ptr, sync::Arc};
 use nvml_wrapper::{error::NvmlError, error::nvml_sym};
 use nvml_wrapper_sys::bindings::{nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlReturn_t};
 
-use super::{GpuError, Result, nvml::NvmlBackend};
+use super::{
+    GpuError, Result,
+    nvml::{NvmlBackend, code_of},
+};
 
 const NVML_SUCCESS: nvmlReturn_t = 0;
 const NVML_ERROR_TIMEOUT: nvmlReturn_t = 10;
@@ -104,13 +107,7 @@ impl NvmlEvents {
             let device = match backend.device(gpu) {
                 Ok(d) => d,
                 Err(e) => {
-                    let code = match e {
-                        GpuError::GpuLost(_) => NVML_ERROR_GPU_IS_LOST,
-                        GpuError::Nvml { code, .. } => code,
-                        // NVML_ERROR_UNKNOWN.
-                        _ => 999,
-                    };
-                    events.unmonitored.push((gpu, code));
+                    events.unmonitored.push((gpu, code_of(&e)));
                     continue;
                 }
             };
@@ -210,7 +207,7 @@ impl NvmlEvents {
         })
     }
 
-    /// Asks the GPU for its UUID: `Ok` when it answers, else the error NVML gave.
+    /// Asks the GPU something only it can answer: `Ok` when it answers, else the error NVML gave.
     pub fn probe(&self, gpu: u32) -> std::result::Result<(), ProbeError> {
         probe(&self.backend, gpu)
     }
@@ -224,33 +221,41 @@ pub struct ProbeError {
     pub message: String,
 }
 
-/// Asks GPU `gpu` (by its UUID once known) for its UUID: `Ok` when it answers.
+/// NVML return codes after which a kept handle may name nothing: the GPU fell off the bus (15), needs a
+/// reset (16), or the handle or UUID no longer resolves (2, 6).
+const HANDLE_MAY_BE_STALE: [u32; 4] = [2, 6, 15, 16];
+
+/// Asks GPU `gpu` (by its kept handle, see [`NvmlBackend::device`]) for its memory info: `Ok` when it
+/// answers.
+///
+/// Not its UUID, nor whether its UUID still finds a handle: a driver may answer both from its cache for a
+/// GPU that fell off the bus, and the simulated driver does (`sim-driver/nvml`, `nvmlDeviceGetUUID`).
+/// `nvmlDeviceGetMemoryInfo` answers `NVML_ERROR_GPU_IS_LOST` "if the target GPU has fallen off the bus
+/// or is otherwise inaccessible" (`nvml.h`), every data-center GPU supports it, with MIG on or off, and it
+/// is cheap. A GPU that does not answer loses its kept handle, so that once it is back (after a reset)
+/// it is looked up afresh.
 pub fn probe(backend: &NvmlBackend, gpu: u32) -> std::result::Result<(), ProbeError> {
-    let nvml = backend.nvml();
-    let (what, answer) = match backend.uuid_of(gpu) {
-        Some(uuid) => {
-            let answer = nvml.device_by_uuid(uuid.as_str()).and_then(|d| d.uuid());
-            (format!("GPU {gpu} ({uuid})"), answer)
-        }
-        None => {
-            let answer = nvml.device_by_index(gpu).and_then(|d| d.uuid());
-            if let Ok(uuid) = &answer {
-                backend.remember_uuid(gpu, uuid);
-            }
-            (format!("GPU {gpu}"), answer)
-        }
+    let what = match backend.uuid_of(gpu) {
+        Some(uuid) => format!("GPU {gpu} ({uuid})"),
+        None => format!("GPU {gpu}"),
     };
-    match answer {
-        Ok(_) => Ok(()),
-        Err(e) => {
-            let message = format!("{what} did not answer nvmlDeviceGetUUID: {e}");
+    let answer = match backend.device(gpu) {
+        Ok(device) => device.memory_info().map(drop).map_err(|e| {
+            let message = format!("{what} did not answer nvmlDeviceGetMemoryInfo: {e}");
             let code = match e {
                 NvmlError::FailedToLoadSymbol(_) => 13,
                 e => nvmlReturn_t::from(e),
             };
-            Err(ProbeError { code, message })
+            (code, message)
+        }),
+        Err(e) => Err((code_of(&e), format!("{what} has no NVML handle: {e}"))),
+    };
+    answer.map_err(|(code, message)| {
+        if HANDLE_MAY_BE_STALE.contains(&code) {
+            backend.forget_handle(gpu);
         }
-    }
+        ProbeError { code, message }
+    })
 }
 
 impl Drop for NvmlEvents {

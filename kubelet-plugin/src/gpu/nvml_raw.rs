@@ -1,6 +1,6 @@
 //! The NVML calls nvml-wrapper 0.13 does not wrap (or wraps wrongly), made through its raw function table.
 //!
-//! This is the crate's only `unsafe` code. Every function here follows one pattern: resolve the symbol with
+//! This is the crate's only `unsafe` code besides the event set's (`nvml_events.rs`). Every function here follows one pattern: resolve the symbol with
 //! `nvml_sym` (a missing symbol is an error, never a crash), pass zero-initialised plain-old-data structs and
 //! a device handle borrowed from a live `Device`, check the return code, copy the results out. GPU-instance
 //! and compute-instance handles never leave a function: they are re-resolved by id on every call, because
@@ -19,9 +19,9 @@ use std::{mem, os::raw::c_uint, ptr};
 use nvml_wrapper::{Device, Nvml, error::nvml_sym};
 use nvml_wrapper_sys::bindings::{
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, nvmlComputeInstance_t, nvmlComputeInstanceInfo_t,
-    nvmlComputeInstanceProfileInfo_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t,
-    nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t, nvmlGpuInstanceProfileInfo_v3_t,
-    nvmlReturn_t,
+    nvmlComputeInstanceProfileInfo_t, nvmlDevice_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
+    nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t,
+    nvmlGpuInstanceProfileInfo_v3_t, nvmlReturn_t,
 };
 use tessera_api::MigPlacement;
 
@@ -31,6 +31,31 @@ const NVML_ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
 pub(super) const NVML_ERROR_ARGUMENT_VERSION_MISMATCH: u32 = 25;
 /// Our own code for "the driver's library lacks this symbol"; NVML's FUNCTION_NOT_FOUND.
 pub(super) const NVML_ERROR_FUNCTION_NOT_FOUND: u32 = 13;
+
+/// A GPU's device handle kept beyond the `Device` it came from (the plugin's handle cache, see
+/// `nvml.rs`): valid until `nvmlShutdown`, only ever given back to NVML.
+#[derive(Clone, Copy)]
+pub(super) struct KeptHandle(nvmlDevice_t);
+
+// SAFETY: an NVML device handle names a device of the process-wide NVML session, which any thread may use
+// (NVML is thread-safe); it is never dereferenced here.
+unsafe impl Send for KeptHandle {}
+
+impl KeptHandle {
+    /// The handle of `device`, to keep.
+    pub(super) fn of(device: &Device<'_>) -> Self {
+        // SAFETY: the handle is only stored, to be given back to the NVML it came from.
+        Self(unsafe { device.handle() })
+    }
+
+    /// A `Device` over the kept handle. `nvml` must be the session the handle came from; the backend that
+    /// keeps it owns that session and drops its handles with it.
+    pub(super) fn device<'n>(self, nvml: &'n Nvml) -> Device<'n> {
+        // SAFETY: a handle of `nvml`'s session (the caller's contract above), still initialised while
+        // `nvml` is borrowed.
+        unsafe { Device::new(self.0, nvml) }
+    }
+}
 
 /// A failed raw call: which function and what it returned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

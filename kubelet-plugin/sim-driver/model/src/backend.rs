@@ -75,17 +75,19 @@ const MAX_COMPUTE_INSTANCE_ID: u32 = 7;
 #[serde(deny_unknown_fields)]
 pub struct NodeSpec {
     pub gpus: Vec<GpuGroup>,
-    /// How long the simulated driver takes for MIG reconfiguration (none by default).
-    #[serde(default, skip_serializing_if = "Latencies::is_zero")]
+    /// How long the simulated driver takes for MIG reconfiguration (none by default) and for a handle
+    /// lookup by UUID (a little by default).
+    #[serde(default, skip_serializing_if = "Latencies::is_default")]
     pub latencies: Latencies,
 }
 
 /// Time the simulated driver spends in each slow operation, in milliseconds: the MIG reconfiguration
 /// calls (while the hardware state's lock is held: a real driver serializes MIG changes too), an MPS
-/// control daemon's start (`nvidia-cuda-mps-control`, before it serves) and a process's first CUDA context
-/// (`libcuda.so.1`). Zero by default, so tests that do not ask pay nothing; the fault suite sets them to
-/// kill a plugin inside a prepare, and the cold-start benchmark to [`Latencies::HARDWARE_LIKE`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+/// control daemon's start (`nvidia-cuda-mps-control`, before it serves), a process's first CUDA context
+/// (`libcuda.so.1`) and `nvmlDeviceGetHandleByUUID`. Zero by default but the last, so tests that do not
+/// ask pay nothing; the fault suite sets them to kill a plugin inside a prepare, and the cold-start
+/// benchmark to [`Latencies::HARDWARE_LIKE`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Latencies {
     #[serde(default)]
@@ -102,6 +104,33 @@ pub struct Latencies {
     pub mps_daemon_start_ms: u64,
     #[serde(default)]
     pub first_context_ms: u64,
+    /// What one `nvmlDeviceGetHandleByUUID` costs *per caller inside the call at once* (in this process):
+    /// with `n` threads looking handles up together each waits `n` times this. NVIDIA's DRA driver
+    /// (`cmd/gpu-kubelet-plugin/nvlib.go`, the comment above `deviceLib.Init`): "Getting a device handle by
+    /// UUID can take O(10 s) when done concurrently ... cache handles, serialize NVML calls". Not zero by
+    /// default ([`Latencies::DEFAULT_HANDLE_BY_UUID_MS`]), so code that looks handles up again and again
+    /// pays for it in every test.
+    #[serde(default = "default_handle_by_uuid_ms")]
+    pub handle_by_uuid_ms: u64,
+}
+
+fn default_handle_by_uuid_ms() -> u64 {
+    Latencies::DEFAULT_HANDLE_BY_UUID_MS
+}
+
+impl Default for Latencies {
+    fn default() -> Self {
+        Self {
+            mig_mode_change_ms: 0,
+            gpu_instance_create_ms: 0,
+            gpu_instance_destroy_ms: 0,
+            compute_instance_create_ms: 0,
+            compute_instance_destroy_ms: 0,
+            mps_daemon_start_ms: 0,
+            first_context_ms: 0,
+            handle_by_uuid_ms: Self::DEFAULT_HANDLE_BY_UUID_MS,
+        }
+    }
 }
 
 impl Latencies {
@@ -117,6 +146,8 @@ impl Latencies {
     /// * First CUDA context of a process on a whole GPU with persistence mode on: ~80 ms with one GPU
     ///   visible to cuInit (rapidsai/cudf#627); 500 ms taken, as the usual expectation
     ///   (NVIDIA/nvtrust#113), without a context in that number.
+    /// * `nvmlDeviceGetHandleByUUID`: "O(10 s) when done concurrently" (NVIDIA's DRA driver, `nvlib.go`);
+    ///   1 s per caller makes 8 concurrent lookups (one per GPU of an HGX node) take 8 s each.
     pub const HARDWARE_LIKE: Self = Self {
         mig_mode_change_ms: 2000,
         gpu_instance_create_ms: 1000,
@@ -125,9 +156,14 @@ impl Latencies {
         compute_instance_destroy_ms: 100,
         mps_daemon_start_ms: 10,
         first_context_ms: 500,
+        handle_by_uuid_ms: 1000,
     };
 
-    fn is_zero(&self) -> bool {
+    /// The default `handleByUuidMs`: small, but enough that a plugin looking a handle up on every call
+    /// under a scrape is slower than one that caches it.
+    pub const DEFAULT_HANDLE_BY_UUID_MS: u64 = 1;
+
+    fn is_default(&self) -> bool {
         *self == Self::default()
     }
 
@@ -952,6 +988,13 @@ impl SimulatedBackend {
             .iter()
             .filter(|f| f.gpu == gpu)
             .find_map(|f| f.kind.nvml_error_code())
+    }
+
+    /// `true` when `gpu` fell off the bus (lost in the node file, or an injected [`FaultKind::Lost`]).
+    ///
+    /// [`FaultKind::Lost`]: crate::faults::FaultKind::Lost
+    pub fn is_lost(&self, gpu: u32) -> bool {
+        self.failing_code(gpu) == Some(15)
     }
 
     /// Identity of GPU `gpu` (its kernel index).

@@ -5,12 +5,14 @@
 //! - [`backend`]: the GPUs' state machine (MIG mode, instances, compute mode, processes), kept in a kernel
 //!   directory that plays the driver's part, and the [`tessera_gpu_api::GpuBackend`] over it;
 //! - [`faults`] and [`load`]: what `tessera-kubelet-plugin simulate` injects (XIDs, lost GPUs; usage);
+//! - [`calls`]: how often the NVML calls whose number matters were made (handle lookups by UUID);
 //! - [`driver_root`]: NVIDIA's user-space layouts (host, GPU Operator, GKE) filled with the simulated
 //!   libraries and tools;
 //! - [`kernel`]: the kernel directory's names and the driver version it reports;
 //! - [`state_file`]: the small JSON files those share, changed under a lock.
 
 pub mod backend;
+pub mod calls;
 pub mod driver_root;
 pub mod faults;
 pub mod kernel;

@@ -259,6 +259,16 @@ pub(crate) struct Dev {
 impl Lib {
     /// Resolves a device handle to a GPU this process sees, or fails with the GPU's fault code.
     pub(crate) fn dev(&self, device: nvmlDevice_t) -> R<Dev> {
+        self.resolve(device, false)
+    }
+
+    /// [`Lib::dev`] for the calls a lost GPU still answers from the driver's cache (see
+    /// [`nvmlDeviceGetUUID`]): a GPU that fell off the bus resolves; the other faults still fail.
+    pub(crate) fn dev_cached(&self, device: nvmlDevice_t) -> R<Dev> {
+        self.resolve(device, true)
+    }
+
+    fn resolve(&self, device: nvmlDevice_t, lost_answers: bool) -> R<Dev> {
         let (gpu, mig) = match Handle::decode(device) {
             Some(Handle::Gpu(g)) => (g, None),
             Some(Handle::Mig { gpu, gi, ci }) => (gpu, Some((gi, ci))),
@@ -267,8 +277,10 @@ impl Lib {
         if !self.visible.contains(&gpu) {
             return Err(INVALID_ARGUMENT);
         }
-        if let Some(code) = self.sim.failing_code(gpu) {
-            return Err(code);
+        match self.sim.failing_code(gpu) {
+            Some(GPU_IS_LOST) if lost_answers => {}
+            Some(code) => return Err(code),
+            None => {}
         }
         let mig = match mig {
             None => None,
@@ -706,7 +718,44 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex(
     unsafe { nvmlDeviceGetHandleByIndex_v2(index, device) }
 }
 
+/// Callers inside [`nvmlDeviceGetHandleByUUID`] at this moment, in this process.
+static LOOKUPS_IN_FLIGHT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// One caller inside [`nvmlDeviceGetHandleByUUID`]: entering costs `per_caller_ms` times the callers
+/// inside at that moment (this one included), as NVIDIA's DRA driver found the real call slow when done
+/// concurrently (see `Latencies::handle_by_uuid_ms`).
+struct LookupCost;
+
+impl LookupCost {
+    fn enter(per_caller_ms: u64) -> Self {
+        use std::sync::atomic::Ordering::SeqCst;
+        let callers = LOOKUPS_IN_FLIGHT.fetch_add(1, SeqCst) + 1;
+        tessera_sim_model::backend::Latencies::charge(per_caller_ms.saturating_mul(callers));
+        Self
+    }
+}
+
+impl Drop for LookupCost {
+    fn drop(&mut self) {
+        LOOKUPS_IN_FLIGHT.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// A `GPU-…` UUID of a visible GPU, or the `MIG-…` UUID of a visible MIG device.
+///
+/// No kinder than NVIDIA's, whose `nvml.h` says the call "may initialize additional GPUs as it searches
+/// for the target GPU" and answers `NVML_ERROR_GPU_IS_LOST` "if any GPU has fallen off the bus":
+/// - it costs time, more the more threads are inside it at once (`latencies.handleByUuidMs` per caller;
+///   NVIDIA's DRA driver, `cmd/gpu-kubelet-plugin/nvlib.go`: "Getting a device handle by UUID can take
+///   O(10 s) when done concurrently ... cache handles, serialize NVML calls"), and each call is counted in
+///   the kernel's `simulated-nvml-calls.json` ([`tessera_sim_model::calls`]);
+/// - the search goes through the GPUs in NVML's order, and one that fell off the bus *before* the target
+///   fails the search with `GPU_IS_LOST`: a lookup of a healthy GPU can fail because another is lost;
+/// - the lost GPU itself is still found: its UUID is in the driver's cache, so a lookup (and
+///   [`nvmlDeviceGetUUID`] on its handle) does not tell that it is lost.
+///
+/// A real driver likely does one of the last two for a given GPU, not both; which is not documented, so
+/// both are the rule here.
 ///
 /// # Safety
 /// `uuid` is a NUL-terminated string; `device` is null or valid.
@@ -719,18 +768,33 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
         let lib = lib()?;
         // SAFETY: by the caller's contract.
         let wanted = unsafe { in_str(uuid) }?;
+        if !lib.sim.is_read_only() {
+            // Counting is for the tests; a failure to count must not fail the call.
+            let _ = tessera_sim_model::calls::NvmlCalls::count_handle_by_uuid(lib.sim.kernel_dir(), wanted);
+        }
+        let _cost = LookupCost::enter(lib.sim.latencies().handle_by_uuid_ms);
+        let passed_lost = |position: usize| lib.visible[..position].iter().any(|&g| lib.sim.is_lost(g));
         if let Some(gpu) = lib.sim.gpu_by_uuid(wanted).filter(|g| lib.visible.contains(g)) {
-            if let Some(code) = lib.sim.failing_code(gpu) {
-                return Err(code);
+            let position = lib.visible.iter().position(|&g| g == gpu).unwrap_or(0);
+            if passed_lost(position) {
+                return Err(GPU_IS_LOST);
+            }
+            match lib.sim.failing_code(gpu) {
+                // Found by its cached UUID (see above).
+                Some(GPU_IS_LOST) | None => {}
+                Some(code) => return Err(code),
             }
             // SAFETY: by the caller's contract.
             return unsafe { out(device, Handle::Gpu(gpu).encode()) };
         }
-        for &gpu in &lib.visible {
+        for (position, &gpu) in lib.visible.iter().enumerate() {
             let Ok(migs) = lib.sim.mig_devices(gpu, &lib.view) else {
                 continue;
             };
             if let Some(m) = migs.into_iter().find(|m| m.uuid == wanted) {
+                if passed_lost(position) {
+                    return Err(GPU_IS_LOST);
+                }
                 // SAFETY: by the caller's contract.
                 return unsafe { out(device, Handle::of_mig(gpu, &m).encode()) };
             }
@@ -803,6 +867,12 @@ pub unsafe extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_
 
 // === Device identity and capacities ===
 
+/// A GPU that fell off the bus still answers with its UUID: the driver keeps it from before, so this call
+/// cannot tell that a GPU is lost (no kinder than a real driver, which may serve it from that cache; a
+/// caller that wants to know asks something only the GPU can answer, e.g. `nvmlDeviceGetMemoryInfo`,
+/// which answers `GPU_IS_LOST` "if the target GPU has fallen off the bus", `nvml.h`). Every other call
+/// on a lost GPU's handle answers `GPU_IS_LOST`, as do the other faults' codes here.
+///
 /// # Safety
 /// `uuid` is valid for `length` bytes.
 #[unsafe(no_mangle)]
@@ -814,7 +884,7 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     // SAFETY: by the caller's contract.
     let uuid = unsafe { OutStr::new(uuid, length) };
     answer(uuid, |lib| {
-        let d = lib.dev(device)?;
+        let d = lib.dev_cached(device)?;
         Ok(match d.mig {
             Some(m) => m.uuid,
             None => lib.info(d.gpu)?.uuid,
