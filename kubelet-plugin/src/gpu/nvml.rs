@@ -161,8 +161,9 @@ fn cores_per_sm(major: i32, minor: i32) -> Option<u32> {
     }
 }
 
-/// Profile name when the driver gives none (v1 profile info): the built-in table for a known model, else
-/// `<slices>g.<GiB rounded up>gb` plus the suffix of the profile index's variant.
+/// Profile name when the driver gives none (MIG off, where only the v1 profile call answers, or a driver
+/// without the V call): the built-in table for a known model, else `<slices>g.<GiB rounded up>gb` plus the
+/// suffix of the profile index's variant.
 pub fn derive_profile_name(
     pci_device_id: u16,
     profile_id: u32,
@@ -434,13 +435,15 @@ impl NvmlBackend {
     }
 
     /// GI profiles of a GPU as `(profile id, instance count)`, every index the driver knows
-    /// ([`nvml_raw::enumerate_gi_profiles`]).
+    /// ([`nvml_raw::enumerate_gi_profiles`]); no names, so never the V call.
     fn gi_profiles(&self, device: &Device<'_>) -> Vec<(u32, u32)> {
-        nvml_raw::enumerate_gi_profiles(|index| nvml_raw::gpu_instance_profile(&self.nvml, device, index))
-            .into_iter()
-            .filter_map(|(_, p)| p.ok())
-            .map(|p| (p.id, p.instance_count))
-            .collect()
+        nvml_raw::enumerate_gi_profiles(|index| {
+            nvml_raw::gpu_instance_profile(&self.nvml, device, index, false)
+        })
+        .into_iter()
+        .filter_map(|(_, p)| p.ok())
+        .map(|p| (p.id, p.instance_count))
+        .collect()
     }
 
     /// MIG capability and profiles of one GPU; `None` when it is not MIG-capable. Needs hardware.
@@ -470,8 +473,11 @@ impl NvmlBackend {
             return None;
         }
         let mut profiles = Vec::new();
+        // Read with MIG off too (the v1 call, as NVIDIA's DRA driver does): a MIG-capable GPU whose MIG
+        // mode is off still offers its profiles, and dynamic MIG turns the mode on when a claim needs it.
+        let mig_enabled = mode.current == 1;
         let enumerated = nvml_raw::enumerate_gi_profiles(|index| {
-            nvml_raw::gpu_instance_profile(&self.nvml, device, index)
+            nvml_raw::gpu_instance_profile(&self.nvml, device, index, mig_enabled)
         });
         for (index, info) in enumerated {
             let info = match info {
@@ -516,7 +522,7 @@ impl NvmlBackend {
             });
         }
         Some(MigInfo {
-            enabled: mode.current == 1,
+            enabled: mig_enabled,
             mode_toggle_without_reset: raw_arch.is_some_and(mig_toggle_without_reset),
             memory_slices: profiles
                 .iter()
