@@ -60,6 +60,7 @@ use tessera_kubelet_plugin::gpu::nvml::library_path;
 // === NVML return codes (nvml.h) ===
 
 const SUCCESS: u32 = 0;
+const NOT_SUPPORTED: u32 = 3;
 const ARGUMENT_VERSION_MISMATCH: u32 = 25;
 /// Not NVML's: the driver's library lacks the symbol.
 const MISSING_SYMBOL: u32 = u32::MAX;
@@ -259,10 +260,13 @@ fn indices(list: &[(u32, u32)]) -> String {
         .join("; ")
 }
 
-/// N6: on GPUs that support MIG with MIG mode off, the simulator answers both profile calls with the GPU's
-/// profiles; nvml.h says the V call answers NOT_SUPPORTED there.
+/// N6: on GPUs that support MIG with MIG mode off, the simulator answers the v1 profile call with the GPU's
+/// profiles (nvml.h:12824 refuses it only where the GPU "doesn't support MIG") and refuses the V call with
+/// NOT_SUPPORTED (nvml.h:12855: "If device doesn't have MIG mode enabled"). The plugin reads profiles
+/// through v1 and asks V for names only with MIG on, so a V that answers with MIG off only makes the
+/// simulator stricter than the driver; a v1 that refuses would hide every profile of a MIG-off GPU.
 fn mig_off_profiles(facts: &Facts) -> (Row, Row) {
-    let sim_v = "answers the GPU's profiles (SUCCESS) with MIG off, as v1 does";
+    let sim_v = "refuses every profile (NOT_SUPPORTED) with MIG off, where v1 answers";
     let sim_v1 = "answers the GPU's profiles (SUCCESS) with MIG off";
     let off: Vec<&GpuFacts> = facts
         .gpus
@@ -308,7 +312,7 @@ fn mig_off_profiles(facts: &Facts) -> (Row, Row) {
             }
             if p.v == SUCCESS {
                 v_ok.push((g.index, p.index));
-            } else if p.v1 == SUCCESS {
+            } else if p.v1 == SUCCESS && p.v != MISSING_SYMBOL {
                 v_refused.push(((g.index, p.index), p.v));
             }
         }
@@ -335,29 +339,45 @@ fn mig_off_profiles(facts: &Facts) -> (Row, Row) {
             verdict: Verdict::Confirmed,
         }
     };
-    let v_row = if !v_refused.is_empty() {
-        let codes: BTreeSet<String> = v_refused.iter().map(|(_, c)| code_name(*c)).collect();
+    let other_refusals: Vec<&((u32, u32), u32)> = v_refused
+        .iter()
+        .filter(|(_, code)| *code != NOT_SUPPORTED)
+        .collect();
+    let v_row = if !v_ok.is_empty() {
+        Row {
+            rule: N6_V,
+            simulator: sim_v,
+            node: format!(
+                "MIG off on GPU {gpus}: V answers {} profiles ({}); {} refused",
+                v_ok.len(),
+                indices(&v_ok),
+                v_refused.len()
+            ),
+            verdict: Verdict::Contradicted,
+        }
+    } else if !other_refusals.is_empty() {
+        let codes: BTreeSet<String> = other_refusals.iter().map(|(_, c)| code_name(*c)).collect();
+        let at: Vec<(u32, u32)> = other_refusals.iter().map(|(at, _)| *at).collect();
+        Row {
+            rule: N6_V,
+            simulator: sim_v,
+            node: format!(
+                "MIG off on GPU {gpus}: V answers {} (not NOT_SUPPORTED) for {} profiles v1 answers ({})",
+                codes.into_iter().collect::<Vec<_>>().join("/"),
+                at.len(),
+                indices(&at)
+            ),
+            verdict: Verdict::Contradicted,
+        }
+    } else if !v_refused.is_empty() {
         let at: Vec<(u32, u32)> = v_refused.iter().map(|(at, _)| *at).collect();
         Row {
             rule: N6_V,
             simulator: sim_v,
             node: format!(
-                "MIG off on GPU {gpus}: V answers {} for {} profiles v1 answers ({}); {} answered",
-                codes.into_iter().collect::<Vec<_>>().join("/"),
+                "MIG off on GPU {gpus}: V answers NOT_SUPPORTED for all {} profiles v1 answers ({})",
                 at.len(),
-                indices(&at),
-                v_ok.len()
-            ),
-            verdict: Verdict::Contradicted,
-        }
-    } else if !v_ok.is_empty() {
-        Row {
-            rule: N6_V,
-            simulator: sim_v,
-            node: format!(
-                "MIG off on GPU {gpus}: V answers {} profiles ({}), every one v1 answers",
-                v_ok.len(),
-                indices(&v_ok)
+                indices(&at)
             ),
             verdict: Verdict::Confirmed,
         }
@@ -365,7 +385,10 @@ fn mig_off_profiles(facts: &Facts) -> (Row, Row) {
         Row {
             rule: N6_V,
             simulator: sim_v,
-            node: format!("MIG off on GPU {gpus}: neither call answered a profile, nothing to compare"),
+            node: format!(
+                "MIG off on GPU {gpus}: no profile v1 answers was asked of V (v1 answered none, or the \
+                 library lacks the V call), nothing to compare"
+            ),
             verdict: Verdict::NotSeen,
         }
     };
@@ -1139,8 +1162,6 @@ fn main() {
 mod tests {
     use super::*;
 
-    const NOT_SUPPORTED: u32 = 3;
-
     fn profile(index: u32, v1: u32, v: u32) -> ProfileFacts {
         ProfileFacts {
             index,
@@ -1186,34 +1207,54 @@ mod tests {
 
     #[test]
     fn the_simulators_answers_with_mig_off_confirm_both_profile_rules() {
-        let f = facts(vec![gpu(
-            0,
-            Ok((0, 0)),
-            vec![
-                profile(0, SUCCESS, SUCCESS),
-                profile(5, NOT_SUPPORTED, NOT_SUPPORTED),
-            ],
-        )]);
-        let rows = verdicts(&f);
-        assert_eq!(row(&rows, N6_V).verdict, Verdict::Confirmed);
-        assert_eq!(row(&rows, N6_V1).verdict, Verdict::Confirmed);
-    }
-
-    #[test]
-    fn a_v_call_that_refuses_with_mig_off_what_v1_answers_contradicts_n6() {
+        // v1 answers, V refuses what v1 answers with NOT_SUPPORTED (nvml.h:12855), as the simulator does.
         let f = facts(vec![gpu(
             0,
             Ok((0, 0)),
             vec![
                 profile(0, SUCCESS, NOT_SUPPORTED),
                 profile(1, SUCCESS, NOT_SUPPORTED),
+                profile(5, NOT_SUPPORTED, NOT_SUPPORTED),
             ],
         )]);
         let rows = verdicts(&f);
         let v = row(&rows, N6_V);
-        assert_eq!(v.verdict, Verdict::Contradicted);
-        assert!(v.node.contains("NOT_SUPPORTED for 2 profiles"), "{}", v.node);
+        assert_eq!(v.verdict, Verdict::Confirmed, "{}", v.node);
+        assert!(v.node.contains("NOT_SUPPORTED for all 2 profiles"), "{}", v.node);
         assert_eq!(row(&rows, N6_V1).verdict, Verdict::Confirmed);
+    }
+
+    #[test]
+    fn a_v_call_that_answers_with_mig_off_contradicts_n6() {
+        let f = facts(vec![gpu(
+            0,
+            Ok((0, 0)),
+            vec![profile(0, SUCCESS, SUCCESS), profile(1, SUCCESS, SUCCESS)],
+        )]);
+        let rows = verdicts(&f);
+        let v = row(&rows, N6_V);
+        assert_eq!(v.verdict, Verdict::Contradicted);
+        assert!(v.node.contains("V answers 2 profiles"), "{}", v.node);
+        assert_eq!(row(&rows, N6_V1).verdict, Verdict::Confirmed);
+    }
+
+    #[test]
+    fn a_v_call_that_refuses_with_another_code_contradicts_n6_and_a_missing_one_is_not_seen() {
+        let f = facts(vec![gpu(0, Ok((0, 0)), vec![profile(0, SUCCESS, 2)])]);
+        let v = row(&verdicts(&f), N6_V).clone();
+        assert_eq!(v.verdict, Verdict::Contradicted);
+        assert!(
+            v.node.contains("INVALID_ARGUMENT (not NOT_SUPPORTED)"),
+            "{}",
+            v.node
+        );
+        let f = facts(vec![gpu(
+            0,
+            Ok((0, 0)),
+            vec![profile(0, SUCCESS, MISSING_SYMBOL)],
+        )]);
+        let v = row(&verdicts(&f), N6_V).clone();
+        assert_eq!(v.verdict, Verdict::NotSeen, "{}", v.node);
     }
 
     #[test]

@@ -142,6 +142,82 @@ fn a_gi_profile_past_the_bindings_profile_count_is_discovered() {
     }
 }
 
+// === N6, N12: GPU instance profiles with MIG off, and an unused index in the middle ===
+
+/// The MIG profiles `found` lists for GPU `gpu`, as `(index, name, profile id, placements)`.
+fn listed_profiles(
+    found: &tessera_kubelet_plugin::gpu::NodeGpus,
+    gpu: usize,
+) -> Vec<(u32, String, u32, usize)> {
+    found.gpus[gpu]
+        .mig
+        .as_ref()
+        .expect("a MIG-capable GPU")
+        .profiles
+        .iter()
+        .map(|p| (p.profile_index, p.name.clone(), p.profile_id, p.placements.len()))
+        .collect()
+}
+
+/// The H100 model's profiles as [`listed_profiles`] gives them.
+fn h100_profiles() -> Vec<(u32, String, u32, usize)> {
+    tessera_gpu_api::models::model(H100)
+        .unwrap()
+        .mig_profiles
+        .iter()
+        .map(|p| (p.index, p.name.to_string(), p.id, p.placements().count()))
+        .collect()
+}
+
+/// N6: profiles were read through `nvmlDeviceGetGpuInstanceProfileInfoV`, which answers NOT_SUPPORTED
+/// without MIG mode (nvml.h:12855), so a MIG-capable GPU with MIG off (the boot default, and the state
+/// tessera restores after the last GPU instance) listed no profile and dynamic MIG was never offered on it.
+/// The v1 call answers with MIG off (nvml.h:12824), as NVIDIA's DRA driver reads it.
+#[test]
+fn a_mig_disabled_gpu_lists_its_profiles_through_the_v1_call() {
+    let driver = SimDriver::new().gpus(H100, 1).build();
+    let nvml = driver.nvml();
+    let found = nvml.discover().unwrap();
+    let mig = found.gpus[0].mig.as_ref().expect("the H100 is MIG-capable");
+    assert!(!mig.enabled, "MIG mode is off");
+    assert_eq!(listed_profiles(&found, 0), h100_profiles());
+    assert_eq!((mig.compute_slices, mig.memory_slices), (7, 8));
+    // And dynamic MIG works from there: a device of a profile read with MIG off is made.
+    let (_, _, uuid) = one_mig_device(&nvml);
+    assert!(uuid.starts_with("MIG-"), "{uuid}");
+}
+
+/// With MIG on the profiles and their names are the same as with it off: the V call, asked for the
+/// driver's name only, agrees with the names derived for a MIG-off GPU.
+#[test]
+fn a_gpu_lists_the_same_profiles_with_mig_on_and_off() {
+    let driver = SimDriver::new().gpus(H100, 1).mig_gpus(H100, 1).build();
+    let found = driver.nvml().discover().unwrap();
+    assert!(found.gpus[1].mig.as_ref().unwrap().enabled);
+    assert_eq!(listed_profiles(&found, 0), listed_profiles(&found, 1));
+}
+
+/// N12: enumeration ended at the first INVALID_ARGUMENT, wherever it came, so a driver answering it for an
+/// unused index in the middle hid every later profile (the `+me` and `1g.20gb` ones here, or Blackwell's
+/// `+gfx`/`-me`). NVIDIA's DRA driver skips such an index and goes on (`nvlib.go`:552-554). MIG is on, so
+/// the code before the N6 fix reads the profiles too and fails on this alone.
+#[test]
+fn an_invalid_argument_for_a_middle_profile_index_does_not_hide_the_later_profiles() {
+    let driver = SimDriver::new().mig_gpus(H100, 2).build();
+    // GPU 0: index 5 (8_SLICE, not on an H100) refused as an invalid argument; and a profile at 0x11.
+    fs::write(
+        driver.kernel.join("test-gi-profiles"),
+        "0 5 INVALID_ARGUMENT\n0 17 30 3g.40gb+gfx 3 4 60 40448 2 0,4\n",
+    )
+    .unwrap();
+    let found = driver.nvml().discover().unwrap();
+    let listed = listed_profiles(&found, 0);
+    let mut want = h100_profiles();
+    want.push((0x11, "3g.40gb+gfx".to_string(), 30, 2));
+    assert_eq!(listed, want, "every profile after index 5 is still listed");
+    assert_eq!(listed_profiles(&found, 1), h100_profiles(), "GPU 1 is untouched");
+}
+
 // === 5. NVML errors 18, 9, 1 in the health probe ===
 
 /// Defect 5: the probe called every NVML error but GPU_IS_LOST "answering", so GPUs whose library no

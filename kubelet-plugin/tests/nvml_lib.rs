@@ -148,7 +148,8 @@ fn a_mig_device_handle_carries_the_mig_uuid_and_the_compute_instance_info_names_
 
 #[test]
 fn profile_indices_past_the_last_known_are_invalid_argument_and_ones_the_gpu_lacks_not_supported() {
-    let driver = SimDriver::new().gpus("H100-SXM5-80GB", 1).build();
+    // MIG on: the V call refuses every index with MIG off (the next test).
+    let driver = SimDriver::new().mig_gpus("H100-SXM5-80GB", 1).build();
     let nvml = driver.nvml_wrapper();
     let device = nvml.device_by_index(0).unwrap();
     let lib = nvml.lib();
@@ -194,6 +195,43 @@ fn profile_indices_past_the_last_known_are_invalid_argument_and_ones_the_gpu_lac
         let mut v1: nvmlGpuInstanceProfileInfo_t = mem::zeroed();
         assert_eq!(get_v1(device.handle(), 4, &mut v1), 0);
         assert_eq!((v1.id, v1.multiprocessorCount), (0, 132));
+    }
+}
+
+/// nvml.h:12855: the V call answers NOT_SUPPORTED "If device doesn't have MIG mode enabled"; nvml.h:12824:
+/// v1 only if the device "doesn't support MIG". MIG off is the boot default.
+#[test]
+fn with_mig_off_the_v_profile_call_refuses_and_the_v1_call_answers() {
+    let driver = SimDriver::new().gpus("H100-SXM5-80GB", 1).build();
+    let nvml = driver.nvml_wrapper();
+    let device = nvml.device_by_index(0).unwrap();
+    let lib = nvml.lib();
+    // SAFETY: a live device handle and zeroed plain-data structs with the version nvml.h asks for.
+    unsafe {
+        let get_v = nvml_sym(lib.nvmlDeviceGetGpuInstanceProfileInfoV.as_ref()).unwrap();
+        let get_v1 = nvml_sym(lib.nvmlDeviceGetGpuInstanceProfileInfo.as_ref()).unwrap();
+        let mut v3: nvmlGpuInstanceProfileInfo_v3_t = mem::zeroed();
+        v3.version = struct_version::<nvmlGpuInstanceProfileInfo_v3_t>(3);
+        assert_eq!(
+            get_v(device.handle(), 0, ptr::from_mut(&mut v3).cast()),
+            3,
+            "v3: NOT_SUPPORTED with MIG off"
+        );
+        let mut v2: nvmlGpuInstanceProfileInfo_v2_t = mem::zeroed();
+        v2.version = struct_version::<nvmlGpuInstanceProfileInfo_v2_t>(2);
+        assert_eq!(
+            get_v(device.handle(), 0, &mut v2),
+            3,
+            "v2: NOT_SUPPORTED with MIG off"
+        );
+        let mut v1: nvmlGpuInstanceProfileInfo_t = mem::zeroed();
+        assert_eq!(get_v1(device.handle(), 0, &mut v1), 0);
+        assert_eq!((v1.id, v1.instanceCount, v1.memorySizeMB), (19, 7, 9984));
+        assert_eq!(
+            get_v1(device.handle(), 0x12, &mut v1),
+            2,
+            "v1 still ends at INVALID_ARGUMENT"
+        );
     }
 }
 

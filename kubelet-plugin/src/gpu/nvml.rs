@@ -189,14 +189,17 @@ fn cores_per_sm(major: i32, minor: i32) -> Option<u32> {
     }
 }
 
-/// Profile name when the driver gives none (v1 profile info): the built-in table for a known model, else
-/// `<slices>g.<GiB rounded up>gb` plus the suffix of the profile index's variant.
+/// Profile name when the driver gives none (MIG off, where only the v1 profile call answers, or a driver
+/// without the V call): the built-in table for a known model, else `<slices>g.<GB>gb` plus the suffix of the
+/// profile index's variant, the GB as NVIDIA names them ([`mig_memory_gb`]), so that a GPU of a model the
+/// table lacks is named alike with MIG off and with MIG on, where the driver's name is used.
 pub fn derive_profile_name(
     pci_device_id: u16,
     profile_id: u32,
     index: u32,
     slices: u32,
     memory_mib: u64,
+    gpu_memory_bytes: u64,
 ) -> String {
     if let Some(p) = models::model_by_pci_device_id(pci_device_id).and_then(|m| m.profile_by_id(profile_id)) {
         return p.name.to_string();
@@ -208,7 +211,25 @@ pub fn derive_profile_name(
         0xF | 0x10 => "+me.all",
         _ => "",
     };
-    format!("{slices}g.{}gb{suffix}", memory_mib.div_ceil(1024))
+    format!(
+        "{slices}g.{}gb{suffix}",
+        mig_memory_gb(memory_mib, gpu_memory_bytes)
+    )
+}
+
+/// The GB in a MIG profile's name, by NVIDIA's rule (go-nvlib `pkg/nvlib/device/mig_profile.go`,
+/// `getMigMemorySizeGB`, which NVIDIA's DRA driver names profiles with): the profile's share of the GPU's
+/// memory rounded up to an eighth, times the GPU's memory in GiB rounded up, rounded to the nearest. Not the
+/// profile's own GiB: an H200's `1g.18gb` has 16 GiB. In integers, so no rounding of floats moves a
+/// boundary; with no GPU memory known, the profile's GiB rounded up.
+fn mig_memory_gb(memory_mib: u64, gpu_memory_bytes: u64) -> u64 {
+    if gpu_memory_bytes == 0 {
+        return memory_mib.div_ceil(1024);
+    }
+    let eighths = u128::from(memory_mib << 23).div_ceil(u128::from(gpu_memory_bytes));
+    let gpu_gib = u128::from(gpu_memory_bytes.div_ceil(1 << 30));
+    // round(eighths / 8 * gpu_gib), halves away from zero as Go's math.Round.
+    ((eighths * gpu_gib * 2 + 8) / 16) as u64
 }
 
 /// Reads `DeviceFileMinor: N` from a `/proc/driver/nvidia/capabilities/.../access` file; an error naming
@@ -533,13 +554,15 @@ impl NvmlBackend {
     }
 
     /// GI profiles of a GPU as `(profile id, instance count)`, every index the driver knows
-    /// ([`nvml_raw::enumerate_gi_profiles`]).
+    /// ([`nvml_raw::enumerate_gi_profiles`]); no names, so never the V call.
     fn gi_profiles(&self, device: &Device<'_>) -> Vec<(u32, u32)> {
-        nvml_raw::enumerate_gi_profiles(|index| nvml_raw::gpu_instance_profile(&self.nvml, device, index))
-            .into_iter()
-            .filter_map(|(_, p)| p.ok())
-            .map(|p| (p.id, p.instance_count))
-            .collect()
+        nvml_raw::enumerate_gi_profiles(|index| {
+            nvml_raw::gpu_instance_profile(&self.nvml, device, index, false)
+        })
+        .into_iter()
+        .filter_map(|(_, p)| p.ok())
+        .map(|p| (p.id, p.instance_count))
+        .collect()
     }
 
     /// MIG capability and profiles of one GPU; `None` when it is not MIG-capable. Needs hardware.
@@ -549,6 +572,7 @@ impl NvmlBackend {
         device: &Device<'_>,
         pci_device_id: u16,
         raw_arch: Option<u32>,
+        gpu_memory_bytes: u64,
     ) -> Option<MigInfo> {
         let mode = match device.mig_mode() {
             Ok(mode) => mode,
@@ -569,8 +593,11 @@ impl NvmlBackend {
             return None;
         }
         let mut profiles = Vec::new();
+        // Read with MIG off too (the v1 call, as NVIDIA's DRA driver does): a MIG-capable GPU whose MIG
+        // mode is off still offers its profiles, and dynamic MIG turns the mode on when a claim needs it.
+        let mig_enabled = mode.current == 1;
         let enumerated = nvml_raw::enumerate_gi_profiles(|index| {
-            nvml_raw::gpu_instance_profile(&self.nvml, device, index)
+            nvml_raw::gpu_instance_profile(&self.nvml, device, index, mig_enabled)
         });
         for (index, info) in enumerated {
             let info = match info {
@@ -595,7 +622,14 @@ impl NvmlBackend {
                 }
             };
             let name = info.name.clone().unwrap_or_else(|| {
-                derive_profile_name(pci_device_id, info.id, index, info.slice_count, info.memory_mib)
+                derive_profile_name(
+                    pci_device_id,
+                    info.id,
+                    index,
+                    info.slice_count,
+                    info.memory_mib,
+                    gpu_memory_bytes,
+                )
             });
             profiles.push(MigProfileInfo {
                 name,
@@ -615,7 +649,7 @@ impl NvmlBackend {
             });
         }
         Some(MigInfo {
-            enabled: mode.current == 1,
+            enabled: mig_enabled,
             mode_toggle_without_reset: raw_arch.is_some_and(mig_toggle_without_reset),
             memory_slices: profiles
                 .iter()
@@ -702,7 +736,7 @@ impl NvmlBackend {
             pci_bus_id,
             pcie_root,
             numa_node,
-            mig: self.mig_info(index, &device, pci_device_id, raw_arch),
+            mig: self.mig_info(index, &device, pci_device_id, raw_arch, memory.total),
             healthy: true,
         })
     }
@@ -1313,12 +1347,38 @@ mod tests {
 
     #[test]
     fn profile_names_come_from_the_model_table_or_are_derived() {
-        // H200 names do not follow memory (1g.18gb is 16 GiB), so the table wins for known GPUs.
-        assert_eq!(derive_profile_name(0x2335, 19, 0, 1, 16384), "1g.18gb");
-        assert_eq!(derive_profile_name(0x2330, 20, 7, 1, 9984), "1g.10gb+me");
-        assert_eq!(derive_profile_name(0x1234, 19, 0, 1, 9984), "1g.10gb");
-        assert_eq!(derive_profile_name(0x1234, 20, 7, 1, 9984), "1g.10gb+me");
-        assert_eq!(derive_profile_name(0x1234, 40, 0xD, 1, 11000), "1g.11gb-me");
+        const GB80: u64 = 81559 << 20;
+        assert_eq!(derive_profile_name(0x2335, 19, 0, 1, 16384, 0), "1g.18gb");
+        assert_eq!(derive_profile_name(0x2330, 20, 7, 1, 9984, 0), "1g.10gb+me");
+        assert_eq!(derive_profile_name(0x1234, 19, 0, 1, 9984, GB80), "1g.10gb");
+        assert_eq!(derive_profile_name(0x1234, 20, 7, 1, 9984, GB80), "1g.10gb+me");
+        assert_eq!(derive_profile_name(0x1234, 40, 0xD, 1, 11000, 0), "1g.11gb-me");
+        // A GPU the table lacks, of 95830 MiB: a 1g of 11008 MiB (10.75 GiB) is an eighth of it by NVIDIA's
+        // rule, 12 GB of 94, where its GiB rounded up would say 11.
+        assert_eq!(
+            derive_profile_name(0x1234, 19, 0, 1, 11008, 95830 << 20),
+            "1g.12gb"
+        );
+    }
+
+    #[test]
+    fn derived_profile_names_are_the_drivers_names_of_every_known_model() {
+        // With MIG off the driver gives no name (only v1 answers) and with MIG on it does: a model the table
+        // lacks must get the same name both ways, which NVIDIA's rule gives for every profile tessera knows,
+        // the H200's 1g.18gb of 16 GiB included.
+        for model in models::MODELS {
+            for p in model.mig_profiles {
+                let derived = derive_profile_name(
+                    0xFFFF,
+                    p.id,
+                    p.index,
+                    p.compute_slices,
+                    p.memory_mib,
+                    model.memory_mib << 20,
+                );
+                assert_eq!(derived, p.name, "{} index {}", model.name, p.index);
+            }
+        }
     }
 
     #[test]

@@ -101,7 +101,8 @@ pub(super) struct GiProfile {
     pub jpeg_engines: u32,
     pub ofa_engines: u32,
     pub memory_mib: u64,
-    /// `3g.40gb` (the driver's `MIG 3g.40gb` without the prefix); `None` from the v1 call.
+    /// `3g.40gb` (the driver's `MIG 3g.40gb` without the prefix), from the V call; `None` with MIG off or
+    /// from a driver without the V call.
     pub name: Option<String>,
 }
 
@@ -113,83 +114,73 @@ fn c_name(raw: &[std::os::raw::c_char]) -> Option<String> {
     (!name.is_empty()).then(|| name.to_string())
 }
 
-/// `nvmlDeviceGetGpuInstanceProfileInfoV` (v3, then v2 for older drivers), falling back to the v1
-/// `nvmlDeviceGetGpuInstanceProfileInfo` (no name) when the driver lacks the versioned call.
-pub(super) fn gpu_instance_profile(nvml: &Nvml, device: &Device<'_>, index: u32) -> RawResult<GiProfile> {
-    // SAFETY: the handle belongs to a live Device; the structs are plain data the driver fills in; the
-    // v2 and v3 structs are passed through the binding's v2 pointer type, as nvml.h does, with the
-    // version field telling the driver which layout it got.
-    unsafe {
-        let handle = device.handle();
-        if let Ok(get_v) = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceProfileInfoV.as_ref()) {
-            let mut v3: nvmlGpuInstanceProfileInfo_v3_t = mem::zeroed();
-            v3.version = struct_version::<nvmlGpuInstanceProfileInfo_v3_t>(3);
-            let ret = get_v(handle, index, ptr::from_mut(&mut v3).cast());
-            if ret == NVML_SUCCESS {
-                return Ok(GiProfile {
-                    id: v3.id,
-                    slice_count: v3.sliceCount,
-                    instance_count: v3.instanceCount,
-                    multiprocessors: v3.multiprocessorCount,
-                    copy_engines: v3.copyEngineCount,
-                    decoders: v3.decoderCount,
-                    encoders: v3.encoderCount,
-                    jpeg_engines: v3.jpegCount,
-                    ofa_engines: v3.ofaCount,
-                    memory_mib: v3.memorySizeMB,
-                    name: c_name(&v3.name),
-                });
-            }
-            if ret != NVML_ERROR_ARGUMENT_VERSION_MISMATCH {
-                return Err(RawError {
-                    call: "nvmlDeviceGetGpuInstanceProfileInfoV",
-                    code: ret,
-                });
-            }
-            let mut v2: nvmlGpuInstanceProfileInfo_v2_t = mem::zeroed();
-            v2.version = struct_version::<nvmlGpuInstanceProfileInfo_v2_t>(2);
-            let ret = get_v(handle, index, &mut v2);
-            if ret == NVML_SUCCESS {
-                return Ok(GiProfile {
-                    id: v2.id,
-                    slice_count: v2.sliceCount,
-                    instance_count: v2.instanceCount,
-                    multiprocessors: v2.multiprocessorCount,
-                    copy_engines: v2.copyEngineCount,
-                    decoders: v2.decoderCount,
-                    encoders: v2.encoderCount,
-                    jpeg_engines: v2.jpegCount,
-                    ofa_engines: v2.ofaCount,
-                    memory_mib: v2.memorySizeMB,
-                    name: c_name(&v2.name),
-                });
-            }
-            if ret != NVML_ERROR_ARGUMENT_VERSION_MISMATCH {
-                return Err(RawError {
-                    call: "nvmlDeviceGetGpuInstanceProfileInfoV",
-                    code: ret,
-                });
-            }
-        }
-        let get_v1 = sym!(nvml, nvmlDeviceGetGpuInstanceProfileInfo);
+/// GPU-instance profile index `index` as NVIDIA's DRA driver reads it (`cmd/gpu-kubelet-plugin/nvlib.go`
+/// 547-556): the v1 `nvmlDeviceGetGpuInstanceProfileInfo`, which answers whatever the MIG mode — nvml.h
+/// (go-nvml `gen/nvml/nvml.h`:12824) refuses it only "If device doesn't support MIG". The versioned call
+/// answers NOT_SUPPORTED "If device doesn't have MIG mode enabled" (nvml.h:12855), and MIG off is the boot
+/// default and the state tessera restores after the last GPU instance goes: reading profiles through it hid
+/// every profile of such a GPU and with them dynamic MIG (review N6). It is asked only for what v1 lacks, the
+/// driver's profile name, and only with `mig_enabled` (the GPU's current MIG mode).
+pub(super) fn gpu_instance_profile(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    index: u32,
+    mig_enabled: bool,
+) -> RawResult<GiProfile> {
+    let get_v1 = sym!(nvml, nvmlDeviceGetGpuInstanceProfileInfo);
+    // SAFETY: the handle belongs to a live Device; the struct is plain data the driver fills in.
+    let v1 = unsafe {
         let mut v1: nvmlGpuInstanceProfileInfo_t = mem::zeroed();
         check(
             "nvmlDeviceGetGpuInstanceProfileInfo",
-            get_v1(handle, index, &mut v1),
+            get_v1(device.handle(), index, &mut v1),
         )?;
-        Ok(GiProfile {
-            id: v1.id,
-            slice_count: v1.sliceCount,
-            instance_count: v1.instanceCount,
-            multiprocessors: v1.multiprocessorCount,
-            copy_engines: v1.copyEngineCount,
-            decoders: v1.decoderCount,
-            encoders: v1.encoderCount,
-            jpeg_engines: v1.jpegCount,
-            ofa_engines: v1.ofaCount,
-            memory_mib: v1.memorySizeMB,
-            name: None,
-        })
+        v1
+    };
+    let name = if mig_enabled {
+        gpu_instance_profile_name(nvml, device, index, v1.id)
+    } else {
+        None
+    };
+    Ok(GiProfile {
+        id: v1.id,
+        slice_count: v1.sliceCount,
+        instance_count: v1.instanceCount,
+        multiprocessors: v1.multiprocessorCount,
+        copy_engines: v1.copyEngineCount,
+        decoders: v1.decoderCount,
+        encoders: v1.encoderCount,
+        jpeg_engines: v1.jpegCount,
+        ofa_engines: v1.ofaCount,
+        memory_mib: v1.memorySizeMB,
+        name,
+    })
+}
+
+/// The driver's name of GI profile index `index` (ID `id`, as v1 answered) from
+/// `nvmlDeviceGetGpuInstanceProfileInfoV`, v3 then v2 for drivers older than the v3 struct. `None` where
+/// the driver lacks the call or refuses it (NOT_SUPPORTED with MIG off, nvml.h:12855): the caller then
+/// derives the name, as for v1-only drivers.
+fn gpu_instance_profile_name(nvml: &Nvml, device: &Device<'_>, index: u32, id: u32) -> Option<String> {
+    let get_v = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceProfileInfoV.as_ref()).ok()?;
+    // SAFETY: the handle belongs to a live Device; the structs are plain data the driver fills in; the v3
+    // struct is passed through the binding's v2 pointer type, as nvml.h does, with the version field
+    // telling the driver which layout it got.
+    unsafe {
+        let handle = device.handle();
+        let mut v3: nvmlGpuInstanceProfileInfo_v3_t = mem::zeroed();
+        v3.version = struct_version::<nvmlGpuInstanceProfileInfo_v3_t>(3);
+        match get_v(handle, index, ptr::from_mut(&mut v3).cast()) {
+            NVML_SUCCESS if v3.id == id => return c_name(&v3.name),
+            NVML_ERROR_ARGUMENT_VERSION_MISMATCH => {}
+            _ => return None,
+        }
+        let mut v2: nvmlGpuInstanceProfileInfo_v2_t = mem::zeroed();
+        v2.version = struct_version::<nvmlGpuInstanceProfileInfo_v2_t>(2);
+        match get_v(handle, index, &mut v2) {
+            NVML_SUCCESS if v2.id == id => c_name(&v2.name),
+            _ => None,
+        }
     }
 }
 
@@ -453,21 +444,28 @@ pub(super) fn gpu_fabric_info(nvml: &Nvml, device: &Device<'_>) -> RawResult<Opt
     }
 }
 
-/// The most GI profile indices asked about: `nvml.h` has 0x12 today; enumeration stops at the first
-/// `INVALID_ARGUMENT`, and this bound only guards against a driver that never answers it.
+/// `NVML_GPU_INSTANCE_PROFILE_COUNT` of the nvml.h tessera follows (go-nvml `gen/nvml/nvml.h`:12529),
+/// NVIDIA's DRA driver's bound. nvml-wrapper-sys's binding says 17, one short of index 0x11.
+pub(super) const NVML_H_GI_PROFILE_COUNT: u32 = 0x12;
+
+/// The most GI profile indices asked about: past [`NVML_H_GI_PROFILE_COUNT`] the enumeration ends at the
+/// first `INVALID_ARGUMENT`, and this bound only guards against a driver that never answers it.
 pub(super) const GI_PROFILE_INDEX_LIMIT: u32 = 64;
 
-/// Asks `get` for GI profile indices 0, 1, … until it answers `INVALID_ARGUMENT` (2) — `nvml.h`: "iterate
-/// until the API returns NVML_ERROR_INVALID_ARGUMENT" — skipping `NOT_SUPPORTED` (3, an index the GPU
-/// lacks), up to [`GI_PROFILE_INDEX_LIMIT`]. Other errors are returned with their index, and the
-/// enumeration goes on. A binding's `NVML_GPU_INSTANCE_PROFILE_COUNT` is not the end: newer drivers know
-/// more profiles (`3g+gfx`, index 0x11, R575+) than an older binding's count.
+/// Asks `get` for GI profile indices 0, 1, … up to [`GI_PROFILE_INDEX_LIMIT`], skipping `NOT_SUPPORTED` (3,
+/// an index the GPU lacks). Below [`NVML_H_GI_PROFILE_COUNT`] an `INVALID_ARGUMENT` (2) is skipped too, as
+/// NVIDIA's DRA driver does (`cmd/gpu-kubelet-plugin/nvlib.go`:552-554): a driver answering it for an
+/// unused index in the middle must not hide the later profiles (review N12). From that count on, the first
+/// `INVALID_ARGUMENT` ends the enumeration — nvml.h:12811, "until the API returns
+/// NVML_ERROR_INVALID_ARGUMENT" — so profiles a newer driver knows past the header's count (and past an
+/// older binding's 17, like `3g+gfx` at 0x11 on R575+) are still found. Other errors are returned with
+/// their index, and the enumeration goes on.
 pub(super) fn enumerate_gi_profiles<T>(mut get: impl FnMut(u32) -> RawResult<T>) -> Vec<(u32, RawResult<T>)> {
     let mut out = Vec::new();
     for index in 0..GI_PROFILE_INDEX_LIMIT {
         match get(index) {
-            Err(RawError { code: 2, .. }) => break,
-            Err(RawError { code: 3, .. }) => continue,
+            Err(RawError { code: 2, .. }) if index >= NVML_H_GI_PROFILE_COUNT => break,
+            Err(RawError { code: 2 | 3, .. }) => continue,
             other => out.push((index, other)),
         }
     }
@@ -651,23 +649,24 @@ mod tests {
     #[test]
     fn gi_profiles_are_enumerated_until_invalid_argument_past_the_bindings_count() {
         // Defect: enumeration stopped at nvml-wrapper-sys's NVML_GPU_INSTANCE_PROFILE_COUNT (17), so a
-        // profile at index 0x11 (3g+gfx, R575+) was never seen.
-        let known = [0, 1, 0x11];
+        // profile at index 0x11 (3g+gfx, R575+) was never seen; and a newer driver's index past nvml.h's
+        // count is found too.
+        let known = [0, 1, 0x11, 0x12, 0x13];
         let asked = std::cell::RefCell::new(Vec::new());
         let found = enumerate_gi_profiles(|i| {
             asked.borrow_mut().push(i);
             match i {
                 i if known.contains(&i) => Ok(i * 10),
-                i if i <= 0x11 => Err(RawError { call: "x", code: 3 }),
+                i if i <= 0x13 => Err(RawError { call: "x", code: 3 }),
                 _ => Err(RawError { call: "x", code: 2 }),
             }
         });
         let indices: Vec<u32> = found.iter().map(|(i, _)| *i).collect();
-        assert_eq!(indices, [0, 1, 0x11]);
+        assert_eq!(indices, [0, 1, 0x11, 0x12, 0x13]);
         assert_eq!(
             *asked.borrow().last().unwrap(),
-            0x12,
-            "stops at the first INVALID_ARGUMENT"
+            0x14,
+            "stops at the first INVALID_ARGUMENT past nvml.h's count"
         );
         let never = enumerate_gi_profiles(|_| Err::<u32, _>(RawError { call: "x", code: 3 }));
         assert!(never.is_empty());
@@ -679,6 +678,29 @@ mod tests {
         assert_eq!(
             calls, GI_PROFILE_INDEX_LIMIT,
             "a driver that never says INVALID_ARGUMENT is capped"
+        );
+    }
+
+    #[test]
+    fn an_invalid_argument_below_nvml_h_count_is_skipped_and_the_later_profiles_still_found() {
+        // N12: the first INVALID_ARGUMENT ended the enumeration wherever it came, so a driver answering it
+        // for an unused index in the middle hid every later profile (NVIDIA's DRA skips it and goes on).
+        let asked = std::cell::RefCell::new(Vec::new());
+        let found = enumerate_gi_profiles(|i| {
+            asked.borrow_mut().push(i);
+            match i {
+                0 | 7 | 9 | 0x11 => Ok(i),
+                5 | 6 | 0xA => Err(RawError { call: "x", code: 2 }),
+                i if i < NVML_H_GI_PROFILE_COUNT => Err(RawError { call: "x", code: 3 }),
+                _ => Err(RawError { call: "x", code: 2 }),
+            }
+        });
+        let indices: Vec<u32> = found.iter().map(|(i, _)| *i).collect();
+        assert_eq!(indices, [0, 7, 9, 0x11]);
+        assert_eq!(
+            *asked.borrow(),
+            (0..=NVML_H_GI_PROFILE_COUNT).collect::<Vec<_>>(),
+            "every index up to nvml.h's count, then the first INVALID_ARGUMENT past it ends"
         );
     }
 

@@ -45,8 +45,12 @@ fn gi_profile_by_index(model: &'static GpuModel, index: u32) -> R<&'static MigPr
         .ok_or(NOT_SUPPORTED)
 }
 
-/// [`gi_profile_by_index`], or a profile a test added at that index ([`crate::test_profiles`]).
+/// [`gi_profile_by_index`], or a profile a test added at that index, or the INVALID_ARGUMENT a test made
+/// that index answer ([`crate::test_profiles`]).
 fn gi_profile_or_test_profile(lib: &Lib, gpu: u32, index: u32) -> R<&'static MigProfile> {
+    if crate::test_profiles::refused(lib.sim.kernel_dir(), gpu, index) {
+        return Err(INVALID_ARGUMENT);
+    }
     match gi_profile_by_index(lib.model(gpu)?, index) {
         Err(NOT_SUPPORTED) => {
             crate::test_profiles::by_index(lib.sim.kernel_dir(), gpu, index).ok_or(NOT_SUPPORTED)
@@ -157,7 +161,9 @@ fn gi_profile_v1(p: &MigProfile) -> nvmlGpuInstanceProfileInfo_t {
 }
 
 /// The profile at NVML index `profile` (not its ID): INVALID_ARGUMENT past the last index, NOT_SUPPORTED
-/// for one this GPU lacks. Answered with MIG mode off too, as current drivers do (`gpu-mig-mps.md` 3.1).
+/// for one this GPU lacks. Answered with MIG mode off too: nvml.h (go-nvml `gen/nvml/nvml.h`:12824) refuses
+/// it only "If device doesn't support MIG or profile isn't supported", and NVIDIA's DRA driver enumerates
+/// profiles with it on GPUs whose MIG mode is off (`cmd/gpu-kubelet-plugin/nvlib.go`:547-556).
 ///
 /// # Safety
 /// `info` is null or valid.
@@ -177,7 +183,9 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
 }
 
 /// Versions 2 and 3 of the struct, told apart by its `version` field; any other is
-/// ARGUMENT_VERSION_MISMATCH.
+/// ARGUMENT_VERSION_MISMATCH. NOT_SUPPORTED while the GPU's current MIG mode is off, unlike v1: nvml.h
+/// (go-nvml `gen/nvml/nvml.h`:12855) says the V call answers it "If device doesn't have MIG mode enabled",
+/// so a plugin that lists profiles through it sees none on a GPU whose MIG mode is off (review N6).
 ///
 /// # Safety
 /// `info` is null or valid for the struct version it names.
@@ -192,6 +200,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoV(
         // SAFETY: by the caller's contract.
         let (version, v3) = unsafe { v2_or_v3::<_, nvmlGpuInstanceProfileInfo_v3_t>(info) }?;
         let gpu = lib.gpu(device)?;
+        require_mig(&lib, gpu)?;
         let p = gi_profile_or_test_profile(&lib, gpu, profile)?;
         let v1 = gi_profile_v1(p);
         let mut name = [0; 96];

@@ -9,10 +9,14 @@
 //!
 //! ```text
 //! <kernel gpu> <index> <id> <name> <compute slices> <memory slices> <SMs> <MiB> <instance count> <starts,…>
+//! <kernel gpu> <index> INVALID_ARGUMENT
 //! ```
 //!
 //! Only enumeration answers them (`nvmlDeviceGetGpuInstanceProfileInfo[V]`,
-//! `nvmlDeviceGetGpuInstancePossiblePlacements_v2`); creating an instance of one is not supported.
+//! `nvmlDeviceGetGpuInstancePossiblePlacements_v2`); creating an instance of one is not supported. The
+//! second form makes both profile-info calls answer INVALID_ARGUMENT at that index, below the last one, as a
+//! driver may for an index it leaves unused (review N12: NVIDIA's DRA driver skips such an index and goes on,
+//! `cmd/gpu-kubelet-plugin/nvlib.go`:552-554, where the `nvml.h` note would end the enumeration there).
 
 use std::path::Path;
 
@@ -55,6 +59,19 @@ fn extra(kernel: &Path, gpu: u32) -> Vec<MigProfile> {
         .filter(|(g, _)| *g == gpu)
         .map(|(_, p)| p)
         .collect()
+}
+
+/// Whether a test made `gpu`'s profile index `index` answer INVALID_ARGUMENT.
+pub(crate) fn refused(kernel: &Path, gpu: u32, index: u32) -> bool {
+    std::fs::read_to_string(kernel.join(FILE))
+        .unwrap_or_default()
+        .lines()
+        .any(|line| {
+            matches!(
+                line.split_whitespace().collect::<Vec<_>>().as_slice(),
+                [g, i, "INVALID_ARGUMENT"] if g.parse() == Ok(gpu) && i.parse() == Ok(index)
+            )
+        })
 }
 
 /// The test profile of `gpu` at NVML index `index`, if a test added one.
