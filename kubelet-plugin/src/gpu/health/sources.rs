@@ -65,6 +65,18 @@ pub fn failure_of(fault: &Fault, extra_ignored_xids: &[u32]) -> Option<Failure> 
                 .unwrap_or_else(|| format!("GPU {} answers NVML error {code}", fault.gpu));
             (HealthReason::GpuLost, message)
         }
+        // What the NVML source reads from `nvmlDeviceGetGpuFabricInfoV` for these faults.
+        FaultKind::FabricDegraded => (
+            HealthReason::Fabric,
+            format!(
+                "GPU {}'s NVLink fabric reports health LIMITED_CAPACITY, NVLink bandwidth degraded",
+                fault.gpu
+            ),
+        ),
+        FaultKind::FabricUnhealthy => (
+            HealthReason::Fabric,
+            format!("GPU {}'s NVLink fabric reports health UNHEALTHY", fault.gpu),
+        ),
     };
     Some(Failure {
         gpu: fault.gpu,
@@ -104,8 +116,10 @@ impl HealthSource for SimulatedSource {
     }
 }
 
-/// How often every GPU is asked whether it still answers: the probe catches a GPU that fell off the bus
-/// without an event, a driver the library no longer matches, and is the only sign that a lost GPU is back.
+/// How often every GPU is asked whether it still answers and how its NVLink fabric is: the probe catches
+/// a GPU that fell off the bus without an event, a driver the library no longer matches, is the only sign
+/// that a lost GPU is back, and the only way a fabric that completes after the plugin started (or degrades
+/// later) is seen: NVML has no event for either.
 pub const PROBE_EVERY: Duration = Duration::from_secs(10);
 
 /// The failure of a GPU that answers NVML with `code`, with what to do about it; `None` for codes that
@@ -173,6 +187,7 @@ pub struct NvmlSource {
     reregister_every: Duration,
     /// Set when the set may have stopped delivering (see the type's doc); registered again next poll.
     needs_registration: bool,
+    probe_every: Duration,
 }
 
 impl NvmlSource {
@@ -192,7 +207,14 @@ impl NvmlSource {
             registered_at: None,
             reregister_every: REREGISTER_EVERY,
             needs_registration: false,
+            probe_every: PROBE_EVERY,
         }
+    }
+
+    /// Probes every GPU this often instead of every [`PROBE_EVERY`].
+    pub fn probe_every(mut self, every: Duration) -> Self {
+        self.probe_every = every;
+        self
     }
 
     /// Registers the event set again at least this often (see [`REREGISTER_EVERY`]).
@@ -232,6 +254,7 @@ impl NvmlSource {
                         changed = true;
                     }
                     out.push(Observation::Answering { gpu });
+                    out.push(fabric_observation(gpu, self.backend.fabric_problem(gpu)));
                 }
             }
         }
@@ -288,6 +311,23 @@ impl NvmlSource {
                 false
             }
         }
+    }
+}
+
+/// What the probe reports of a GPU's fabric: [`HealthReason::Fabric`] while `problem` says why it is not
+/// fit for work (still training, or reporting itself unhealthy), else that it is ready. A GPU whose fabric
+/// is not ready stays published and is tainted `NoSchedule` instead of being left out, so it is offered
+/// once its fabric completes and a claim already prepared on it is never pulled from under its pod.
+pub fn fabric_observation(gpu: u32, problem: Option<String>) -> Observation {
+    match problem {
+        Some(message) => Observation::Failed(Failure {
+            gpu,
+            gpu_instance: None,
+            reason: HealthReason::Fabric,
+            xid: None,
+            message,
+        }),
+        None => Observation::FabricReady { gpu },
     }
 }
 
@@ -358,7 +398,7 @@ impl HealthSource for NvmlSource {
             self.needs_registration = needed;
             return out;
         }
-        if self.last_probe.is_none_or(|t| t.elapsed() >= PROBE_EVERY) {
+        if self.last_probe.is_none_or(|t| t.elapsed() >= self.probe_every) {
             out.extend(self.probe());
         }
         let Some(events) = self.events.as_mut() else {
@@ -461,6 +501,18 @@ mod tests {
             assert!(f.message.contains(hint), "{hint}: {}", f.message);
         }
         assert_eq!(unanswered(3, 3, ""), None, "NOT_SUPPORTED leaves the GPU usable");
+    }
+
+    #[test]
+    fn a_fabric_not_fit_for_work_is_a_fabric_failure_and_a_fit_one_clears_it() {
+        let Observation::Failed(f) = fabric_observation(4, Some("training".into())) else {
+            panic!("a fabric problem is a failure");
+        };
+        assert_eq!(
+            (f.gpu, f.gpu_instance, f.reason, f.message.as_str()),
+            (4, None, HealthReason::Fabric, "training")
+        );
+        assert_eq!(fabric_observation(4, None), Observation::FabricReady { gpu: 4 });
     }
 
     #[test]
