@@ -19,6 +19,8 @@ pub struct SimulatedSource {
     extra_ignored_xids: Vec<u32>,
     started: bool,
     last_error: Option<String>,
+    /// The simulated hardware, whose NVLink fabric is read as the NVML source reads a real one.
+    fabric: Option<(tessera_sim_model::backend::SimulatedBackend, u32)>,
 }
 
 #[cfg(feature = "simulated")]
@@ -29,7 +31,42 @@ impl SimulatedSource {
             extra_ignored_xids,
             started: false,
             last_error: None,
+            fabric: None,
         }
+    }
+
+    /// Also reads the NVLink fabric of GPUs `0..gpu_count` of `hardware` every poll ([`fabric_observation`]
+    /// of [`crate::gpu::nvml::fabric_verdict`]): a fabric still training (`fabricCompletesAfterMs` in the
+    /// node file) or degraded (`simulate degrade-fabric`) is reported as the NVML source reports it.
+    pub fn with_fabric(
+        mut self,
+        hardware: tessera_sim_model::backend::SimulatedBackend,
+        gpu_count: u32,
+    ) -> Self {
+        self.fabric = Some((hardware, gpu_count));
+        self
+    }
+
+    fn fabric_failures(&self) -> Vec<Failure> {
+        let Some((hardware, count)) = &self.fabric else {
+            return vec![];
+        };
+        (0..*count)
+            .filter_map(|gpu| {
+                let f = hardware.fabric(gpu).ok()??;
+                let why = crate::gpu::nvml::fabric_verdict(
+                    gpu,
+                    f.state,
+                    f.status,
+                    Some(f.health_summary),
+                    Some(f.health_mask),
+                );
+                match fabric_observation(gpu, why) {
+                    Observation::Failed(failure) => Some(failure),
+                    _ => None,
+                }
+            })
+            .collect()
     }
 }
 
@@ -65,18 +102,9 @@ pub fn failure_of(fault: &Fault, extra_ignored_xids: &[u32]) -> Option<Failure> 
                 .unwrap_or_else(|| format!("GPU {} answers NVML error {code}", fault.gpu));
             (HealthReason::GpuLost, message)
         }
-        // What the NVML source reads from `nvmlDeviceGetGpuFabricInfoV` for these faults.
-        FaultKind::FabricDegraded => (
-            HealthReason::Fabric,
-            format!(
-                "GPU {}'s NVLink fabric reports health LIMITED_CAPACITY, NVLink bandwidth degraded",
-                fault.gpu
-            ),
-        ),
-        FaultKind::FabricUnhealthy => (
-            HealthReason::Fabric,
-            format!("GPU {}'s NVLink fabric reports health UNHEALTHY", fault.gpu),
-        ),
+        // They change what the GPU's fabric reports, which [`SimulatedSource::with_fabric`] reads (a GPU
+        // without a fabric has nothing to degrade).
+        FaultKind::FabricDegraded | FaultKind::FabricUnhealthy => return None,
     };
     Some(Failure {
         gpu: fault.gpu,
@@ -97,10 +125,11 @@ impl HealthSource for SimulatedSource {
         match self.faults.faults() {
             Ok(faults) => {
                 self.last_error = None;
-                let failures = faults
+                let mut failures: Vec<Failure> = faults
                     .iter()
                     .filter_map(|f| failure_of(f, &self.extra_ignored_xids))
                     .collect();
+                failures.extend(self.fabric_failures());
                 vec![Observation::Exactly(failures)]
             }
             Err(e) => {
@@ -531,5 +560,59 @@ mod tests {
         assert_eq!(failure_of(&lost, &[]).unwrap().reason, HealthReason::GpuLost);
         let app = Fault::xid(1, 13);
         assert_eq!(failure_of(&app, &[]), None);
+    }
+
+    #[cfg(feature = "simulated")]
+    #[test]
+    fn the_simulated_source_reports_a_training_fabric_until_it_completes_and_a_degraded_one() {
+        use tessera_sim_model::backend::{FabricState, GpuGroup, NodeSpec, SimulatedBackend};
+        let dir = tempfile::tempdir().unwrap();
+        let spec = NodeSpec::default()
+            .with_group(GpuGroup {
+                fabric: FabricState::InProgress,
+                fabric_completes_after_ms: Some(3_600_000),
+                ..GpuGroup::plain("H100-SXM5-80GB")
+            })
+            .with_gpus("H100-SXM5-80GB", 1);
+        let hardware = SimulatedBackend::from_spec("n", &spec, dir.path()).unwrap();
+        let faults = SimulatedHealth::new(dir.path(), 2);
+        let mut source = SimulatedSource::new(faults.clone(), vec![]).with_fabric(hardware, 2);
+        let failures = |source: &mut SimulatedSource| match source.poll(Duration::ZERO).pop() {
+            Some(Observation::Exactly(f)) => f,
+            other => panic!("{other:?}"),
+        };
+        let training = failures(&mut source);
+        assert_eq!(training.len(), 1, "{training:?}");
+        assert_eq!((training[0].gpu, training[0].reason), (0, HealthReason::Fabric));
+        assert!(
+            training[0].message.contains("in progress"),
+            "{}",
+            training[0].message
+        );
+
+        std::fs::File::options()
+            .write(true)
+            .open(dir.path().join("kernel.json"))
+            .unwrap()
+            .set_modified(std::time::SystemTime::now() - Duration::from_secs(7_200))
+            .unwrap();
+        assert_eq!(failures(&mut source), [], "completed and healthy");
+        faults
+            .inject(Fault::failing(0, FaultKind::FabricDegraded))
+            .unwrap();
+        faults
+            .inject(Fault::failing(1, FaultKind::FabricDegraded))
+            .unwrap();
+        let degraded = failures(&mut source);
+        assert_eq!(
+            degraded.iter().map(|f| f.gpu).collect::<Vec<_>>(),
+            [0],
+            "GPU 1 has no fabric to degrade"
+        );
+        assert!(
+            degraded[0].message.contains("LIMITED_CAPACITY"),
+            "{}",
+            degraded[0].message
+        );
     }
 }
