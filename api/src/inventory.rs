@@ -149,6 +149,10 @@ pub enum HealthReason {
     DoubleBitEcc,
     /// The GPU stopped answering (`NVML_ERROR_GPU_IS_LOST`, fallen off the bus).
     GpuLost,
+    /// The GPU's NVLink fabric (NVSwitch) is not fit for work: fabric manager has not registered it yet
+    /// (CUDA fails with error 802 until it has), or the fabric reports health UNHEALTHY or
+    /// LIMITED_CAPACITY. Always a `NoSchedule` taint: running work keeps its GPU.
+    Fabric,
 }
 
 /// One physical GPU.

@@ -5,6 +5,10 @@
 //! | `Xid` | `gpu.tessera.dev/xid` | the XID | `NoSchedule` (`xid`) |
 //! | `DoubleBitEcc` | `gpu.tessera.dev/ecc` | `double-bit` | `NoSchedule` (`doubleBitEcc`) |
 //! | `GpuLost` | `gpu.tessera.dev/gpu-lost` | — | `NoExecute` (`gpuLost`) |
+//! | `Fabric` | `gpu.tessera.dev/fabric` | — | always `NoSchedule` |
+//!
+//! `Fabric` (an NVLink fabric still training, or reporting itself unhealthy) is never `NoExecute`: on an
+//! HGX node every GPU reports it together while fabric manager starts, and running work keeps its GPU.
 //!
 //! A GPU's taint goes on every device published from it (the whole GPU, its MIG placements, its shares);
 //! a MIG device's on that placement and its shares. The keys follow NVIDIA's DRA driver
@@ -25,7 +29,7 @@ use k8s_openapi::api::resource::v1::DeviceTaint;
 use tessera_api::{
     NodeInventory,
     inventory::{DeviceHealth, HealthReason, HealthState, MigDeviceRef},
-    policy::{GpuPolicySpec, HealthPolicy, HealthTaints},
+    policy::{GpuPolicySpec, HealthPolicy, HealthTaints, TaintEffect},
 };
 
 /// Taint key of a critical XID; the value is the XID number.
@@ -34,6 +38,8 @@ pub const XID_TAINT: &str = "gpu.tessera.dev/xid";
 pub const ECC_TAINT: &str = "gpu.tessera.dev/ecc";
 /// Taint key of a GPU that fell off the bus.
 pub const GPU_LOST_TAINT: &str = "gpu.tessera.dev/gpu-lost";
+/// Taint key of a GPU whose NVLink fabric is not fit for work.
+pub const FABRIC_TAINT: &str = "gpu.tessera.dev/fabric";
 
 /// What the policy says about health, resolved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +86,7 @@ pub fn taint_for(entry: &DeviceHealth, taints: &HealthTaints) -> Option<DeviceTa
         HealthReason::Xid => (XID_TAINT, entry.xid.map(|x| x.to_string()), taints.xid),
         HealthReason::DoubleBitEcc => (ECC_TAINT, Some("double-bit".to_string()), taints.double_bit_ecc),
         HealthReason::GpuLost => (GPU_LOST_TAINT, None, taints.gpu_lost),
+        HealthReason::Fabric => (FABRIC_TAINT, None, TaintEffect::NoSchedule),
     };
     Some(DeviceTaint {
         key: key.into(),
@@ -154,6 +161,7 @@ impl HealthTracker {
                 h.taint.effect = match key.as_str() {
                     XID_TAINT => config.taints.xid,
                     ECC_TAINT => config.taints.double_bit_ecc,
+                    FABRIC_TAINT => TaintEffect::NoSchedule,
                     _ => config.taints.gpu_lost,
                 }
                 .as_str()
@@ -226,6 +234,32 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(taint_for(&healthy, &t), None);
+    }
+
+    #[test]
+    fn a_fabric_not_fit_for_work_taints_no_schedule_whatever_the_policy_says_of_lost_gpus() {
+        let t = HealthTaints {
+            gpu_lost: TaintEffect::NoExecute,
+            ..HealthTaints::default()
+        };
+        let fabric = taint_for(&sick(0, HealthReason::Fabric, None), &t).unwrap();
+        assert_eq!(
+            (fabric.key.as_str(), fabric.value, fabric.effect.as_str()),
+            (FABRIC_TAINT, None, "NoSchedule")
+        );
+        let config = HealthConfig {
+            taints: t,
+            ..HealthConfig::default()
+        };
+        let mut tracker = HealthTracker::default();
+        let now = Instant::now();
+        tracker.observe(
+            &[reporting(vec![sick(1, HealthReason::Fabric, None)])],
+            config,
+            now,
+        );
+        let held = tracker.taints("node-a");
+        assert_eq!(held[&Target::Gpu(1)][0].effect, "NoSchedule", "{held:?}");
     }
 
     #[test]

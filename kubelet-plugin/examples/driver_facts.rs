@@ -591,11 +591,15 @@ fn health_summary(summary: u8) -> String {
     }
 }
 
-/// N3/N13: the simulator's fabric state is fixed per run, its status SUCCESS, its `healthMask` and
-/// `healthSummary` 0 (nvml.h: every field NOT_SUPPORTED).
+/// N3/N13: the simulator's fabric state is the node file's, moving forward only (IN_PROGRESS or
+/// NOT_STARTED to COMPLETED once `fabricCompletesAfterMs` passed), status SUCCESS; a completed fabric
+/// answers a real v3 `healthSummary` (HEALTHY, or LIMITED_CAPACITY/UNHEALTHY under an injected fabric
+/// fault) and a fabric not completed 0 (NOT_SUPPORTED) with `healthMask` 0 (nvml.h 3890-3893).
 fn fabric(facts: &Facts) -> Row {
-    let simulator = "state fixed per run, status SUCCESS, healthMask 0 and healthSummary 0 (NOT_SUPPORTED); \
-                     NOT_SUPPORTED without NVSwitch";
+    let simulator = "node-file state, completing once after fabricCompletesAfterMs and never going back, \
+                     status SUCCESS; completed: healthSummary HEALTHY (LIMITED_CAPACITY/UNHEALTHY under a \
+                     fabric fault), not completed: healthSummary 0 (NOT_SUPPORTED); NOT_SUPPORTED without \
+                     NVSwitch";
     let with_fabric: Vec<&GpuFacts> = facts
         .gpus
         .iter()
@@ -619,13 +623,17 @@ fn fabric(facts: &Facts) -> Row {
     }
     let mut findings = Vec::new();
     let mut states = BTreeSet::new();
+    let mut summaries = BTreeSet::new();
     for g in &with_fabric {
         let answered: Vec<&Fabric> = g.fabric.iter().filter(|f| f.code == SUCCESS).collect();
         states.extend(answered.iter().map(|f| fabric_state(f.state)));
         if let (Some(first), Some(last)) = (g.fabric.first(), g.fabric.last())
             && (first.code, first.state) != (last.code, last.state)
         {
-            findings.push(format!(
+            // The simulator's fabric only completes: anything else is news.
+            let forward =
+                first.code == SUCCESS && last.code == SUCCESS && first.state < last.state && last.state == 3;
+            let what = format!(
                 "GPU {}: {} became {} within {:.1} s",
                 g.index,
                 if first.code == SUCCESS {
@@ -639,36 +647,46 @@ fn fabric(facts: &Facts) -> Row {
                     code_name(last.code)
                 },
                 facts.fabric_interval_s
-            ));
+            );
+            if forward {
+                summaries.insert(what);
+            } else {
+                findings.push(what);
+            }
         }
         if let Some(f) = answered.iter().find(|f| f.status != SUCCESS) {
             findings.push(format!("GPU {}: status {}", g.index, code_name(f.status)));
         }
-        if let Some(f) = answered
-            .iter()
-            .find(|f| f.health_mask.unwrap_or(0) != 0 || f.health_summary.unwrap_or(0) != 0)
-        {
-            findings.push(format!(
-                "GPU {}: healthMask {:#x}, healthSummary {}",
-                g.index,
-                f.health_mask.unwrap_or(0),
-                health_summary(f.health_summary.unwrap_or(0))
-            ));
+        for f in &answered {
+            let Some(summary) = f.health_summary else { continue };
+            summaries.insert(format!("healthSummary {}", health_summary(summary)));
+            // Completed with no judgement, or judged before completion: not what the simulator answers.
+            if (f.state == 3) == (summary == 0) {
+                findings.push(format!(
+                    "GPU {}: state {}, healthMask {:#x}, healthSummary {}",
+                    g.index,
+                    fabric_state(f.state),
+                    f.health_mask.unwrap_or(0),
+                    health_summary(summary)
+                ));
+                break;
+            }
         }
     }
     let seen = format!(
-        "{} GPUs with a fabric, state {}",
+        "{} GPUs with a fabric, state {}{}",
         with_fabric.len(),
-        states.into_iter().collect::<Vec<_>>().join("/")
+        states.into_iter().collect::<Vec<_>>().join("/"),
+        summaries
+            .into_iter()
+            .map(|s| format!(", {s}"))
+            .collect::<String>()
     );
     if findings.is_empty() {
         Row {
             rule: N3,
             simulator,
-            node: format!(
-                "{seen}, status SUCCESS, healthMask 0, unchanged over {:.1} s",
-                facts.fabric_interval_s
-            ),
+            node: format!("{seen}, status SUCCESS, over {:.1} s", facts.fabric_interval_s),
             verdict: Verdict::Confirmed,
         }
     } else {
@@ -1394,23 +1412,35 @@ mod tests {
     }
 
     #[test]
-    fn a_fabric_like_the_simulators_confirms_n3_and_a_reported_health_or_a_change_contradicts_it() {
+    fn a_fabric_like_the_simulators_confirms_n3_and_a_silent_or_backward_one_contradicts_it() {
         let mut f = facts(vec![gpu(0, Ok((0, 0)), vec![])]);
         f.gpus[0].fabric = vec![reading(NOT_SUPPORTED, 0, 0), reading(NOT_SUPPORTED, 0, 0)];
         assert_eq!(row(&verdicts(&f), N3).verdict, Verdict::NotSeen, "no NVSwitch");
-        f.gpus[0].fabric = vec![reading(SUCCESS, 3, 0), reading(SUCCESS, 3, 0)];
-        assert_eq!(row(&verdicts(&f), N3).verdict, Verdict::Confirmed);
         f.gpus[0].fabric = vec![reading(SUCCESS, 3, 1), reading(SUCCESS, 3, 1)];
-        let healthy = row(&verdicts(&f), N3).clone();
-        assert_eq!(healthy.verdict, Verdict::Contradicted);
-        assert!(healthy.node.contains("healthSummary HEALTHY"), "{}", healthy.node);
-        f.gpus[0].fabric = vec![reading(SUCCESS, 2, 0), reading(SUCCESS, 3, 0)];
-        let changed = row(&verdicts(&f), N3).clone();
-        assert_eq!(changed.verdict, Verdict::Contradicted);
+        assert_eq!(row(&verdicts(&f), N3).verdict, Verdict::Confirmed);
+        f.gpus[0].fabric = vec![reading(SUCCESS, 2, 0), reading(SUCCESS, 3, 1)];
+        let completed = row(&verdicts(&f), N3).clone();
+        assert_eq!(completed.verdict, Verdict::Confirmed, "{}", completed.node);
         assert!(
-            changed.node.contains("IN_PROGRESS became COMPLETED"),
+            completed.node.contains("IN_PROGRESS became COMPLETED"),
             "{}",
-            changed.node
+            completed.node
+        );
+        f.gpus[0].fabric = vec![reading(SUCCESS, 3, 0), reading(SUCCESS, 3, 0)];
+        let silent = row(&verdicts(&f), N3).clone();
+        assert_eq!(silent.verdict, Verdict::Contradicted);
+        assert!(
+            silent.node.contains("healthSummary NOT_SUPPORTED"),
+            "{}",
+            silent.node
+        );
+        f.gpus[0].fabric = vec![reading(SUCCESS, 3, 1), reading(SUCCESS, 2, 0)];
+        let back = row(&verdicts(&f), N3).clone();
+        assert_eq!(back.verdict, Verdict::Contradicted);
+        assert!(
+            back.node.contains("COMPLETED became IN_PROGRESS"),
+            "{}",
+            back.node
         );
     }
 }

@@ -35,6 +35,8 @@ fn injected_faults_are_written_to_the_simulated_kernel_and_recover_clears_them()
         &["inject-xid", "--gpu", "3", "--xid", "79"][..],
         &["inject-ecc", "--gpu", "2", "--gpu-instance", "1"],
         &["lose-gpu", "--gpu", "0"],
+        &["degrade-fabric", "--gpu", "1"],
+        &["degrade-fabric", "--gpu", "1", "--unhealthy"],
     ] {
         let out = simulate(dir.path(), args);
         assert!(
@@ -49,6 +51,8 @@ fn injected_faults_are_written_to_the_simulated_kernel_and_recover_clears_them()
             {"gpu": 3, "kind": "Xid", "xid": 79},
             {"gpu": 2, "gpuInstance": 1, "kind": "DoubleBitEcc"},
             {"gpu": 0, "kind": "Lost"},
+            {"gpu": 1, "kind": "FabricDegraded"},
+            {"gpu": 1, "kind": "FabricUnhealthy"},
         ])
     );
     assert!(
@@ -57,7 +61,7 @@ fn injected_faults_are_written_to_the_simulated_kernel_and_recover_clears_them()
             .exists()
     );
     assert!(simulate(dir.path(), &["recover", "--gpu", "3"]).status.success());
-    assert_eq!(faults(dir.path()).as_array().unwrap().len(), 2);
+    assert_eq!(faults(dir.path()).as_array().unwrap().len(), 4);
 }
 
 #[test]

@@ -107,10 +107,21 @@ impl BackendArgs {
                         source,
                     }
                 })?;
-                Ok(Box::new(crate::gpu::health::sources::SimulatedSource::new(
+                let source = crate::gpu::health::sources::SimulatedSource::new(
                     tessera_sim_model::faults::SimulatedHealth::new(&kernel, gpu_count),
                     ignored_xids,
-                )))
+                );
+                // The NVLink fabric too, as the NVML source reads it; without the hardware model (a kernel
+                // directory that does not open) the faults alone are still watched.
+                Ok(Box::new(
+                    match tessera_sim_model::backend::SimulatedBackend::open_kernel(&kernel) {
+                        Ok(hardware) => source.with_fabric(hardware, gpu_count),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot open the simulated hardware; its NVLink fabric is not watched");
+                            source
+                        }
+                    },
+                ))
             }
             BackendKind::Nvml => {
                 let backend = NvmlBackend::new(self.read_root()).map_err(|source| Error::OpenBackend {

@@ -64,6 +64,15 @@ enum SimulateAction {
         #[arg(long, value_enum)]
         error: FailingError,
     },
+    /// The GPU's NVLink fabric degrades: `nvmlDeviceGetGpuFabricInfoV` answers health summary
+    /// LIMITED_CAPACITY with degraded bandwidth, or with `--unhealthy` UNHEALTHY (fabric manager gone, a
+    /// route down). `recover` clears it. Only a GPU with `fabric:` in the node file has a fabric to degrade.
+    DegradeFabric {
+        #[arg(long)]
+        gpu: u32,
+        #[arg(long)]
+        unhealthy: bool,
+    },
     /// Print the faults in effect as JSON.
     Show,
     /// Make a simulated kernel K (`kernel.json`, hardware state, `/proc`) for the node file's GPUs and a
@@ -217,6 +226,14 @@ impl SimulateArgs {
                     FailingError::LibraryMismatch => FaultKind::LibraryMismatch,
                     FailingError::DriverNotLoaded => FaultKind::DriverNotLoaded,
                     FailingError::Uninitialized => FaultKind::Uninitialized,
+                },
+            )),
+            SimulateAction::DegradeFabric { gpu, unhealthy } => faults.inject(Fault::failing(
+                gpu,
+                if unhealthy {
+                    FaultKind::FabricUnhealthy
+                } else {
+                    FaultKind::FabricDegraded
                 },
             )),
             SimulateAction::Show => faults.faults().map(|f| {

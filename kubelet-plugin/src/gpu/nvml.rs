@@ -776,19 +776,19 @@ impl NvmlBackend {
         }
     }
 
-    /// Why a GPU with a fabric (NVLink through NVSwitch) is not offered yet: until fabric manager has
-    /// registered it (`state` COMPLETED, `status` SUCCESS) CUDA fails on it with error 802 ("system not
-    /// yet initialized"). `None` for a ready fabric and for a GPU without one; a later discovery offers it
-    /// once the fabric is up.
-    fn fabric_not_ready(&self, gpu: &GpuInfo) -> Option<String> {
-        let device = self.device(gpu.index).ok()?;
+    /// Why GPU `gpu`'s fabric (NVLink through NVSwitch) keeps it from work now, `None` for a ready, healthy
+    /// fabric and for a GPU without one ([`fabric_verdict`]). Read at discovery and by the health probe
+    /// ([`crate::gpu::health::sources::NvmlSource`]) every time, so a fabric that completes after the
+    /// plugin started, or degrades later, is seen without a restart.
+    pub fn fabric_problem(&self, gpu: u32) -> Option<String> {
+        let device = self.device(gpu).ok()?;
         match nvml_raw::gpu_fabric_info(&self.nvml, &device) {
             Ok(None) => None,
-            Ok(Some(f)) => fabric_verdict(gpu.index, f.state, f.status),
+            Ok(Some(f)) => fabric_verdict(gpu, f.state, f.status, f.health_summary, f.health_mask),
             Err(e) => Some(format!(
-                "GPU {} is not offered: its fabric state cannot be read ({} returned {}); check that \
-                 nvidia-fabricmanager is running (`systemctl status nvidia-fabricmanager`)",
-                gpu.index, e.call, e.code
+                "GPU {gpu}'s fabric state cannot be read ({} returned {}); check that nvidia-fabricmanager \
+                 is running (`systemctl status nvidia-fabricmanager`)",
+                e.call, e.code
             )),
         }
     }
@@ -826,13 +826,52 @@ impl NvmlBackend {
     }
 }
 
-/// `NVML_GPU_FABRIC_STATE_COMPLETED`.
+/// `NVML_GPU_FABRIC_STATE_COMPLETED` (nvml.h 3803 of NVIDIA/go-nvml `gen/nvml/nvml.h`).
 const FABRIC_STATE_COMPLETED: u8 = 3;
+/// `NVML_GPU_FABRIC_HEALTH_SUMMARY_*` (nvml.h 3890-3893); 0 is NOT_SUPPORTED (a driver that does not
+/// judge), which is no reason to hold a GPU back.
+const FABRIC_HEALTH_UNHEALTHY: u8 = 2;
+const FABRIC_HEALTH_LIMITED_CAPACITY: u8 = 3;
+/// `NVML_GPU_FABRIC_HEALTH_MASK_DEGRADED_BW_TRUE` in the mask's lowest two bits (nvml.h 3825-3829).
+const FABRIC_MASK_DEGRADED_BW_TRUE: u32 = 1;
 
-/// Whether a GPU whose fabric answered `state` / `status` may be offered (`None`), else why not.
-pub fn fabric_verdict(gpu: u32, state: u8, status: u32) -> Option<String> {
+/// What happens to a GPU whose fabric is not fit, said once for every message.
+const FABRIC_CONSEQUENCE: &str = "the GPU stays published but is reported unhealthy (reason Fabric): the \
+     controller taints its devices gpu.tessera.dev/fabric:NoSchedule (or leaves them out where the cluster \
+     has no device taints), so no new claim gets it and claims already prepared on it keep running; the \
+     health probe reads the fabric every 10 s and the taint goes once it is fit (after the controller's \
+     quiet period)";
+
+/// Whether a GPU whose fabric answered `state` / `status` and, where the driver has them, the v3 health
+/// summary and the health mask may take work (`None`), else why not. Until fabric manager has registered
+/// the GPU (`state` COMPLETED, `status` SUCCESS) CUDA fails on it with error 802 ("system not yet
+/// initialized"); a completed fabric whose summary is UNHEALTHY or LIMITED_CAPACITY (or whose mask says
+/// degraded bandwidth) has lost NVLink bandwidth or routes that multi-GPU work counts on.
+pub fn fabric_verdict(
+    gpu: u32,
+    state: u8,
+    status: u32,
+    health_summary: Option<u8>,
+    health_mask: Option<u32>,
+) -> Option<String> {
     if state == FABRIC_STATE_COMPLETED && status == 0 {
-        return None;
+        let degraded_bw = health_mask.is_some_and(|m| m & 3 == FABRIC_MASK_DEGRADED_BW_TRUE);
+        let what = match health_summary {
+            Some(FABRIC_HEALTH_UNHEALTHY) => "UNHEALTHY",
+            Some(FABRIC_HEALTH_LIMITED_CAPACITY) => "LIMITED_CAPACITY",
+            _ if degraded_bw => "degraded bandwidth",
+            _ => return None,
+        };
+        let bw = if degraded_bw {
+            ", NVLink bandwidth degraded"
+        } else {
+            ""
+        };
+        return Some(format!(
+            "GPU {gpu}'s NVLink fabric reports health {what}{bw} (nvmlDeviceGetGpuFabricInfoV); check \
+             nvidia-fabricmanager and the NVSwitches (`nvidia-smi -q -i {gpu} | grep -A12 Fabric`); \
+             {FABRIC_CONSEQUENCE}"
+        ));
     }
     let what = match state {
         1 => "not started".to_string(),
@@ -841,10 +880,9 @@ pub fn fabric_verdict(gpu: u32, state: u8, status: u32) -> Option<String> {
         n => format!("in state {n}"),
     };
     Some(format!(
-        "GPU {gpu} is not offered: its NVLink fabric registration is {what}, and CUDA fails on it until \
-         fabric manager has finished (error 802, system not yet initialized); check that \
-         nvidia-fabricmanager is running and healthy (`systemctl status nvidia-fabricmanager`); the GPU is \
-         offered on a later discovery once it is ready"
+        "GPU {gpu}'s NVLink fabric registration is {what}, and CUDA fails on it until fabric manager has \
+         finished (error 802, system not yet initialized); check that nvidia-fabricmanager is running and \
+         healthy (`systemctl status nvidia-fabricmanager`); {FABRIC_CONSEQUENCE}"
     ))
 }
 
@@ -906,15 +944,12 @@ impl GpuBackend for NvmlBackend {
             .device_count()
             .map_err(|e| wrapper_error("nvmlDeviceGetCount_v2", e, "count GPUs"))?;
         // Entries are overwritten, never cleared first: a prepare running meanwhile keeps finding its GPU.
-        let (found, mut unusable) = discover_each(count, |i| self.gpu_info(i));
-        let mut gpus = Vec::with_capacity(found.len());
-        for gpu in found {
-            match self.fabric_not_ready(&gpu) {
-                None => gpus.push(gpu),
-                Some(reason) => unusable.push(super::UnusableGpu {
-                    index: gpu.index,
-                    reason,
-                }),
+        let (gpus, unusable) = discover_each(count, |i| self.gpu_info(i));
+        // A GPU whose fabric is not fit is kept: the health source reports it (and keeps reading it), which
+        // taints it until the fabric completes instead of leaving it out until the plugin restarts.
+        for gpu in &gpus {
+            if let Some(reason) = self.fabric_problem(gpu.index) {
+                warn!(gpu = gpu.index, %reason, "GPU fabric not fit for work yet");
             }
         }
         for u in &unusable {
@@ -1435,11 +1470,44 @@ mod tests {
 
     #[test]
     fn a_gpu_is_offered_only_once_its_fabric_completed_successfully() {
-        assert_eq!(fabric_verdict(0, 3, 0), None);
+        assert_eq!(fabric_verdict(0, 3, 0, None, None), None);
         for (state, status) in [(1, 0), (2, 0), (3, 1)] {
-            let why = fabric_verdict(5, state, status).unwrap();
+            let why = fabric_verdict(5, state, status, None, None).unwrap();
             assert!(why.contains("GPU 5") && why.contains("fabric manager"), "{why}");
+            assert!(
+                why.contains("NoSchedule") && !why.contains("later discovery"),
+                "{why}"
+            );
         }
+    }
+
+    #[test]
+    fn a_completed_fabric_is_judged_by_its_v3_health_summary_where_the_driver_gives_one() {
+        // nvml.h 3890: 0 is NOT_SUPPORTED, a driver that does not judge; 1 HEALTHY.
+        assert_eq!(fabric_verdict(0, 3, 0, Some(0), Some(0)), None);
+        assert_eq!(fabric_verdict(0, 3, 0, Some(1), Some(2)), None);
+        let limited = fabric_verdict(1, 3, 0, Some(3), Some(1)).unwrap();
+        assert!(
+            limited.contains("LIMITED_CAPACITY") && limited.contains("bandwidth degraded"),
+            "{limited}"
+        );
+        assert!(
+            fabric_verdict(1, 3, 0, Some(2), None)
+                .unwrap()
+                .contains("UNHEALTHY")
+        );
+        // A v2-only driver has the mask but no summary.
+        assert!(
+            fabric_verdict(1, 3, 0, None, Some(1))
+                .unwrap()
+                .contains("degraded bandwidth")
+        );
+        assert!(
+            fabric_verdict(2, 2, 0, Some(1), None)
+                .unwrap()
+                .contains("in progress"),
+            "the state decides before the summary"
+        );
     }
 
     #[test]

@@ -388,6 +388,11 @@ pub(super) struct FabricInfo {
     pub state: u8,
     /// The NVML return code of the GPU's fabric registration (0 once it succeeded).
     pub status: u32,
+    /// `NVML_GPU_FABRIC_HEALTH_SUMMARY_*` of the v3 struct (nvml.h 3890-3893, 3950); `None` where only v2
+    /// or v1 answered.
+    pub health_summary: Option<u8>,
+    /// `healthMask` (`NVML_GPU_FABRIC_HEALTH_MASK_*`, nvml.h 3824-3885) of the v2 and v3 structs.
+    pub health_mask: Option<u32>,
 }
 
 /// `nvmlDeviceGetGpuFabricInfoV` (v3, then v2 on a version mismatch), else `nvmlDeviceGetGpuFabricInfo`;
@@ -396,7 +401,14 @@ pub(super) struct FabricInfo {
 pub(super) fn gpu_fabric_info(nvml: &Nvml, device: &Device<'_>) -> RawResult<Option<FabricInfo>> {
     use nvml_wrapper_sys::bindings::{nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfoV_t};
     const NOT_SUPPORTED: nvmlReturn_t = 3;
-    let answered = |state: u8, status: u32| Ok((state != 0).then_some(FabricInfo { state, status }));
+    let answered = |state: u8, status: u32, health_summary: Option<u8>, health_mask: Option<u32>| {
+        Ok((state != 0).then_some(FabricInfo {
+            state,
+            status,
+            health_summary,
+            health_mask,
+        }))
+    };
     // SAFETY: the handle belongs to a live `Device`; the structs are plain data with the version field
     // telling the driver which layout it got (the v2 struct is a prefix-compatible shorter layout).
     unsafe {
@@ -405,7 +417,9 @@ pub(super) fn gpu_fabric_info(nvml: &Nvml, device: &Device<'_>) -> RawResult<Opt
             let mut v3: nvmlGpuFabricInfoV_t = mem::zeroed();
             v3.version = struct_version::<nvmlGpuFabricInfoV_t>(3);
             match get_v(handle, &mut v3) {
-                NVML_SUCCESS => return answered(v3.state, v3.status),
+                NVML_SUCCESS => {
+                    return answered(v3.state, v3.status, Some(v3.healthSummary), Some(v3.healthMask));
+                }
                 NOT_SUPPORTED => return Ok(None),
                 NVML_ERROR_ARGUMENT_VERSION_MISMATCH => {}
                 code => {
@@ -418,7 +432,7 @@ pub(super) fn gpu_fabric_info(nvml: &Nvml, device: &Device<'_>) -> RawResult<Opt
             let mut v2: nvmlGpuFabricInfo_v2_t = mem::zeroed();
             v2.version = struct_version::<nvmlGpuFabricInfo_v2_t>(2);
             match get_v(handle, ptr::from_mut(&mut v2).cast()) {
-                NVML_SUCCESS => return answered(v2.state, v2.status),
+                NVML_SUCCESS => return answered(v2.state, v2.status, None, Some(v2.healthMask)),
                 NOT_SUPPORTED => return Ok(None),
                 NVML_ERROR_ARGUMENT_VERSION_MISMATCH => {}
                 code => {
@@ -434,7 +448,7 @@ pub(super) fn gpu_fabric_info(nvml: &Nvml, device: &Device<'_>) -> RawResult<Opt
         };
         let mut v1: nvmlGpuFabricInfo_t = mem::zeroed();
         match get_v1(handle, &mut v1) {
-            NVML_SUCCESS => answered(v1.state, v1.status),
+            NVML_SUCCESS => answered(v1.state, v1.status, None, None),
             NOT_SUPPORTED => Ok(None),
             code => Err(RawError {
                 call: "nvmlDeviceGetGpuFabricInfo",

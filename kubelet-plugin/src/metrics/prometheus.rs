@@ -665,7 +665,7 @@ impl Collector for NodeCollector {
             gauge(
                 &mut encoder,
                 "tessera_plugin_device_healthy",
-                "1 while a GPU or MIG device is healthy, 0 while unhealthy (reason: xid, double_bit_ecc, gpu_lost).",
+                "1 while a GPU or MIG device is healthy, 0 while unhealthy (reason: xid, double_bit_ecc, gpu_lost, fabric).",
                 None,
                 &device_health(&health.status()),
             )?;

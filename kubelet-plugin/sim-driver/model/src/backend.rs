@@ -206,6 +206,12 @@ pub struct GpuGroup {
     /// supported).
     #[serde(default, skip_serializing_if = "FabricState::is_none")]
     pub fabric: FabricState,
+    /// With `fabric: NotStarted` or `InProgress`: the registration completes (state COMPLETED, status
+    /// SUCCESS, health summary HEALTHY) this many milliseconds after the simulated driver was loaded (its
+    /// `kernel.json` written), as fabric manager finishes training the NVSwitches tens of seconds after the
+    /// driver. Without it the state stays as given for the node's life.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fabric_completes_after_ms: Option<u64>,
     /// Processes that hold each of these GPUs from the first boot on (DCGM's `nv-hostengine`, say), named
     /// by `nvmlSystemGetProcessName`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -269,6 +275,76 @@ impl FabricState {
     }
 }
 
+/// A fabric as `nvmlDeviceGetGpuFabricInfoV` (v3) reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FabricReport {
+    /// `NVML_GPU_FABRIC_STATE_*` (nvml.h 3800-3803 of NVIDIA/go-nvml `gen/nvml/nvml.h`).
+    pub state: u8,
+    /// The registration's NVML return code: SUCCESS (0) once completed.
+    pub status: u32,
+    /// `NVML_GPU_FABRIC_HEALTH_MASK_*` fields (nvml.h 3824-3885); 0 (every field NOT_SUPPORTED) until the
+    /// fabric completed.
+    pub health_mask: u32,
+    /// `NVML_GPU_FABRIC_HEALTH_SUMMARY_*` (nvml.h 3890-3893): 0 is NOT_SUPPORTED, not healthy; HEALTHY is 1.
+    pub health_summary: u8,
+}
+
+/// `NVML_GPU_FABRIC_HEALTH_SUMMARY_*` (nvml.h 3890-3893).
+pub const FABRIC_HEALTH_SUMMARY_HEALTHY: u8 = 1;
+pub const FABRIC_HEALTH_SUMMARY_UNHEALTHY: u8 = 2;
+pub const FABRIC_HEALTH_SUMMARY_LIMITED_CAPACITY: u8 = 3;
+/// Health-mask fields (value << shift, nvml.h 3824-3875): DEGRADED_BW at 0, ROUTE_RECOVERY at 2,
+/// ROUTE_UNHEALTHY at 4, ACCESS_TIMEOUT_RECOVERY at 6 (1 TRUE, 2 FALSE), INCORRECT_CONFIGURATION at 8
+/// (1 NONE).
+const MASK_DEGRADED_BW_TRUE: u32 = 1;
+const MASK_ROUTE_UNHEALTHY_TRUE: u32 = 1 << 4;
+const MASK_ALL_WELL: u32 = 2 | (2 << 2) | (2 << 4) | (2 << 6) | (1 << 8);
+
+/// The fabric report of a GPU whose node file says `state` (completing `completes_after` after the driver
+/// load, `since_load` ago) and whose injected faults are `faults`; `None` without a fabric.
+pub fn fabric_report(
+    state: FabricState,
+    completes_after: Option<Duration>,
+    since_load: Option<Duration>,
+    faults: &[crate::faults::FaultKind],
+) -> Option<FabricReport> {
+    use crate::faults::FaultKind;
+    let completed = match (state, completes_after) {
+        (FabricState::None, _) => return None,
+        (FabricState::Completed, _) => true,
+        // A kernel file whose time cannot be read counts as just loaded: training has not finished.
+        (_, Some(after)) => since_load.is_some_and(|t| t >= after),
+        (_, None) => false,
+    };
+    if !completed {
+        return Some(FabricReport {
+            state: state.nvml_value(),
+            status: 0,
+            health_mask: 0,
+            health_summary: 0,
+        });
+    }
+    let (health_mask, health_summary) = if faults.contains(&FaultKind::FabricUnhealthy) {
+        (
+            (MASK_ALL_WELL & !(3 << 4)) | MASK_ROUTE_UNHEALTHY_TRUE,
+            FABRIC_HEALTH_SUMMARY_UNHEALTHY,
+        )
+    } else if faults.contains(&FaultKind::FabricDegraded) {
+        (
+            (MASK_ALL_WELL & !3) | MASK_DEGRADED_BW_TRUE,
+            FABRIC_HEALTH_SUMMARY_LIMITED_CAPACITY,
+        )
+    } else {
+        (MASK_ALL_WELL, FABRIC_HEALTH_SUMMARY_HEALTHY)
+    };
+    Some(FabricReport {
+        state: FabricState::Completed.nvml_value(),
+        status: 0,
+        health_mask,
+        health_summary,
+    })
+}
+
 /// A process that holds a GPU, with the name NVML reports for it.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -300,6 +376,7 @@ impl GpuGroup {
             fault: None,
             virtualization_mode: VirtualizationMode::None,
             fabric: FabricState::None,
+            fabric_completes_after_ms: None,
             processes: Vec::new(),
             absent: Vec::new(),
         }
@@ -377,6 +454,15 @@ impl NodeSpec {
             if g.count == 0 {
                 return Err(format!("count of model {} must be at least 1", g.model));
             }
+            if g.fabric_completes_after_ms.is_some()
+                && !matches!(g.fabric, FabricState::NotStarted | FabricState::InProgress)
+            {
+                return Err(format!(
+                    "fabricCompletesAfterMs of model {} needs `fabric: InProgress` (or `NotStarted`), the \
+                     state the fabric is in until then; it has `fabric: {:?}`",
+                    g.model, g.fabric
+                ));
+            }
             if let Some(a) = g.absent.iter().find(|&&a| a >= g.count) {
                 return Err(format!(
                     "absent GPU {a} of model {} is not one of its {} GPUs (0 to {})",
@@ -407,6 +493,7 @@ struct SimGpu {
     fault: Option<SimulatedFault>,
     virtualization_mode: VirtualizationMode,
     fabric: FabricState,
+    fabric_completes_after: Option<Duration>,
     processes: Vec<NamedProcess>,
 }
 
@@ -423,6 +510,7 @@ pub struct SimulatedGpu {
     pub pci_bus_id: String,
     pub numa_node: i64,
     pub virtualization_mode: VirtualizationMode,
+    /// The fabric state of the node file; what NVML reports now is [`SimulatedBackend::fabric`]'s.
     pub fabric: FabricState,
     /// The fault of the node file, if any (a lost GPU, a GPU whose memory query is not supported).
     pub node_fault: Option<SimulatedFault>,
@@ -505,6 +593,7 @@ fn build_gpus(node_name: &str, spec: &NodeSpec) -> Result<Vec<SimGpu>> {
                 fault: group.fault,
                 virtualization_mode: group.virtualization_mode,
                 fabric: group.fabric,
+                fabric_completes_after: group.fabric_completes_after_ms.map(Duration::from_millis),
                 processes: group.processes.clone(),
             });
         }
@@ -995,6 +1084,34 @@ impl SimulatedBackend {
     /// [`FaultKind::Lost`]: crate::faults::FaultKind::Lost
     pub fn is_lost(&self, gpu: u32) -> bool {
         self.failing_code(gpu) == Some(15)
+    }
+
+    /// What `nvmlDeviceGetGpuFabricInfo[V]` answers for `gpu` now, `None` for a GPU without a fabric
+    /// (NOT_SUPPORTED). The node file's state, COMPLETED once `fabricCompletesAfterMs` passed since the
+    /// driver was loaded (the mtime of `kernel.json`, written when the simulated driver is set up and only
+    /// rewritten when the node changes); a completed fabric's health is what an injected fabric fault says.
+    pub fn fabric(&self, gpu: u32) -> Result<Option<FabricReport>> {
+        let g = self.sim_gpu(gpu)?;
+        let loaded = fs::metadata(self.state_dir.join(KERNEL_FILE))
+            .and_then(|m| m.modified())
+            .ok();
+        let faults: Vec<crate::faults::FaultKind> = match g.fabric {
+            FabricState::None => vec![],
+            _ => self
+                .health()
+                .faults()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|f| f.gpu == gpu)
+                .map(|f| f.kind)
+                .collect(),
+        };
+        Ok(fabric_report(
+            g.fabric,
+            g.fabric_completes_after,
+            loaded.and_then(|t| t.elapsed().ok()),
+            &faults,
+        ))
     }
 
     /// Identity of GPU `gpu` (its kernel index).
@@ -2543,6 +2660,82 @@ mod tests {
         assert_eq!(
             missing_one.gpu(1).unwrap().pci_bus_id,
             all.backend.gpu(2).unwrap().pci_bus_id
+        );
+    }
+
+    #[test]
+    fn a_training_fabric_completes_healthy_once_its_delay_after_the_driver_load_passed() {
+        use crate::faults::FaultKind;
+        let ms = Duration::from_millis;
+        let training = |since| fabric_report(FabricState::InProgress, Some(ms(20_000)), since, &[]);
+        let not_yet = training(Some(ms(19_999))).unwrap();
+        assert_eq!(
+            (not_yet.state, not_yet.health_summary),
+            (2, 0),
+            "0 is NOT_SUPPORTED, not healthy"
+        );
+        assert_eq!(
+            training(None).unwrap().state,
+            2,
+            "an unreadable load time is no completion"
+        );
+        let done = training(Some(ms(20_000))).unwrap();
+        assert_eq!(
+            (done.state, done.status, done.health_summary),
+            (3, 0, FABRIC_HEALTH_SUMMARY_HEALTHY)
+        );
+        assert_eq!(done.health_mask & 3, 2, "DEGRADED_BW_FALSE");
+        assert_eq!(
+            fabric_report(FabricState::InProgress, None, Some(ms(u64::MAX)), &[])
+                .unwrap()
+                .state,
+            2,
+            "a fixed state never changes"
+        );
+        assert_eq!(fabric_report(FabricState::None, None, None, &[]), None);
+        let degraded =
+            fabric_report(FabricState::Completed, None, None, &[FaultKind::FabricDegraded]).unwrap();
+        assert_eq!(
+            (degraded.health_summary, degraded.health_mask & 3),
+            (FABRIC_HEALTH_SUMMARY_LIMITED_CAPACITY, 1)
+        );
+        let sick = fabric_report(FabricState::Completed, None, None, &[FaultKind::FabricUnhealthy]).unwrap();
+        assert_eq!(
+            (sick.health_summary, (sick.health_mask >> 4) & 3),
+            (FABRIC_HEALTH_SUMMARY_UNHEALTHY, 1)
+        );
+        assert_eq!(
+            fabric_report(FabricState::NotStarted, None, None, &[FaultKind::FabricUnhealthy])
+                .unwrap()
+                .state,
+            1,
+            "health is reported only for a completed fabric"
+        );
+    }
+
+    #[test]
+    fn a_fabric_delay_needs_a_state_that_can_still_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("node.yaml");
+        fs::write(
+            &file,
+            "gpus:\n  - model: H100-SXM5-80GB\n    fabric: Completed\n    fabricCompletesAfterMs: 20000\n",
+        )
+        .unwrap();
+        let Err(e) = SimulatedBackend::new("n", &file, &dir.path().join("k")) else {
+            panic!("a completed fabric with a delay was accepted");
+        };
+        assert!(e.to_string().contains("fabricCompletesAfterMs"), "{e}");
+        fs::write(
+            &file,
+            "gpus:\n  - model: H100-SXM5-80GB\n    fabric: InProgress\n    fabricCompletesAfterMs: 0\n",
+        )
+        .unwrap();
+        let b = SimulatedBackend::new("n", &file, &dir.path().join("k")).unwrap();
+        assert_eq!(
+            b.fabric(0).unwrap().unwrap().state,
+            3,
+            "completed from the kernel file's write on"
         );
     }
 

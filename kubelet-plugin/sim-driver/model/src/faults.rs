@@ -43,6 +43,13 @@ pub enum FaultKind {
     DriverNotLoaded,
     /// `NVML_ERROR_UNINITIALIZED` (1) from every call on the GPU.
     Uninitialized,
+    /// The GPU's NVLink fabric runs at reduced bandwidth (NVLinks or NVSwitch trunks down): a completed
+    /// fabric whose `nvmlDeviceGetGpuFabricInfoV` answers health summary LIMITED_CAPACITY and health mask
+    /// DEGRADED_BW_TRUE (nvml.h 3824-3829, 3893 of NVIDIA/go-nvml `gen/nvml/nvml.h`).
+    FabricDegraded,
+    /// The GPU's NVLink fabric is unhealthy (fabric manager died, a route is down): health summary
+    /// UNHEALTHY and mask ROUTE_UNHEALTHY_TRUE (nvml.h 3844-3849, 3892).
+    FabricUnhealthy,
 }
 
 impl FaultKind {
@@ -50,7 +57,7 @@ impl FaultKind {
     /// events (an XID, an ECC error) and leave the GPU answering.
     pub fn nvml_error_code(self) -> Option<u32> {
         match self {
-            Self::Xid | Self::DoubleBitEcc => None,
+            Self::Xid | Self::DoubleBitEcc | Self::FabricDegraded | Self::FabricUnhealthy => None,
             Self::Lost => Some(15),
             Self::LibraryMismatch => Some(18),
             Self::DriverNotLoaded => Some(9),
@@ -93,7 +100,8 @@ impl Fault {
         }
     }
 
-    /// GPU `gpu` answers every call with the error of `kind` (see [`FaultKind::nvml_error_code`]).
+    /// GPU `gpu` has the fault `kind` on the whole GPU: for the error kinds, it answers every call with
+    /// the error (see [`FaultKind::nvml_error_code`]); for the fabric kinds, its fabric reports that health.
     pub fn failing(gpu: u32, kind: FaultKind) -> Self {
         Self {
             gpu,

@@ -49,7 +49,7 @@ use tessera_gpu_api::models::{Architecture, GpuModel};
 use tessera_gpu_api::usage::{ProcessUsage, UsageQuery};
 use tessera_gpu_api::{ComputeMode, GpuBackend, GpuError, TimeSlice};
 use tessera_sim_model::backend::{
-    DeviceView, MigDevice, SimulatedBackend, SimulatedFault, SimulatedGpu, locate_kernel,
+    DeviceView, FabricReport, MigDevice, SimulatedBackend, SimulatedFault, SimulatedGpu, locate_kernel,
 };
 use tessera_sim_model::kernel::{
     SIMULATED_CUDA_DRIVER_VERSION, kernel_driver_version, library_driver_version, mapped_inode,
@@ -1164,20 +1164,18 @@ pub unsafe extern "C" fn nvmlDeviceGetVirtualizationMode(
     })
 }
 
-/// The fabric state of the node file; a GPU without one (`fabric: None`) answers NOT_SUPPORTED.
-fn fabric(lib: &Lib, device: nvmlDevice_t) -> R<(u8, [u8; 16])> {
+/// The GPU's fabric now ([`SimulatedBackend::fabric`]: the node file's state, completed once its
+/// `fabricCompletesAfterMs` passed, degraded by an injected fabric fault); a GPU without one (`fabric: None`)
+/// answers NOT_SUPPORTED.
+fn fabric(lib: &Lib, device: nvmlDevice_t) -> R<(FabricReport, [u8; 16])> {
     let d = lib.dev(device)?;
-    let g = lib.info(d.gpu)?;
-    let state = g.fabric.nvml_value();
-    if state == 0 {
-        return Err(NOT_SUPPORTED);
-    }
+    let report = lib.sim.fabric(d.gpu).map_err(model_err)?.ok_or(NOT_SUPPORTED)?;
     // One NVLink domain per node: the cluster UUID is the node's.
     let mut cluster = [0u8; 16];
     for (i, b) in lib.sim.node_name().bytes().enumerate() {
         cluster[i % 16] ^= b;
     }
-    Ok((state, cluster))
+    Ok((report, cluster))
 }
 
 /// # Safety
@@ -1190,17 +1188,20 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfo(
     // SAFETY: by the caller's contract.
     let info = unsafe { Out::new(info) };
     answer(info, |lib| {
-        let (state, cluster_uuid) = fabric(lib, device)?;
+        let (f, cluster_uuid) = fabric(lib, device)?;
         Ok(nvmlGpuFabricInfo_t {
             clusterUuid: cluster_uuid,
-            status: SUCCESS,
+            status: f.status,
             cliqueId: 0,
-            state,
+            state: f.state,
         })
     })
 }
 
-/// Versions 2 and 3 of the struct (`healthMask`, `healthSummary` zero: healthy).
+/// Versions 2 (`healthMask`) and 3 (`healthSummary`) of the struct. The summary is a real value: HEALTHY
+/// (1) for a completed, healthy fabric, LIMITED_CAPACITY or UNHEALTHY under an injected fabric fault, and
+/// 0 only while the fabric has not completed; nvml.h reads 0 as NOT_SUPPORTED, not as healthy (lines
+/// 3890-3893 and the v3 struct's `healthSummary` at 3950 of NVIDIA/go-nvml `gen/nvml/nvml.h`).
 ///
 /// # Safety
 /// `info` is null or valid for the struct its `version` names.
@@ -1214,16 +1215,16 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfoV(
         // SAFETY: by the caller's contract. The version is refused only after the device is resolved,
         // as NVML orders the checks.
         let version = unsafe { version_of(info) }?;
-        let (state, cluster_uuid) = fabric(&lib, device)?;
+        let (f, cluster_uuid) = fabric(&lib, device)?;
         if version == struct_version::<nvmlGpuFabricInfo_v3_t>(3) {
             let v = nvmlGpuFabricInfo_v3_t {
                 version,
                 clusterUuid: cluster_uuid,
-                status: SUCCESS,
+                status: f.status,
                 cliqueId: 0,
-                state,
-                healthMask: 0,
-                healthSummary: 0,
+                state: f.state,
+                healthMask: f.health_mask,
+                healthSummary: f.health_summary,
             };
             // SAFETY: the caller passed a v3 struct.
             unsafe { out(info, v) }
@@ -1231,10 +1232,10 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfoV(
             let v = nvmlGpuFabricInfo_v2_t {
                 version,
                 clusterUuid: cluster_uuid,
-                status: SUCCESS,
+                status: f.status,
                 cliqueId: 0,
-                state,
-                healthMask: 0,
+                state: f.state,
+                healthMask: f.health_mask,
             };
             // SAFETY: the caller passed a v2 struct.
             unsafe { out(info.cast::<nvmlGpuFabricInfo_v2_t>(), v) }

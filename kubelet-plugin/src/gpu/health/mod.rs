@@ -97,33 +97,39 @@ impl Health {
     }
 }
 
-/// Runs `source` on a thread until `stop` turns true, feeding `health`.
+/// Runs `source` on a thread until `stop` turns true, feeding `health`. The first poll runs before this
+/// returns, so what the inventory publishes first already holds what the source sees at start: a GPU
+/// whose NVLink fabric is still training is never published healthy for a moment.
 pub fn spawn_monitor(
     mut source: Box<dyn HealthSource>,
     health: Arc<Health>,
     mig_of: MigMap,
     stop: watch::Receiver<bool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let apply = move |observations: Vec<Observation>, health: &Health, mig_of: &MigMap| {
+        for observation in observations {
+            let what = format!("{observation:?}");
+            if health.observe(observation, mig_of.as_ref()) {
+                let unhealthy: Vec<String> = health
+                    .status()
+                    .iter()
+                    .filter(|h| h.reason.is_some())
+                    .map(|h| format!("gpu {} {:?}", h.gpu, h.reason))
+                    .collect();
+                if unhealthy.is_empty() {
+                    info!(observation = %what, "every device is healthy");
+                } else {
+                    warn!(observation = %what, ?unhealthy, "device health changed");
+                }
+            }
+        }
+    };
+    apply(source.poll(Duration::ZERO), &health, &mig_of);
     std::thread::Builder::new()
         .name("health-monitor".into())
         .spawn(move || {
             while !*stop.borrow() {
-                for observation in source.poll(POLL_TIMEOUT) {
-                    let what = format!("{observation:?}");
-                    if health.observe(observation, mig_of.as_ref()) {
-                        let unhealthy: Vec<String> = health
-                            .status()
-                            .iter()
-                            .filter(|h| h.reason.is_some())
-                            .map(|h| format!("gpu {} {:?}", h.gpu, h.reason))
-                            .collect();
-                        if unhealthy.is_empty() {
-                            info!(observation = %what, "every device is healthy");
-                        } else {
-                            warn!(observation = %what, ?unhealthy, "device health changed");
-                        }
-                    }
-                }
+                apply(source.poll(POLL_TIMEOUT), &health, &mig_of);
             }
         })
 }

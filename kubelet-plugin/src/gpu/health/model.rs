@@ -34,6 +34,9 @@ pub enum Observation {
     Answering { gpu: u32 },
     /// The GPU and everything on it work again (the simulated backend's `recover`).
     Recovered { gpu: u32 },
+    /// The GPU's NVLink fabric is fit for work (completed and healthy, or the GPU has none): a
+    /// [`HealthReason::Fabric`] failure of the GPU clears (other failures stay).
+    FabricReady { gpu: u32 },
     /// The complete set of failures now, from a source that reports state rather than events: anything
     /// not listed has recovered.
     Exactly(Vec<Failure>),
@@ -50,9 +53,11 @@ struct Condition {
     message: String,
 }
 
-/// A lost GPU outranks an ECC error, which outranks an XID: the worst reason decides the taint.
+/// A lost GPU outranks an ECC error, which outranks an XID, which outranks a fabric not fit for work (the
+/// one that clears by itself): the worst reason decides the taint.
 fn severity(reason: HealthReason) -> u8 {
     match reason {
+        HealthReason::Fabric => 0,
         HealthReason::Xid => 1,
         HealthReason::DoubleBitEcc => 2,
         HealthReason::GpuLost => 3,
@@ -98,6 +103,16 @@ impl HealthModel {
                 }
             }
             Observation::Recovered { gpu } => self.conditions.retain(|(g, _), _| *g != gpu),
+            Observation::FabricReady { gpu } => {
+                let whole = (gpu, None);
+                if self
+                    .conditions
+                    .get(&whole)
+                    .is_some_and(|c| c.reason == HealthReason::Fabric)
+                {
+                    self.conditions.remove(&whole);
+                }
+            }
             Observation::Exactly(failures) => {
                 let mut next = BTreeMap::new();
                 for f in failures {
@@ -147,12 +162,15 @@ impl HealthModel {
 
     fn fail(&mut self, f: Failure, now: Timestamp, mig_of: MigLookup<'_>) {
         let key = self.key(&f, mig_of);
-        if self
-            .conditions
-            .get(&key)
-            .is_some_and(|c| severity(c.reason) >= severity(f.reason))
-        {
-            return;
+        if let Some(c) = self.conditions.get_mut(&key) {
+            // A fabric that went from training to degraded says so, without a new `since`.
+            if c.reason == f.reason && c.xid == f.xid {
+                c.message = f.message;
+                return;
+            }
+            if severity(c.reason) >= severity(f.reason) {
+                return;
+            }
         }
         self.conditions.insert(
             key,
@@ -248,6 +266,16 @@ mod tests {
         }
     }
 
+    fn fabric(gpu: u32, message: &str) -> Failure {
+        Failure {
+            gpu,
+            gpu_instance: None,
+            reason: HealthReason::Fabric,
+            xid: None,
+            message: message.into(),
+        }
+    }
+
     fn no_mig(_: u32, _: u32) -> Option<MigDeviceRef> {
         None
     }
@@ -337,5 +365,31 @@ mod tests {
         let status = m.status();
         assert_eq!(status[1].state, HealthState::Healthy);
         assert_eq!(status[1].since, Some(Time(t1)), "healthy since it recovered");
+    }
+
+    #[test]
+    fn a_fabric_failure_clears_when_the_fabric_is_ready_and_never_hides_a_worse_one() {
+        let (t0, t1) = (
+            Timestamp::from_second(1_000).unwrap(),
+            Timestamp::from_second(2_000).unwrap(),
+        );
+        let mut m = HealthModel::new(0..2, t0);
+        assert!(m.apply(Observation::Failed(fabric(0, "in progress")), t0, &no_mig));
+        assert!(m.apply(Observation::Failed(fabric(0, "LIMITED_CAPACITY")), t1, &no_mig));
+        let status = m.status();
+        assert_eq!(
+            (status[0].message.as_deref(), status[0].since.clone()),
+            (Some("LIMITED_CAPACITY"), Some(Time(t0))),
+            "the message follows the fabric, the since stays"
+        );
+        assert!(!m.apply(Observation::FabricReady { gpu: 1 }, t1, &no_mig));
+        assert!(m.apply(Observation::FabricReady { gpu: 0 }, t1, &no_mig));
+        assert!(!m.any_unhealthy());
+        // An XID outranks the fabric, and the fabric's recovery does not clear it.
+        m.apply(Observation::Failed(fabric(0, "in progress")), t1, &no_mig);
+        assert!(m.apply(Observation::Failed(xid(0, None, 79)), t1, &no_mig));
+        assert!(!m.apply(Observation::Failed(fabric(0, "in progress")), t1, &no_mig));
+        assert!(!m.apply(Observation::FabricReady { gpu: 0 }, t1, &no_mig));
+        assert_eq!(m.device(&name("gpu-0")).unwrap().0, HealthReason::Xid);
     }
 }

@@ -19,6 +19,8 @@ pub struct SimulatedSource {
     extra_ignored_xids: Vec<u32>,
     started: bool,
     last_error: Option<String>,
+    /// The simulated hardware, whose NVLink fabric is read as the NVML source reads a real one.
+    fabric: Option<(tessera_sim_model::backend::SimulatedBackend, u32)>,
 }
 
 #[cfg(feature = "simulated")]
@@ -29,7 +31,42 @@ impl SimulatedSource {
             extra_ignored_xids,
             started: false,
             last_error: None,
+            fabric: None,
         }
+    }
+
+    /// Also reads the NVLink fabric of GPUs `0..gpu_count` of `hardware` every poll ([`fabric_observation`]
+    /// of [`crate::gpu::nvml::fabric_verdict`]): a fabric still training (`fabricCompletesAfterMs` in the
+    /// node file) or degraded (`simulate degrade-fabric`) is reported as the NVML source reports it.
+    pub fn with_fabric(
+        mut self,
+        hardware: tessera_sim_model::backend::SimulatedBackend,
+        gpu_count: u32,
+    ) -> Self {
+        self.fabric = Some((hardware, gpu_count));
+        self
+    }
+
+    fn fabric_failures(&self) -> Vec<Failure> {
+        let Some((hardware, count)) = &self.fabric else {
+            return vec![];
+        };
+        (0..*count)
+            .filter_map(|gpu| {
+                let f = hardware.fabric(gpu).ok()??;
+                let why = crate::gpu::nvml::fabric_verdict(
+                    gpu,
+                    f.state,
+                    f.status,
+                    Some(f.health_summary),
+                    Some(f.health_mask),
+                );
+                match fabric_observation(gpu, why) {
+                    Observation::Failed(failure) => Some(failure),
+                    _ => None,
+                }
+            })
+            .collect()
     }
 }
 
@@ -65,6 +102,9 @@ pub fn failure_of(fault: &Fault, extra_ignored_xids: &[u32]) -> Option<Failure> 
                 .unwrap_or_else(|| format!("GPU {} answers NVML error {code}", fault.gpu));
             (HealthReason::GpuLost, message)
         }
+        // They change what the GPU's fabric reports, which [`SimulatedSource::with_fabric`] reads (a GPU
+        // without a fabric has nothing to degrade).
+        FaultKind::FabricDegraded | FaultKind::FabricUnhealthy => return None,
     };
     Some(Failure {
         gpu: fault.gpu,
@@ -85,10 +125,11 @@ impl HealthSource for SimulatedSource {
         match self.faults.faults() {
             Ok(faults) => {
                 self.last_error = None;
-                let failures = faults
+                let mut failures: Vec<Failure> = faults
                     .iter()
                     .filter_map(|f| failure_of(f, &self.extra_ignored_xids))
                     .collect();
+                failures.extend(self.fabric_failures());
                 vec![Observation::Exactly(failures)]
             }
             Err(e) => {
@@ -104,8 +145,10 @@ impl HealthSource for SimulatedSource {
     }
 }
 
-/// How often every GPU is asked whether it still answers: the probe catches a GPU that fell off the bus
-/// without an event, a driver the library no longer matches, and is the only sign that a lost GPU is back.
+/// How often every GPU is asked whether it still answers and how its NVLink fabric is: the probe catches
+/// a GPU that fell off the bus without an event, a driver the library no longer matches, is the only sign
+/// that a lost GPU is back, and the only way a fabric that completes after the plugin started (or degrades
+/// later) is seen: NVML has no event for either.
 pub const PROBE_EVERY: Duration = Duration::from_secs(10);
 
 /// The failure of a GPU that answers NVML with `code`, with what to do about it; `None` for codes that
@@ -173,6 +216,7 @@ pub struct NvmlSource {
     reregister_every: Duration,
     /// Set when the set may have stopped delivering (see the type's doc); registered again next poll.
     needs_registration: bool,
+    probe_every: Duration,
 }
 
 impl NvmlSource {
@@ -192,7 +236,14 @@ impl NvmlSource {
             registered_at: None,
             reregister_every: REREGISTER_EVERY,
             needs_registration: false,
+            probe_every: PROBE_EVERY,
         }
+    }
+
+    /// Probes every GPU this often instead of every [`PROBE_EVERY`].
+    pub fn probe_every(mut self, every: Duration) -> Self {
+        self.probe_every = every;
+        self
     }
 
     /// Registers the event set again at least this often (see [`REREGISTER_EVERY`]).
@@ -232,6 +283,7 @@ impl NvmlSource {
                         changed = true;
                     }
                     out.push(Observation::Answering { gpu });
+                    out.push(fabric_observation(gpu, self.backend.fabric_problem(gpu)));
                 }
             }
         }
@@ -288,6 +340,23 @@ impl NvmlSource {
                 false
             }
         }
+    }
+}
+
+/// What the probe reports of a GPU's fabric: [`HealthReason::Fabric`] while `problem` says why it is not
+/// fit for work (still training, or reporting itself unhealthy), else that it is ready. A GPU whose fabric
+/// is not ready stays published and is tainted `NoSchedule` instead of being left out, so it is offered
+/// once its fabric completes and a claim already prepared on it is never pulled from under its pod.
+pub fn fabric_observation(gpu: u32, problem: Option<String>) -> Observation {
+    match problem {
+        Some(message) => Observation::Failed(Failure {
+            gpu,
+            gpu_instance: None,
+            reason: HealthReason::Fabric,
+            xid: None,
+            message,
+        }),
+        None => Observation::FabricReady { gpu },
     }
 }
 
@@ -358,7 +427,7 @@ impl HealthSource for NvmlSource {
             self.needs_registration = needed;
             return out;
         }
-        if self.last_probe.is_none_or(|t| t.elapsed() >= PROBE_EVERY) {
+        if self.last_probe.is_none_or(|t| t.elapsed() >= self.probe_every) {
             out.extend(self.probe());
         }
         let Some(events) = self.events.as_mut() else {
@@ -464,6 +533,18 @@ mod tests {
     }
 
     #[test]
+    fn a_fabric_not_fit_for_work_is_a_fabric_failure_and_a_fit_one_clears_it() {
+        let Observation::Failed(f) = fabric_observation(4, Some("training".into())) else {
+            panic!("a fabric problem is a failure");
+        };
+        assert_eq!(
+            (f.gpu, f.gpu_instance, f.reason, f.message.as_str()),
+            (4, None, HealthReason::Fabric, "training")
+        );
+        assert_eq!(fabric_observation(4, None), Observation::FabricReady { gpu: 4 });
+    }
+
+    #[test]
     fn an_event_nvml_cannot_attribute_is_charged_to_every_gpu_not_dropped() {
         use crate::gpu::health::xid::EVENT_XID_CRITICAL;
         let f = failures_of_unattributed(EVENT_XID_CRITICAL, 79, 0..3, &[]);
@@ -479,5 +560,59 @@ mod tests {
         assert_eq!(failure_of(&lost, &[]).unwrap().reason, HealthReason::GpuLost);
         let app = Fault::xid(1, 13);
         assert_eq!(failure_of(&app, &[]), None);
+    }
+
+    #[cfg(feature = "simulated")]
+    #[test]
+    fn the_simulated_source_reports_a_training_fabric_until_it_completes_and_a_degraded_one() {
+        use tessera_sim_model::backend::{FabricState, GpuGroup, NodeSpec, SimulatedBackend};
+        let dir = tempfile::tempdir().unwrap();
+        let spec = NodeSpec::default()
+            .with_group(GpuGroup {
+                fabric: FabricState::InProgress,
+                fabric_completes_after_ms: Some(3_600_000),
+                ..GpuGroup::plain("H100-SXM5-80GB")
+            })
+            .with_gpus("H100-SXM5-80GB", 1);
+        let hardware = SimulatedBackend::from_spec("n", &spec, dir.path()).unwrap();
+        let faults = SimulatedHealth::new(dir.path(), 2);
+        let mut source = SimulatedSource::new(faults.clone(), vec![]).with_fabric(hardware, 2);
+        let failures = |source: &mut SimulatedSource| match source.poll(Duration::ZERO).pop() {
+            Some(Observation::Exactly(f)) => f,
+            other => panic!("{other:?}"),
+        };
+        let training = failures(&mut source);
+        assert_eq!(training.len(), 1, "{training:?}");
+        assert_eq!((training[0].gpu, training[0].reason), (0, HealthReason::Fabric));
+        assert!(
+            training[0].message.contains("in progress"),
+            "{}",
+            training[0].message
+        );
+
+        std::fs::File::options()
+            .write(true)
+            .open(dir.path().join("kernel.json"))
+            .unwrap()
+            .set_modified(std::time::SystemTime::now() - Duration::from_secs(7_200))
+            .unwrap();
+        assert_eq!(failures(&mut source), [], "completed and healthy");
+        faults
+            .inject(Fault::failing(0, FaultKind::FabricDegraded))
+            .unwrap();
+        faults
+            .inject(Fault::failing(1, FaultKind::FabricDegraded))
+            .unwrap();
+        let degraded = failures(&mut source);
+        assert_eq!(
+            degraded.iter().map(|f| f.gpu).collect::<Vec<_>>(),
+            [0],
+            "GPU 1 has no fabric to degrade"
+        );
+        assert!(
+            degraded[0].message.contains("LIMITED_CAPACITY"),
+            "{}",
+            degraded[0].message
+        );
     }
 }
