@@ -17,6 +17,7 @@
 //   cuda.device index=<i> uuid=<GPU-…|MIG-…> mem=<cuDeviceTotalMem bytes> sms=<multiprocessors> name=<cuDeviceGetName>
 //   cuda.ctx index=<i> rc=<cuCtxCreate> mps=yes|no|unknown [server=<pid>] memtotal=<cuMemGetInfo total>
 //            sms=<cuCtxGetExecAffinity SM count> name=<error name>
+//   cuda.module index=<i> rc=<cuModuleLoadData of a small PTX module in that context> name=<error name>
 //   nvml.init rc=<nvmlReturn_t> name=<nvmlErrorString>
 //   nvml.driver rc=<r> version=<nvmlSystemGetDriverVersion>
 //   nvml.count rc=<r> count=<nvmlDeviceGetCount_v2>
@@ -38,6 +39,11 @@
 // `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`. CUDA does not say whether a device is a MIG device; like
 // tools that map CUDA devices to NVML's (DCGM), the prefix is `MIG-` when NVML lists a MIG device with
 // those bytes, else `GPU-`.
+//
+// `cuda.module`: PTX is compiled by the driver's JIT, `libnvidia-ptxjitcompiler.so.1`, which libcuda
+// `dlopen`s by soname when the first PTX module loads (as PyTorch, Triton and CuPy kernels do): a CDI spec
+// that leaves it out gives contexts that work and PTX that fails with CUDA_ERROR_JIT_COMPILER_NOT_FOUND
+// (221). The module is one empty kernel for sm_70, which every GPU since Volta JIT-compiles.
 //
 // MPS: a CUDA context does not say whether it runs through an MPS server (what it shows is the server's
 // limits: cuMemGetInfo's total is the pinned memory limit, cuCtxGetExecAffinity's SM count the active
@@ -63,6 +69,7 @@
 typedef int CUresult;
 typedef int CUdevice;
 typedef void *CUcontext;
+typedef void *CUmodule;
 typedef struct {
   char bytes[16];
 } CUuuid;
@@ -76,6 +83,10 @@ typedef struct {
     } smCount;
   } param;
 } CUexecAffinityParam;
+
+// The smallest PTX module: one empty kernel.
+static const char probe_ptx[] =
+    ".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry tessera_probe() { ret; }\n";
 
 // --- nvml.h ---
 typedef int nvmlReturn_t;
@@ -258,6 +269,8 @@ static int probe_cuda(void *cuda) {
   CUresult (*attribute)(int *, int, CUdevice) = sym(cuda, "libcuda.so.1", "cuDeviceGetAttribute");
   CUresult (*mem_info)(size_t *, size_t *) = sym(cuda, "libcuda.so.1", "cuMemGetInfo_v2");
   CUresult (*exec_affinity)(CUexecAffinityParam *, int) = sym(cuda, "libcuda.so.1", "cuCtxGetExecAffinity");
+  CUresult (*module_load)(CUmodule *, const void *) = sym(cuda, "libcuda.so.1", "cuModuleLoadData");
+  CUresult (*module_unload)(CUmodule) = sym(cuda, "libcuda.so.1", "cuModuleUnload");
   // Optional: the newer entry point first (MIG UUIDs), else the original one.
   CUresult (*get_uuid)(CUuuid *, CUdevice) = dlsym(cuda, "cuDeviceGetUuid_v2");
   if (!get_uuid) get_uuid = sym(cuda, "libcuda.so.1", "cuDeviceGetUuid");
@@ -320,6 +333,12 @@ static int probe_cuda(void *cuda) {
     }
     printf("cuda.ctx index=%d rc=%d mps=%s memtotal=%zu sms=%u name=%s\n", i, rc, mps, ctx_mem, affinity.param.smCount.val,
            ERR(rc));
+    if (rc == 0 && module_load) {
+      CUmodule module = NULL;
+      CUresult rm = module_load(&module, probe_ptx);
+      printf("cuda.module index=%d rc=%d name=%s\n", i, rm, ERR(rm));
+      if (rm == 0 && module_unload) module_unload(module);
+    }
     if (rc == 0 && ctx_destroy) ctx_destroy(ctx);
   }
   return 0;

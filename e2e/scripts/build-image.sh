@@ -17,7 +17,7 @@ command -v ldd >/dev/null || { echo "error: ldd not found (Debian: apt-get insta
 # The simulated NVIDIA driver (kubelet-plugin/sim-driver) goes to /usr/lib/tessera-sim, where the plugin's
 # `simulated` backend finds it (<exe dir>/../lib/tessera-sim) to install into its driver root.
 PACKAGES=(-p tessera-controller -p tessera-kubelet-plugin -p tessera-sim-nvml -p tessera-sim-cuda -p tessera-sim-tools)
-SIM_DRIVER=(libnvidia_ml.so libcuda.so nvidia-smi nvidia-cuda-mps-control nvidia-cuda-mps-server)
+SIM_DRIVER=(libnvidia_ml.so libcuda.so libnvidia_ptxjitcompiler.so libnvidia_nvvm.so nvidia-smi nvidia-cuda-mps-control nvidia-cuda-mps-server)
 PROFILE="${IMAGE_PROFILE:-release}"
 case "$PROFILE" in
   release) (cd "$REPO_ROOT" && cargo build --release "${PACKAGES[@]}") ;;

@@ -85,7 +85,7 @@ PAUSE_C="$(cd "$K8S_MOD" && GOTOOLCHAIN="$K8S_TOOLCHAIN" GOFLAGS="-mod=mod -modf
 # The cuda-probe image carries the glibc libraries the simulated driver's files need (their NEEDED entries,
 # read with ldd), besides the probe's own: those built by cargo (up.sh builds them before this script).
 DRIVER_FILES=()
-for f in libnvidia_ml.so libcuda.so nvidia-smi nvidia-cuda-mps-control nvidia-cuda-mps-server; do
+for f in libnvidia_ml.so libcuda.so libnvidia_ptxjitcompiler.so libnvidia_nvvm.so nvidia-smi nvidia-cuda-mps-control nvidia-cuda-mps-server; do
   [[ -f "$CARGO_TARGET/debug/$f" ]] && DRIVER_FILES+=("$CARGO_TARGET/debug/$f")
 done
 # Contents only: the 1.36 and 1.37 modules hold the same pause.c at different paths. The driver files

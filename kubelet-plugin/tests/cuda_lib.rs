@@ -21,10 +21,12 @@ use std::{
 use tessera_api::MigPlacement;
 use tessera_gpu_api::models;
 use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager};
+use tessera_kubelet_plugin::gpu::driver_root::{DriverFiles, DriverRoot};
 use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, TimeSlice};
+use tessera_kubelet_plugin::node::edits::driver_edits;
 use tessera_sim_model::backend::{NodeSpec, SimulatedBackend, mig_minors_by_formula};
-use tessera_sim_model::driver_root::{artifact_dirs, install};
-use tessera_sim_model::kernel::DEV_ROOT_ENV;
+use tessera_sim_model::driver_root::{LIBRARY_DIR, artifact_dirs, install};
+use tessera_sim_model::kernel::{DEV_ROOT_ENV, SIMULATED_DRIVER_VERSION};
 
 const MODEL: &str = "H100-SXM5-80GB";
 const PRODUCT: &str = "NVIDIA H100 80GB HBM3";
@@ -101,6 +103,9 @@ impl Driver {
         let mut cmd = Command::new(std::env::current_exe().unwrap());
         cmd.args(["--exact", "probe", "--nocapture", "--test-threads=1"])
             .env("TESSERA_PROBE_LIB", self.libcuda())
+            // A host with the driver installed has its directory in the loader's cache; libcuda loads its
+            // JIT libraries from there by soname.
+            .env("LD_LIBRARY_PATH", self.root().join(LIBRARY_DIR))
             .env_remove("CUDA_VISIBLE_DEVICES")
             .env_remove(DEV_ROOT_ENV)
             .env_remove("TESSERA_SIM_KERNEL")
@@ -211,6 +216,29 @@ mod cuda_probe {
     type MemInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
     type ServerPid = unsafe extern "C" fn(*mut c_void, *mut c_int) -> c_int;
     type ErrorName = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int;
+    type ModuleLoadData = unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> c_int;
+    type ModuleUnload = unsafe extern "C" fn(*mut c_void) -> c_int;
+    type LinkCreate = unsafe extern "C" fn(c_uint, *mut c_int, *mut *mut c_void, *mut *mut c_void) -> c_int;
+    type LinkAddData = unsafe extern "C" fn(
+        *mut c_void,
+        c_int,
+        *mut c_void,
+        usize,
+        *const c_char,
+        c_uint,
+        *mut c_int,
+        *mut *mut c_void,
+    ) -> c_int;
+    type LinkComplete = unsafe extern "C" fn(*mut c_void, *mut *mut c_void, *mut usize) -> c_int;
+    type LinkDestroy = unsafe extern "C" fn(*mut c_void) -> c_int;
+
+    /// The smallest PTX module: one empty kernel.
+    const PTX: &CStr =
+        c".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry tessera_probe() { ret; }\n";
+    /// NVVM IR as text (`CU_JIT_INPUT_NVVM` = 5).
+    const NVVM_IR: &[u8] =
+        b"target triple = \"nvptx64-nvidia-cuda\"\ndefine void @tessera_probe() { ret void }\n";
+    const CU_JIT_INPUT_NVVM: c_int = 5;
 
     struct Lib(*mut c_void);
 
@@ -318,11 +346,146 @@ mod cuda_probe {
                 ("ctx_sms", affinity[1].to_string()),
                 ("ctx_mem", total.to_string()),
             ]);
+            // What a PyTorch or Triton kernel needs: PTX through the JIT compiler, NVVM IR through NVVM.
+            let mut module: *mut c_void = std::ptr::null_mut();
+            let module_rc = lib.sym::<ModuleLoadData>("cuModuleLoadData")(&mut module, PTX.as_ptr().cast());
+            if module_rc == 0 {
+                assert_eq!(lib.sym::<ModuleUnload>("cuModuleUnload")(module), 0);
+                assert_eq!(lib.sym::<ModuleUnload>("cuModuleUnload")(module), 400);
+            }
+            let mut link: *mut c_void = std::ptr::null_mut();
+            assert_eq!(
+                lib.sym::<LinkCreate>("cuLinkCreate_v2")(
+                    0,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    &mut link
+                ),
+                0
+            );
+            let nvvm_rc = lib.sym::<LinkAddData>("cuLinkAddData_v2")(
+                link,
+                CU_JIT_INPUT_NVVM,
+                NVVM_IR.as_ptr().cast_mut().cast(),
+                NVVM_IR.len(),
+                c"probe.ll".as_ptr(),
+                0,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+            let (mut cubin, mut size) = (std::ptr::null_mut(), 0usize);
+            let linked = lib.sym::<LinkComplete>("cuLinkComplete")(link, &mut cubin, &mut size);
+            if nvvm_rc == 0 {
+                assert_eq!(linked, 0);
+                // The linked image loads as a module, with no JIT.
+                let mut m: *mut c_void = std::ptr::null_mut();
+                assert_eq!(lib.sym::<ModuleLoadData>("cuModuleLoadData")(&mut m, cubin), 0);
+            }
+            assert_eq!(lib.sym::<LinkDestroy>("cuLinkDestroy")(link), 0);
+            say(&[("module", module_rc.to_string()), ("nvvm", nvvm_rc.to_string())]);
             assert_eq!(lib.sym::<CtxDestroy>("cuCtxDestroy_v2")(ctx), 0);
+            // Without a context there is nothing to load a module into.
+            let mut m: *mut c_void = std::ptr::null_mut();
+            assert_eq!(
+                lib.sym::<ModuleLoadData>("cuModuleLoadData")(&mut m, PTX.as_ptr().cast()),
+                201
+            );
             // A destroyed context is gone.
             assert_eq!(lib.sym::<CtxDestroy>("cuCtxDestroy_v2")(ctx), 201);
         }
     }
+}
+
+#[test]
+fn a_ptx_module_loads_through_the_jit_compiler_the_loader_finds_by_soname() {
+    let d = Driver::new(1);
+    let p = d.probe(&[]);
+    assert_eq!((p.get("module"), p.get("nvvm")), ("0", "0"), "{p:?}");
+    // Outside the loader's search path (no cache entry, no LD_LIBRARY_PATH), the libraries beside
+    // libcuda.so.1 are not found, as NVIDIA's libcuda does not find them either.
+    let elsewhere = d.dir.path().join("elsewhere");
+    fs::create_dir_all(&elsewhere).unwrap();
+    let p = d.probe(&[("LD_LIBRARY_PATH", elsewhere.to_str().unwrap())]);
+    assert_eq!(p.get("ctx"), "0", "{p:?}");
+    assert_eq!(
+        (p.get("module"), p.get("nvvm")),
+        ("221", "221"),
+        "CUDA_ERROR_JIT_COMPILER_NOT_FOUND: {p:?}"
+    );
+    // NVVM alone missing: PTX still loads.
+    fs::copy(
+        d.root().join(LIBRARY_DIR).join("libnvidia-ptxjitcompiler.so.1"),
+        elsewhere.join("libnvidia-ptxjitcompiler.so.1"),
+    )
+    .unwrap();
+    let p = d.probe(&[("LD_LIBRARY_PATH", elsewhere.to_str().unwrap())]);
+    assert_eq!((p.get("module"), p.get("nvvm")), ("0", "221"), "{p:?}");
+}
+
+/// A container's filesystem as the runtime assembles it from `edits`' mounts, under `dir`: each mount a
+/// symlink to its host file (standing for the bind mount), the simulated kernel at `/tessera-sim`. Returns
+/// the container's `libcuda.so.1` and its loader search path (the library directories the hook's
+/// `update-ldcache` puts in the container's cache).
+fn container_from(
+    mounts: &[tessera_kubelet_plugin::node::cdi::Mount],
+    dir: &Path,
+    ld_dirs: &[String],
+) -> (PathBuf, String) {
+    for m in mounts {
+        let at = dir.join(m.container_path.trim_start_matches('/'));
+        fs::create_dir_all(at.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(&m.host_path, &at).unwrap();
+    }
+    let search: Vec<String> = ld_dirs
+        .iter()
+        .map(|d| dir.join(d.trim_start_matches('/')).display().to_string())
+        .collect();
+    (dir.join(LIBRARY_DIR).join("libcuda.so.1"), search.join(":"))
+}
+
+#[test]
+fn a_container_from_tesseras_spec_jit_compiles_ptx_and_one_without_the_jit_library_cannot() {
+    let d = Driver::new(1);
+    let files = DriverFiles::discover(&DriverRoot::new(d.root()), Some(SIMULATED_DRIVER_VERSION));
+    let mounts = driver_edits(&files).mounts;
+    for soname in ["libnvidia-ptxjitcompiler.so.1", "libnvidia-nvvm.so.4"] {
+        assert!(
+            mounts
+                .iter()
+                .any(|m| m.container_path == format!("/{LIBRARY_DIR}/{soname}")),
+            "the spec lacks {soname}: {mounts:?}"
+        );
+    }
+    let dirs = files.container_library_dirs();
+    let run = |name: &str, mounts: &[tessera_kubelet_plugin::node::cdi::Mount]| {
+        let (libcuda, search) = container_from(mounts, &d.dir.path().join(name), &dirs);
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", "probe", "--nocapture", "--test-threads=1"])
+            .env("TESSERA_PROBE_LIB", &libcuda)
+            .env("LD_LIBRARY_PATH", &search)
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .env_remove(DEV_ROOT_ENV)
+            .env_remove("TESSERA_SIM_KERNEL")
+            .env("CUDA_MPS_PIPE_DIRECTORY", d.dir.path().join("no-mps"));
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "probe failed: {}", text(&out));
+        Probe::parse(&text(&out))
+    };
+    let p = run("container", &mounts);
+    assert_eq!(p.get("ctx"), "0", "{p:?}");
+    assert_eq!((p.get("module"), p.get("nvvm")), ("0", "0"), "{p:?}");
+
+    // The rule's teeth: a spec that forgets the PTX JIT (as one listing only libcuda and NVML would)
+    // still gives a working context, and PTX fails as on a real GPU.
+    let without: Vec<_> = mounts
+        .iter()
+        .filter(|m| !m.container_path.contains("libnvidia-ptxjitcompiler"))
+        .cloned()
+        .collect();
+    let p = run("without-jit", &without);
+    assert_eq!(p.get("ctx"), "0", "{p:?}");
+    assert_eq!(p.get("module"), "221", "CUDA_ERROR_JIT_COMPILER_NOT_FOUND: {p:?}");
+    assert_eq!(p.get("nvvm"), "221", "NVVM's PTX needs the JIT too: {p:?}");
 }
 
 fn strip(uuid: &str) -> &str {

@@ -147,9 +147,9 @@ fn only_driver_libraries(dir: &Path) {
     for entry in fs::read_dir(dir).unwrap() {
         let name = entry.unwrap().file_name().to_string_lossy().to_string();
         assert!(
-            ["libcuda.so", "libnvidia-ml.so"]
+            tessera_kubelet_plugin::gpu::driver_root::LIBRARIES
                 .iter()
-                .any(|lib| name.starts_with(lib)),
+                .any(|lib| name.starts_with(&format!("{lib}.so"))),
             "{name} in the daemon's library path {}",
             dir.display()
         );

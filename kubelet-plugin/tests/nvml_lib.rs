@@ -623,6 +623,8 @@ fn the_driver_root_the_cli_makes_is_driven_by_the_nvml_backend() {
     .unwrap();
     for other in [
         "libcuda.so",
+        "libnvidia_ptxjitcompiler.so",
+        "libnvidia_nvvm.so",
         "nvidia-smi",
         "nvidia-cuda-mps-control",
         "nvidia-cuda-mps-server",

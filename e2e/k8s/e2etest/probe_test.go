@@ -40,6 +40,13 @@ type probeCtx struct {
 	sms       int
 }
 
+// probeModule is the PTX module the probe loaded in a context: CUDA_SUCCESS only when the driver's PTX JIT
+// compiler (libnvidia-ptxjitcompiler.so.1) is in the container.
+type probeModule struct {
+	index, rc int
+	name      string
+}
+
 type probeNVMLGPU struct {
 	uuid string
 	mig  bool
@@ -52,6 +59,7 @@ type probeView struct {
 	cudaCount  int
 	cuda       []probeCUDADevice
 	ctx        []probeCtx
+	modules    []probeModule
 	nvmlInit   int
 	nvml       []probeNVMLGPU
 	migs       []string // MIG device UUIDs NVML lists
@@ -112,6 +120,8 @@ func parseProbe(lines []string) probeView {
 			}
 			total, _ := strconv.ParseUint(f["memtotal"], 10, 64)
 			v.ctx = append(v.ctx, probeCtx{rc: atoi(f["rc"]), mps: mps, name: f["name"], memTotal: total, sms: atoi(f["sms"])})
+		case "cuda.module":
+			v.modules = append(v.modules, probeModule{index: atoi(f["index"]), rc: atoi(f["rc"]), name: f["name"]})
 		case "nvml.init":
 			v.nvmlInit = atoi(f["rc"])
 		case "nvml.gpu":
@@ -267,6 +277,22 @@ func checkProbe(t *testing.T, p *v1.Pod, v seen, want expectedView) {
 			fail("the share's MPS context on device %d has %d bytes, want the claim's pinned limit %d", i, c.memTotal, want.memoryLimit)
 		case want.shared && c.sms != (d.sms*want.percentage+99)/100:
 			fail("the share's MPS context on device %d may use %d of %d SMs, want %d %%", i, c.sms, d.sms, want.percentage)
+		}
+	}
+	// A PTX module per context: the driver's JIT libraries are in the container (a spec without
+	// libnvidia-ptxjitcompiler.so.1 answers 221, CUDA_ERROR_JIT_COMPILER_NOT_FOUND).
+	created := 0
+	for _, c := range pv.ctx {
+		if c.rc == 0 {
+			created++
+		}
+	}
+	if len(pv.modules) != created {
+		fail("%d PTX module loads for %d contexts", len(pv.modules), created)
+	}
+	for _, m := range pv.modules {
+		if m.rc != 0 {
+			fail("cuModuleLoadData of PTX on device %d returned %d (%s), want CUDA_SUCCESS: the container lacks the driver's PTX JIT compiler", m.index, m.rc, m.name)
 		}
 	}
 	if pv.nvmlInit != 0 {

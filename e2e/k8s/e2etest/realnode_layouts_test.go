@@ -273,6 +273,11 @@ func checkLayoutInside(t *testing.T, rn realNodeEnv, l driverLayout, p *v1.Pod, 
 		fail("contexts %+v, want one created", pv.ctx)
 		return
 	}
+	// libcuda dlopens its PTX JIT by soname, so the loader's cache must name it too (the spec mounts it, the
+	// hook's update-ldcache lists it).
+	if len(pv.modules) != 1 || pv.modules[0].rc != 0 {
+		fail("PTX modules %+v, want one loaded: libnvidia-ptxjitcompiler.so.1 is not reachable through the %s layout's mounts and cache", pv.modules, l.name)
+	}
 	shared := sharedName.MatchString(devices[0].Device)
 	switch {
 	case shared && !strings.HasPrefix(pv.ctx[0].mps, "yes server="):

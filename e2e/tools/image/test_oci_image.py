@@ -30,7 +30,15 @@ BINARIES = ("tessera-controller", "tessera-kubelet-plugin", "tessera-cdi-hook")
 # The simulated driver (e2e/scripts/build-image.sh --file), where the plugin looks for it:
 # <exe dir>/../lib/tessera-sim (kubelet-plugin/src/gpu/sim_driver_root.rs).
 SIM_DIR = "usr/lib/tessera-sim"
-SIM_DRIVER = ("libnvidia_ml.so", "libcuda.so", "nvidia-smi", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
+SIM_DRIVER = (
+    "libnvidia_ml.so",
+    "libcuda.so",
+    "libnvidia_ptxjitcompiler.so",
+    "libnvidia_nvvm.so",
+    "nvidia-smi",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+)
 
 
 def blob_name(digest: str) -> str:

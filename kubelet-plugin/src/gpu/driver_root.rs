@@ -95,6 +95,14 @@ pub const LIBRARIES: [&str; 18] = [
     "libvdpau_nvidia",
 ];
 
+/// Driver libraries whose file name carries no driver version, mounted by name pattern (`<prefix>*`):
+/// `libnvidia-nvvm70.so.4`, the older NVVM compiler that current drivers ship beside
+/// `libnvidia-nvvm.so.<version>` and that CUDA processes load at JIT time beside the PTX JIT compiler.
+/// NVIDIA's CDI generator mounts it on its own for that reason (nvidia-container-toolkit
+/// `pkg/nvcdi/driver-nvml.go` `getLegacyNVVMLibraryMounts`, `libnvidia-nvvm70.so.*`): the
+/// `*.so.<driver version>` rule does not match it.
+pub const UNVERSIONED_LIBRARIES: [&str; 1] = ["libnvidia-nvvm70.so."];
+
 /// Libraries that get an unversioned development link in the container (`libcuda.so -> libcuda.so.1`):
 /// programs that `dlopen("libcuda.so")` or link `-lcuda` at run time (Triton, `torch.compile`, vLLM) need it,
 /// and NVIDIA's `nvcdi` creates the same ones.
@@ -373,6 +381,32 @@ fn library_files(root: &DriverRoot, lib: &str, driver_version: Option<&str>) -> 
         .collect()
 }
 
+/// Every file named `<prefix>…` (regular, or a link resolving to one inside the root) in the first library
+/// directory that has one, sorted: the files of an [`UNVERSIONED_LIBRARIES`] entry.
+fn unversioned_library_files(root: &DriverRoot, prefix: &str) -> Vec<(PathBuf, PathBuf)> {
+    for dir in root.library_dirs() {
+        let Some(listed) = root.resolve(&dir) else {
+            continue;
+        };
+        let mut files: Vec<(PathBuf, PathBuf)> = fs::read_dir(&listed)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|name| name.starts_with(prefix))
+            .filter_map(|name| {
+                let named = dir.join(&name);
+                let file = root.resolve(&named).filter(|f| f.is_file())?;
+                Some((named, file))
+            })
+            .collect();
+        if !files.is_empty() {
+            files.sort();
+            return files;
+        }
+    }
+    Vec::new()
+}
+
 /// Every `<stem>.so.<driver version>` regular file in the directories where the driver's own [`LIBRARIES`]
 /// are (the toolkit mounts every file of the driver's version it finds there: graphics, NGX, … libraries
 /// tessera does not name), by stem, sorted; those of [`LIBRARIES`] left out (they are looked for anyway).
@@ -535,6 +569,9 @@ impl DriverFiles {
             for stem in versioned_stems(root, v, &found) {
                 found.extend(library_files(root, &stem, Some(v)));
             }
+        }
+        for prefix in UNVERSIONED_LIBRARIES {
+            found.extend(unversioned_library_files(root, prefix));
         }
         let libraries = found
             .iter()
@@ -795,6 +832,48 @@ mod tests {
                 true
             ),
             Some("/usr/lib/x86_64-linux-gnu/libcuda.so.1".to_string())
+        );
+    }
+
+    #[test]
+    fn the_legacy_nvvm_library_is_mounted_though_its_name_has_no_driver_version() {
+        let layout = Layout::new().libs("usr/lib/x86_64-linux-gnu");
+        let d = layout.dir.path().join("usr/lib/x86_64-linux-gnu");
+        fs::write(d.join(format!("libnvidia-nvvm.so.{VERSION}")), b"stub").unwrap();
+        symlink(
+            format!("libnvidia-nvvm.so.{VERSION}"),
+            d.join("libnvidia-nvvm.so.4"),
+        )
+        .unwrap();
+        // As NVIDIA's installer lays it out: a regular file under its soname.
+        fs::write(d.join("libnvidia-nvvm70.so.4"), b"stub").unwrap();
+        let files = DriverFiles::discover(&layout.root(), Some(VERSION));
+        let paths = container_paths(&files.libraries);
+        for lib in [
+            "libnvidia-nvvm.so.4".to_string(),
+            format!("libnvidia-nvvm.so.{VERSION}"),
+            "libnvidia-nvvm70.so.4".to_string(),
+        ] {
+            assert!(
+                paths.contains(&format!("/usr/lib/x86_64-linux-gnu/{lib}").as_str()),
+                "{lib} not mounted: {paths:?}"
+            );
+        }
+        let nvvm70 = files
+            .libraries
+            .iter()
+            .find(|f| f.container_path.ends_with("libnvidia-nvvm70.so.4"))
+            .unwrap();
+        assert_eq!(nvvm70.host_path, d.join("libnvidia-nvvm70.so.4"));
+        // A driver without it (older than 545) mounts nothing in its place.
+        fs::remove_file(d.join("libnvidia-nvvm70.so.4")).unwrap();
+        let files = DriverFiles::discover(&layout.root(), Some(VERSION));
+        assert!(
+            !container_paths(&files.libraries)
+                .iter()
+                .any(|p| p.contains("nvvm70")),
+            "{:?}",
+            files.libraries
         );
     }
 

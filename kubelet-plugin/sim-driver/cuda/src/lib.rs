@@ -22,6 +22,12 @@
 //! `PROHIBITED`) compute mode refuses the context with `CUDA_ERROR_DEVICES_UNAVAILABLE`; in `DEFAULT`
 //! mode the context is direct.
 //!
+//! Modules: `cuModuleLoadData(Ex)` takes a cubin or fatbin as it is, and PTX through the PTX JIT compiler,
+//! which it `dlopen`s by soname (`libnvidia-ptxjitcompiler.so.1`) through the loader's own search as
+//! NVIDIA's libcuda does: without it in the process's library path (a container whose spec left it out)
+//! the load fails with `CUDA_ERROR_JIT_COMPILER_NOT_FOUND`. `cuLinkAddData` of NVVM IR needs
+//! `libnvidia-nvvm.so.4` likewise. Both libraries are built by `build.rs` from `jit/`.
+//!
 //! Every export catches panics (a panic across the C ABI would abort the caller) and answers
 //! `CUDA_ERROR_UNKNOWN` instead. `TESSERA_SIM_DEBUG=1` prints why `cuInit` failed to stderr.
 
@@ -62,6 +68,11 @@ pub type CUdevice = c_int;
 /// `CUcontext`: an opaque pointer (never dereferenced by callers; here a handle number).
 pub type CUcontext = *mut c_void;
 
+/// `CUmodule`: an opaque pointer (here a handle number, never dereferenced).
+pub type CUmodule = *mut c_void;
+/// `CUlinkState`: an opaque pointer (here a handle number, never dereferenced).
+pub type CUlinkState = *mut c_void;
+
 /// `CUuuid`: 16 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -88,7 +99,10 @@ pub mod code {
     pub const CUDA_ERROR_DEVICES_UNAVAILABLE: c_int = 46;
     pub const CUDA_ERROR_NO_DEVICE: c_int = 100;
     pub const CUDA_ERROR_INVALID_DEVICE: c_int = 101;
+    pub const CUDA_ERROR_INVALID_IMAGE: c_int = 200;
     pub const CUDA_ERROR_INVALID_CONTEXT: c_int = 201;
+    pub const CUDA_ERROR_INVALID_PTX: c_int = 218;
+    pub const CUDA_ERROR_JIT_COMPILER_NOT_FOUND: c_int = 221;
     pub const CUDA_ERROR_INVALID_HANDLE: c_int = 400;
     pub const CUDA_ERROR_NOT_FOUND: c_int = 500;
     pub const CUDA_ERROR_NOT_SUPPORTED: c_int = 801;
@@ -139,9 +153,24 @@ const ERRORS: &[(CUresult, &str, &str)] = &[
         "invalid device ordinal\0",
     ),
     (
+        CUDA_ERROR_INVALID_IMAGE,
+        "CUDA_ERROR_INVALID_IMAGE\0",
+        "device kernel image is invalid\0",
+    ),
+    (
         CUDA_ERROR_INVALID_CONTEXT,
         "CUDA_ERROR_INVALID_CONTEXT\0",
         "invalid device context\0",
+    ),
+    (
+        CUDA_ERROR_INVALID_PTX,
+        "CUDA_ERROR_INVALID_PTX\0",
+        "a PTX JIT compilation failed\0",
+    ),
+    (
+        CUDA_ERROR_JIT_COMPILER_NOT_FOUND,
+        "CUDA_ERROR_JIT_COMPILER_NOT_FOUND\0",
+        "PTX JIT compiler library not found\0",
     ),
     (
         CUDA_ERROR_INVALID_HANDLE,
@@ -843,6 +872,343 @@ pub unsafe extern "C" fn cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) -> 
     })
 }
 
+// === Modules and the JIT ===
+
+/// A driver library that libcuda loads when a program first needs it, by soname.
+struct JitLibrary {
+    soname: &'static std::ffi::CStr,
+    /// The simulated library's entry point (`jit/`): `(bytes, len) -> CUresult`.
+    entry: &'static std::ffi::CStr,
+}
+
+/// NVIDIA's libcuda `dlopen`s `libnvidia-ptxjitcompiler.so.1` by soname to compile PTX, and answers
+/// `CUDA_ERROR_JIT_COMPILER_NOT_FOUND` (cuda.h: "This indicates that the PTX JIT compiler library was not
+/// found") without it; NVIDIA's CDI generator mounts it for that reason (nvidia-container-toolkit
+/// `pkg/nvcdi/driver-nvml.go`, every `*.so.<driver version>`).
+const PTX_JIT: JitLibrary = JitLibrary {
+    soname: c"libnvidia-ptxjitcompiler.so.1",
+    entry: c"tesseraSimPtxJitCompile",
+};
+/// The NVVM compiler the driver `dlopen`s for NVVM IR (LTO-IR), soname `.so.4` as NVIDIA ships it.
+const NVVM: JitLibrary = JitLibrary {
+    soname: c"libnvidia-nvvm.so.4",
+    entry: c"tesseraSimNvvmCompile",
+};
+
+type Compile = unsafe extern "C" fn(*const u8, usize) -> CUresult;
+
+/// Loads `lib` through the dynamic loader's search (`LD_LIBRARY_PATH`, `/etc/ld.so.cache`, the default
+/// directories), never from a path of its own: the directory libcuda lies in is not searched unless the
+/// loader searches it, as with NVIDIA's. The handle is kept for the process (never closed).
+fn jit(lib: &JitLibrary) -> Result<Compile, CUresult> {
+    // SAFETY: a NUL-terminated soname; dlopen runs no code of ours.
+    let handle = unsafe { libc::dlopen(lib.soname.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        // SAFETY: dlerror returns a loader-owned string or null.
+        let why = unsafe { libc::dlerror() };
+        let why = if why.is_null() {
+            String::new()
+        } else {
+            // SAFETY: non-null, NUL-terminated.
+            unsafe { std::ffi::CStr::from_ptr(why) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        debug(&format!("cannot load {}: {why}", lib.soname.to_string_lossy()));
+        return Err(CUDA_ERROR_JIT_COMPILER_NOT_FOUND);
+    }
+    // SAFETY: a live handle and a NUL-terminated name.
+    let entry = unsafe { libc::dlsym(handle, lib.entry.as_ptr()) };
+    if entry.is_null() {
+        debug(&format!(
+            "{} has no {}: not the simulated driver's",
+            lib.soname.to_string_lossy(),
+            lib.entry.to_string_lossy()
+        ));
+        return Err(CUDA_ERROR_JIT_COMPILER_NOT_FOUND);
+    }
+    // SAFETY: the symbol is the JIT library's `Compile` (jit/*.rs).
+    Ok(unsafe { std::mem::transmute::<*mut c_void, Compile>(entry) })
+}
+
+/// Compiles `bytes` with `lib`, loading it first.
+fn jit_compile(lib: &JitLibrary, bytes: &[u8]) -> Result<(), CUresult> {
+    let compile = jit(lib)?;
+    // SAFETY: `bytes` is a live slice.
+    match unsafe { compile(bytes.as_ptr(), bytes.len()) } {
+        CUDA_SUCCESS => Ok(()),
+        code => Err(code),
+    }
+}
+
+/// What `cuModuleLoadData` was given.
+enum Image<'a> {
+    /// A cubin (ELF) or fatbin: loaded as it is.
+    Binary,
+    /// NUL-terminated PTX text, without its NUL.
+    Ptx(&'a [u8]),
+}
+
+/// ELF, fatbin (`0xBA55ED50`) and the fatbin wrapper of `__cudaRegisterFatBinary` (`0x466243B1`).
+const BINARY_MAGICS: [&[u8]; 3] = [b"\x7fELF", &[0x50, 0xed, 0x55, 0xba], &[0xb1, 0x43, 0x62, 0x46]];
+
+/// Whether the bytes at `image` begin with `magic`, read one at a time and stopping at the first that
+/// differs, so a PTX string shorter than the magic is never read past its NUL (no magic byte is 0).
+fn starts_with(image: *const u8, magic: &[u8]) -> bool {
+    magic.iter().enumerate().all(|(i, m)| {
+        // SAFETY: every byte before `i` matched a non-zero magic byte, so the image (a NUL-terminated
+        // string at the shortest) holds byte `i`.
+        unsafe { image.add(i).read() == *m }
+    })
+}
+
+fn classify<'a>(image: *const c_void) -> Result<Image<'a>, CUresult> {
+    if image.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let bytes = image.cast::<u8>();
+    if BINARY_MAGICS.iter().any(|m| starts_with(bytes, m)) {
+        return Ok(Image::Binary);
+    }
+    // SAFETY: not a binary, so by cuda.h PTX: "a NULL-terminated text string".
+    let text = unsafe { std::ffi::CStr::from_ptr(image.cast::<c_char>()) };
+    Ok(Image::Ptx(text.to_bytes()))
+}
+
+/// Live modules and link states by handle (pointer-looking numbers, never dereferenced).
+struct Loaded {
+    next: usize,
+    modules: Vec<usize>,
+    links: HashMap<usize, Link>,
+}
+
+/// A `cuLinkCreate` state: the image `cuLinkComplete` hands out lives as long as the state.
+struct Link {
+    inputs: usize,
+    cubin: Vec<u8>,
+}
+
+static LOADED: Mutex<Option<Loaded>> = Mutex::new(None);
+
+fn with_loaded<T>(f: impl FnOnce(&mut Loaded) -> T) -> T {
+    let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    f(loaded.get_or_insert_with(|| Loaded {
+        next: 0,
+        modules: Vec::new(),
+        links: HashMap::new(),
+    }))
+}
+
+fn new_handle(loaded: &mut Loaded, base: usize) -> usize {
+    loaded.next += 1;
+    base + loaded.next * 0x10
+}
+
+fn module_load(module: *mut CUmodule, image: *const c_void) -> Result<(), CUresult> {
+    if module.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // A module belongs to the current context.
+    with_current(|_| Ok(()))?;
+    match classify(image)? {
+        Image::Binary => {}
+        Image::Ptx(text) => jit_compile(&PTX_JIT, text)?,
+    }
+    let handle = with_loaded(|l| {
+        let h = new_handle(l, 0x7e56_0000_0000);
+        l.modules.push(h);
+        h
+    });
+    put(module, handle as CUmodule)
+}
+
+/// A cubin or fatbin as it is; PTX through `libnvidia-ptxjitcompiler.so.1` ([`PTX_JIT`]):
+/// `CUDA_ERROR_JIT_COMPILER_NOT_FOUND` (221) when the loader cannot find it, `CUDA_ERROR_INVALID_PTX`
+/// (218) for text that is no PTX. Needs a current context (`CUDA_ERROR_INVALID_CONTEXT`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoadData(module: *mut CUmodule, image: *const c_void) -> CUresult {
+    guard(|| module_load(module, image))
+}
+
+/// As [`cuModuleLoadData`]; the JIT options are accepted and ignored.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoadDataEx(
+    module: *mut CUmodule,
+    image: *const c_void,
+    _num_options: c_uint,
+    _options: *mut c_int,
+    _option_values: *mut *mut c_void,
+) -> CUresult {
+    guard(|| module_load(module, image))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleUnload(module: CUmodule) -> CUresult {
+    guard(|| {
+        driver()?;
+        with_loaded(|l| {
+            let before = l.modules.len();
+            l.modules.retain(|m| *m != module as usize);
+            if l.modules.len() == before {
+                Err(CUDA_ERROR_INVALID_HANDLE)
+            } else {
+                Ok(())
+            }
+        })
+    })
+}
+
+/// `CUjitInputType`.
+mod jit_input {
+    pub const CUBIN: i32 = 0;
+    pub const PTX: i32 = 1;
+    pub const FATBINARY: i32 = 2;
+    pub const OBJECT: i32 = 3;
+    pub const LIBRARY: i32 = 4;
+    pub const NVVM: i32 = 5;
+}
+
+fn link_create(state: *mut CUlinkState) -> Result<(), CUresult> {
+    if state.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    with_current(|_| Ok(()))?;
+    let handle = with_loaded(|l| {
+        let h = new_handle(l, 0x7e57_0000_0000);
+        l.links.insert(
+            h,
+            Link {
+                inputs: 0,
+                cubin: Vec::new(),
+            },
+        );
+        h
+    });
+    put(state, handle as CUlinkState)
+}
+
+/// JIT options are accepted and ignored.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLinkCreate_v2(
+    _num_options: c_uint,
+    _options: *mut c_int,
+    _option_values: *mut *mut c_void,
+    state: *mut CUlinkState,
+) -> CUresult {
+    guard(|| link_create(state))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLinkCreate(
+    num_options: c_uint,
+    options: *mut c_int,
+    option_values: *mut *mut c_void,
+    state: *mut CUlinkState,
+) -> CUresult {
+    // SAFETY: the same contract.
+    unsafe { cuLinkCreate_v2(num_options, options, option_values, state) }
+}
+
+fn link_add(state: CUlinkState, kind: c_int, data: *const c_void, size: usize) -> Result<(), CUresult> {
+    driver()?;
+    if data.is_null() || size == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if !with_loaded(|l| l.links.contains_key(&(state as usize))) {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    // SAFETY: `data` holds `size` bytes by CUDA's contract.
+    let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), size) };
+    // PTX's size may count its NUL.
+    let text = bytes.strip_suffix(&[0]).unwrap_or(bytes);
+    match kind {
+        jit_input::PTX => jit_compile(&PTX_JIT, text)?,
+        // NVVM compiles the IR to PTX, which the PTX JIT then compiles: both libraries are needed.
+        jit_input::NVVM => {
+            jit_compile(&NVVM, bytes)?;
+            jit(&PTX_JIT)?;
+        }
+        jit_input::CUBIN | jit_input::FATBINARY | jit_input::OBJECT | jit_input::LIBRARY => {}
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    }
+    with_loaded(|l| {
+        if let Some(link) = l.links.get_mut(&(state as usize)) {
+            link.inputs += 1;
+        }
+    });
+    Ok(())
+}
+
+/// PTX through `libnvidia-ptxjitcompiler.so.1`, NVVM IR (`CU_JIT_INPUT_NVVM`) through
+/// `libnvidia-nvvm.so.4` and then the PTX JIT; either missing: `CUDA_ERROR_JIT_COMPILER_NOT_FOUND`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLinkAddData_v2(
+    state: CUlinkState,
+    kind: c_int,
+    data: *mut c_void,
+    size: usize,
+    _name: *const c_char,
+    _num_options: c_uint,
+    _options: *mut c_int,
+    _option_values: *mut *mut c_void,
+) -> CUresult {
+    guard(|| link_add(state, kind, data, size))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLinkAddData(
+    state: CUlinkState,
+    kind: c_int,
+    data: *mut c_void,
+    size: usize,
+    name: *const c_char,
+    num_options: c_uint,
+    options: *mut c_int,
+    option_values: *mut *mut c_void,
+) -> CUresult {
+    // SAFETY: the same contract.
+    unsafe { cuLinkAddData_v2(state, kind, data, size, name, num_options, options, option_values) }
+}
+
+/// The linked image: an ELF header only (nothing runs on a simulated GPU), which `cuModuleLoadData`
+/// takes as a cubin; it lives until `cuLinkDestroy`. Nothing added: `CUDA_ERROR_INVALID_VALUE`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLinkComplete(
+    state: CUlinkState,
+    cubin: *mut *mut c_void,
+    size: *mut usize,
+) -> CUresult {
+    guard(|| {
+        driver()?;
+        if cubin.is_null() || size.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let (ptr, len) = with_loaded(|l| {
+            let link = l
+                .links
+                .get_mut(&(state as usize))
+                .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+            if link.inputs == 0 {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            link.cubin = b"\x7fELF\x02\x01\x01\x33".to_vec();
+            Ok((link.cubin.as_mut_ptr(), link.cubin.len()))
+        })?;
+        put(cubin, ptr.cast::<c_void>())?;
+        put(size, len)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLinkDestroy(state: CUlinkState) -> CUresult {
+    guard(|| {
+        driver()?;
+        with_loaded(|l| l.links.remove(&(state as usize)))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    })
+}
+
 // === Errors ===
 
 fn error_text(
@@ -954,6 +1320,44 @@ mod tests {
             CUDA_ERROR_INVALID_VALUE
         );
         assert!(p.is_null());
+    }
+
+    #[test]
+    fn images_are_told_apart_by_their_magic_and_short_ptx_is_not_read_past_its_nul() {
+        assert!(matches!(
+            classify(b"\x7fELF\x02".as_ptr().cast()),
+            Ok(Image::Binary)
+        ));
+        assert!(matches!(
+            classify([0x50u8, 0xed, 0x55, 0xba, 1].as_ptr().cast()),
+            Ok(Image::Binary)
+        ));
+        // One byte and its NUL: the ELF check stops at the first byte that differs.
+        match classify(c"\x7f".as_ptr().cast()) {
+            Ok(Image::Ptx(text)) => assert_eq!(text, b"\x7f"),
+            _ => panic!("a one-byte string is text"),
+        }
+        match classify(c".version 7.0".as_ptr().cast()) {
+            Ok(Image::Ptx(text)) => assert_eq!(text, b".version 7.0"),
+            _ => panic!("PTX is text"),
+        }
+        assert!(matches!(
+            classify(std::ptr::null()),
+            Err(CUDA_ERROR_INVALID_VALUE)
+        ));
+    }
+
+    #[test]
+    fn a_missing_jit_library_is_jit_compiler_not_found() {
+        let absent = JitLibrary {
+            soname: c"libtessera-no-such-jit.so.1",
+            entry: c"tesseraSimPtxJitCompile",
+        };
+        assert_eq!(jit(&absent).err(), Some(CUDA_ERROR_JIT_COMPILER_NOT_FOUND));
+        let mut p: *const c_char = std::ptr::null();
+        assert_eq!(unsafe { cuGetErrorName(221, &mut p) }, CUDA_SUCCESS);
+        let s = unsafe { std::ffi::CStr::from_ptr(p) };
+        assert_eq!(s.to_str().unwrap(), "CUDA_ERROR_JIT_COMPILER_NOT_FOUND");
     }
 
     #[test]

@@ -6,9 +6,17 @@
 //!  R/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 -> libnvidia-ml.so.580.159.03
 //!  R/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.03        (target/<profile>/libcuda.so, tessera-sim-cuda)
 //!  R/usr/lib/x86_64-linux-gnu/libcuda.so.1 -> libcuda.so.580.159.03
+//!  R/usr/lib/x86_64-linux-gnu/libnvidia-ptxjitcompiler.so.580.159.03   (target/<profile>/libnvidia_ptxjitcompiler.so)
+//!  R/usr/lib/x86_64-linux-gnu/libnvidia-ptxjitcompiler.so.1 -> libnvidia-ptxjitcompiler.so.580.159.03
+//!  R/usr/lib/x86_64-linux-gnu/libnvidia-nvvm.so.580.159.03             (target/<profile>/libnvidia_nvvm.so)
+//!  R/usr/lib/x86_64-linux-gnu/libnvidia-nvvm.so.4 -> libnvidia-nvvm.so.580.159.03
 //!  R/usr/bin/nvidia-smi, nvidia-cuda-mps-control, nvidia-cuda-mps-server   (tessera-sim-tools)
 //!  R/tessera-sim -> K                                       (the simulated kernel, see `simulated`)
 //! ```
+//!
+//! The two JIT libraries (built by `sim-driver/cuda/build.rs`) are what NVIDIA's libcuda `dlopen`s by soname
+//! when a program loads PTX or links NVVM IR; the simulated libcuda does the same, so a driver root, or a
+//! container's spec, without them fails those calls as a real one does.
 //!
 //! Files are copied, not linked into `target/`: the chart mounts R into containers, where `target/` does
 //! not exist, and a rebuild must not change the library under a running process. Each file is written
@@ -111,7 +119,7 @@ pub struct Artifact {
 }
 
 /// Everything a simulated driver root holds.
-pub const ARTIFACTS: [Artifact; 5] = [
+pub const ARTIFACTS: [Artifact; 7] = [
     Artifact {
         built: "libnvidia_ml.so",
         installed: "libnvidia-ml.so",
@@ -121,6 +129,17 @@ pub const ARTIFACTS: [Artifact; 5] = [
         built: "libcuda.so",
         installed: "libcuda.so",
         soname: Some("libcuda.so.1"),
+    },
+    Artifact {
+        built: "libnvidia_ptxjitcompiler.so",
+        installed: "libnvidia-ptxjitcompiler.so",
+        soname: Some("libnvidia-ptxjitcompiler.so.1"),
+    },
+    // NVIDIA's soname for it is `.so.4` (the libNVVM ABI), not `.so.1`.
+    Artifact {
+        built: "libnvidia_nvvm.so",
+        installed: "libnvidia-nvvm.so",
+        soname: Some("libnvidia-nvvm.so.4"),
     },
     Artifact {
         built: "nvidia-smi",
@@ -367,20 +386,28 @@ pub fn upgrade(root: &Path, version: &str) -> Result<Upgraded> {
     };
     let mut from = None;
     let mut removed = Vec::new();
+    let mut upgraded = 0;
     for artifact in ARTIFACTS {
         let Some(soname) = artifact.soname else {
             continue;
         };
         let stem = artifact.installed.trim_end_matches(".so");
         let link = lib_dir.join(soname);
-        let current = fs::read_link(&link).map(|t| lib_dir.join(t)).map_err(|e| {
-            GpuError::SimulatedState {
-                path: link.display().to_string(),
-                reason: format!(
-                    "no soname link to upgrade ({e}); make the root with `tessera-kubelet-plugin simulate driver-root` first"
-                ),
+        let current = match fs::read_link(&link) {
+            Ok(target) => lib_dir.join(target),
+            // A root made before this library was part of the driver (the JIT libraries) upgrades the
+            // libraries it has; a root with none of them is no driver root (below).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && upgraded > 0 => continue,
+            Err(e) => {
+                return Err(GpuError::SimulatedState {
+                    path: link.display().to_string(),
+                    reason: format!(
+                        "no soname link to upgrade ({e}); make the root with `tessera-kubelet-plugin simulate driver-root` first"
+                    ),
+                });
             }
-        })?;
+        };
+        upgraded += 1;
         if from.is_none() {
             from = tessera_gpu_api::driver_version::version_in_name(&current, stem);
         }
@@ -423,7 +450,7 @@ fn copy_if_changed(source: &Path, dest: &Path, files: Files) -> std::io::Result<
     let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let _ = fs::remove_file(&tmp);
     // A hard link where the artifact is on the same file system (the local cluster's stand-in nodes,
-    // tests): a debug build's five files are about 70 MB, and a node each would be a copy each. It is
+    // tests): a debug build's seven files are about 80 MB, and a node each would be a copy each. It is
     // still a file of its own path, not a link into target/: cargo replaces a rebuilt artifact by a new
     // file, so this one keeps the version it was linked to, as a copy would. Across file systems (the
     // chart's plugin pod installing from its image onto a host directory), a copy.
@@ -472,7 +499,12 @@ mod tests {
         let done = install(&r, kernel.path(), &[built.path().to_path_buf()]).unwrap();
         assert_eq!(
             done.missing,
-            ["nvidia-cuda-mps-control", "nvidia-cuda-mps-server"]
+            [
+                "libnvidia_ptxjitcompiler.so",
+                "libnvidia_nvvm.so",
+                "nvidia-cuda-mps-control",
+                "nvidia-cuda-mps-server"
+            ]
         );
         let lib = r.join(LIBRARY_DIR);
         assert_eq!(
@@ -512,6 +544,8 @@ mod tests {
             &[
                 "libnvidia_ml.so",
                 "libcuda.so",
+                "libnvidia_ptxjitcompiler.so",
+                "libnvidia_nvvm.so",
                 "nvidia-smi",
                 "nvidia-cuda-mps-control",
                 "nvidia-cuda-mps-server",
@@ -545,6 +579,15 @@ mod tests {
             Path::new(&format!("libnvidia-ml.so.{SIMULATED_DRIVER_VERSION}"))
         );
         assert!(gke.join("bin/nvidia-cuda-mps-control").is_file());
+        assert_eq!(
+            fs::read_link(gke.join("lib64/libnvidia-nvvm.so.4")).unwrap(),
+            Path::new(&format!("libnvidia-nvvm.so.{SIMULATED_DRIVER_VERSION}")),
+            "NVIDIA's NVVM soname is .so.4"
+        );
+        assert_eq!(
+            fs::read_to_string(gke.join("lib64/libnvidia-ptxjitcompiler.so.1")).unwrap(),
+            "built libnvidia_ptxjitcompiler.so"
+        );
         let top: Vec<String> = fs::read_dir(&gke)
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
