@@ -76,6 +76,8 @@ type RunResult struct {
 	Unplaceable   int
 	AllocateCalls int
 	Elapsed       time.Duration
+	// Holdings counts the GPUs by what they hold at the end of the replay (Sim.Holdings).
+	Holdings map[string]int
 	// SameAs names the policy whose replay this one reused (identical slices and claims).
 	SameAs string
 }
@@ -134,6 +136,7 @@ func Replay(ctx context.Context, sim *Sim, pods []TracePod, checkpoints []int) (
 		nextCheck++
 	}
 	res.Final = s
+	res.Holdings = sim.Holdings()
 	res.AllocateCalls = sim.AllocateCalls
 	res.Elapsed = time.Since(start)
 	return res, nil

@@ -7,6 +7,7 @@ import (
 	"image/color"
 	"os"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 
@@ -109,6 +110,7 @@ func (r Report) Markdown() string {
 		}
 		b.WriteString("\n")
 	}
+	r.writeHoldings(&b)
 	b.WriteString("\nStructured allocator calls and wall time per policy (both runs):\n\n")
 	for _, res := range r.Results {
 		if res.SameAs != "" {
@@ -118,6 +120,52 @@ func (r Report) Markdown() string {
 		fmt.Fprintf(&b, "- %s: %d Allocate calls, %.1f s\n", res.Policy, res.AllocateCalls, res.Elapsed.Seconds())
 	}
 	return b.String()
+}
+
+// holdingRows is how many combinations the end-state table lists before it sums up the rest.
+const holdingRows = 12
+
+// writeHoldings lists, for each policy that published MIG devices, what its GPUs hold at the end of the
+// replay, most common first: where the capacity the allocation ratio does not count went.
+func (r Report) writeHoldings(b *bytes.Buffer) {
+	for _, res := range r.Results {
+		if res.SameAs != "" || !holdsMIG(res.Holdings) {
+			continue
+		}
+		labels := make([]string, 0, len(res.Holdings))
+		for l := range res.Holdings {
+			labels = append(labels, l)
+		}
+		sort.Slice(labels, func(i, j int) bool {
+			if res.Holdings[labels[i]] != res.Holdings[labels[j]] {
+				return res.Holdings[labels[i]] > res.Holdings[labels[j]]
+			}
+			return labels[i] < labels[j]
+		})
+		fmt.Fprintf(b, "\nWhat the GPUs hold at the end, %s:\n\n| GPU holds | GPUs |\n|---|---|\n", res.Policy)
+		rest, restGPUs := 0, 0
+		for i, l := range labels {
+			if i < holdingRows {
+				fmt.Fprintf(b, "| %s | %d |\n", l, res.Holdings[l])
+				continue
+			}
+			rest++
+			restGPUs += res.Holdings[l]
+		}
+		if rest > 0 {
+			fmt.Fprintf(b, "| %d other combinations | %d |\n", rest, restGPUs)
+		}
+	}
+}
+
+// holdsMIG is true when some GPU holds a MIG instance (profile names read `<n>g.<memory>gb`).
+func holdsMIG(h map[string]int) bool {
+	for l := range h {
+		if strings.Contains(l, "g.") {
+			return true
+		}
+	}
+	return false
 }
 
 // WriteCSV writes one row per policy and checkpoint (the final state as checkpoint "end").

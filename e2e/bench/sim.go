@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sort"
+	"strings"
 
 	v1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
@@ -54,6 +55,9 @@ type node struct {
 	// GPU's memory for MIG, the consumed compute percent for a share. Only the node filter and the best-fit
 	// order read it; the allocator decides.
 	used []float64
+	// held names what each GPU holds (a MIG profile, "whole GPU" or "share" per allocation), for the end
+	// state the report breaks down.
+	held [][]string
 	// state is the node's AllocatedState, kept incrementally as the scheduler keeps it from allocated
 	// claims: dedicated devices, shared device IDs and their aggregated consumed capacity.
 	state structured.AllocatedState
@@ -81,6 +85,7 @@ func newNode(ns NodeSlices) *node {
 		n.gpuMemory[d.GPU] = max(n.gpuMemory[d.GPU], d.Memory)
 	}
 	n.used = make([]float64, len(n.gpuMemory))
+	n.held = make([][]string, len(n.gpuMemory))
 	return n
 }
 
@@ -142,21 +147,28 @@ func (n *node) commit(result resourceapi.AllocationResult) error {
 			return fmt.Errorf("failed to commit an allocation on node %s: unknown device %s", n.name, r.Device)
 		}
 		var frac float64
+		held := "whole GPU"
 		switch {
 		case r.ShareID != nil:
-			frac = shareFraction(d, r.ConsumedCapacity)
+			frac, held = shareFraction(d, r.ConsumedCapacity), "share"
 		case d.Type == TypeMIG && n.gpuMemory[d.GPU] > 0:
-			frac = float64(d.Memory) / float64(n.gpuMemory[d.GPU])
+			frac, held = float64(d.Memory)/float64(n.gpuMemory[d.GPU]), d.Profile
 		default:
 			frac = 1
 		}
 		n.used[d.GPU] = min(1, n.used[d.GPU]+frac)
+		n.held[d.GPU] = append(n.held[d.GPU], held)
 	}
 	n.version++
 	return nil
 }
 
+// shareFraction is the largest part of the shared device's consumable capacities the share holds. Compute
+// is exact (percent); memory is rounded down to its step, so for a fractional share it never exceeds the
+// compute part and the estimate of what is free stays at or above the truth. A whole-GPU claim takes the
+// device's defaults, all the memory and no compute: only its memory says the GPU is taken.
 func shareFraction(d DeviceInfo, consumed map[resourceapi.QualifiedName]resource.Quantity) float64 {
+	frac, found := 0.0, false
 	for _, name := range []string{"compute", "memory"} {
 		total, ok := capacity(d.Device, name)
 		if !ok || total.Value.IsZero() {
@@ -167,10 +179,13 @@ func shareFraction(d DeviceInfo, consumed map[resourceapi.QualifiedName]resource
 			c, ok = consumed[resourceapi.QualifiedName(DriverName+"/"+name)]
 		}
 		if ok {
-			return c.AsApproximateFloat64() / total.Value.AsApproximateFloat64()
+			frac, found = max(frac, c.AsApproximateFloat64()/total.Value.AsApproximateFloat64()), true
 		}
 	}
-	return 1
+	if !found {
+		return 1
+	}
+	return frac
 }
 
 // Sim replays pods onto nodes under one policy.
@@ -336,6 +351,42 @@ func (s *Sim) GPUsInUse() int {
 		}
 	}
 	return c
+}
+
+// Holdings counts the GPUs by what they hold: "free", "whole GPU", or the MIG profiles (largest first) or
+// shares on them, e.g. "4g.40gb + 3g.40gb" or "3 × share". It tells where a policy's capacity went: a
+// GPU holding only a 4g.40gb has its top half free, which only a 3g.40gb or smaller can use.
+func (s *Sim) Holdings() map[string]int {
+	out := map[string]int{}
+	for _, n := range s.nodes {
+		for _, h := range n.held {
+			out[holdingLabel(h)]++
+		}
+	}
+	return out
+}
+
+func holdingLabel(held []string) string {
+	if len(held) == 0 {
+		return "free"
+	}
+	count := map[string]int{}
+	for _, h := range held {
+		count[h]++
+	}
+	names := make([]string, 0, len(count))
+	for h := range count {
+		names = append(names, h)
+	}
+	sort.Sort(sort.Reverse(sort.StringSlice(names)))
+	parts := make([]string, len(names))
+	for i, h := range names {
+		parts[i] = h
+		if count[h] > 1 {
+			parts[i] = fmt.Sprintf("%d × %s", count[h], h)
+		}
+	}
+	return strings.Join(parts, " + ")
 }
 
 // TotalGPUs counts the GPUs of every node (grown ones included).

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"testing"
 
 	resourceapi "k8s.io/api/resource/v1"
@@ -143,5 +145,69 @@ func TestTheReplayRepeatsTheTraceUpToTheDemandLimit(t *testing.T) {
 	// 0.6 + 1 + 0.6 + 1 = 3.2, then 0.6 more = 3.8 <= 4.
 	if len(seq) != 5 || seq[4].Name != "a-r2" {
 		t.Fatalf("sequence %v, want five pods ending with a-r2", seq)
+	}
+}
+
+// Two single-GPU nodes: a 0.47 pod (63 SMs, so a 4g.40gb, whose only placement is the bottom half), a 0.32
+// pod (a 3g.40gb: best fit puts it beside the 4g, on the top half), then another 0.47 pod, which only the
+// second GPU still takes. The end state names what each GPU holds: under MIG the second GPU's top half is
+// left to whatever ≤ 3g pod comes next; under shares the first GPU holds two shares.
+func TestTheEndStateCountsGPUsByWhatTheyHold(t *testing.T) {
+	pods := []TracePod{pod("a", 1, 470), pod("b", 1, 320), pod("c", 1, 470)}
+	want := map[string]map[string]int{
+		"mig":    {"4g.40gb + 3g.40gb": 1, "4g.40gb": 1},
+		"shares": {"2 × share": 1, "share": 1},
+		"whole":  {"whole GPU": 2},
+	}
+	for _, p := range fixturePolicies() {
+		w, ok := want[p.Name]
+		if !ok {
+			continue
+		}
+		res := replayFixture(t, p, twoSingleGPUNodes, pods)
+		if fmt.Sprint(res.Holdings) != fmt.Sprint(w) {
+			t.Errorf("policy %s ends with GPUs holding %v, want %v", p.Name, res.Holdings, w)
+		}
+	}
+}
+
+// The report lists the end state only where MIG devices were allocated, most common combination first.
+func TestTheReportListsWhatMIGGPUsHoldMostCommonFirst(t *testing.T) {
+	rep := Report{
+		Trace: &Trace{},
+		Cfg:   Config{Models: []string{"H100-SXM5-80GB"}},
+		Results: []RunResult{
+			{Policy: "whole", TotalGPUs: 3, Holdings: map[string]int{"whole GPU": 3}},
+			{Policy: "mig", TotalGPUs: 3, Holdings: map[string]int{"4g.40gb": 1, "whole GPU": 2}},
+		},
+	}
+	md := rep.Markdown()
+	if strings.Contains(md, "What the GPUs hold at the end, whole") {
+		t.Errorf("the report lists the end state of a policy without MIG devices:\n%s", md)
+	}
+	if !strings.Contains(md, "What the GPUs hold at the end, mig:\n\n| GPU holds | GPUs |\n|---|---|\n| whole GPU | 2 |\n| 4g.40gb | 1 |\n") {
+		t.Errorf("the report does not list mig's end state most common first:\n%s", md)
+	}
+}
+
+// Under shares a whole-GPU pod takes the shared device's defaults: all the memory and no compute. Its GPU
+// must count as taken (for the node filter, the best-fit order and "GPUs needed"), by its memory.
+func TestAWholeGPUPodOnASharedDeviceCountsItsGPUAsTaken(t *testing.T) {
+	policy := PolicySpec{Name: "shares", Style: StyleShares}
+	tr := &Trace{Pods: []TracePod{pod("w", 1, 1000)}, Nodes: twoSingleGPUNodes}
+	cfg := Config{Models: []string{"H100-SXM5-80GB"}, MaxDemand: 10, Checkpoints: []int{100}, SkipGPUsNeeded: true, Classes: tesseraClasses(t)}
+	c, err := BuildCluster(fixtureSource{}, policy, tr, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim := NewSim(policy, c)
+	if _, err := Replay(context.Background(), sim, tr.Pods, cfg.Checkpoints); err != nil {
+		t.Fatal(err)
+	}
+	if got := sim.GPUsInUse(); got != 1 {
+		t.Errorf("a whole-GPU pod on a shared device leaves %d GPUs in use, want 1", got)
+	}
+	if got := sim.nodes[0].used[0]; got < 0.99 {
+		t.Errorf("the whole-GPU share counts as %.3f of its GPU, want its memory share (79 GiB of 79.6 GiB)", got)
 	}
 }
