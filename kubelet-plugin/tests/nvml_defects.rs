@@ -379,6 +379,58 @@ fn a_mig_change_answered_in_use_clears_the_pending_mode_and_names_the_holders() 
     );
 }
 
+/// A real driver refuses a MIG mode change while another NVML client holds the GPU open, though
+/// `nvidia-smi` lists no process for it (DCGM's nv-hostengine, dcgm-exporter, GPU feature discovery; the
+/// simulated library records every `nvmlInit` of another process). The plugin's preparation fails naming
+/// them and the fix, leaves nothing pending, and succeeds on the next try once the holder is gone. The
+/// plugin's own NVML sessions (this backend, a health source) do not hold the GPU against it.
+#[test]
+fn a_mig_preparation_fails_naming_dcgm_while_another_nvml_client_holds_the_gpu_and_succeeds_after() {
+    let driver = SimDriver::new().gpus(H100, 1).build();
+    let nvml = backend(&driver);
+    let _health = driver.nvml_wrapper();
+    let gpu = nvml.discover().unwrap().gpus.remove(0);
+    let holder = driver.hold_nvml();
+    let e = tessera_kubelet_plugin::gpu::mig::prepare_mig(&*nvml, &gpu, "1g.10gb", 0, None).unwrap_err();
+    let msg = e.to_string();
+    for want in [
+        "is in use",
+        "NVML lists no process on it",
+        "nv-hostengine",
+        "dcgm-exporter",
+        "nvidia.com/gpu.deploy.dcgm=false",
+    ] {
+        assert!(msg.contains(want), "names {want:?}: {msg}");
+    }
+    let mode = nvml.mig_mode(0).unwrap();
+    assert!(!mode.current && !mode.pending, "nothing pending: {mode:?}");
+    holder.kill();
+    let dev = tessera_kubelet_plugin::gpu::mig::prepare_mig(&*nvml, &gpu, "1g.10gb", 0, None).unwrap();
+    assert!(dev.uuid.starts_with("MIG-"), "{dev:?}");
+}
+
+/// The simulated library's GI, CI and MIG device handles die with their instance (as NVIDIA's, which
+/// point to the driver's objects): the plugin resolves them afresh in every operation, so a MIG device
+/// destroyed and made again with the same ids, through NVML, works on the new instance's handles.
+#[test]
+fn a_mig_device_made_again_with_the_same_ids_after_an_unprepare_is_prepared_and_unprepared_through_nvml() {
+    use tessera_kubelet_plugin::gpu::mig::{prepare_mig, unprepare_mig};
+    let driver = SimDriver::new().mig_gpus(H100, 1).build();
+    let nvml = backend(&driver);
+    let gpu = nvml.discover().unwrap().gpus.remove(0);
+    let first = prepare_mig(&*nvml, &gpu, "1g.10gb", 0, None).unwrap();
+    unprepare_mig(&*nvml, &gpu, &first).unwrap();
+    let second = prepare_mig(&*nvml, &gpu, "1g.10gb", 0, None).unwrap();
+    assert_eq!(
+        (second.gpu_instance, second.compute_instance),
+        (first.gpu_instance, first.compute_instance),
+        "the same ids again"
+    );
+    assert_ne!(second.uuid, first.uuid, "a new MIG device");
+    unprepare_mig(&*nvml, &gpu, &second).unwrap();
+    assert!(nvml.list_gpu_instances(0).unwrap().is_empty());
+}
+
 // === 7. Capability minors and the proc root ===
 
 /// Defect 7: b31ad79 read `/proc` of the host whatever the driver root, and a missing access file fell

@@ -23,7 +23,8 @@ use std::{fs, mem, path::Path, process::Command, ptr};
 use nvml_wrapper::error::nvml_sym;
 use nvml_wrapper_sys::bindings::{
     nvmlEventData_t, nvmlEventSet_t, nvmlEventTypeXidCriticalError, nvmlGpuFabricInfo_t,
-    nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t, nvmlGpuInstanceProfileInfo_v3_t,
+    nvmlGpuInstanceInfo_t, nvmlGpuInstanceProfileInfo_t, nvmlGpuInstanceProfileInfo_v2_t,
+    nvmlGpuInstanceProfileInfo_v3_t,
 };
 use sim_driver::SimDriver;
 use tessera_api::MigPlacement;
@@ -144,6 +145,81 @@ fn a_mig_device_handle_carries_the_mig_uuid_and_the_compute_instance_info_names_
         assert_eq!(get_ci(gi_handle, ci.id + 1, &mut ci_handle), 6, "NOT_FOUND");
         assert_eq!(get_gi(parent.handle(), 14, &mut gi_handle), 6, "NOT_FOUND");
     }
+}
+
+/// NVIDIA's GI, CI and MIG device handles point to the driver's objects, which die with the instance: a
+/// handle kept across a destroy is invalid even after an instance with the same ids was created, and
+/// must never reach the new one (`nvml.h`: INVALID_ARGUMENT "if \a gpuInstance ... is invalid").
+#[test]
+fn handles_kept_across_a_destroy_are_refused_though_an_instance_with_the_same_ids_was_created() {
+    const INVALID_ARGUMENT: u32 = 2;
+    let driver = SimDriver::new().mig_gpus("H100-SXM5-80GB", 1).build();
+    let nvml = driver.nvml_wrapper();
+    let parent = nvml.device_by_index(0).unwrap();
+    let lib = nvml.lib();
+    // SAFETY: handles come from the library (the stale ones are only given back to it, which is what is
+    // checked); the structs are plain data it fills in.
+    unsafe {
+        let create_gi = nvml_sym(lib.nvmlDeviceCreateGpuInstanceWithPlacement.as_ref()).unwrap();
+        let gi_info = nvml_sym(lib.nvmlGpuInstanceGetInfo.as_ref()).unwrap();
+        let destroy_gi = nvml_sym(lib.nvmlGpuInstanceDestroy.as_ref()).unwrap();
+        let create_ci = nvml_sym(lib.nvmlGpuInstanceCreateComputeInstance.as_ref()).unwrap();
+        let ci_info = nvml_sym(lib.nvmlComputeInstanceGetInfo_v2.as_ref()).unwrap();
+        let destroy_ci = nvml_sym(lib.nvmlComputeInstanceDestroy.as_ref()).unwrap();
+        let mig_by_index = nvml_sym(lib.nvmlDeviceGetMigDeviceHandleByIndex.as_ref()).unwrap();
+        let uuid = nvml_sym(lib.nvmlDeviceGetUUID.as_ref()).unwrap();
+        // One 1g.10gb device (GI profile 19, CI profile 0) at slice 0, made twice with the same ids.
+        let make = || {
+            let pl = nvml_wrapper_sys::bindings::nvmlGpuInstancePlacement_t { start: 0, size: 1 };
+            let (mut gi, mut ci, mut mig) = (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+            assert_eq!(create_gi(parent.handle(), 19, &pl, &mut gi), 0);
+            assert_eq!(create_ci(gi, 0, &mut ci), 0);
+            assert_eq!(mig_by_index(parent.handle(), 0, &mut mig), 0);
+            (gi, ci, mig)
+        };
+        let ids = |gi, ci| {
+            let (mut g, mut c) = (mem::zeroed::<nvmlGpuInstanceInfo_t>(), mem::zeroed());
+            assert_eq!(gi_info(gi, &mut g), 0);
+            assert_eq!(ci_info(ci, &mut c), 0);
+            (g.id, c.id)
+        };
+        let mut buf = [0 as std::ffi::c_char; 96];
+        let (old_gi, old_ci, old_mig) = make();
+        let old_ids = ids(old_gi, old_ci);
+        assert_eq!(destroy_ci(old_ci), 0);
+        assert_eq!(destroy_gi(old_gi), 0);
+        let (new_gi, new_ci, new_mig) = make();
+        assert_eq!(ids(new_gi, new_ci), old_ids, "the same ids again");
+        let mut info = mem::zeroed::<nvmlGpuInstanceInfo_t>();
+        assert_eq!(gi_info(old_gi, &mut info), INVALID_ARGUMENT);
+        let mut info = mem::zeroed();
+        assert_eq!(ci_info(old_ci, &mut info), INVALID_ARGUMENT);
+        assert_eq!(uuid(old_mig, buf.as_mut_ptr(), 96), INVALID_ARGUMENT);
+        // A stale handle destroys nothing: the new instance is still there.
+        assert_eq!(destroy_ci(old_ci), INVALID_ARGUMENT);
+        assert_eq!(destroy_gi(old_gi), INVALID_ARGUMENT);
+        assert_eq!(ids(new_gi, new_ci), old_ids);
+        assert_eq!(uuid(new_mig, buf.as_mut_ptr(), 96), 0);
+    }
+}
+
+/// A real driver keeps a MIG mode change pending (activation status IN_USE) while another process holds
+/// the GPU open through NVML, though `nvidia-smi` lists no process for it; a holder that dies, however it
+/// dies, holds nothing.
+#[test]
+fn another_processes_nvml_session_keeps_a_mig_mode_change_pending_until_that_process_is_gone() {
+    const IN_USE: u32 = 19;
+    let driver = SimDriver::new().gpus("H100-SXM5-80GB", 1).build();
+    let nvml = driver.nvml_wrapper();
+    let device = nvml.device_by_index(0).unwrap();
+    let holder = driver.hold_nvml();
+    assert!(device.running_compute_processes().unwrap().is_empty());
+    assert_eq!(device.set_mig_mode(true).unwrap(), IN_USE);
+    let mode = device.mig_mode().unwrap();
+    assert_eq!((mode.current, mode.pending), (0, 1), "pending only");
+    holder.kill();
+    assert_eq!(device.set_mig_mode(true).unwrap(), 0);
+    assert_eq!(device.mig_mode().unwrap().current, 1);
 }
 
 #[test]

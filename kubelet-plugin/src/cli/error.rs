@@ -64,6 +64,12 @@ pub enum Error {
     /// `simulate create-mig`: the out-of-band MIG device could not be made.
     #[error("failed to make the MIG device: {reason}")]
     SimulateCreateMig { reason: String },
+    /// `simulate hold-nvml`: NVML could not be opened through the driver root.
+    #[error("failed to open NVML to hold the GPUs: {source}")]
+    SimulateHoldNvml {
+        #[source]
+        source: GpuError,
+    },
     /// `simulate load`: the synthetic load could not be set.
     #[error("failed to set the simulated GPU load: {source}")]
     SimulateLoad {

@@ -111,6 +111,15 @@ enum SimulateAction {
         #[arg(long, default_value_t = 0)]
         start: u32,
     },
+    /// Hold the GPUs open through NVML until killed, as DCGM's nv-hostengine, dcgm-exporter or GPU
+    /// feature discovery do: init the driver root's `libnvidia-ml.so.1`, look up every GPU, print one line
+    /// (`holding GPUs [0, 1] as pid 1234`) and sleep. While it runs, a MIG mode change of those GPUs by
+    /// any other process stays pending (NVML_ERROR_IN_USE), though `nvidia-smi` lists no process for it.
+    HoldNvml {
+        /// The driver root whose `libnvidia-ml.so.1` to use (`simulate driver-root --root`).
+        #[arg(long)]
+        driver_root: PathBuf,
+    },
     /// Upgrade a simulated driver root in place to another driver version, as a driver container does:
     /// new `<lib>.so.<version>` files, the soname links repointed, the old files removed, and the
     /// simulated kernel module reporting the new version.
@@ -149,6 +158,28 @@ fn create_mig_out_of_band(state_dir: &Path, gpu: u32, profile: &str, start: u32)
     Ok(())
 }
 
+/// `simulate hold-nvml`: an NVML client that holds every GPU it sees until the process is killed.
+fn hold_nvml(driver_root: &Path) -> Result<()> {
+    use std::io::Write;
+    let nvml = crate::gpu::nvml::NvmlBackend::new(driver_root)
+        .map_err(|source| Error::SimulateHoldNvml { source })?;
+    let gpus: Vec<u32> = nvml
+        .discover()
+        .map_err(|source| Error::SimulateHoldNvml { source })?
+        .gpus
+        .iter()
+        .map(|g| g.index)
+        .collect();
+    let mut out = std::io::stdout().lock();
+    // One line, flushed: what a test waits for before it expects the GPUs held.
+    let _ = writeln!(out, "holding GPUs {gpus:?} as pid {}", std::process::id());
+    let _ = out.flush();
+    drop(out);
+    loop {
+        std::thread::park();
+    }
+}
+
 impl SimulateArgs {
     pub(super) fn run(self) -> Result<()> {
         use tessera_sim_model::faults::{Fault, FaultKind, SimulatedHealth};
@@ -164,6 +195,9 @@ impl SimulateArgs {
         }
         if let SimulateAction::CreateMig { gpu, profile, start } = &action {
             return create_mig_out_of_band(&state_dir, *gpu, profile, *start);
+        }
+        if let SimulateAction::HoldNvml { driver_root } = &action {
+            return hold_nvml(driver_root);
         }
         if let SimulateAction::UpgradeDriver { root, version } = action {
             let done = tessera_sim_model::driver_root::upgrade(&root, &version)
@@ -242,6 +276,7 @@ impl SimulateArgs {
             SimulateAction::Load(_)
             | SimulateAction::DriverRoot { .. }
             | SimulateAction::UpgradeDriver { .. }
+            | SimulateAction::HoldNvml { .. }
             | SimulateAction::CreateMig { .. } => {
                 unreachable!("handled above")
             }

@@ -174,3 +174,52 @@ impl BuiltDriver {
         }
     }
 }
+
+/// A DCGM-like NVML client in another process (`tessera-kubelet-plugin simulate hold-nvml`): it has
+/// `nvmlInit`'d R's library and holds every GPU it sees open until it is dropped (killed, as a crash would
+/// end it: the simulated kernel must not need its `nvmlShutdown`).
+pub struct NvmlHolder {
+    child: std::process::Child,
+}
+
+impl BuiltDriver {
+    /// Starts an [`NvmlHolder`] over R; returns once it holds the GPUs.
+    pub fn hold_nvml(&self) -> NvmlHolder {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"))
+            .args(["simulate", "hold-nvml", "--driver-root"])
+            .arg(&self.root)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("the plugin binary starts");
+        let mut line = String::new();
+        // Its one line says the GPUs are held: no polling, no sleep.
+        std::io::BufReader::new(child.stdout.take().expect("piped"))
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with("holding GPUs"),
+            "simulate hold-nvml did not start: {line:?} ({:?})",
+            child.try_wait()
+        );
+        NvmlHolder { child }
+    }
+}
+
+impl NvmlHolder {
+    /// Kills the holder and waits until it is gone.
+    pub fn kill(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for NvmlHolder {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -60,6 +60,7 @@ use crate::kernel::{
     DEV_ROOT_ENV, KERNEL_DIR_NAME, KERNEL_ENV, KERNEL_FILE, KERNEL_VERSION, KERNEL_VERSION_FILE, PROC_DIR,
     PROC_GENERATION_FILE, SIMULATED_CUDA_DRIVER_VERSION, SIMULATED_DRIVER_VERSION, kernel_version_text,
 };
+use crate::sessions::other_holders;
 
 const STATE_FILE: &str = "simulated-gpus.json";
 const LOCK_FILE: &str = "simulated-gpus.lock";
@@ -533,6 +534,8 @@ pub struct MigDevice {
     pub compute_instance: u32,
     pub ci_profile_id: u32,
     pub uuid: String,
+    /// The compute instance's creation serial ([`SimulatedBackend::instance_serial`]).
+    pub serial: u64,
 }
 
 // PCI buses of a DGX H100's eight GPUs and the root ports above them; more GPUs repeat them in a new domain.
@@ -630,6 +633,10 @@ struct GpuState {
     /// registrations of the GPU.
     #[serde(default)]
     epoch: u64,
+    /// GPU and compute instances created on this GPU so far: the serial of the next one (see
+    /// [`SimulatedBackend::instance_serial`]). Kept across resets, so no two instances share a serial.
+    #[serde(default)]
+    instances_created: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -640,6 +647,8 @@ struct GiState {
     placement: MigPlacement,
     #[serde(default)]
     compute_instances: Vec<CiState>,
+    #[serde(default)]
+    serial: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -650,6 +659,8 @@ struct CiState {
     uuid: String,
     #[serde(default)]
     processes: Vec<u32>,
+    #[serde(default)]
+    serial: u64,
 }
 
 impl GpuState {
@@ -664,6 +675,7 @@ impl GpuState {
             processes: gpu.processes.iter().map(|p| p.pid).collect(),
             gpu_instances: Vec::new(),
             epoch: 0,
+            instances_created: 0,
         }
     }
 
@@ -1143,8 +1155,18 @@ impl SimulatedBackend {
     /// The live MIG devices of `gpu` that `view` shows, by GPU-instance then compute-instance id (empty
     /// when MIG mode is off).
     pub fn mig_devices(&self, gpu: u32, view: &DeviceView) -> Result<Vec<MigDevice>> {
+        let gis = self.read(|state| {
+            let g = gpu_state(state, gpu)?;
+            Ok(if g.mig_current {
+                g.gpu_instances.clone()
+            } else {
+                Vec::new()
+            })
+        })?;
+        let mut gis = gis;
+        gis.sort_by_key(|gi| gi.id);
         let mut out = Vec::new();
-        for gi in self.list_gpu_instances(gpu)? {
+        for gi in gis {
             for ci in gi.compute_instances {
                 let (gi_minor, ci_minor) = mig_minors_by_formula(gpu, gi.id, ci.id)?;
                 if view.mig_visible(gi_minor, ci_minor) {
@@ -1155,11 +1177,29 @@ impl SimulatedBackend {
                         compute_instance: ci.id,
                         ci_profile_id: ci.profile_id,
                         uuid: ci.uuid,
+                        serial: ci.serial,
                     });
                 }
             }
         }
         Ok(out)
+    }
+
+    /// The creation serial of GPU instance `gi` of `gpu` (with `ci`: of its compute instance `ci`), `None`
+    /// when there is no such instance: what tells an instance from an earlier one destroyed with the
+    /// same ids. Serials count up per GPU and never repeat, so a handle that carries one is refused once
+    /// its instance is gone, whatever was created since.
+    pub fn instance_serial(&self, gpu: u32, gi: u32, ci: Option<u32>) -> Result<Option<u64>> {
+        self.read(|state| {
+            let g = gpu_state(state, gpu)?;
+            let Some(gi) = g.gpu_instances.iter().find(|x| x.id == gi) else {
+                return Ok(None);
+            };
+            Ok(match ci {
+                None => Some(gi.serial),
+                Some(ci) => gi.compute_instances.iter().find(|x| x.id == ci).map(|x| x.serial),
+            })
+        })
     }
 
     /// Every process on `gpu` with the MIG device it runs on.
@@ -1215,7 +1255,7 @@ impl SimulatedBackend {
 
     /// `nvmlDeviceSetMigMode` as the driver answers it: the call fails only when GPU instances exist;
     /// otherwise it records the wish and returns the activation status: `IN_USE` (19) when processes
-    /// hold the GPU (the mode stays pending), 0 otherwise (Hopper and newer switch now, Ampere waits for a
+    /// run on the GPU or another process's NVML session holds it ([`crate::sessions`]; the mode stays pending), 0 otherwise (Hopper and newer switch now, Ampere waits for a
     /// reset). The outcome is judged by reading the mode back ([`tessera_gpu_api::mig_mode_change_outcome`]).
     pub fn set_mig_mode_nvml(&self, gpu: u32, enabled: bool) -> Result<u32> {
         let toggles_now = self.sim_gpu(gpu)?.model.architecture.mig_toggle_without_reset();
@@ -1234,7 +1274,9 @@ impl SimulatedBackend {
             }
             Latencies::charge(self.latencies.mig_mode_change_ms);
             g.mig_pending = enabled;
-            if !g.all_processes().is_empty() {
+            // Another NVML client holding the GPU open keeps the change pending as a running process does,
+            // though `nvidia-smi` lists no process for it (see `crate::sessions`).
+            if !g.all_processes().is_empty() || !other_holders(&self.state_dir, gpu).is_empty() {
                 return Ok(tessera_gpu_api::NVML_ERROR_IN_USE);
             }
             if toggles_now {
@@ -1716,11 +1758,14 @@ impl GpuBackend for SimulatedBackend {
                     GpuError::InsufficientResources(format!("no free GPU-instance id on GPU {gpu}"))
                 })?;
             Latencies::charge(self.latencies.gpu_instance_create_ms);
+            g.instances_created += 1;
+            let serial = g.instances_created;
             g.gpu_instances.push(GiState {
                 id,
                 profile_id,
                 placement,
                 compute_instances: Vec::new(),
+                serial,
             });
             Ok(id)
         })
@@ -1731,6 +1776,7 @@ impl GpuBackend for SimulatedBackend {
         self.write(|state| {
             let g = gpu_state_mut(state, gpu)?;
             g.require_mig(gpu, "create a compute instance")?;
+            let serial = g.instances_created + 1;
             let gi = g.gi_mut(gpu, gpu_instance)?;
             let prof = profile(sim.model, gpu, gi.profile_id)?;
             // tessera only creates the CI spanning the whole GI, so any existing CI uses up its slices.
@@ -1752,6 +1798,7 @@ impl GpuBackend for SimulatedBackend {
                 profile_id: prof.full_compute_instance_profile_id(),
                 uuid: format!("MIG-{}", uuid::Uuid::new_v4().hyphenated()),
                 processes: Vec::new(),
+                serial,
             };
             let out = ComputeInstance {
                 id: ci.id,
@@ -1759,6 +1806,7 @@ impl GpuBackend for SimulatedBackend {
                 uuid: ci.uuid.clone(),
             };
             gi.compute_instances.push(ci);
+            g.instances_created = serial;
             Ok(out)
         })
     }

@@ -9,6 +9,7 @@
 //! - [`driver_root`]: NVIDIA's user-space layouts (host, GPU Operator, GKE) filled with the simulated
 //!   libraries and tools;
 //! - [`kernel`]: the kernel directory's names and the driver version it reports;
+//! - [`sessions`]: which processes hold GPUs open through NVML (what makes a MIG toggle IN_USE);
 //! - [`state_file`]: the small JSON files those share, changed under a lock.
 
 pub mod backend;
@@ -17,4 +18,5 @@ pub mod driver_root;
 pub mod faults;
 pub mod kernel;
 pub mod load;
+pub mod sessions;
 pub mod state_file;

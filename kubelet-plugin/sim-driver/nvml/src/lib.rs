@@ -13,11 +13,12 @@
 //!
 //! Each function marshals its arguments, asks the model, and answers with NVML's return code and struct
 //! layout (the structs are nvml-wrapper-sys's bindings, so the layouts are `nvml.h`'s). No state of its
-//! own beyond what a process's NVML keeps: the GPUs visible at `nvmlInit` (see [`DeviceView`]) and the
-//! event sets. Handles are opaque numbers naming (GPU, GPU instance, compute instance), never pointers to
-//! memory: a stale handle resolves again by id, and one that no longer names anything answers
-//! INVALID_ARGUMENT. A panic never crosses the C boundary: every export runs under `catch_unwind` and
-//! answers NVML_ERROR_UNKNOWN instead.
+//! own beyond what a process's NVML keeps: the GPUs visible at `nvmlInit` (see [`DeviceView`]), the
+//! event sets, and the session that holds the GPUs open (`tessera_sim_model::sessions`). Handles are
+//! opaque numbers naming (GPU, GPU instance, compute instance) and the instance's generation, never
+//! pointers to memory: a handle whose instance was destroyed answers INVALID_ARGUMENT, even once another
+//! instance has its ids (see [`Handle`]). A panic never crosses the C boundary: every export runs under
+//! `catch_unwind` and answers NVML_ERROR_UNKNOWN instead.
 //!
 //! Where this library differs from NVIDIA's is listed in the plugin README (section "The simulated
 //! driver root").
@@ -55,6 +56,7 @@ use tessera_sim_model::kernel::{
     SIMULATED_CUDA_DRIVER_VERSION, kernel_driver_version, library_driver_version, mapped_inode,
 };
 use tessera_sim_model::load;
+use tessera_sim_model::sessions::{NVML_INIT_FLAG_NO_ATTACH, Session};
 
 // === NVML return codes (nvml.h) ===
 
@@ -114,18 +116,44 @@ pub(crate) fn model_err(e: GpuError) -> Ret {
 
 // === Handles ===
 
-/// What an opaque handle names. Encoded in the pointer's bits, tag in bits 40..48.
+/// What an opaque handle names. Encoded in the pointer's bits: ids in bits 0..40, the tag in bits 40..44,
+/// and for GPU-instance, compute-instance and MIG device handles the instance's *generation* in bits
+/// 44..63: its creation serial in the model ([`SimulatedBackend::instance_serial`]), truncated. NVIDIA's
+/// handles are pointers to the driver's objects, which die with the instance; a generation makes ours die
+/// too, so a handle kept across a destroy answers INVALID_ARGUMENT even after an instance with the same
+/// ids was created (`nvml.h`, e.g. `nvmlGpuInstanceGetInfo`: "NVML_ERROR_INVALID_ARGUMENT If
+/// \a gpuInstance or \a info are invalid").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Handle {
     Gpu(u32),
-    Mig { gpu: u32, gi: u32, ci: u32 },
-    GpuInstance { gpu: u32, gi: u32 },
-    ComputeInstance { gpu: u32, gi: u32, ci: u32 },
+    Mig {
+        gpu: u32,
+        gi: u32,
+        ci: u32,
+        generation: u32,
+    },
+    GpuInstance {
+        gpu: u32,
+        gi: u32,
+        generation: u32,
+    },
+    ComputeInstance {
+        gpu: u32,
+        gi: u32,
+        ci: u32,
+        generation: u32,
+    },
     EventSet(u32),
 }
 
 const TAG_SHIFT: u32 = 40;
+const GENERATION_SHIFT: u32 = 44;
 const NONE_ID: usize = 0xFF;
+
+/// The generation a handle carries for an instance of creation serial `serial`.
+pub(crate) fn generation(serial: u64) -> u32 {
+    (serial & ((1 << (63 - GENERATION_SHIFT)) - 1)) as u32
+}
 
 impl Handle {
     /// The device handle of MIG device `m` of GPU `gpu`.
@@ -134,30 +162,66 @@ impl Handle {
             gpu,
             gi: m.gpu_instance,
             ci: m.compute_instance,
+            generation: generation(m.serial),
         }
     }
 
     pub(crate) fn encode<T>(self) -> *mut T {
-        let (tag, a, b, c) = match self {
-            Self::Gpu(g) => (1, g as usize, NONE_ID, NONE_ID),
-            Self::Mig { gpu, gi, ci } => (1, gpu as usize, gi as usize, ci as usize),
-            Self::GpuInstance { gpu, gi } => (2, gpu as usize, gi as usize, NONE_ID),
-            Self::ComputeInstance { gpu, gi, ci } => (3, gpu as usize, gi as usize, ci as usize),
-            Self::EventSet(id) => (4, id as usize, NONE_ID, NONE_ID),
+        let (tag, a, b, c, g) = match self {
+            Self::Gpu(gpu) => (1, gpu as usize, NONE_ID, NONE_ID, 0),
+            Self::Mig {
+                gpu,
+                gi,
+                ci,
+                generation,
+            } => (1, gpu as usize, gi as usize, ci as usize, generation),
+            Self::GpuInstance { gpu, gi, generation } => (2, gpu as usize, gi as usize, NONE_ID, generation),
+            Self::ComputeInstance {
+                gpu,
+                gi,
+                ci,
+                generation,
+            } => (3, gpu as usize, gi as usize, ci as usize, generation),
+            Self::EventSet(id) => (4, id as usize, NONE_ID, NONE_ID, 0),
         };
-        ptr::without_provenance_mut((tag << TAG_SHIFT) | (a << 16) | (b << 8) | c)
+        ptr::without_provenance_mut(
+            ((g as usize) << GENERATION_SHIFT) | (tag << TAG_SHIFT) | (a << 16) | (b << 8) | c,
+        )
     }
 
     pub(crate) fn decode<T>(p: *mut T) -> Option<Self> {
         let v = p.addr();
-        let (tag, a, b, c) = (v >> TAG_SHIFT, (v >> 16) & 0xFF_FFFF, (v >> 8) & 0xFF, v & 0xFF);
+        let generation = (v >> GENERATION_SHIFT) as u32;
+        let (tag, a, b, c) = (
+            (v >> TAG_SHIFT) & 0xF,
+            (v >> 16) & 0xFF_FFFF,
+            (v >> 8) & 0xFF,
+            v & 0xFF,
+        );
         let (a, bi, ci) = (a as u32, b as u32, c as u32);
+        if generation != self::generation(u64::from(generation)) {
+            return None;
+        }
         match (tag, b, c) {
-            (1, NONE_ID, NONE_ID) => Some(Self::Gpu(a)),
-            (1, _, _) if b != NONE_ID && c != NONE_ID => Some(Self::Mig { gpu: a, gi: bi, ci }),
-            (2, _, NONE_ID) if b != NONE_ID => Some(Self::GpuInstance { gpu: a, gi: bi }),
-            (3, _, _) if b != NONE_ID && c != NONE_ID => Some(Self::ComputeInstance { gpu: a, gi: bi, ci }),
-            (4, NONE_ID, NONE_ID) => Some(Self::EventSet(a)),
+            (1, NONE_ID, NONE_ID) if generation == 0 => Some(Self::Gpu(a)),
+            (1, _, _) if b != NONE_ID && c != NONE_ID => Some(Self::Mig {
+                gpu: a,
+                gi: bi,
+                ci,
+                generation,
+            }),
+            (2, _, NONE_ID) if b != NONE_ID => Some(Self::GpuInstance {
+                gpu: a,
+                gi: bi,
+                generation,
+            }),
+            (3, _, _) if b != NONE_ID && c != NONE_ID => Some(Self::ComputeInstance {
+                gpu: a,
+                gi: bi,
+                ci,
+                generation,
+            }),
+            (4, NONE_ID, NONE_ID) if generation == 0 => Some(Self::EventSet(a)),
             _ => None,
         }
     }
@@ -172,6 +236,10 @@ pub(crate) struct Lib {
     /// Kernel indices of the GPUs this process sees; the NVML index is the position here.
     pub(crate) visible: Vec<u32>,
     pub(crate) events: events::EventSets,
+    /// This process's hold on the GPUs it attached, which makes another process's MIG toggle IN_USE
+    /// (`tessera_sim_model::sessions`); released by the last `nvmlShutdown`, or by the kernel when the
+    /// process exits. `None` where it attached none or the kernel directory is read-only here.
+    _session: Option<Session>,
 }
 
 struct Global {
@@ -220,7 +288,7 @@ fn own_version() -> &'static str {
     })
 }
 
-fn init() -> R {
+fn init(flags: c_uint) -> R {
     let mut g = global();
     if g.init_count > 0 {
         g.init_count += 1;
@@ -240,11 +308,17 @@ fn init() -> R {
     })?;
     let view = DeviceView::of_this_process();
     let visible = sim.visible_gpus(&view);
+    // NVML attaches every GPU it sees at init unless told not to; an attached GPU is held open until
+    // shutdown, which is what keeps a MIG mode change of another process pending.
+    let session = (flags & NVML_INIT_FLAG_NO_ATTACH == 0)
+        .then(|| Session::open(&kernel, &visible).ok())
+        .flatten();
     g.lib = Some(Arc::new(Lib {
         sim,
         view,
         visible,
         events: events::EventSets::default(),
+        _session: session,
     }));
     g.init_count = 1;
     Ok(())
@@ -271,7 +345,12 @@ impl Lib {
     fn resolve(&self, device: nvmlDevice_t, lost_answers: bool) -> R<Dev> {
         let (gpu, mig) = match Handle::decode(device) {
             Some(Handle::Gpu(g)) => (g, None),
-            Some(Handle::Mig { gpu, gi, ci }) => (gpu, Some((gi, ci))),
+            Some(Handle::Mig {
+                gpu,
+                gi,
+                ci,
+                generation,
+            }) => (gpu, Some((gi, ci, generation))),
             _ => return Err(INVALID_ARGUMENT),
         };
         if !self.visible.contains(&gpu) {
@@ -284,7 +363,14 @@ impl Lib {
         }
         let mig = match mig {
             None => None,
-            Some((gi, ci)) => Some(self.mig_device(gpu, gi, ci)?),
+            Some((gi, ci, g)) => {
+                let m = self.mig_device(gpu, gi, ci)?;
+                // A MIG device handle of an instance destroyed since: another one may have the same ids.
+                if generation(m.serial) != g {
+                    return Err(INVALID_ARGUMENT);
+                }
+                Some(m)
+            }
         };
         Ok(Dev { gpu, mig })
     }
@@ -549,17 +635,17 @@ pub(crate) unsafe fn accepted_version<T>(p: *const T, accepted: &[c_uint]) -> R<
 
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
-    ffi(init)
+    ffi(|| init(0))
 }
 
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlInit() -> nvmlReturn_t {
-    ffi(init)
+    ffi(|| init(0))
 }
 
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> nvmlReturn_t {
-    ffi(init)
+pub extern "C" fn nvmlInitWithFlags(flags: c_uint) -> nvmlReturn_t {
+    ffi(|| init(flags))
 }
 
 #[unsafe(no_mangle)]
@@ -1654,9 +1740,19 @@ mod tests {
                 gpu: 3,
                 gi: 14,
                 ci: 7,
+                generation: generation(u64::MAX),
             },
-            Handle::GpuInstance { gpu: 0, gi: 0 },
-            Handle::ComputeInstance { gpu: 7, gi: 2, ci: 0 },
+            Handle::GpuInstance {
+                gpu: 0,
+                gi: 0,
+                generation: 0,
+            },
+            Handle::ComputeInstance {
+                gpu: 7,
+                gi: 2,
+                ci: 0,
+                generation: 12,
+            },
             Handle::EventSet(9),
         ] {
             assert_eq!(Handle::decode(h.encode::<c_void>()), Some(h));

@@ -22,7 +22,7 @@ use tessera_sim_model::backend::{MigDevice, VirtualizationMode, mig_minors_by_fo
 
 use crate::{
     Handle, INVALID_ARGUMENT, Lib, NOT_FOUND, NOT_SUPPORTED, Out, R, UNKNOWN, accepted_version, answer, ffi,
-    fill_c, lib, model_err, out, out_array_or_count, out_fixed_array, struct_version,
+    fill_c, generation, lib, model_err, out, out_array_or_count, out_fixed_array, struct_version,
 };
 
 /// `NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX`, the last GI profile index `nvml.h` knows: past it the
@@ -97,31 +97,75 @@ impl Lib {
         mig_minors_by_formula(gpu, gi, ci).is_ok_and(|(g, c)| self.view.mig_visible(g, c))
     }
 
-    /// Resolves a GPU-instance handle; a destroyed instance's handle is INVALID_ARGUMENT.
+    /// The generation of GPU instance `gi` (with `ci`: of its compute instance `ci`) of `gpu`, as a handle
+    /// carries it; INVALID_ARGUMENT when there is no such instance.
+    fn generation_of(&self, gpu: u32, gi: u32, ci: Option<u32>) -> R<u32> {
+        let serial = self.sim.instance_serial(gpu, gi, ci).map_err(model_err)?;
+        serial.map(generation).ok_or(INVALID_ARGUMENT)
+    }
+
+    /// The handle of GPU instance `gi` of `gpu`, which dies with the instance.
+    fn gi_handle(&self, gpu: u32, gi: u32) -> R<nvmlGpuInstance_t> {
+        let generation = self.generation_of(gpu, gi, None)?;
+        Ok(Handle::GpuInstance { gpu, gi, generation }.encode())
+    }
+
+    /// The handle of compute instance `ci` of GPU instance `gi` of `gpu`, which dies with the instance.
+    fn ci_handle(&self, gpu: u32, gi: u32, ci: u32) -> R<nvmlComputeInstance_t> {
+        let generation = self.generation_of(gpu, gi, Some(ci))?;
+        Ok(Handle::ComputeInstance {
+            gpu,
+            gi,
+            ci,
+            generation,
+        }
+        .encode())
+    }
+
+    /// Resolves a GPU-instance handle; the handle of a destroyed instance is INVALID_ARGUMENT, even when
+    /// an instance with the same id was created since (see [`Handle`]).
     fn gi(&self, handle: nvmlGpuInstance_t) -> R<(u32, GpuInstance)> {
-        let Some(Handle::GpuInstance { gpu, gi }) = Handle::decode(handle) else {
+        let Some(Handle::GpuInstance { gpu, gi, generation }) = Handle::decode(handle) else {
             return Err(INVALID_ARGUMENT);
         };
+        self.resolve_gi(gpu, gi, generation)
+    }
+
+    fn resolve_gi(&self, gpu: u32, gi: u32, generation: u32) -> R<(u32, GpuInstance)> {
         self.gpu(Handle::Gpu(gpu).encode())?;
         let found = self
             .gpu_instances(gpu)?
             .into_iter()
             .find(|g| g.id == gi)
             .ok_or(INVALID_ARGUMENT)?;
+        if self.generation_of(gpu, gi, None)? != generation {
+            return Err(INVALID_ARGUMENT);
+        }
         Ok((gpu, found))
     }
 
+    /// Resolves a compute-instance handle, with the same rule as [`Lib::gi`].
     fn ci(&self, handle: nvmlComputeInstance_t) -> R<(u32, GpuInstance, ComputeInstance)> {
-        let Some(Handle::ComputeInstance { gpu, gi, ci }) = Handle::decode(handle) else {
+        let Some(Handle::ComputeInstance {
+            gpu,
+            gi,
+            ci,
+            generation,
+        }) = Handle::decode(handle)
+        else {
             return Err(INVALID_ARGUMENT);
         };
-        let (gpu, gpu_instance) = self.gi(Handle::GpuInstance { gpu, gi }.encode())?;
+        let gi_generation = self.generation_of(gpu, gi, None)?;
+        let (gpu, gpu_instance) = self.resolve_gi(gpu, gi, gi_generation)?;
         let compute_instance = gpu_instance
             .compute_instances
             .iter()
             .find(|c| c.id == ci && self.ci_visible(gpu, gi, ci))
             .cloned()
             .ok_or(INVALID_ARGUMENT)?;
+        if self.generation_of(gpu, gi, Some(ci))? != generation {
+            return Err(INVALID_ARGUMENT);
+        }
         Ok((gpu, gpu_instance, compute_instance))
     }
 
@@ -308,8 +352,9 @@ pub unsafe extern "C" fn nvmlDeviceCreateGpuInstanceWithPlacement(
                 },
             )
             .map_err(model_err)?;
+        let handle = lib.gi_handle(gpu, id)?;
         // SAFETY: by the caller's contract.
-        unsafe { out(gpu_instance, Handle::GpuInstance { gpu, gi: id }.encode()) }
+        unsafe { out(gpu_instance, handle) }
     })
 }
 
@@ -335,8 +380,9 @@ pub unsafe extern "C" fn nvmlDeviceCreateGpuInstance(
         for pl in p.placements() {
             match lib.sim.create_gpu_instance(gpu, profile_id, pl) {
                 Ok(id) => {
+                    let handle = lib.gi_handle(gpu, id)?;
                     // SAFETY: by the caller's contract.
-                    return unsafe { out(gpu_instance, Handle::GpuInstance { gpu, gi: id }.encode()) };
+                    return unsafe { out(gpu_instance, handle) };
                 }
                 Err(e) => last = model_err(e),
             }
@@ -367,8 +413,8 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstances(
             .gpu_instances(gpu)?
             .into_iter()
             .filter(|gi| gi.profile_id == profile_id)
-            .map(|gi| Handle::GpuInstance { gpu, gi: gi.id }.encode())
-            .collect();
+            .map(|gi| lib.gi_handle(gpu, gi.id))
+            .collect::<R<_>>()?;
         debug_assert!(handles.len() <= p.instance_count as usize);
         // SAFETY: by the caller's contract the buffer holds `instanceCount` entries, which bounds
         // `handles` (the model enforces the count).
@@ -396,7 +442,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(
             .into_iter()
             .find(|gi| gi.id == id)
             .ok_or(NOT_FOUND)?;
-        Ok(Handle::GpuInstance { gpu, gi: gi.id }.encode())
+        lib.gi_handle(gpu, gi.id)
     })
 }
 
@@ -568,12 +614,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstance(
             return Err(NOT_SUPPORTED);
         }
         let ci = lib.sim.create_compute_instance(gpu, gi.id).map_err(model_err)?;
-        let h = Handle::ComputeInstance {
-            gpu,
-            gi: gi.id,
-            ci: ci.id,
-        };
-        Ok(h.encode())
+        lib.ci_handle(gpu, gi.id, ci.id)
     })
 }
 
@@ -593,15 +634,8 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstances(
             .compute_instances
             .iter()
             .filter(|c| c.profile_id == profile_id && lib.ci_visible(gpu, gi.id, c.id))
-            .map(|c| {
-                Handle::ComputeInstance {
-                    gpu,
-                    gi: gi.id,
-                    ci: c.id,
-                }
-                .encode()
-            })
-            .collect();
+            .map(|c| lib.ci_handle(gpu, gi.id, c.id))
+            .collect::<R<_>>()?;
         // SAFETY: the buffer holds the profile's instance count, which bounds the CIs of that profile.
         unsafe { out_fixed_array(instances, count, handles) }
     })
@@ -626,12 +660,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceById(
         {
             return Err(NOT_FOUND);
         }
-        let h = Handle::ComputeInstance {
-            gpu,
-            gi: gi.id,
-            ci: id,
-        };
-        Ok(h.encode())
+        lib.ci_handle(gpu, gi.id, id)
     })
 }
 
@@ -652,7 +681,7 @@ pub unsafe extern "C" fn nvmlComputeInstanceGetInfo_v2(
         let slices = lib.gi_profile(gpu, &gi)?.compute_slices;
         let v = nvmlComputeInstanceInfo_t {
             device: Handle::Gpu(gpu).encode(),
-            gpuInstance: Handle::GpuInstance { gpu, gi: gi.id }.encode(),
+            gpuInstance: lib.gi_handle(gpu, gi.id)?,
             id: ci.id,
             profileId: ci.profile_id,
             placement: nvmlComputeInstancePlacement_t {
