@@ -148,10 +148,11 @@ bench-smoke: ## Both benchmarks at a small size (20 claims, 10 nodes) so they ca
 # backend, the MIG UUID check, the NEEDED entries of the real libnvidia-ml.so.1, and the CUDA probe started
 # with the generated spec; then (issue 38, section 7) the simulator's rules against this driver, as a table of
 # CONFIRMED / CONTRADICTED / NOT SEEN with the rules to change in the simulator: the GPU-instance profile
-# calls V and v1 with MIG off (N6), the compute and MPS process lists under a running MPS share (N7),
-# nvmlDeviceGetHandleByUUID under concurrent scrapes (N8), fabric info (N3), the hook directory's noexec mount
-# and the host's ldconfig (N1); the NVML facts come from kubelet-plugin/examples/driver_facts.rs. Changes no
-# MIG mode, compute mode or time-slice, starts no MPS daemon, resets nothing. Output and files in
+# calls V and v1 with MIG off (N6), the compute and MPS process lists and the utilization samples' PIDs
+# under a running MPS share (N7), nvmlDeviceGetHandleByUUID under concurrent scrapes (N8), fabric info (N3),
+# the hook directory's noexec mount and the host's ldconfig (N1); the NVML facts come from
+# kubelet-plugin/examples/driver_facts.rs. Changes no MIG mode, compute mode or time-slice, starts no MPS
+# daemon, resets nothing. Output and files in
 # bench-results/gpu-check/ (GPU_CHECK_ROOT=<driver root> to name it; found otherwise).
 .PHONY: gpu-check
 gpu-check: ## Read-only check of the nvml path on a real GPU node, and which simulator rules it confirms (changes no GPU setting); bench-results/gpu-check/

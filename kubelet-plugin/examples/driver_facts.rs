@@ -18,6 +18,8 @@
 //!   struct, then v2 on ARGUMENT_VERSION_MISMATCH) (N6);
 //! - `process_list` and `process`: `nvmlDeviceGetComputeRunningProcesses_v3` against
 //!   `nvmlDeviceGetMPSComputeRunningProcesses_v3`, PIDs and used memory (N7);
+//! - `samples`: the PIDs `nvmlDeviceGetProcessUtilization` stamps its samples with (N7: a client's own or
+//!   its server's);
 //! - `mps_host`: MPS control daemons, servers and likely clients (processes that map `libcuda.so` with
 //!   `CUDA_MPS_PIPE_DIRECTORY` in their environment) found in `/proc` (N7);
 //! - `fabric`: `nvmlDeviceGetGpuFabricInfoV` (v3, then v2) or `nvmlDeviceGetGpuFabricInfo`: state, status,
@@ -178,6 +180,8 @@ struct GpuFacts {
     profiles: Vec<ProfileFacts>,
     compute: Result<Vec<Process>, u32>,
     mps: Result<Vec<Process>, u32>,
+    /// The PIDs of `nvmlDeviceGetProcessUtilization`'s samples (NOT_FOUND: none in the driver's buffer).
+    samples: Result<Vec<u32>, u32>,
     /// In time order: at the start, after the lookups.
     fabric: Vec<Fabric>,
     lookups: Option<Lookups>,
@@ -230,13 +234,21 @@ struct Row {
 const N6_V: &str = "N6 V call with MIG off";
 const N6_V1: &str = "N6 v1 call with MIG off";
 const N7: &str = "N7 MPS clients in the MPS list";
+const N7_SAMPLES: &str = "N7 MPS clients' utilization samples";
 const N8: &str = "N8 UUID lookup under concurrency";
 const N3: &str = "N3 fabric";
 
 /// Every rule's row, in the table's order.
 fn verdicts(facts: &Facts) -> Vec<Row> {
     let (v, v1) = mig_off_profiles(facts);
-    vec![v, v1, mps_clients(facts), uuid_lookup(facts), fabric(facts)]
+    vec![
+        v,
+        v1,
+        mps_clients(facts),
+        mps_samples(facts),
+        uuid_lookup(facts),
+        fabric(facts),
+    ]
 }
 
 /// `(gpu, profile index)` pairs as `indices 0x0,0x1 on GPU 0,1` (`; `-separated where the GPUs differ).
@@ -400,6 +412,60 @@ fn pids(list: &[u32]) -> String {
         return "-".into();
     }
     list.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// N7, its second half: the simulator stamps a busy MPS client's utilization samples with the client's own
+/// PID, which is what lets tessera charge a share its SM use. nvml.h does not say which PID a real driver
+/// puts there under MPS; if it is the server's, MPS shares' utilization reads 0 whatever the lists say.
+fn mps_samples(facts: &Facts) -> Row {
+    let simulator = "a busy MPS client's utilization samples carry its own PID";
+    let mut clients: BTreeSet<u32> = facts.mps.clients.iter().copied().collect();
+    let mut sampled = BTreeSet::new();
+    for g in &facts.gpus {
+        if let Ok(list) = &g.mps {
+            clients.extend(list.iter().map(|p| p.pid));
+        }
+        if let Ok(list) = &g.samples {
+            sampled.extend(list.iter().copied());
+        }
+    }
+    let of_clients: Vec<u32> = sampled.iter().copied().filter(|p| clients.contains(p)).collect();
+    let of_servers: Vec<u32> = facts
+        .mps
+        .servers
+        .iter()
+        .copied()
+        .filter(|p| sampled.contains(p))
+        .collect();
+    let node = format!(
+        "samples of clients {}, of servers {}",
+        pids(&of_clients),
+        pids(&of_servers)
+    );
+    let (node, verdict) = if clients.is_empty() {
+        (
+            "no MPS client running: start one busy share and re-run".to_string(),
+            Verdict::NotSeen,
+        )
+    } else if !of_clients.is_empty() {
+        (node, Verdict::Confirmed)
+    } else if !of_servers.is_empty() {
+        (
+            format!("{node}: the driver stamps MPS work with the server's PID"),
+            Verdict::Contradicted,
+        )
+    } else {
+        (
+            format!("{node}: no sample of MPS work; make the share busy and re-run"),
+            Verdict::NotSeen,
+        )
+    };
+    Row {
+        rule: N7_SAMPLES,
+        simulator,
+        node,
+        verdict,
+    }
 }
 
 /// N7: the simulator lists an MPS client only in `nvmlDeviceGetMPSComputeRunningProcesses_v3` and, while
@@ -1082,6 +1148,15 @@ fn read_facts(nvml: &Nvml, rounds: usize) -> anyhow::Result<Facts> {
             "nvmlDeviceGetMPSComputeRunningProcesses_v3",
             &mps,
         );
+        // 0: every sample still in the driver's buffer.
+        let samples = device
+            .process_utilization_stats(0)
+            .map(|list| list.into_iter().map(|s| s.pid).collect::<Vec<_>>())
+            .map_err(wrapper_code);
+        match &samples {
+            Ok(list) => println!("samples gpu={index} pids={}", pids(list)),
+            Err(code) => println!("samples gpu={index} error={}", code_name(*code)),
+        }
         let f = fabric_info(nvml, &device);
         print_fabric(index, "start", &f);
         gpus.push(GpuFacts {
@@ -1091,6 +1166,7 @@ fn read_facts(nvml: &Nvml, rounds: usize) -> anyhow::Result<Facts> {
             profiles,
             compute,
             mps,
+            samples,
             fabric: vec![f],
             lookups: None,
         });
@@ -1198,6 +1274,7 @@ mod tests {
             profiles,
             compute: Ok(vec![]),
             mps: Err(MISSING_SYMBOL),
+            samples: Err(6),
             fabric: vec![],
             lookups: None,
         }
@@ -1360,6 +1437,29 @@ mod tests {
         let n7 = row(&verdicts(&f), N7).clone();
         assert_eq!(n7.verdict, Verdict::NotSeen);
         assert!(n7.node.contains("start one share and re-run"), "{}", n7.node);
+    }
+
+    #[test]
+    fn samples_stamped_with_a_clients_pid_confirm_the_rule_and_only_the_servers_contradict_it() {
+        let mut f = running_share();
+        f.gpus[0].samples = Ok(vec![12]);
+        let row7 = row(&verdicts(&f), N7_SAMPLES).clone();
+        assert_eq!(row7.verdict, Verdict::Confirmed, "{}", row7.node);
+
+        f.gpus[0].samples = Ok(vec![11]);
+        let row7 = row(&verdicts(&f), N7_SAMPLES).clone();
+        assert_eq!(row7.verdict, Verdict::Contradicted, "{}", row7.node);
+        assert!(row7.node.contains("server's PID"), "{}", row7.node);
+
+        f.gpus[0].samples = Err(6); // NOT_FOUND
+        let row7 = row(&verdicts(&f), N7_SAMPLES).clone();
+        assert_eq!(row7.verdict, Verdict::NotSeen, "{}", row7.node);
+        assert!(row7.node.contains("make the share busy"), "{}", row7.node);
+
+        let idle = facts(vec![gpu(0, Ok((0, 0)), vec![])]);
+        let row7 = row(&verdicts(&idle), N7_SAMPLES).clone();
+        assert_eq!(row7.verdict, Verdict::NotSeen);
+        assert!(row7.node.contains("no MPS client running"), "{}", row7.node);
     }
 
     fn timed(samples_ms: &[u64], failures: Vec<u32>) -> Lookups {
