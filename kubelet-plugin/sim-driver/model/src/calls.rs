@@ -11,11 +11,11 @@
 //! Every process of the node counts into the one file (under its own lock, [`crate::state_file`]). A
 //! read-only kernel (a container's mount) counts nothing.
 
-use std::{collections::BTreeMap, fs, path::Path};
+use std::{collections::BTreeMap, path::Path};
 
 use serde::{Deserialize, Serialize};
 
-use tessera_gpu_api::{GpuError, Result};
+use tessera_gpu_api::Result;
 
 use crate::state_file;
 
@@ -35,18 +35,7 @@ pub struct NvmlCalls {
 impl NvmlCalls {
     /// The counts of the kernel in `dir`; none before the first counted call.
     pub fn read(dir: &Path) -> Result<Self> {
-        let path = dir.join(CALLS_FILE);
-        match fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| GpuError::SimulatedState {
-                path: path.display().to_string(),
-                reason: format!("not a call count file: {e}"),
-            }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
-            Err(e) => Err(GpuError::SimulatedState {
-                path: path.display().to_string(),
-                reason: e.to_string(),
-            }),
-        }
+        state_file::read_or_default(&dir.join(CALLS_FILE), |e| format!("not a call count file: {e}"))
     }
 
     /// Counts one `nvmlDeviceGetHandleByUUID` for `uuid`.

@@ -11,7 +11,7 @@
 //! The file has a lock of its own (`state_file`): load changes must not wait behind, or block, MIG
 //! operations.
 
-use std::{fs, path::Path};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use tessera_api::DeviceName;
@@ -70,24 +70,10 @@ struct LoadFile {
     loads: Vec<LoadEntry>,
 }
 
-fn state_err(path: &Path, reason: impl std::fmt::Display) -> GpuError {
-    GpuError::SimulatedState {
-        path: path.display().to_string(),
-        reason: reason.to_string(),
-    }
-}
-
 fn read(path: &Path) -> Result<LoadFile> {
-    match fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
-            state_err(
-                path,
-                format!("not a synthetic load file ({e}); remove it to start without load"),
-            )
-        }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(LoadFile::default()),
-        Err(e) => Err(state_err(path, e)),
-    }
+    state_file::read_or_default(path, |e| {
+        format!("not a synthetic load file ({e}); remove it to start without load")
+    })
 }
 
 /// Sets the load of `entry.device` (and `entry.claim`), replacing what was set for the same pair.

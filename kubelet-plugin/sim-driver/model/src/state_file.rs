@@ -2,7 +2,8 @@
 //! running plugin both change (injected faults, synthetic load): each change runs under an exclusive
 //! `flock` of the file's own lock file and replaces the file atomically (temp file, fsync, rename), so it
 //! survives a plugin crash as hardware state would, and two processes never lose each other's change or
-//! leave a torn file. Reading the file, and what a corrupt one means, stays with each file's module.
+//! leave a torn file. [`read_or_default`] reads one; what a corrupt one means (the message) stays with each
+//! file's module.
 
 use std::{
     fs::{self, File, OpenOptions},
@@ -10,7 +11,7 @@ use std::{
     path::Path,
 };
 
-use serde::Serialize;
+use serde::{Serialize, de::DeserializeOwned};
 
 use tessera_gpu_api::{GpuError, Result};
 
@@ -18,6 +19,19 @@ fn state_err(path: &Path, reason: impl std::fmt::Display) -> GpuError {
     GpuError::SimulatedState {
         path: path.display().to_string(),
         reason: reason.to_string(),
+    }
+}
+
+/// The JSON at `path`, or `T::default()` when there is no file yet; `corrupt` says what a file that does not
+/// parse is, and how to get out of it.
+pub fn read_or_default<T: DeserializeOwned + Default>(
+    path: &Path,
+    corrupt: impl FnOnce(serde_json::Error) -> String,
+) -> Result<T> {
+    match fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| state_err(path, corrupt(e))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(T::default()),
+        Err(e) => Err(state_err(path, e)),
     }
 }
 
