@@ -124,12 +124,12 @@ func waitChartWebhookServing(t *testing.T) {
 }
 
 // The webhook's own certificate rotates under load without refusing a call for the wrong reason: with a
-// 60 s validity it stages a new CA at 40 s and serves the new certificate 10 s later. For 110 s a bad
-// claim is created four times a second; every answer must be the webhook's refusal (an x509 or "failed
+// 30 s validity (the shortest the webhook takes) it stages a new CA at 20 s and serves the new certificate
+// 5 s later. For 50 s (one renewal with 25 s to spare) a bad claim is created four times a second; every answer must be the webhook's refusal (an x509 or "failed
 // calling webhook" error would be an interruption), and the served certificate must have changed.
 func TestRealNodeChartWebhookRotatesItsCertificateWithoutRefusingACall(t *testing.T) {
 	rn := realNode(t)
-	installChart(t, rn, "webhook.certValidity=60s")
+	installChart(t, rn, "webhook.certValidity=30s")
 	ns := namespace(t, "webhook-rotation")
 	shared := sharedClass(t)
 	bad := badConfigs[1]
@@ -138,7 +138,7 @@ func TestRealNodeChartWebhookRotatesItsCertificateWithoutRefusingACall(t *testin
 	served := map[string]bool{checkChartWebhookCertificate(t): true}
 	calls, interrupted := 0, 0
 	var lastOdd string
-	end := time.Now().Add(110 * time.Second)
+	end := time.Now().Add(50 * time.Second)
 	nextLook := time.Now()
 	for time.Now().Before(end) {
 		err := createClaim(ctxFor(t, 10*time.Second), shareClaim(ns, "rotating", shared, bad.parameters))
@@ -158,13 +158,13 @@ func TestRealNodeChartWebhookRotatesItsCertificateWithoutRefusingACall(t *testin
 	}
 	// The configuration trusts the certificate served at the end.
 	checkChartWebhookCertificate(t)
-	t.Logf("%d creates during 110 s of a 60 s certificate lifetime: %d refused by the webhook as they should be, %d otherwise; %d certificates served",
+	t.Logf("%d creates during 50 s of a 30 s certificate lifetime: %d refused by the webhook as they should be, %d otherwise; %d certificates served",
 		calls, calls-interrupted, interrupted, len(served))
 	if interrupted > 0 {
 		t.Errorf("%d of %d calls during the rotation were not the webhook's refusal; the last: %s", interrupted, calls, lastOdd)
 	}
 	if len(served) < 2 {
-		t.Errorf("the serving certificate never changed in 110 s of a 60 s lifetime: no rotation happened")
+		t.Errorf("the serving certificate never changed in 50 s of a 30 s lifetime: no rotation happened")
 	}
 }
 
