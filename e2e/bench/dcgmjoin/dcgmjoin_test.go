@@ -265,30 +265,49 @@ scrape_configs:
 	if err := os.WriteFile(filepath.Join(dir, "prometheus.yml"), []byte(config), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	listen := freePort(t)
-	cmd := exec.Command(bin, "--config.file="+filepath.Join(dir, "prometheus.yml"),
-		"--storage.tsdb.path="+filepath.Join(dir, "data"), "--web.listen-address="+listen)
-	log, err := os.Create(filepath.Join(dir, "prometheus.log"))
+	// The free port is known only once a listener closes it: another process may take it first, and then
+	// Prometheus exits saying so and is started again on another.
+	for attempt := 1; ; attempt++ {
+		a, err := runPrometheus(t, bin, dir, freePort(t))
+		if err == nil {
+			return a
+		}
+		if !strings.Contains(err.Error(), "address already in use") || attempt == 3 {
+			t.Fatal(err)
+		}
+	}
+}
+
+// runPrometheus starts Prometheus on listen (it is stopped when the test ends) and waits until the rules
+// have a value; an error says why not, with Prometheus' log.
+func runPrometheus(t *testing.T, bin, dir, listen string) (api, error) {
+	logPath := filepath.Join(dir, "prometheus-"+strings.ReplaceAll(listen, ":", "-")+".log")
+	log, err := os.Create(logPath)
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer log.Close()
+	cmd := exec.Command(bin, "--config.file="+filepath.Join(dir, "prometheus.yml"),
+		"--storage.tsdb.path="+filepath.Join(dir, "data-"+strings.ReplaceAll(listen, ":", "-")),
+		"--web.listen-address="+listen)
 	cmd.Stdout, cmd.Stderr = log, log
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
+	exited := make(chan struct{})
+	var waitErr error
+	go func() { waitErr = cmd.Wait(); close(exited) }()
 	t.Cleanup(func() {
 		_ = cmd.Process.Kill()
 		<-exited
 	})
 	a := api{t: t, base: "http://" + listen}
-	logTail := func() string { b, _ := os.ReadFile(log.Name()); return string(b) }
+	logTail := func() string { b, _ := os.ReadFile(logPath); return string(b) }
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		select {
-		case err := <-exited:
-			t.Fatalf("Prometheus exited (%v):\n%s", err, logTail())
+		case <-exited:
+			return a, fmt.Errorf("Prometheus exited (%v):\n%s", waitErr, logTail())
 		default:
 		}
 		var data struct {
@@ -297,10 +316,10 @@ scrape_configs:
 		// The last rule of the group: once it has a value, every rule was evaluated over both pages.
 		err := a.get("/api/v1/query", url.Values{"query": {"tessera_pod:DCGM_FI_DEV_XID_ERRORS:entity"}}, &data)
 		if err == nil && len(data.Result) > 0 {
-			return a
+			return a, nil
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("no recorded series after 60s (last error: %v):\n%s", err, logTail())
+			return a, fmt.Errorf("no recorded series after 60s (last error: %v):\n%s", err, logTail())
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
