@@ -36,8 +36,12 @@ test-unit: ## Rust unit and integration tests (no cluster)
 	cargo build --workspace --all-targets
 	cargo test --workspace
 
-test-bench: ## The benchmarks' and e2e tools' own Go tests (packing counts on a fixed slice of the trace, the fleet model, 1.38's iptables stand-in; no timing)
-	cd e2e/bench && GOTOOLCHAIN=local go test -count=1 ./...
+# e2e/bench/dcgmjoin runs the real Prometheus over the chart's DCGM recording rules: the add-on's build
+# (Prometheus and KEDA, relinked only when their sources change) runs here, before `make e2e`, whose own
+# call then finds them up to date; TESSERA_REQUIRE_PROMETHEUS turns the test's skip without it into a failure.
+test-bench: ## The benchmarks' and e2e tools' own Go tests (packing counts on a fixed slice of the trace, the fleet model, 1.38's iptables stand-in, the DCGM recording rules in a real Prometheus; no timing)
+	e2e/scripts/build-autoscaling.sh
+	cd e2e/bench && TESSERA_REQUIRE_PROMETHEUS=1 GOTOOLCHAIN=local go test -count=1 ./...
 	cd e2e/k8s && GOTOOLCHAIN=local GOFLAGS=-mod=mod go test -count=1 ./internal/fleet/
 	cd e2e/tools/iptables-wrappers && GOTOOLCHAIN=local go test -count=1 ./...
 
@@ -173,7 +177,7 @@ image-test: ## make image, then check the archive (digests, config) and run the 
 	e2e/scripts/build-image.sh --test
 chart-lint: ## helm lint --strict of deployments/helm/tessera for the nvml (driverRoot default and /) and simulated backends
 	e2e/scripts/build-helm.sh
-	@for l in crds files/classes files/policies; do test -L deployments/helm/tessera/$$l || \
+	@for l in crds files/classes files/policies files/prometheus; do test -L deployments/helm/tessera/$$l || \
 		{ echo "deployments/helm/tessera/$$l must be a link into deployments/ (one source)"; exit 1; }; done
 	e2e/bin/helm lint --strict deployments/helm/tessera --set backend=nvml
 	e2e/bin/helm lint --strict deployments/helm/tessera --set backend=nvml --set driverRoot=/

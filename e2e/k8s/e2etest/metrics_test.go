@@ -218,6 +218,28 @@ func TestMetricsGiveEachClaimsGPUUseAndTheAutoscalingExampleScalesOnIt(t *testin
 		}
 	})
 
+	t.Run("each claim's device info names its GPU by the UUID dcgm-exporter's series carry", func(t *testing.T) {
+		r := promcheck(t, targets, fmt.Sprintf("tessera_claim_device_info{namespace=%q}", ns))
+		want := map[string]allocation{"inference-0": share, "trainer-0": whole}
+		if len(r.Result) != len(want) {
+			t.Fatalf("%d series %+v, want one per pod", len(r.Result), r.Result)
+		}
+		for _, s := range r.Result {
+			a, ok := want[s.Metric["pod"]]
+			if !ok {
+				t.Fatalf("series of an unknown pod: %v", s.Metric)
+			}
+			// The UUID the container is given: the physical GPU's, for a whole GPU and a share of one.
+			uuid := a.edits.EnvMap()[uuidEnvKey(a.result.Device)]
+			sharing := s.Metric["sharing"] != ""
+			if uuid == "" || s.Metric["UUID"] != uuid || s.Metric["GPU_I_ID"] != "" || s.Metric["claim"] != a.claim.Name ||
+				s.Metric["device"] != a.result.Device || sharing != (a.pod.Name == "inference-0") || s.Value != 1 {
+				t.Errorf("%s: %v = %v, want UUID %q, no GPU_I_ID, claim %s, device %s, sharing only for the share, 1",
+					a.pod.Name, s.Metric, s.Value, uuid, a.claim.Name, a.result.Device)
+			}
+		}
+	})
+
 	t.Run("every plugin's metric names, labels and help pass promlint", func(t *testing.T) {
 		args := []string{"--lint"}
 		for _, target := range targets {

@@ -18,6 +18,7 @@
 //! | `tessera_claim_gpu_utilization_ratio` | `namespace`, `pod`, `claim`, `request`, `device` | 0–1 of the device the claim runs on |
 //! | `tessera_claim_gpu_memory_used_bytes` | the same | memory the claim's processes use |
 //! | `tessera_claim_gpu_compute_share_ratio` | the same | the part of the GPU's SMs the claim's device was given: 1 for a whole GPU, an MPS share's active-thread percentage / 100; absent for MIG devices and time-sliced shares |
+//! | `tessera_claim_device_info` | `namespace`, `pod` (one sample per pod), `claim`, `request`, `device`, `UUID`, `GPU_I_ID`, `mig_uuid`, `sharing` | 1: the DCGM entity a claim's device is on, in dcgm-exporter's label names ([`super::dcgm`]) |
 //!
 //! `sum(tessera_claim_gpu_utilization_ratio) / sum(tessera_claim_gpu_compute_share_ratio)` over a
 //! Deployment's pods is how busy the GPU capacity given to it is: the signal to scale shares on (a fully
@@ -684,7 +685,18 @@ impl Collector for NodeCollector {
             |uid| m.pods_of(uid),
             &attribution,
         );
-        encode_claim_usage(&mut encoder, &usage)
+        encode_claim_usage(&mut encoder, &usage)?;
+        let pods_of = |uid: &str| {
+            m.pods_of(uid)
+                .split(',')
+                .filter(|p| !p.is_empty())
+                .map(String::from)
+                .collect()
+        };
+        super::dcgm::encode(
+            &mut encoder,
+            &super::dcgm::claim_device_info(&checkpoint, pods_of),
+        )
     }
 }
 
