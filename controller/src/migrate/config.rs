@@ -69,16 +69,14 @@ pub fn translate(parameters: &Value) -> Translated {
             }
         }
     }
+    if out.get("sharing").is_none() && out.len() == 2 && top.get("sharing").is_some() {
+        // Only apiVersion and kind are left: the entry configures nothing.
+        return t;
+    }
     t.changes.push(format!(
         "{NVIDIA_GROUP_VERSION} {kind} → {GROUP_VERSION} {}",
         if mig { "MigConfig" } else { "GpuConfig" }
     ));
-    if out.get("sharing").is_none() && out.len() == 2 && top.get("sharing").is_some() {
-        // Only apiVersion and kind are left: the entry configures nothing.
-        t.changes
-            .push("the entry configures nothing tessera applies; removed".into());
-        return t;
-    }
     t.parameters = Some(Value::Mapping(out));
     t
 }
@@ -95,7 +93,7 @@ fn sharing(v: &Value, mig: bool, t: &mut Translated) -> Option<Value> {
     let strategy = m.get("strategy").and_then(Value::as_str).unwrap_or_default();
     if mig && strategy == "TimeSlicing" {
         t.changes.push(
-            "sharing.strategy TimeSlicing on a MIG device: removed; a MIG device has no time-slice setting \
+            "it configured only sharing.strategy TimeSlicing on a MIG device, and a MIG device has no time-slice setting \
              (NVIDIA's driver accepts it and applies nothing), and the claim's containers take turns on it \
              as they would"
                 .into(),

@@ -22,7 +22,7 @@ pub mod cli;
 pub mod config;
 pub mod mig;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use serde::Deserialize;
@@ -175,6 +175,15 @@ pub fn migrate(text: &str, source: &str, opts: Options) -> Result<Migration, Mig
         .filter_map(|d| name_of(d).1)
         .filter(|n| !NVIDIA_CLASSES.contains(&n.as_str()))
         .collect();
+    // Extended resources the input's own classes serve (by their name as written).
+    let own_resources: BTreeMap<String, String> = docs
+        .iter()
+        .filter(|d| d.get("kind").and_then(Value::as_str) == Some("DeviceClass"))
+        .filter_map(|d| {
+            let ext = d.get("spec")?.get("extendedResourceName")?.as_str()?;
+            Some((ext.to_string(), name_of(d).1?))
+        })
+        .collect();
     let mut notes = Vec::new();
     let mut out = Vec::new();
     for (i, mut doc) in docs.into_iter().enumerate() {
@@ -184,6 +193,7 @@ pub fn migrate(text: &str, source: &str, opts: Options) -> Result<Migration, Mig
             notes: &mut notes,
             opts,
             own_classes: &own_classes,
+            own_resources: &own_resources,
         };
         if w.object(&mut doc) {
             out.push(serde_norway::to_string(&doc).expect("a YAML value read from YAML serializes back"));
@@ -215,6 +225,7 @@ struct Walker<'a> {
     notes: &'a mut Vec<Note>,
     opts: Options,
     own_classes: &'a BTreeSet<String>,
+    own_resources: &'a BTreeMap<String, String>,
 }
 
 impl Walker<'_> {
@@ -349,7 +360,7 @@ impl Walker<'_> {
             .get("extendedResourceName")
             .and_then(Value::as_str)
             .map(str::to_string)
-            && let Some(new) = self.extended_resource(&ext, "spec.extendedResourceName")
+            && let Some(new) = self.extended_resource(&ext, "spec.extendedResourceName", true)
         {
             spec.insert(s("extendedResourceName"), s(&new));
         }
@@ -357,7 +368,7 @@ impl Walker<'_> {
     }
 
     /// A `nvidia.com/…` extended resource name: the new name when it changes.
-    fn extended_resource(&mut self, name: &str, field: &str) -> Option<String> {
+    fn extended_resource(&mut self, name: &str, field: &str, in_class: bool) -> Option<String> {
         if name == "nvidia.com/gpu" {
             self.note(
                 Outcome::NothingNeeded,
@@ -382,11 +393,14 @@ impl Walker<'_> {
             }
             return None;
         };
-        let served = |p: &str| {
-            format!(
+        let own = self.own_resources.get(name).cloned();
+        let served = |p: &str| match &own {
+            Some(_) if in_class => "pods asking for it are rewritten to match".to_string(),
+            Some(class) => format!("served by this input's DeviceClass {class}, translated with it"),
+            None => format!(
                 "served once deployments/classes/mig-profiles/mig-{p}.gpu.tessera.dev.yaml is applied \
                  (opt-in, one class per H100 80GB profile)"
-            )
+            ),
         };
         match map_profile(profile, self.opts.target) {
             Mapped::Same => {
@@ -433,7 +447,7 @@ impl Walker<'_> {
                     for name in names {
                         let field = format!("{path}.{list}[{i}].resources.{part}");
                         let new = if seen.insert(name.clone()) {
-                            self.extended_resource(&name, &field)
+                            self.extended_resource(&name, &field, false)
                         } else {
                             match map_profile(name.trim_start_matches("nvidia.com/mig-"), self.opts.target) {
                                 Mapped::To { profile, .. } if name.starts_with("nvidia.com/mig-") => {
