@@ -12,6 +12,8 @@ pub struct Context {
     /// The expression selects MIG devices (`mig.nvidia.com` or a `type == "mig"` class): there NVIDIA's
     /// `uuid` is the MIG device's own.
     pub mig: bool,
+    /// The request moved to tessera's share class, whose devices have `type == "shared"`.
+    pub shared: bool,
     /// The model MIG profile names are given for.
     pub target: MigModel,
 }
@@ -231,6 +233,7 @@ pub fn rewrite(src: &str, ctx: Context) -> Rewrite {
     let mut changes = Vec::new();
     let mut problems = Vec::new();
     let mut profile_used = false;
+    let mut type_used = false;
     let is = |i: usize, c: char| toks.get(i).is_some_and(|t| t.kind == Kind::Punct(c));
     let str_at = |i: usize| match toks.get(i).map(|t| &t.kind) {
         Some(Kind::Str { value, .. }) => Some(value.as_str()),
@@ -277,7 +280,10 @@ pub fn rewrite(src: &str, ctx: Context) -> Rewrite {
                     ));
                     profile_used |= new == "profile";
                 }
-                Ok(None) => profile_used |= name == "profile",
+                Ok(None) => {
+                    profile_used |= name == "profile";
+                    type_used |= name == "type";
+                }
                 Err(why) => problems.push(why),
             }
         } else if let Err(why) = capacity(name) {
@@ -296,6 +302,17 @@ pub fn rewrite(src: &str, ctx: Context) -> Rewrite {
     }
     if driver_renamed {
         changes.insert(0, format!("{NVIDIA_DRIVER:?} → {TESSERA_DRIVER:?}"));
+    }
+    if type_used && ctx.shared {
+        for (i, t) in toks.iter().enumerate() {
+            if matches!(&t.kind, Kind::Str { value, .. } if value == "gpu") {
+                replace[i] = Some(requote(&t.kind, "shared"));
+                changes.push(
+                    "type \"gpu\" → \"shared\": the request now takes a share, whose devices are of type shared"
+                        .into(),
+                );
+            }
+        }
     }
     if profile_used {
         for (i, t) in toks.iter().enumerate() {
@@ -356,6 +373,7 @@ mod tests {
     fn gpu() -> Context {
         Context {
             mig: false,
+            shared: false,
             target: MigModel::H100_80,
         }
     }
@@ -456,5 +474,23 @@ mod tests {
         let r = rewrite("device.driver == 'gpu.nvidia.com", gpu());
         assert_eq!(r.expression, "device.driver == 'gpu.nvidia.com");
         assert!(r.problems[0].contains("unterminated"), "{:?}", r.problems);
+    }
+
+    #[test]
+    fn a_type_check_for_whole_gpus_follows_a_request_moved_to_the_share_class() {
+        let src = "device.attributes['gpu.nvidia.com'].type == 'gpu'";
+        let r = rewrite(
+            src,
+            Context {
+                shared: true,
+                ..gpu()
+            },
+        );
+        assert_eq!(
+            r.expression,
+            "device.attributes['gpu.tessera.dev'].type == 'shared'"
+        );
+        let r = rewrite(src, gpu());
+        assert_eq!(r.expression, "device.attributes['gpu.tessera.dev'].type == 'gpu'");
     }
 }

@@ -350,7 +350,7 @@ impl Walker<'_> {
         let text = serde_norway::to_string(&spec.get("selectors")).unwrap_or_default();
         let mig = text.contains("'mig'") || text.contains("\"mig\"");
         if let Some(sels) = spec.get_mut("selectors") {
-            self.selectors(sels, "spec.selectors", mig);
+            self.selectors(sels, "spec.selectors", mig, false);
         }
         if let Some(config) = spec.get_mut("config") {
             self.configs(config, "spec.config");
@@ -579,7 +579,12 @@ impl Walker<'_> {
             self.share_capacity(req, path);
         }
         if let Some(sels) = req.get_mut("selectors") {
-            self.selectors(sels, &format!("{path}.selectors"), mig);
+            self.selectors(
+                sels,
+                &format!("{path}.selectors"),
+                mig,
+                new_class == Some(SHARED_CLASS),
+            );
         }
         mig
     }
@@ -627,7 +632,7 @@ impl Walker<'_> {
         }
     }
 
-    fn selectors(&mut self, sels: &mut Value, path: &str, mig: bool) {
+    fn selectors(&mut self, sels: &mut Value, path: &str, mig: bool, shared: bool) {
         let Some(sels) = sels.as_sequence_mut() else {
             return;
         };
@@ -646,6 +651,7 @@ impl Walker<'_> {
                 &expr,
                 cel::Context {
                     mig,
+                    shared,
                     target: self.opts.target,
                 },
             );

@@ -217,3 +217,91 @@ spec:
     assert!(!m.yaml.contains("config"), "{}", m.yaml);
     assert!(has(&m, Outcome::Changed, "entry removed"));
 }
+
+#[test]
+fn first_available_alternatives_are_each_translated() {
+    let m = run("apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: c}
+spec:
+  devices:
+    requests:
+    - name: gpu
+      firstAvailable:
+      - name: big
+        deviceClassName: mig.nvidia.com
+        selectors:
+        - cel: {expression: \"device.attributes['gpu.nvidia.com'].profile == '3g.20gb'\"}
+      - {name: whole, deviceClassName: gpu.nvidia.com}
+");
+    assert!(
+        m.yaml.contains("deviceClassName: mig.gpu.tessera.dev"),
+        "{}",
+        m.yaml
+    );
+    assert!(m.yaml.contains("profile == '3g.40gb'"), "{}", m.yaml);
+    assert!(m.yaml.contains("deviceClassName: gpu.tessera.dev"), "{}", m.yaml);
+    assert!(
+        m.notes.iter().all(|n| n.field.contains("firstAvailable[")),
+        "{}",
+        m.report()
+    );
+}
+
+#[test]
+fn a_list_and_a_deployments_init_containers_are_walked() {
+    let m = run("apiVersion: v1
+kind: List
+items:
+- apiVersion: apps/v1
+  kind: Deployment
+  metadata: {name: d, namespace: ns}
+  spec:
+    template:
+      spec:
+        initContainers:
+        - {name: warm, resources: {limits: {nvidia.com/gpu.shared: 1}}}
+        containers:
+        - {name: main, resources: {limits: {nvidia.com/gpu: 1}}}
+");
+    assert!(
+        has(
+            &m,
+            Outcome::NotTranslated,
+            "Deployment ns/d (document 1) spec.template.spec.initContainers[0].resources.limits: nvidia.com/gpu.shared"
+        ),
+        "{}",
+        m.report()
+    );
+    assert!(
+        has(&m, Outcome::NothingNeeded, "spec.template.spec.containers[0]"),
+        "{}",
+        m.report()
+    );
+}
+
+#[test]
+fn the_mig_model_option_picks_the_target_profiles() {
+    let text = "apiVersion: v1
+kind: Pod
+metadata: {name: p}
+spec:
+  containers:
+  - {name: c, resources: {limits: {nvidia.com/mig-3g.40gb: 1}}}
+";
+    let h100 = run(text);
+    assert!(
+        h100.yaml.contains("nvidia.com/mig-3g.40gb: 1"),
+        "the H100's own name: {}",
+        h100.yaml
+    );
+    let h200 = migrate(
+        text,
+        "t",
+        Options {
+            target: mig::MigModel::H200,
+        },
+    )
+    .unwrap();
+    assert!(h200.yaml.contains("nvidia.com/mig-3g.71gb: 1"), "{}", h200.yaml);
+}
