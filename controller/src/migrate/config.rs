@@ -77,6 +77,13 @@ pub fn translate(parameters: &Value) -> Translated {
         "{NVIDIA_GROUP_VERSION} {kind} → {GROUP_VERSION} {}",
         if mig { "MigConfig" } else { "GpuConfig" }
     ));
+    if out.get("sharing").is_some() {
+        t.changes.push(
+            "the claim's containers and pods share its device as with NVIDIA's driver; for separate claims \
+             on one GPU, request memory and compute of shared.gpu.tessera.dev"
+                .into(),
+        );
+    }
     t.parameters = Some(Value::Mapping(out));
     t
 }
