@@ -24,6 +24,7 @@ pub mod health;
 pub mod leader;
 pub mod liveness;
 pub mod metrics;
+pub mod migrate;
 pub mod mirror;
 pub mod policy;
 pub mod pool;

@@ -203,7 +203,64 @@ pub fn check_spec(spec: &ResourceClaimSpec, path: &str, classes: &dyn ClassCatal
     }
     warn_foreign_configs(&mut verdict, path, devices, classes);
     warn_memory_only_shares(&mut verdict, path, requests, classes);
+    warn_capacity_of_whole_devices(&mut verdict, path, requests, classes);
     verdict
+}
+
+/// Warns about a request that names capacity of a class whose devices one claim takes whole (whole GPUs,
+/// MIG devices): the allocator checks the amount against the device's and gives the whole device, so a
+/// consumable share ported from NVIDIA's driver (`gpu.nvidia.com` with `memory: 2Gi`) to
+/// `gpu.tessera.dev` silently gets a whole GPU.
+fn warn_capacity_of_whole_devices(
+    verdict: &mut Verdict,
+    path: &str,
+    requests: &[DeviceRequest],
+    classes: &dyn ClassCatalog,
+) {
+    let named = |capacity: Option<&k8s_openapi::api::resource::v1::CapacityRequirements>| {
+        capacity
+            .and_then(|c| c.requests.as_ref())
+            .map(|r| r.keys().cloned().collect::<Vec<_>>())
+            .filter(|k| !k.is_empty())
+    };
+    let whole_only = |class: &str| {
+        classes
+            .offers(class)
+            .is_some_and(|o| o.serves.is_empty() && (o.gpu.is_some() || o.mig.is_some()))
+    };
+    for (i, request) in requests.iter().enumerate() {
+        let mut asks = Vec::new();
+        if let Some(e) = &request.exactly
+            && let Some(keys) = named(e.capacity.as_ref())
+            && whole_only(&e.device_class_name)
+        {
+            asks.push((
+                format!("{path}.devices.requests[{i}].exactly"),
+                &e.device_class_name,
+                keys,
+            ));
+        }
+        for (j, sub) in request.first_available.iter().flatten().enumerate() {
+            if let Some(keys) = named(sub.capacity.as_ref())
+                && whole_only(&sub.device_class_name)
+            {
+                asks.push((
+                    format!("{path}.devices.requests[{i}].firstAvailable[{j}]"),
+                    &sub.device_class_name,
+                    keys,
+                ));
+            }
+        }
+        for (field, class, keys) in asks {
+            verdict.warnings.push(format!(
+                "{field}.capacity.requests: request {name:?} names {keys} of {class}, whose devices a claim \
+                 takes whole: it gets a whole device, not that amount of one. For a share of a GPU, use \
+                 deviceClassName shared.gpu.tessera.dev",
+                name = request.name,
+                keys = keys.join(", "),
+            ));
+        }
+    }
 }
 
 /// Warns about a share request that names `memory` and no `compute`: it reserves no compute (the

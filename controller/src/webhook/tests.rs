@@ -194,6 +194,36 @@ fn the_message_is_the_one_prepare_gives_for_the_same_parameters() {
 }
 
 #[test]
+fn capacity_asked_of_the_whole_gpu_class_is_allowed_with_a_warning_naming_the_share_class() {
+    // A consumable share ported from NVIDIA's driver by renaming gpu.nvidia.com: it would get a whole GPU.
+    let review = claim()
+        .request_with("gpu", "gpu.tessera.dev", json!({"memory": "2Gi"}))
+        .claim_review();
+    let response = decide(&review, &shipped_classes());
+    assert!(response.allowed, "{}", response.result.message);
+    let warnings = response.warnings.unwrap_or_default();
+    assert_eq!(
+        warnings,
+        [
+            "spec.devices.requests[0].exactly.capacity.requests: request \"gpu\" names memory of gpu.tessera.dev, \
+          whose devices a claim takes whole: it gets a whole device, not that amount of one. For a share of a \
+          GPU, use deviceClassName shared.gpu.tessera.dev"
+        ]
+    );
+    let share = claim()
+        .request_with(
+            "gpu",
+            "shared.gpu.tessera.dev",
+            json!({"memory": "2Gi", "compute": "10"}),
+        )
+        .claim_review();
+    assert_eq!(
+        decide(&share, &shipped_classes()).warnings.unwrap_or_default(),
+        Vec::<String>::new()
+    );
+}
+
+#[test]
 fn a_share_that_names_memory_and_no_compute_is_allowed_with_a_warning_that_it_reserves_no_compute() {
     let review = claim()
         .request_with("gpu", "shared.gpu.tessera.dev", json!({"memory": "10Gi"}))
@@ -228,7 +258,9 @@ fn a_share_that_names_memory_and_compute_or_a_whole_gpu_request_gets_no_compute_
     ] {
         let response = decide(&review, &shipped_classes());
         assert!(response.allowed, "{}", response.result.message);
-        assert_eq!(response.warnings, None);
+        // The whole-GPU request gets the warning that it takes a whole GPU, not this one.
+        let warnings = response.warnings.unwrap_or_default();
+        assert!(warnings.iter().all(|w| !w.contains("no compute")), "{warnings:?}");
     }
 }
 
