@@ -192,7 +192,9 @@ pub enum ConfigError {
     )]
     CeilingBelowRequest { ceiling: u32, request: u64 },
     /// A compute ceiling on a device that has no MPS client limit to set.
-    #[error("sharing.mps.computeCeiling: means nothing on {device_kind} {device}: {why}; remove it, or aim the config at a share's request (requests: [...])")]
+    #[error(
+        "sharing.mps.computeCeiling: means nothing on {device_kind} {device}: {why}; remove it, or aim the config at a share's request (requests: [...])"
+    )]
     CeilingMeansNothing {
         device_kind: &'static str,
         device: String,
@@ -928,7 +930,11 @@ impl DeviceConfig {
 /// which a client can only lower. `device` is `None` where it is not known (the webhook, before
 /// allocation, for a class it cannot read); a config that is not MPS has no ceiling (the decoder refuses
 /// `sharing.mps` with another strategy).
-pub fn check_ceiling(config: Option<&DeviceConfig>, device: Option<&DeviceName>, request: Option<u64>) -> Result<()> {
+pub fn check_ceiling(
+    config: Option<&DeviceConfig>,
+    device: Option<&DeviceName>,
+    request: Option<u64>,
+) -> Result<()> {
     let Some(ceiling) = config
         .and_then(|c| c.sharing())
         .and_then(|s| s.mps.as_ref())
@@ -938,7 +944,9 @@ pub fn check_ceiling(config: Option<&DeviceConfig>, device: Option<&DeviceName>,
     };
     let why = match device {
         Some(DeviceName::Gpu { .. }) => Some("a whole GPU runs its one claim on all of its SMs"),
-        Some(DeviceName::Mig { .. }) => Some("an unshared MIG device runs its one claim on all of its SMs, without MPS"),
+        Some(DeviceName::Mig { .. }) => {
+            Some("an unshared MIG device runs its one claim on all of its SMs, without MPS")
+        }
         Some(DeviceName::ShareSlot { .. }) => Some(
             "a share slot's MPS daemon starts with the slot's size as every client's limit, which a client can only lower",
         ),
@@ -952,7 +960,9 @@ pub fn check_ceiling(config: Option<&DeviceConfig>, device: Option<&DeviceName>,
         });
     }
     match request {
-        Some(request) if request > u64::from(ceiling) => Err(ConfigError::CeilingBelowRequest { ceiling, request }),
+        Some(request) if request > u64::from(ceiling) => {
+            Err(ConfigError::CeilingBelowRequest { ceiling, request })
+        }
         _ => Ok(()),
     }
 }
@@ -1686,12 +1696,27 @@ mod tests {
     #[test]
     fn a_compute_ceiling_decodes_as_a_percentage_and_is_refused_out_of_range_naming_the_field() {
         let c = decode(&gpu(json!({"strategy": "MPS", "mps": {"computeCeiling": 80}}))).unwrap();
-        assert_eq!(c.sharing().unwrap().mps.as_ref().unwrap().compute_ceiling, Some(80));
+        assert_eq!(
+            c.sharing().unwrap().mps.as_ref().unwrap().compute_ceiling,
+            Some(80)
+        );
         for (bad, want) in [
-            (json!(0), "sharing.mps.computeCeiling: must be between 1 and 100, got 0"),
-            (json!(150), "sharing.mps.computeCeiling: must be between 1 and 100, got 150"),
-            (json!(50.5), "sharing.mps.computeCeiling: must be an integer, got a fraction"),
-            (json!("80"), "sharing.mps.computeCeiling: must be an integer, got a string"),
+            (
+                json!(0),
+                "sharing.mps.computeCeiling: must be between 1 and 100, got 0",
+            ),
+            (
+                json!(150),
+                "sharing.mps.computeCeiling: must be between 1 and 100, got 150",
+            ),
+            (
+                json!(50.5),
+                "sharing.mps.computeCeiling: must be an integer, got a fraction",
+            ),
+            (
+                json!("80"),
+                "sharing.mps.computeCeiling: must be an integer, got a string",
+            ),
         ] {
             let err = decode(&gpu(json!({"strategy": "MPS", "mps": {"computeCeiling": bad}}))).unwrap_err();
             assert_eq!(err.to_string(), want);
@@ -1703,11 +1728,22 @@ mod tests {
         let err = decode(&gpu(json!({"strategy": "MPS",
             "mps": {"computeCeiling": 80, "defaultActiveThreadPercentage": 40}})))
         .unwrap_err();
-        assert_eq!(err, ConfigError::CeilingAboveDaemonDefault { ceiling: 80, default: 40 });
-        assert!(err.to_string().starts_with("sharing.mps.computeCeiling: 80 is above defaultActiveThreadPercentage 40"));
-        assert!(decode(&gpu(json!({"strategy": "MPS",
+        assert_eq!(
+            err,
+            ConfigError::CeilingAboveDaemonDefault {
+                ceiling: 80,
+                default: 40
+            }
+        );
+        assert!(
+            err.to_string()
+                .starts_with("sharing.mps.computeCeiling: 80 is above defaultActiveThreadPercentage 40")
+        );
+        assert!(
+            decode(&gpu(json!({"strategy": "MPS",
             "mps": {"computeCeiling": 40, "defaultActiveThreadPercentage": 40}})))
-        .is_ok());
+            .is_ok()
+        );
     }
 
     #[test]
@@ -1718,27 +1754,55 @@ mod tests {
         assert_eq!(check_ceiling(Some(&burst), Some(&shared), Some(60)), Ok(()));
         assert_eq!(check_ceiling(Some(&burst), None, None), Ok(()));
         let err = check_ceiling(Some(&burst), Some(&shared), Some(70)).unwrap_err();
-        assert_eq!(err, ConfigError::CeilingBelowRequest { ceiling: 60, request: 70 });
-        assert!(err.to_string().starts_with("sharing.mps.computeCeiling: 60 is below the share's compute request of 70"));
+        assert_eq!(
+            err,
+            ConfigError::CeilingBelowRequest {
+                ceiling: 60,
+                request: 70
+            }
+        );
+        assert!(
+            err.to_string()
+                .starts_with("sharing.mps.computeCeiling: 60 is below the share's compute request of 70")
+        );
         let mig_share: DeviceName = "gpu-0-mig-3g-40gb-4-shared".parse().unwrap();
         let burst_mig = decode(&mig(json!({"strategy": "MPS", "mps": {"computeCeiling": 60}}))).unwrap();
-        assert_eq!(check_ceiling(Some(&burst_mig), Some(&mig_share), Some(20)), Ok(()));
+        assert_eq!(
+            check_ceiling(Some(&burst_mig), Some(&mig_share), Some(20)),
+            Ok(())
+        );
         for device in ["gpu-0", "gpu-0-mig-3g-40gb-4", "gpu-0-share-1"] {
             let device: DeviceName = device.parse().unwrap();
             let config = if is_mig(&device) { &burst_mig } else { &burst };
             let err = check_ceiling(Some(config), Some(&device), None).unwrap_err();
-            assert!(matches!(err, ConfigError::CeilingMeansNothing { .. }), "{device}: {err}");
-            assert!(err.to_string().starts_with("sharing.mps.computeCeiling: means nothing on"), "{err}");
+            assert!(
+                matches!(err, ConfigError::CeilingMeansNothing { .. }),
+                "{device}: {err}"
+            );
+            assert!(
+                err.to_string()
+                    .starts_with("sharing.mps.computeCeiling: means nothing on"),
+                "{err}"
+            );
         }
         let guaranteed = decode(&gpu(json!({"strategy": "MPS"}))).unwrap();
-        assert_eq!(check_ceiling(Some(&guaranteed), Some(&DeviceName::Gpu { gpu: 0 }), Some(100)), Ok(()));
+        assert_eq!(
+            check_ceiling(Some(&guaranteed), Some(&DeviceName::Gpu { gpu: 0 }), Some(100)),
+            Ok(())
+        );
         assert_eq!(check_ceiling(None, Some(&shared), Some(100)), Ok(()));
     }
 
     #[test]
     fn a_compute_ceiling_with_time_slicing_is_refused_as_mps_settings_of_another_strategy() {
-        let err = decode(&gpu(json!({"strategy": "TimeSlicing", "mps": {"computeCeiling": 80}}))).unwrap_err();
-        assert_eq!(err.to_string(), "sharing.mps: only allowed with strategy MPS, got TimeSlicing");
+        let err = decode(&gpu(
+            json!({"strategy": "TimeSlicing", "mps": {"computeCeiling": 80}}),
+        ))
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "sharing.mps: only allowed with strategy MPS, got TimeSlicing"
+        );
     }
 
     #[test]
