@@ -13,6 +13,7 @@
 //!   strategy: MPS                        # or TimeSlicing
 //!   mps:
 //!     defaultActiveThreadPercentage: 50  # 1..100
+//!     computeCeiling: 100                # 1..100: the share may burst to this (default: its compute request)
 //!     defaultPinnedDeviceMemoryLimit: 10Gi
 //!     perDevicePinnedMemoryLimit:        # keyed by tessera device name
 //!       gpu-1-shared: 20Gi
@@ -36,6 +37,8 @@
 //! | `sharing.strategy: must be one of MPS, TimeSlicing, got "<s>"` | unknown strategy |
 //! | `sharing.timeSlicing.interval: must be one of Default, Short, Medium, Long, got "<i>"` | unknown interval |
 //! | `sharing.mps.defaultActiveThreadPercentage: must be between 1 and 100, got <n>` | out of range |
+//! | `sharing.mps.computeCeiling: must be between 1 and 100, got <n>` | out of range |
+//! | `sharing.mps.computeCeiling: <c> is above defaultActiveThreadPercentage <d>, …` | a ceiling the config's own daemon default would cut (an MPS client can only lower the daemon's percentage) |
 //! | `<quantity path>: invalid quantity "<q>": <reason>` | unparsable quantity |
 //! | `<quantity path>: must be at least 1Mi, got "<q>"` | zero or sub-MiB memory limit (MPS counts in MiB) |
 //! | `<quantity path>: must be at most 1Ti (more memory than any GPU has), got "<q>"` | absurd memory limit |
@@ -52,6 +55,13 @@
 //! |---|---|
 //! | `sharing.mps.perDevicePinnedMemoryLimit: key "<k>" names no device on this node: <why>` | e.g. `gpu-9-shared` on an 8-GPU node |
 //! | `<quantity path>: "<q>" is more than the <n> MiB of memory of <device>` | a limit above the device's memory |
+//!
+//! [`check_ceiling`] (at prepare, and in the webhook where the request and its class are known) adds:
+//!
+//! | Message | When |
+//! |---|---|
+//! | `sharing.mps.computeCeiling: <c> is below the share's compute request of <r>; …` | a ceiling below what the scheduler reserved |
+//! | `sharing.mps.computeCeiling: means nothing on <device kind> <device>: …` | a whole GPU, an unshared MIG device or a share slot |
 //!
 //! Values a user wrote are echoed cut to [`MAX_ECHO_CHARS`] characters (`…` marks the cut), so a huge
 //! value never becomes a huge event.
@@ -173,6 +183,30 @@ pub enum ConfigError {
         needs: &'static str,
         got: &'static str,
     },
+    /// A compute ceiling below the share's compute request: the ceiling is what the share may burst to, so
+    /// it is at least what the scheduler reserved for it.
+    #[error(
+        "sharing.mps.computeCeiling: {ceiling} is below the share's compute request of {request} (the ceiling \
+         is what the share may burst to, at least what it reserves); raise computeCeiling to {request} or more, \
+         or lower capacity.requests.compute"
+    )]
+    CeilingBelowRequest { ceiling: u32, request: u64 },
+    /// A compute ceiling on a device that has no MPS client limit to set.
+    #[error(
+        "sharing.mps.computeCeiling: means nothing on {device_kind} {device}: {why}; remove it, or aim the config at a share's request (requests: [...])"
+    )]
+    CeilingMeansNothing {
+        device_kind: &'static str,
+        device: String,
+        why: &'static str,
+    },
+    /// A compute ceiling above the same config's daemon default, which caps every client of the daemon.
+    #[error(
+        "sharing.mps.computeCeiling: {ceiling} is above defaultActiveThreadPercentage {default}, which the \
+         device's MPS daemon applies to every client (a client can only lower it); raise \
+         defaultActiveThreadPercentage to {ceiling} or more, or leave it out"
+    )]
+    CeilingAboveDaemonDefault { ceiling: u32, default: u32 },
     /// `timeSlicing` in a `MigConfig`.
     #[error("sharing.timeSlicing: MIG devices have no time-slice setting; remove it or use GpuConfig")]
     TimeSlicingOnMig,
@@ -263,6 +297,11 @@ pub struct MpsConfig {
     pub default_pinned_device_memory_limit: Option<String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub per_device_pinned_memory_limit: BTreeMap<String, String>,
+    /// What the share may burst to, in percent of the GPU's SMs: its `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`.
+    /// The `compute` capacity request stays what the scheduler packs; absent, the ceiling is the request
+    /// (a guaranteed share). See [`check_ceiling`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_ceiling: Option<u32>,
 }
 
 /// Time-slicing settings (whole GPUs only).
@@ -288,6 +327,7 @@ const MPS_FIELDS: &[&str] = &[
     "defaultActiveThreadPercentage",
     "defaultPinnedDeviceMemoryLimit",
     "perDevicePinnedMemoryLimit",
+    "computeCeiling",
 ];
 const TIME_SLICING_FIELDS: &[&str] = &["interval"];
 const KINDS: &[&str] = &[KIND_GPU_CONFIG, KIND_MIG_CONFIG];
@@ -436,45 +476,8 @@ fn decode_sharing(v: &Value) -> Result<Sharing> {
 fn decode_mps(v: &Value) -> Result<MpsConfig> {
     const PATH: &str = "sharing.mps";
     let obj = object(v, PATH, MPS_FIELDS)?;
-    let pct_path = join(PATH, "defaultActiveThreadPercentage");
-    let default_active_thread_percentage = match field(obj, "defaultActiveThreadPercentage") {
-        None => None,
-        Some(n) => {
-            let got = match (n.as_i64(), n) {
-                (Some(got), _) => got,
-                // A whole number past i64 (2^64, 1e30) is a number out of range, not a wrong type.
-                (None, Value::Number(num))
-                    if num.as_u64().is_some() || num.as_f64().is_some_and(|f| f.fract() == 0.0) =>
-                {
-                    return Err(ConfigError::OutOfRange {
-                        path: pct_path,
-                        min: 1,
-                        max: 100,
-                        got: num.to_string(),
-                    });
-                }
-                (None, n) => {
-                    return Err(ConfigError::WrongType {
-                        path: pct_path,
-                        expected: "an integer",
-                        got: match n {
-                            Value::Number(_) => "a fraction",
-                            other => type_name(other),
-                        },
-                    });
-                }
-            };
-            if !(1..=100).contains(&got) {
-                return Err(ConfigError::OutOfRange {
-                    path: pct_path,
-                    min: 1,
-                    max: 100,
-                    got: got.to_string(),
-                });
-            }
-            Some(got as u32)
-        }
-    };
+    let default_active_thread_percentage = percentage(obj, PATH, "defaultActiveThreadPercentage")?;
+    let compute_ceiling = percentage(obj, PATH, "computeCeiling")?;
     let default_pinned_device_memory_limit = field(obj, "defaultPinnedDeviceMemoryLimit")
         .map(|q| quantity_string(q, &join(PATH, "defaultPinnedDeviceMemoryLimit")))
         .transpose()?;
@@ -494,7 +497,45 @@ fn decode_mps(v: &Value) -> Result<MpsConfig> {
         default_active_thread_percentage,
         default_pinned_device_memory_limit,
         per_device_pinned_memory_limit,
+        compute_ceiling,
     })
+}
+
+/// An integer percentage field of `obj` (1–100), absent or `null` as `None`.
+fn percentage(obj: &Object, parent: &str, name: &str) -> Result<Option<u32>> {
+    let path = join(parent, name);
+    let Some(n) = field(obj, name) else {
+        return Ok(None);
+    };
+    let out_of_range = |got: String| ConfigError::OutOfRange {
+        path: path.clone(),
+        min: 1,
+        max: 100,
+        got,
+    };
+    let got = match (n.as_i64(), n) {
+        (Some(got), _) => got,
+        // A whole number past i64 (2^64, 1e30) is a number out of range, not a wrong type.
+        (None, Value::Number(num))
+            if num.as_u64().is_some() || num.as_f64().is_some_and(|f| f.fract() == 0.0) =>
+        {
+            return Err(out_of_range(num.to_string()));
+        }
+        (None, n) => {
+            return Err(ConfigError::WrongType {
+                path,
+                expected: "an integer",
+                got: match n {
+                    Value::Number(_) => "a fraction",
+                    other => type_name(other),
+                },
+            });
+        }
+    };
+    if !(1..=100).contains(&got) {
+        return Err(out_of_range(got.to_string()));
+    }
+    Ok(Some(got as u32))
 }
 
 /// Decodes, normalizes and validates one opaque `parameters` object.
@@ -542,6 +583,7 @@ fn set_aside(value: &mut Value, error: &ConfigError) -> bool {
         E::NotAnObject { path, .. } if path == "parameters" => return false,
         E::BadDeviceKey { path, key } => format!("{path}[{key:?}]"),
         E::TimeSlicingOnMig => "sharing.timeSlicing".into(),
+        E::CeilingAboveDaemonDefault { .. } => "sharing.mps.computeCeiling".into(),
         E::NotAnObject { path, .. }
         | E::WrongType { path, .. }
         | E::NotOneOf { path, .. }
@@ -737,6 +779,21 @@ impl DeviceConfig {
                 got: p.to_string(),
             });
         }
+        if let Some(c) = mps.compute_ceiling
+            && !(1..=100).contains(&c)
+        {
+            return Err(ConfigError::OutOfRange {
+                path: "sharing.mps.computeCeiling".into(),
+                min: 1,
+                max: 100,
+                got: c.to_string(),
+            });
+        }
+        if let (Some(ceiling), Some(default)) = (mps.compute_ceiling, mps.default_active_thread_percentage)
+            && ceiling > default
+        {
+            return Err(ConfigError::CeilingAboveDaemonDefault { ceiling, default });
+        }
         if let Some(q) = &mps.default_pinned_device_memory_limit {
             memory_limit(q, "sharing.mps.defaultPinnedDeviceMemoryLimit")?;
         }
@@ -862,6 +919,51 @@ impl DeviceConfig {
             return Err(e);
         }
         Ok(())
+    }
+}
+
+/// Checks the compute ceiling of `config` against the device it applies to and the share's compute
+/// request (`request`, percent of the GPU, as `capacity.requests.compute` or the consumed capacity says;
+/// `None` or 0 when the share reserved no compute). A ceiling is an MPS client's thread percentage, so it
+/// means something only on a share served through MPS: a whole GPU or an unshared MIG device runs its one
+/// claim with all of its SMs, and a share slot's MPS daemon starts with the slot's size as its default,
+/// which a client can only lower. `device` is `None` where it is not known (the webhook, before
+/// allocation, for a class it cannot read); a config that is not MPS has no ceiling (the decoder refuses
+/// `sharing.mps` with another strategy).
+pub fn check_ceiling(
+    config: Option<&DeviceConfig>,
+    device: Option<&DeviceName>,
+    request: Option<u64>,
+) -> Result<()> {
+    let Some(ceiling) = config
+        .and_then(|c| c.sharing())
+        .and_then(|s| s.mps.as_ref())
+        .and_then(|m| m.compute_ceiling)
+    else {
+        return Ok(());
+    };
+    let why = match device {
+        Some(DeviceName::Gpu { .. }) => Some("a whole GPU runs its one claim on all of its SMs"),
+        Some(DeviceName::Mig { .. }) => {
+            Some("an unshared MIG device runs its one claim on all of its SMs, without MPS")
+        }
+        Some(DeviceName::ShareSlot { .. }) => Some(
+            "a share slot's MPS daemon starts with the slot's size as every client's limit, which a client can only lower",
+        ),
+        _ => None,
+    };
+    if let (Some(why), Some(device)) = (why, device) {
+        return Err(ConfigError::CeilingMeansNothing {
+            device_kind: device_kind(device),
+            device: device.to_string(),
+            why,
+        });
+    }
+    match request {
+        Some(request) if request > u64::from(ceiling) => {
+            Err(ConfigError::CeilingBelowRequest { ceiling, request })
+        }
+        _ => Ok(()),
     }
 }
 
@@ -1588,6 +1690,119 @@ mod tests {
             effective_config(&entries[1..2], "mig", &mig_dev),
             Err(ConfigError::WrongKindForDevice { .. })
         ));
+    }
+
+    /// Issue 39 item 1: a burstable share's ceiling is decoded and checked against its request and device.
+    #[test]
+    fn a_compute_ceiling_decodes_as_a_percentage_and_is_refused_out_of_range_naming_the_field() {
+        let c = decode(&gpu(json!({"strategy": "MPS", "mps": {"computeCeiling": 80}}))).unwrap();
+        assert_eq!(
+            c.sharing().unwrap().mps.as_ref().unwrap().compute_ceiling,
+            Some(80)
+        );
+        for (bad, want) in [
+            (
+                json!(0),
+                "sharing.mps.computeCeiling: must be between 1 and 100, got 0",
+            ),
+            (
+                json!(150),
+                "sharing.mps.computeCeiling: must be between 1 and 100, got 150",
+            ),
+            (
+                json!(50.5),
+                "sharing.mps.computeCeiling: must be an integer, got a fraction",
+            ),
+            (
+                json!("80"),
+                "sharing.mps.computeCeiling: must be an integer, got a string",
+            ),
+        ] {
+            let err = decode(&gpu(json!({"strategy": "MPS", "mps": {"computeCeiling": bad}}))).unwrap_err();
+            assert_eq!(err.to_string(), want);
+        }
+    }
+
+    #[test]
+    fn a_compute_ceiling_above_the_configs_own_daemon_default_is_refused_because_clients_can_only_lower_it() {
+        let err = decode(&gpu(json!({"strategy": "MPS",
+            "mps": {"computeCeiling": 80, "defaultActiveThreadPercentage": 40}})))
+        .unwrap_err();
+        assert_eq!(
+            err,
+            ConfigError::CeilingAboveDaemonDefault {
+                ceiling: 80,
+                default: 40
+            }
+        );
+        assert!(
+            err.to_string()
+                .starts_with("sharing.mps.computeCeiling: 80 is above defaultActiveThreadPercentage 40")
+        );
+        assert!(
+            decode(&gpu(json!({"strategy": "MPS",
+            "mps": {"computeCeiling": 40, "defaultActiveThreadPercentage": 40}})))
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn a_compute_ceiling_below_the_request_or_on_a_device_without_mps_clients_is_refused() {
+        let burst = decode(&gpu(json!({"strategy": "MPS", "mps": {"computeCeiling": 60}}))).unwrap();
+        let shared = DeviceName::SharedGpu { gpu: 0 };
+        assert_eq!(check_ceiling(Some(&burst), Some(&shared), Some(30)), Ok(()));
+        assert_eq!(check_ceiling(Some(&burst), Some(&shared), Some(60)), Ok(()));
+        assert_eq!(check_ceiling(Some(&burst), None, None), Ok(()));
+        let err = check_ceiling(Some(&burst), Some(&shared), Some(70)).unwrap_err();
+        assert_eq!(
+            err,
+            ConfigError::CeilingBelowRequest {
+                ceiling: 60,
+                request: 70
+            }
+        );
+        assert!(
+            err.to_string()
+                .starts_with("sharing.mps.computeCeiling: 60 is below the share's compute request of 70")
+        );
+        let mig_share: DeviceName = "gpu-0-mig-3g-40gb-4-shared".parse().unwrap();
+        let burst_mig = decode(&mig(json!({"strategy": "MPS", "mps": {"computeCeiling": 60}}))).unwrap();
+        assert_eq!(
+            check_ceiling(Some(&burst_mig), Some(&mig_share), Some(20)),
+            Ok(())
+        );
+        for device in ["gpu-0", "gpu-0-mig-3g-40gb-4", "gpu-0-share-1"] {
+            let device: DeviceName = device.parse().unwrap();
+            let config = if is_mig(&device) { &burst_mig } else { &burst };
+            let err = check_ceiling(Some(config), Some(&device), None).unwrap_err();
+            assert!(
+                matches!(err, ConfigError::CeilingMeansNothing { .. }),
+                "{device}: {err}"
+            );
+            assert!(
+                err.to_string()
+                    .starts_with("sharing.mps.computeCeiling: means nothing on"),
+                "{err}"
+            );
+        }
+        let guaranteed = decode(&gpu(json!({"strategy": "MPS"}))).unwrap();
+        assert_eq!(
+            check_ceiling(Some(&guaranteed), Some(&DeviceName::Gpu { gpu: 0 }), Some(100)),
+            Ok(())
+        );
+        assert_eq!(check_ceiling(None, Some(&shared), Some(100)), Ok(()));
+    }
+
+    #[test]
+    fn a_compute_ceiling_with_time_slicing_is_refused_as_mps_settings_of_another_strategy() {
+        let err = decode(&gpu(
+            json!({"strategy": "TimeSlicing", "mps": {"computeCeiling": 80}}),
+        ))
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "sharing.mps: only allowed with strategy MPS, got TimeSlicing"
+        );
     }
 
     #[test]

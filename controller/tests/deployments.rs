@@ -133,6 +133,7 @@ fn every_example_pod_uses_its_template_in_the_examples_namespace() {
         "mig-3g",
         "mig-1g-16gi",
         "shared-10gi-25pct",
+        "burstable-share",
         "compute-capability-9",
     ] {
         let (template, pod) = example(name);
@@ -186,6 +187,10 @@ fn the_examples_select_the_intended_devices() {
     let shared = render_case(&h100_node(), &models()[3]);
     assert_eq!(
         candidates(&example("shared-10gi-25pct").0, &devices(&shared)).len(),
+        8
+    );
+    assert_eq!(
+        candidates(&example("burstable-share").0, &devices(&shared)).len(),
         8
     );
     let slots = render_case(&h100_node(), &models()[5]);
@@ -249,5 +254,26 @@ fn the_lean_mig_preset_halves_an_h100_nodes_devices_and_keeps_the_small_profiles
         devices(&without).len(),
         8,
         "whole GPUs where partitionable devices are missing"
+    );
+}
+
+/// Issue 39 item 1: the burstable example's config is one prepare and the webhook accept: a 75 % ceiling
+/// over its 25 % request on a GPU share.
+#[test]
+fn the_burstable_example_runs_its_share_at_a_ceiling_above_its_request() {
+    let (template, _) = example("burstable-share");
+    let claim = template.spec.unwrap().spec.unwrap();
+    let devices = claim.devices.unwrap();
+    let request = devices.requests.unwrap()[0].exactly.clone().unwrap();
+    let requests = request.capacity.unwrap().requests.unwrap();
+    let compute = &requests["compute"];
+    let entries = devices.config.unwrap();
+    let config = tessera_api::config::decode(&entries[0].opaque.as_ref().unwrap().parameters.0).unwrap();
+    let ceiling = config.sharing().unwrap().mps.as_ref().unwrap().compute_ceiling;
+    assert_eq!((compute.0.as_str(), ceiling), ("25", Some(75)));
+    let share = tessera_api::DeviceName::SharedGpu { gpu: 0 };
+    assert_eq!(
+        tessera_api::config::check_ceiling(Some(&config), Some(&share), Some(25)),
+        Ok(())
     );
 }

@@ -17,6 +17,7 @@
 //   cuda.device index=<i> uuid=<GPU-…|MIG-…> mem=<cuDeviceTotalMem bytes> sms=<multiprocessors> name=<cuDeviceGetName>
 //   cuda.ctx index=<i> rc=<cuCtxCreate> mps=yes|no|unknown [server=<pid>] memtotal=<cuMemGetInfo total>
 //            sms=<cuCtxGetExecAffinity SM count> name=<error name>
+//   cuda.sm_share index=<i> rc=0 share=<0..1> busy=<n>     (an MPS context on the simulated driver; see below)
 //   cuda.module index=<i> rc=<cuModuleLoadData of a small PTX module in that context> name=<error name>
 //   nvml.init rc=<nvmlReturn_t> name=<nvmlErrorString>
 //   nvml.driver rc=<r> version=<nvmlSystemGetDriverVersion>
@@ -50,7 +51,10 @@
 // thread percentage of the SMs). The simulated driver built by this repository
 // (kubelet-plugin/sim-driver/cuda) exports a private `tesseraSimCtxGetMpsServerPid(ctx, &pid)` that says
 // (CUDA_ERROR_NOT_SUPPORTED for a direct context); with NVIDIA's libcuda the symbol is absent and the
-// probe prints `mps=unknown`.
+// probe prints `mps=unknown`. Likewise `tesseraSimCtxGetSmShare(ctx, &share, &busy)`: the part of the GPU's
+// SMs (0-1) the context's kernels get while it is busy, beside the other busy MPS clients of its GPU, and
+// how many busy clients that is (itself included): a burstable share alone sees its ceiling, and less
+// when its neighbours are busy too (kubelet-plugin/sim-driver/model/src/contention.rs).
 //
 // No NVIDIA header is needed: the few prototypes are declared below as cuda.h and nvml.h define them.
 // Exit status: 0 when cuInit succeeded, 1 when it failed, 2 when libcuda.so.1 could not be loaded.
@@ -275,6 +279,7 @@ static int probe_cuda(void *cuda) {
   CUresult (*get_uuid)(CUuuid *, CUdevice) = dlsym(cuda, "cuDeviceGetUuid_v2");
   if (!get_uuid) get_uuid = sym(cuda, "libcuda.so.1", "cuDeviceGetUuid");
   CUresult (*mps_server)(CUcontext, int *) = dlsym(cuda, "tesseraSimCtxGetMpsServerPid");
+  CUresult (*sm_share)(CUcontext, double *, int *) = dlsym(cuda, "tesseraSimCtxGetSmShare");
   if (!init) return 1;
 #define ERR(r) (error_name && error_name(r, &en) == 0 && en ? en : "?")
   const char *en = NULL;
@@ -333,6 +338,12 @@ static int probe_cuda(void *cuda) {
     }
     printf("cuda.ctx index=%d rc=%d mps=%s memtotal=%zu sms=%u name=%s\n", i, rc, mps, ctx_mem, affinity.param.smCount.val,
            ERR(rc));
+    // Only where the simulated driver answers (an MPS context): the check container's termination message
+    // has a 4096-byte limit, so direct contexts and NVIDIA's libcuda add no line.
+    double share = 0;
+    int busy = 0;
+    if (rc == 0 && sm_share && sm_share(ctx, &share, &busy) == 0)
+      printf("cuda.sm_share index=%d rc=0 share=%.3f busy=%d\n", i, share, busy);
     if (rc == 0 && module_load) {
       CUmodule module = NULL;
       CUresult rm = module_load(&module, probe_ptx);

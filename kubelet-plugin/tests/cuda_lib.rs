@@ -215,6 +215,7 @@ mod cuda_probe {
     type ExecAffinity = unsafe extern "C" fn(*mut [c_uint; 2], c_int) -> c_int;
     type MemInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
     type ServerPid = unsafe extern "C" fn(*mut c_void, *mut c_int) -> c_int;
+    type SmShare = unsafe extern "C" fn(*mut c_void, *mut f64, *mut c_int) -> c_int;
     type ErrorName = unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int;
     type ModuleLoadData = unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> c_int;
     type ModuleUnload = unsafe extern "C" fn(*mut c_void) -> c_int;
@@ -340,11 +341,16 @@ mod cuda_probe {
             );
             let (mut free, mut total) = (0usize, 0usize);
             assert_eq!(lib.sym::<MemInfo>("cuMemGetInfo_v2")(&mut free, &mut total), 0);
+            let (mut share, mut busy) = (0f64, 0 as c_int);
+            let share_rc = lib.sym::<SmShare>("tesseraSimCtxGetSmShare")(ctx, &mut share, &mut busy);
             say(&[
                 ("mps", mps.to_string()),
                 ("server_pid", pid.to_string()),
                 ("ctx_sms", affinity[1].to_string()),
                 ("ctx_mem", total.to_string()),
+                ("sm_share_rc", share_rc.to_string()),
+                ("sm_share", format!("{share:.3}")),
+                ("busy_clients", busy.to_string()),
             ]);
             // What a PyTorch or Triton kernel needs: PTX through the JIT compiler, NVVM IR through NVVM.
             let mut module: *mut c_void = std::ptr::null_mut();
@@ -674,6 +680,67 @@ fn an_exclusive_process_gpu_refuses_a_context_without_an_mps_server_and_serves_o
     d.backend.set_compute_mode(0, ComputeMode::Default).unwrap();
     let p = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", pipe_s)]);
     assert_eq!((p.get("ctx"), p.get("mps")), ("0", "801"));
+}
+
+/// Issue 39 item 1: a burstable share's context gets its ceiling of the SMs while its GPU's other MPS
+/// clients are idle, and shares the SMs when they are busy too (`tessera_sim_model::contention`).
+#[test]
+fn a_burstable_mps_context_sees_its_ceiling_alone_and_its_contention_beside_a_busy_neighbour() {
+    use tessera_sim_model::load::{self as simulated_load, LoadEntry};
+    let d = Driver::new(1);
+    let gpu = d.uuid(0);
+    let pipe = d.dir.path().join("mps/pipe");
+    let pipe_s = pipe.to_str().unwrap();
+    let started = Command::new(d.bin("nvidia-cuda-mps-control"))
+        .arg("-d")
+        .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+        .env("CUDA_MPS_LOG_DIRECTORY", d.dir.path().join("mps/log"))
+        .env("CUDA_VISIBLE_DEVICES", &gpu)
+        .output()
+        .unwrap();
+    let _quit = QuitOnDrop(pipe.clone());
+    assert!(started.status.success(), "{}", text(&started));
+    let share_of = |claim: &str| {
+        d.probe(&[
+            ("CUDA_MPS_PIPE_DIRECTORY", pipe_s),
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "80"),
+            ("TESSERA_DEVICE", "gpu-0-shared"),
+            ("TESSERA_CLAIM", claim),
+        ])
+    };
+    let a = share_of("ns/a");
+    assert_eq!(
+        (a.get("sm_share_rc"), a.get("sm_share"), a.get("busy_clients")),
+        ("0", "0.800", "1"),
+        "alone: its ceiling: {a:?}"
+    );
+    let busy = |claim: &str| LoadEntry {
+        device: "gpu-0-shared".into(),
+        claim: Some(claim.into()),
+        utilization_percent: 80,
+        mps_client: true,
+        active_thread_percentage: Some(80),
+        ..LoadEntry::default()
+    };
+    let kernel = d.backend.kernel_dir();
+    simulated_load::set(kernel, busy("ns/a")).unwrap();
+    assert_eq!(
+        share_of("ns/a").get("sm_share"),
+        "0.800",
+        "its own load is itself"
+    );
+    simulated_load::set(kernel, busy("ns/b")).unwrap();
+    for claim in ["ns/a", "ns/b"] {
+        let p = share_of(claim);
+        assert_eq!(
+            (p.get("sm_share"), p.get("busy_clients")),
+            ("0.500", "2"),
+            "{claim}: two busy 80 % clients share the GPU: {p:?}"
+        );
+    }
+    // A direct context has no MPS limit to weigh.
+    let direct = d.probe(&[]);
+    assert_eq!(direct.get("sm_share_rc"), "801", "{direct:?}");
 }
 
 #[test]

@@ -529,3 +529,94 @@ async fn a_restarted_plugin_keeps_both_shares_of_one_claim_under_their_cdi_names
         "the daemon outlived both shares"
     );
 }
+
+/// Issue 39 item 1: the scheduler packs a burstable share's request; the share runs with its class's
+/// ceiling, and the per-claim gauges show both. A ceiling below the request, or on a whole GPU, is
+/// refused at prepare (a class's config reaches no webhook check against the claim).
+#[tokio::test]
+async fn a_burstable_share_runs_with_its_classs_ceiling_and_the_gauges_show_request_and_ceiling() {
+    use tessera_kubelet_plugin::devices::sharing::{CLIENT_THREAD_LIMIT, COMPUTE_REQUEST};
+    use tessera_kubelet_plugin::metrics::prometheus::claim_usage;
+    let node = TestNode::with_gpus(2);
+    let p = plugin(&node);
+    let burstable = |ceiling: u32| {
+        json!({"apiVersion": GROUP_VERSION, "kind": "GpuConfig",
+            "sharing": {"strategy": "MPS", "mps": {"computeCeiling": ceiling}}})
+    };
+    let a = add(
+        &node,
+        claim("burst")
+            .allocated_share("gpu-0-shared", "s1")
+            .consumed("compute", "30")
+            .consumed("memory", "10Gi")
+            .class_config(burstable(80))
+            .build(),
+    );
+    let b = add(
+        &node,
+        claim("guaranteed")
+            .allocated_share("gpu-0-shared", "s2")
+            .consumed("compute", "30")
+            .consumed("memory", "10Gi")
+            .build(),
+    );
+    p.state.prepare(&a).await.unwrap();
+    p.state.prepare(&b).await.unwrap();
+    let (ea, eb) = (env_of(&p, &a), env_of(&p, &b));
+    assert!(
+        ea.contains(&"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=80".into())
+            && ea.contains(&"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M".into()),
+        "the ceiling, and memory still the request: {ea:?}"
+    );
+    assert!(
+        eb.contains(&"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30".into()),
+        "{eb:?}"
+    );
+    let checkpoint = p.state.checkpoint();
+    let DeviceDetail::Shared(s) = &checkpoint.claims[&a.uid].devices[0].detail else {
+        panic!("not a share: {:?}", checkpoint.claims[&a.uid]);
+    };
+    assert_eq!(
+        (
+            s.limits[COMPUTE_REQUEST].as_str(),
+            s.limits[CLIENT_THREAD_LIMIT].as_str()
+        ),
+        ("30", "80")
+    );
+    let usage = claim_usage(&checkpoint, node.backend.as_ref(), |_| String::new());
+    let of = |name: &str| {
+        let u = usage.iter().find(|u| u.claim == name).unwrap();
+        (u.compute_request_ratio, u.compute_share_ratio)
+    };
+    assert_eq!(of("burst"), (Some(0.3), Some(0.8)));
+    assert_eq!(of("guaranteed"), (Some(0.3), Some(0.3)));
+
+    let below = add(
+        &node,
+        claim("below")
+            .allocated_share("gpu-1-shared", "s3")
+            .consumed("compute", "50")
+            .class_config(burstable(40))
+            .build(),
+    );
+    let err = p.state.prepare(&below).await.unwrap_err().to_string();
+    assert!(
+        err.contains("sharing.mps.computeCeiling: 40 is below the share's compute request of 50"),
+        "{err}"
+    );
+    let whole = add(
+        &node,
+        claim("whole")
+            .allocated("gpu-1")
+            .class_config(burstable(80))
+            .build(),
+    );
+    let err = p.state.prepare(&whole).await.unwrap_err().to_string();
+    assert!(
+        err.contains("sharing.mps.computeCeiling: means nothing on whole GPU gpu-1"),
+        "{err}"
+    );
+    p.state.unprepare(&a).await.unwrap();
+    p.state.unprepare(&b).await.unwrap();
+    assert!(p.shared.sharer.mps().running().is_empty());
+}

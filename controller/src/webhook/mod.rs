@@ -5,9 +5,11 @@
 //! ```text
 //!  AdmissionReview ──▶ review() ──▶ check_spec(): every opaque config of gpu.tessera.dev
 //!   (server.rs, HTTPS)                  ├─ tessera_api::config::decode (prepare's own decoder and rules)
-//!                                       └─ targeted at a request whose DeviceClass offers only the other
-//!                                          kind of device (classes.rs)? effective_config on such a device,
-//!                                          exactly as prepare would call it
+//!                                       ├─ targeted at a request whose DeviceClass offers only the other
+//!                                       │  kind of device (classes.rs)? effective_config on such a device,
+//!                                       │  exactly as prepare would call it
+//!                                       └─ a compute ceiling: config::check_ceiling against each request's
+//!                                          `compute` and, where its class offers no shares, its device
 //! ```
 //!
 //! Everything here is plain Rust; [`server`] is the thin HTTPS layer and [`classes`] reads DeviceClasses
@@ -426,6 +428,7 @@ fn check_target(
             fits_somewhere = true;
         }
     }
+    check_ceilings(verdict, entry, &alternatives, requests, classes);
     for (request, class, serves) in unserved {
         let asked = asked.unwrap_or_default();
         let text = format!(
@@ -464,6 +467,58 @@ fn check_target(
             verdict.problems.push(text);
         }
     }
+}
+
+/// A burstable share's ceiling (`sharing.mps.computeCeiling`) against each alternative the entry may apply
+/// to: below that alternative's `compute` request, or on a class that offers no shares at all (whole GPUs,
+/// unshared MIG devices), prepare would refuse it ([`config::check_ceiling`], the same check).
+fn check_ceilings(
+    verdict: &mut Verdict,
+    entry: &Entry<'_>,
+    alternatives: &[(String, &str)],
+    requests: &[DeviceRequest],
+    classes: &dyn ClassCatalog,
+) {
+    for (request, class) in alternatives {
+        let offers = classes.offers(class);
+        let device = offers
+            .as_ref()
+            .filter(|o| o.serves.is_empty())
+            .and_then(|o| match entry.config {
+                DeviceConfig::MigConfig(_) => o.mig.as_ref(),
+                DeviceConfig::GpuConfig(_) => o.gpu.as_ref(),
+            });
+        if let Err(e) =
+            config::check_ceiling(Some(entry.config), device, compute_requested(request, requests))
+        {
+            verdict.problems.push(format!(
+                "{}.opaque.parameters: request {request:?} (DeviceClass {class:?}): {e}",
+                entry.at
+            ));
+        }
+    }
+}
+
+/// The `compute` capacity (percent) the alternative `named` (`<request>` or `<request>/<subrequest>`) asks
+/// for; `None` when it asks for none or it does not parse (the API server checks quantities).
+fn compute_requested(named: &str, requests: &[DeviceRequest]) -> Option<u64> {
+    let (parent, sub) = match named.split_once('/') {
+        Some((p, s)) => (p, Some(s)),
+        None => (named, None),
+    };
+    let request = requests.iter().find(|r| r.name == parent)?;
+    let capacity = match sub {
+        None => request.exactly.as_ref()?.capacity.as_ref(),
+        Some(sub) => request
+            .first_available
+            .iter()
+            .flatten()
+            .find(|s| s.name == sub)?
+            .capacity
+            .as_ref(),
+    };
+    let q = capacity?.requests.as_ref()?.get(attr::COMPUTE)?;
+    config::parse_quantity(&q.0).ok()
 }
 
 /// Decides one admission request.

@@ -648,3 +648,98 @@ fn a_config_for_nvidias_driver_on_a_request_tessera_serves_is_allowed_with_a_war
         "a request tessera does not serve keeps its driver's config quietly: {response:?}"
     );
 }
+
+/// Issue 39 item 1: a burstable share's ceiling is at least its request and only where MPS clients are.
+#[test]
+fn a_ceiling_below_the_shares_compute_request_is_refused_naming_both() {
+    let review = claim()
+        .request_with(
+            "gpu",
+            "shared.gpu.tessera.dev",
+            json!({"memory": "10Gi", "compute": "30"}),
+        )
+        .config(mps(json!({"computeCeiling": 20})))
+        .claim_review();
+    let response = decide(&review, &shipped_classes());
+    assert!(!response.allowed);
+    assert!(
+        response.result.message.starts_with(
+            "spec.devices.config[0].opaque.parameters: request \"gpu\" (DeviceClass \"shared.gpu.tessera.dev\"): \
+             sharing.mps.computeCeiling: 20 is below the share's compute request of 30"
+        ),
+        "{}",
+        response.result.message
+    );
+    let burstable = claim()
+        .request_with(
+            "gpu",
+            "shared.gpu.tessera.dev",
+            json!({"memory": "10Gi", "compute": "30"}),
+        )
+        .config(mps(json!({"computeCeiling": 100})))
+        .claim_review();
+    let response = decide(&burstable, &shipped_classes());
+    assert!(response.allowed, "{}", response.result.message);
+    assert_eq!(response.warnings, None);
+}
+
+#[test]
+fn a_ceiling_on_a_class_of_whole_gpus_or_mig_devices_or_above_the_gpu_is_refused() {
+    let whole = claim()
+        .request("gpu", "gpu.tessera.dev")
+        .config_for(&["gpu"], DRIVER_NAME, mps(json!({"computeCeiling": 80})))
+        .claim_review();
+    let response = decide(&whole, &shipped_classes());
+    assert!(!response.allowed);
+    assert!(
+        response
+            .result
+            .message
+            .contains("sharing.mps.computeCeiling: means nothing on whole GPU gpu-0"),
+        "{}",
+        response.result.message
+    );
+    let mig = claim()
+        .request("mig", "mig.gpu.tessera.dev")
+        .config_for(
+            &["mig"],
+            DRIVER_NAME,
+            json!({"apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "MigConfig",
+                   "sharing": {"strategy": "MPS", "mps": {"computeCeiling": 80}}}),
+        )
+        .claim_review();
+    let response = decide(&mig, &shipped_classes());
+    assert!(
+        response
+            .result
+            .message
+            .contains("sharing.mps.computeCeiling: means nothing on MIG device gpu-0-mig-3g-40gb-4"),
+        "{}",
+        response.result.message
+    );
+    let above = claim()
+        .request("gpu", "shared.gpu.tessera.dev")
+        .config(mps(json!({"computeCeiling": 150})))
+        .claim_review();
+    let response = decide(&above, &shipped_classes());
+    assert_eq!(
+        response.result.message,
+        "spec.devices.config[0].opaque.parameters: sharing.mps.computeCeiling: must be between 1 and 100, got 150"
+    );
+    let time_sliced = claim()
+        .request("gpu", "timesliced.example.com")
+        .config(
+            json!({"apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "GpuConfig",
+                       "sharing": {"strategy": "TimeSlicing", "mps": {"computeCeiling": 80}}}),
+        )
+        .claim_review();
+    let response = decide(&time_sliced, &shipped_classes());
+    assert!(
+        response
+            .result
+            .message
+            .contains("sharing.mps: only allowed with strategy MPS, got TimeSlicing"),
+        "{}",
+        response.result.message
+    );
+}

@@ -77,6 +77,11 @@ pub fn device_config(ctx: &DeviceContext) -> Result<Option<DeviceConfig>, ClaimE
             .check_on_node(&ctx.node_gpus, &ctx.device)
             .map_err(invalid)?;
     }
+    // A ceiling from a DeviceClass's config reaches no webhook check against the claim's request.
+    let request = crate::devices::sharing::compute_request(&ctx.allocation.consumed_capacity)
+        .ok()
+        .flatten();
+    config::check_ceiling(config.as_ref(), Some(&ctx.device), request.map(u64::from)).map_err(invalid)?;
     Ok(config)
 }
 

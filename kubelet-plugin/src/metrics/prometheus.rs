@@ -19,6 +19,9 @@
 //! | `tessera_claim_gpu_memory_used_bytes` | the same | memory the claim's processes use |
 //! | `tessera_claim_gpu_compute_share_ratio` | the same | the part of the GPU's SMs the claim's device was given: 1 for a whole GPU, an MPS share's active-thread percentage / 100; absent for MIG devices and time-sliced shares |
 //! | `tessera_claim_device_info` | `namespace`, `pod` (one sample per pod), `claim`, `request`, `device`, `UUID`, `GPU_I_ID`, `mig_uuid`, `sharing` | 1: the DCGM entity a claim's device is on, in dcgm-exporter's label names ([`super::dcgm`]) |
+//! | `tessera_claim_gpu_compute_ceiling_ratio` | the same | what the claim may burst to: the same value as `compute_share_ratio` (its active-thread percentage / 100), named beside the request |
+//! | `tessera_claim_gpu_compute_request_ratio` | the same | what the scheduler packed: 1 for a whole GPU, a share's consumed `compute` capacity / 100; absent where none was reserved (a share naming only memory) and on MIG devices |
+//! | `tessera_claim_gpu_request_utilization_ratio` | the same | utilization / request: how busy the claim is relative to what it reserved, above 1 while a burstable share uses more than its request (as CPU utilization of a container above its request) |
 //!
 //! `sum(tessera_claim_gpu_utilization_ratio) / sum(tessera_claim_gpu_compute_share_ratio)` over a
 //! Deployment's pods is how busy the GPU capacity given to it is: the signal to scale shares on (a fully
@@ -382,8 +385,10 @@ pub struct ClaimUsage {
     pub device: String,
     pub utilization_ratio: Option<f64>,
     pub memory_used_bytes: Option<u64>,
-    /// The part of the GPU's SMs the device was given (see [`compute_share`]).
+    /// The part of the GPU's SMs the device was given (see [`compute_share`]): its ceiling.
     pub compute_share_ratio: Option<f64>,
+    /// The part of the GPU's SMs the scheduler packed for it (see [`compute_request`]).
+    pub compute_request_ratio: Option<f64>,
 }
 
 impl ClaimUsage {
@@ -534,6 +539,7 @@ pub fn claim_usage_attributed(
                 utilization_ratio,
                 memory_used_bytes,
                 compute_share_ratio: compute_share(&device.detail),
+                compute_request_ratio: compute_request(&device.detail),
             });
         }
     }
@@ -559,6 +565,24 @@ pub fn compute_share(detail: &DeviceDetail) -> Option<f64> {
                 .unwrap_or(100.0);
             Some((p / 100.0).clamp(0.0, 1.0))
         }
+    }
+}
+
+/// The part of its GPU's SMs the scheduler packed for a prepared device, as a fraction: 1 for a whole GPU;
+/// for a share of a whole GPU its consumed `compute` capacity ([`crate::devices::sharing::COMPUTE_REQUEST`]
+/// in its checkpoint record). None where nothing was reserved (a share naming only memory, a share
+/// prepared before the request was recorded) and on MIG devices (no utilization to relate to it).
+pub fn compute_request(detail: &DeviceDetail) -> Option<f64> {
+    match detail {
+        DeviceDetail::Gpu { .. } => Some(1.0),
+        DeviceDetail::Mig(_) => None,
+        DeviceDetail::Shared(s) if s.mig.is_some() => None,
+        DeviceDetail::Shared(s) => s
+            .limits
+            .get(crate::devices::sharing::COMPUTE_REQUEST)
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|p| *p > 0.0)
+            .map(|p| (p / 100.0).clamp(0.0, 1.0)),
     }
 }
 
@@ -738,6 +762,38 @@ fn encode_claim_usage(
         "The part of its GPU's SMs a claim's device was given: 1 for a whole GPU, an MPS share's active-thread percentage / 100.",
         None,
         &share,
+    )?;
+    gauge(
+        claims,
+        "tessera_claim_gpu_compute_ceiling_ratio",
+        "What a claim's device may burst to, part of its GPU's SMs: 1 for a whole GPU, an MPS share's active-thread percentage / 100.",
+        None,
+        &share,
+    )?;
+    let request: Vec<(Labels, f64)> = usage
+        .iter()
+        .filter_map(|u| Some((u.labels(), u.compute_request_ratio?)))
+        .collect();
+    gauge(
+        claims,
+        "tessera_claim_gpu_compute_request_ratio",
+        "The part of its GPU's SMs the scheduler packed for a claim's device: 1 for a whole GPU, a share's compute request / 100.",
+        None,
+        &request,
+    )?;
+    let of_request: Vec<(Labels, f64)> = usage
+        .iter()
+        .filter_map(|u| {
+            let request = u.compute_request_ratio.filter(|r| *r > 0.0)?;
+            Some((u.labels(), u.utilization_ratio? / request))
+        })
+        .collect();
+    gauge(
+        claims,
+        "tessera_claim_gpu_request_utilization_ratio",
+        "GPU utilization of a claim's device relative to its compute request; above 1 while a burstable share uses more than it reserved.",
+        None,
+        &of_request,
     )
 }
 
@@ -922,11 +978,13 @@ mod tests {
             utilization_ratio: Some(0.4),
             memory_used_bytes: Some(6 << 30),
             compute_share_ratio: Some(0.5),
+            compute_request_ratio: Some(0.25),
         };
         let mig = ClaimUsage {
             device: "gpu-0-mig-3g.40gb-4".into(),
             utilization_ratio: None,
             compute_share_ratio: None,
+            compute_request_ratio: None,
             ..usage.clone()
         };
         let mut registry = Registry::default();
@@ -955,6 +1013,46 @@ mod tests {
             "a MIG device has no compute share series:\n{text}"
         );
         assert_eq!(share[0].value, 0.5);
+        let ceiling = parsed.find("tessera_claim_gpu_compute_ceiling_ratio", &labels);
+        let request = parsed.find("tessera_claim_gpu_compute_request_ratio", &labels);
+        let of_request = parsed.find("tessera_claim_gpu_request_utilization_ratio", &labels);
+        assert_eq!(
+            (ceiling.len(), request.len(), of_request.len()),
+            (1, 1, 1),
+            "{text}"
+        );
+        assert_eq!((ceiling[0].value, request[0].value), (0.5, 0.25));
+        assert_eq!(
+            of_request[0].value, 1.6,
+            "a burstable share using 0.4 of the GPU on a 0.25 request reads above 1"
+        );
+    }
+
+    #[test]
+    fn a_devices_compute_request_is_its_consumed_compute_and_absent_where_none_was_reserved() {
+        let share = |limits: &[(&str, &str)]| {
+            let DeviceDetail::Shared(mut s) = share_of(1) else {
+                unreachable!()
+            };
+            s.limits = limits
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            DeviceDetail::Shared(s)
+        };
+        let whole = DeviceDetail::Gpu {
+            gpu: 0,
+            uuid: "GPU-0".into(),
+            minor: 0,
+        };
+        assert_eq!(compute_request(&whole), Some(1.0));
+        let burstable = share(&[
+            (crate::devices::sharing::COMPUTE_REQUEST, "30"),
+            (crate::devices::sharing::CLIENT_THREAD_LIMIT, "80"),
+        ]);
+        assert_eq!(compute_request(&burstable), Some(0.3));
+        assert_eq!(compute_share(&burstable), Some(0.8), "its ceiling");
+        assert_eq!(compute_request(&share(&[])), None);
     }
 
     #[test]

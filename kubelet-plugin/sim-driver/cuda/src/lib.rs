@@ -1255,6 +1255,49 @@ pub unsafe extern "C" fn tesseraSimCtxGetMpsServerPid(ctx: CUcontext, pid: *mut 
     })
 }
 
+/// Not CUDA: the part of the GPU's SMs (0–1) the kernels of MPS context `ctx` get while it is busy, beside
+/// the other busy MPS clients of its GPU (the synthetic load, `simulate load --mps-client`), and how many
+/// busy clients that is, itself included (`tessera_sim_model::contention`). A real driver has no such
+/// call; a probe reads it to show its ceiling alone and its contention beside busy neighbours. The
+/// context's device and claim are those tessera's CDI spec names in `TESSERA_DEVICE` and `TESSERA_CLAIM`;
+/// without `TESSERA_DEVICE` no neighbour is known. `CUDA_ERROR_NOT_SUPPORTED` for a direct context.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tesseraSimCtxGetSmShare(
+    ctx: CUcontext,
+    share: *mut f64,
+    busy_clients: *mut c_int,
+) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let contexts = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+        let c = contexts
+            .1
+            .as_ref()
+            .and_then(|m| m.get(&(ctx as usize)))
+            .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        let limit = c
+            .mps
+            .as_ref()
+            .ok_or(CUDA_ERROR_NOT_SUPPORTED)?
+            .active_thread_percentage;
+        drop(contexts);
+        let device = std::env::var("TESSERA_DEVICE").unwrap_or_default();
+        let claim = std::env::var("TESSERA_CLAIM").ok();
+        let seen = tessera_sim_model::contention::context_share(
+            d.kernel.kernel_dir(),
+            &device,
+            claim.as_deref(),
+            limit,
+        )
+        .map_err(|e| {
+            debug(&format!("cannot read the synthetic load: {e}"));
+            CUDA_ERROR_UNKNOWN
+        })?;
+        put(share, seen.share)?;
+        put(busy_clients, seen.busy_clients as c_int)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,6 +5,7 @@
 //! - [`backend`]: the GPUs' state machine (MIG mode, instances, compute mode, processes), kept in a kernel
 //!   directory that plays the driver's part, and the [`tessera_gpu_api::GpuBackend`] over it;
 //! - [`faults`] and [`load`]: what `tessera-kubelet-plugin simulate` injects (XIDs, lost GPUs; usage);
+//! - [`contention`]: the part of the SMs busy MPS clients of one GPU get beside each other;
 //! - [`calls`]: how often the NVML calls whose number matters were made (handle lookups by UUID);
 //! - [`driver_root`]: NVIDIA's user-space layouts (host, GPU Operator, GKE) filled with the simulated
 //!   libraries and tools;
@@ -14,6 +15,7 @@
 
 pub mod backend;
 pub mod calls;
+pub mod contention;
 pub mod driver_root;
 pub mod faults;
 pub mod kernel;

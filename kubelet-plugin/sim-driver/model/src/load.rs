@@ -59,6 +59,10 @@ pub struct LoadEntry {
     /// MPS supervisor's); without one the device's server is a synthetic process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mps_server_pid: Option<u32>,
+    /// An MPS client's active thread percentage (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, as its container's
+    /// environment has it); absent, the whole GPU. Only what [`crate::contention`] weighs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_thread_percentage: Option<u32>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -93,6 +97,27 @@ pub fn set(state_dir: &Path, entry: LoadEntry) -> Result<()> {
             "--mps-server-pid {server}: only an MPS client has a server; add --mps-client"
         )));
     }
+    if let Some(limit) = entry.active_thread_percentage {
+        if !entry.mps_client {
+            return Err(GpuError::InvalidArgument(format!(
+                "--active-thread-percentage {limit}: only an MPS client has one; add --mps-client"
+            )));
+        }
+        if !(1..=100).contains(&limit) {
+            return Err(GpuError::InvalidArgument(format!(
+                "--active-thread-percentage {limit}: must be between 1 and 100"
+            )));
+        }
+        // NVIDIA's MPS documentation (gpu-sharing-performance.md §3.1): a client's kernels run on at most its
+        // active thread percentage of the SMs, so it cannot keep more of the GPU busy.
+        if entry.utilization_percent > limit {
+            return Err(GpuError::InvalidArgument(format!(
+                "--util {}: above the client's --active-thread-percentage {limit}; an MPS client never keeps \
+                 more of the GPU busy than its limit",
+                entry.utilization_percent
+            )));
+        }
+    }
     update(state_dir, |file| {
         file.loads
             .retain(|l| !(l.device == entry.device && l.claim == entry.claim && l.pid == entry.pid));
@@ -110,6 +135,13 @@ pub fn clear(state_dir: &Path, device: Option<&str>) -> Result<()> {
 fn update(state_dir: &Path, change: impl FnOnce(&mut LoadFile)) -> Result<()> {
     let current = || read(&state_dir.join(LOAD_FILE));
     state_file::update(state_dir, LOCK_FILE, LOAD_FILE, current, change)
+}
+
+/// Every load set, read without the lock: for readers that cannot take it (a container's libraries see
+/// the kernel directory read-only). The writer replaces the file whole (`state_file::update`), so a
+/// reader sees one version or the next, never a mix.
+pub fn snapshot(state_dir: &Path) -> Result<Vec<LoadEntry>> {
+    Ok(read(&state_dir.join(LOAD_FILE))?.loads)
 }
 
 /// Every load set, in the order they were set.
@@ -261,6 +293,11 @@ pub struct LoadArgs {
     /// simulated driver lists a synthetic `nvidia-cuda-mps-server` of the device.
     #[arg(long, env = "TESSERA_LOAD_MPS_SERVER_PID")]
     pub mps_server_pid: Option<u32>,
+    /// The MPS client's active thread percentage (with `--mps-client`; its container's
+    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`): `--util` may not exceed it, and busy clients of one GPU share
+    /// its SMs by it (what a CUDA context's `tesseraSimCtxGetSmShare` reports).
+    #[arg(long, env = "TESSERA_LOAD_ACTIVE_THREAD_PERCENTAGE")]
+    pub active_thread_percentage: Option<u32>,
     /// Remove the loads of `--device` (of every device without it) instead of setting one.
     #[arg(long)]
     pub clear: bool,
@@ -277,6 +314,7 @@ impl LoadArgs {
             pid,
             mps_client,
             mps_server_pid,
+            active_thread_percentage,
             clear: remove,
         } = self;
         if remove {
@@ -295,6 +333,7 @@ impl LoadArgs {
                     pid,
                     mps_client,
                     mps_server_pid,
+                    active_thread_percentage,
                 },
             )?;
         }
@@ -436,6 +475,27 @@ mod tests {
             (vec![7], 0),
             "the server leaves with its last client"
         );
+    }
+
+    #[test]
+    fn an_mps_client_busier_than_its_active_thread_percentage_is_refused_naming_both_flags() {
+        let dir = tempfile::tempdir().unwrap();
+        let client = |util: u32, limit: u32, mps_client: bool| LoadEntry {
+            mps_client,
+            active_thread_percentage: Some(limit),
+            ..load("gpu-1-shared", Some("a/c0"), util, 1)
+        };
+        let err = set(dir.path(), client(90, 80, true)).unwrap_err().to_string();
+        assert!(
+            err.contains("--util 90") && err.contains("--active-thread-percentage 80"),
+            "{err}"
+        );
+        let err = set(dir.path(), client(10, 80, false)).unwrap_err().to_string();
+        assert!(err.contains("--mps-client"), "{err}");
+        let err = set(dir.path(), client(0, 0, true)).unwrap_err().to_string();
+        assert!(err.contains("between 1 and 100"), "{err}");
+        set(dir.path(), client(80, 80, true)).unwrap();
+        assert_eq!(snapshot(dir.path()).unwrap(), list(dir.path()).unwrap());
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! |---|---|---|---|
 //! | MPS: device access | plugin: GPU in `EXCLUSIVE_PROCESS` while the daemon runs (whole GPUs) | driver: only the MPS server opens the GPU | on a whole GPU, not open it past the server (but see the control socket); on a MIG device, whose GPU stays `DEFAULT` (a compute mode is the GPU's, and other tenants hold its other MIG devices), open it without the server by unsetting `CUDA_MPS_PIPE_DIRECTORY`, escaping the MPS limits but not the MIG device |
 //! | MPS: the daemon's control socket (`<pipe dir>/control`, mounted read-write: every CUDA client needs it) | — | nothing: NVIDIA's daemon takes control commands from any client of its user (root in both by default), and `nvidia-cuda-mps-control` is in every container | `quit` the daemon (every share of the device loses its server until the plugin's watch or the supervisor's watchdog starts it again, within seconds) or change the defaults other tenants' servers start with |
-//! | MPS: compute share (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) | CDI env from `compute` capacity or `defaultActiveThreadPercentage` | MPS server, per client context, as the client declares it | unset it and get the daemon default (a share slot's size, else the config default, else 100%) |
+//! | MPS: compute share (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) | CDI env from the config's `computeCeiling` (a burstable share), else `compute` capacity, else `defaultActiveThreadPercentage` | MPS server, per client context, as the client declares it | unset it and get the daemon default (a share slot's size, else the config default, else 100%) |
 //! | MPS: pinned memory (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<N>M`) | CDI env from `memory` capacity or the config's limits | MPS server, per client context, as the client declares it | unset it and get the daemon default (a share slot's size, else the config default, else none) |
 //! | MPS: IPC (`/dev/shm`) | with the supervisor: a tmpfs per daemon, the daemon's own `/dev/shm`, mounted only into its clients; without it on real GPUs the host's `/dev/shm`; a per-daemon dir on the simulated backend | kernel (mount namespaces) | with the supervisor: see only its own daemon's segments; without it: other host segments |
 //! | MPS: fault isolation | — | none: a fatal fault in one client reaches all clients of the daemon | crash the other shares' work |
@@ -477,6 +477,9 @@ impl Sharer {
             uuid: req.uuid.to_string(),
             ..Default::default()
         };
+        if let Some(p) = compute_request(req.consumed)? {
+            out.limits.insert(COMPUTE_REQUEST.into(), p.to_string());
+        }
         match req.strategy {
             SharingStrategy::Mps => {
                 let limits = share_limits(req.consumed, req.mps, &req.device.to_string())?;
@@ -684,40 +687,55 @@ fn daemon_defaults(req: &ShareRequest<'_>, limits: ShareLimits) -> DaemonDefault
     }
 }
 
+/// The checkpoint's name (in [`PreparedShare::limits`]) of a share's `compute` request, in percent: what
+/// the scheduler packed, which a burstable share's thread limit ([`CLIENT_THREAD_LIMIT`]) exceeds.
+pub const COMPUTE_REQUEST: &str = "computeRequest";
+
 /// A share's limits: the allocation's consumed `compute` (percent) and `memory` (bytes) capacity when the
-/// scheduler assigned them, else the MPS config's defaults (per device name, then the default).
+/// scheduler assigned them, else the MPS config's defaults (per device name, then the default). The
+/// thread limit is the config's `computeCeiling` where it has one (a burstable share; the config was
+/// checked against the request with [`tessera_api::config::check_ceiling`]), else the compute request.
 pub fn share_limits(
     consumed: &BTreeMap<String, Quantity>,
     mps: Option<&MpsConfig>,
     device_name: &str,
 ) -> Result<ShareLimits, SharingError> {
-    let read = |name: &str| -> Result<Option<u64>, SharingError> {
-        consumed
-            .get(name)
-            .map(|q| {
-                parse_quantity(&q.0).map_err(|source| SharingError::ConsumedCapacity {
-                    name: name.to_string(),
-                    value: q.0.clone(),
-                    source,
-                })
-            })
-            .transpose()
-    };
-    // 0: the claim named memory and no compute (the slice's default), so it reserved none and only its
-    // config's default limits its threads.
-    let compute = match read(attributes::COMPUTE)? {
-        Some(p) if (1..=100).contains(&p) => Some(p as u32),
-        Some(0) | None => mps.and_then(|m| m.default_active_thread_percentage),
-        Some(p) => return Err(SharingError::ComputeShare(p)),
-    };
-    let memory = match read(attributes::MEMORY)? {
+    let compute = compute_request(consumed)?.or_else(|| mps.and_then(|m| m.default_active_thread_percentage));
+    let memory = match read_consumed(consumed, attributes::MEMORY)? {
         Some(b) => Some(b),
         None => mps.and_then(|m| m.pinned_limit_bytes(device_name)),
     };
     Ok(ShareLimits {
-        active_thread_percentage: compute.filter(|p| *p < 100),
+        active_thread_percentage: mps
+            .and_then(|m| m.compute_ceiling)
+            .or(compute)
+            .filter(|p| *p < 100),
         pinned_memory_bytes: memory,
     })
+}
+
+/// The share's consumed `compute` capacity in percent; `None` when it reserved none (0: the claim named
+/// memory and no compute, the slice's default, so it reserved none and only its config limits its
+/// threads).
+pub fn compute_request(consumed: &BTreeMap<String, Quantity>) -> Result<Option<u32>, SharingError> {
+    match read_consumed(consumed, attributes::COMPUTE)? {
+        Some(p) if (1..=100).contains(&p) => Ok(Some(p as u32)),
+        Some(0) | None => Ok(None),
+        Some(p) => Err(SharingError::ComputeShare(p)),
+    }
+}
+
+fn read_consumed(consumed: &BTreeMap<String, Quantity>, name: &str) -> Result<Option<u64>, SharingError> {
+    consumed
+        .get(name)
+        .map(|q| {
+            parse_quantity(&q.0).map_err(|source| SharingError::ConsumedCapacity {
+                name: name.to_string(),
+                value: q.0.clone(),
+                source,
+            })
+        })
+        .transpose()
 }
 
 /// Strategy of a shared device whose claim has no sharing config; the policy's default too.
@@ -806,6 +824,41 @@ mod tests {
         assert_eq!(
             DaemonNeed::from_limits("GPU-1", &old).defaults,
             DaemonDefaults::default()
+        );
+    }
+
+    /// Issue 39 item 1: the scheduler packs the request; the share runs with its ceiling.
+    #[test]
+    fn a_burstable_share_runs_with_its_ceiling_and_a_guaranteed_one_with_its_request() {
+        let consumed: BTreeMap<_, _> = [
+            ("compute".to_string(), Quantity("30".into())),
+            ("memory".to_string(), Quantity("10Gi".into())),
+        ]
+        .into();
+        let burstable = MpsConfig {
+            compute_ceiling: Some(80),
+            ..Default::default()
+        };
+        let limits = share_limits(&consumed, Some(&burstable), "gpu-0-shared").unwrap();
+        assert_eq!(limits.active_thread_percentage, Some(80));
+        assert_eq!(
+            limits.pinned_memory_bytes,
+            Some(10 << 30),
+            "memory stays a hard limit"
+        );
+        assert_eq!(compute_request(&consumed).unwrap(), Some(30));
+        let guaranteed = share_limits(&consumed, Some(&MpsConfig::default()), "gpu-0-shared").unwrap();
+        assert_eq!(guaranteed.active_thread_percentage, Some(30));
+        let whole = MpsConfig {
+            compute_ceiling: Some(100),
+            ..Default::default()
+        };
+        assert_eq!(
+            share_limits(&consumed, Some(&whole), "gpu-0-shared")
+                .unwrap()
+                .active_thread_percentage,
+            None,
+            "a ceiling of the whole GPU sets no limit"
         );
     }
 
