@@ -60,7 +60,7 @@ type Config struct {
 	LearnSeconds        float64 // first sizing after this much of the run
 	ResizeSeconds       float64 // re-size period after that
 	SizingWindowSeconds float64 // samples older than this are forgotten by the sizing
-	HPATarget           float64 // per-pod claim use ÷ request
+	HPATarget           float64 // per-pod concurrent requests (queued + running) on a whole GPU
 	HPATolerance        float64
 	ScaleDownWindow     float64
 	MaxReplicas         int
@@ -73,7 +73,7 @@ type Config struct {
 func DefaultConfig() Config {
 	return Config{
 		Services: 24, ZipfS: 1.0, Tick: 0.05, SampleSeconds: 15, LearnSeconds: 600, ResizeSeconds: 600,
-		SizingWindowSeconds: 1800, HPATarget: 0.8, HPATolerance: 0.1, ScaleDownWindow: 300, MaxReplicas: 32,
+		SizingWindowSeconds: 1800, HPATarget: 16, HPATolerance: 0.1, ScaleDownWindow: 300, MaxReplicas: 32,
 		PeakReplicaBatch: MaxBatch / 2, SLOSlack: 2, DrainSeconds: 600,
 	}
 }
@@ -122,6 +122,7 @@ type replica struct {
 	queue, active    []*request
 	used, grant      float64 // this tick
 	uAcc, memMax     float64
+	loadAcc          float64
 	accTicks         int
 }
 
@@ -610,6 +611,7 @@ func (s *sim) step(g *gpuState, dt float64) {
 	g.accTicks++
 	for _, r := range g.replicas {
 		r.uAcc += r.grant * r.used / dt
+		r.loadAcc += float64(r.load())
 		r.accTicks++
 		r.memMax = math.Max(r.memMax, s.svcs[r.svc].class.MemoryBytes(r.resident()))
 	}
@@ -683,22 +685,25 @@ func (s *sim) sample(at float64) {
 			current++
 			if r.readyAt > at {
 				unready++
-				r.uAcc, r.accTicks, r.memMax = 0, 0, 0
+				r.uAcc, r.accTicks, r.memMax, r.loadAcc = 0, 0, 0, 0
 				continue
 			}
-			u := 0.0
+			u, conc := 0.0, 0.0
 			if r.accTicks > 0 {
 				u = r.uAcc / float64(r.accTicks)
+				conc = r.loadAcc / float64(r.accTicks)
 			}
 			sv.sampleAt = append(sv.sampleAt, at)
 			sv.sampleU = append(sv.sampleU, u)
 			sv.sampleM = append(sv.sampleM, r.memMax)
-			// The HPA metric is the claim's use over what it may use (its ceiling: 1 for whole GPUs,
-			// time-slicing and burstable shares, the request for guaranteed shares, the slice's SM
-			// share for MIG). Use over a burstable share's small request would scale it out even
-			// when it only bursts into idle SMs.
-			ratios = append(ratios, u/r.ceiling)
-			r.uAcc, r.accTicks, r.memMax = 0, 0, 0
+			// The HPA metric is the engine's concurrent requests (queued + running, as vLLM's
+			// num_requests_running + num_requests_waiting that KEDA scalers read) per replica over
+			// the target scaled by the replica's ceiling (1 for whole GPUs, time-slicing and
+			// burstable shares; the request for guaranteed shares; the SM share for MIG). GPU_UTIL or
+			// SM-time would not do: one decoding sequence keeps a memory-bound engine's kernels
+			// running, so they read ~1 at any load and an HPA on them scales out idle replicas.
+			ratios = append(ratios, conc/math.Max(r.ceiling, 0.05))
+			r.uAcc, r.accTicks, r.memMax, r.loadAcc = 0, 0, 0, 0
 		}
 		if s.p.HPA && at < s.end {
 			s.autoscale(k, at, current, unready, ratios)
