@@ -59,7 +59,7 @@ func main() {
 	}
 	fmt.Printf("### Trace %s: %d requests over %s, %d services\n\n", name, len(reqs), span.Round(time.Second), cfg.Services)
 	fmt.Print(fleetsim.Table(rows))
-	fmt.Printf("\n(%s of CPU time on this machine; the last two rows pack burstable shares at half and a quarter of the rule's request: curve points, not the rule.)\n", time.Since(start).Round(time.Second))
+	fmt.Printf("\n(%s of wall time on this machine; the last two rows pack burstable shares at half and a quarter of the rule's request: curve points, not the rule.)\n", time.Since(start).Round(time.Second))
 	if *svg != "" {
 		if err := os.WriteFile(*svg, []byte(fleetsim.SVG("fleet-offline: "+name, rows)), 0o644); err != nil {
 			fmt.Fprintln(os.Stderr, "fleet-offline:", err)
