@@ -14,6 +14,15 @@ bench-fleet: ## The fleet utilization benchmark on the Azure LLM trace (~45 min;
 	FLEET_MINUTES=$(FLEET_MINUTES) FLEET_COMPRESS=$(FLEET_COMPRESS) FLEET_POLICIES='$(FLEET_POLICIES)' FLEET_OUT=$(CURDIR)/e2e/bench/results/fleet.md \
 		E2E_RUN='^TestFleetBench' E2E_TIMEOUT=90m e2e/scripts/e2e.sh
 
+.PHONY: bench-fleet-offline
+# The fleet policies without a cluster (e2e/k8s/internal/fleetsim): any Azure-format CSV, or gen:low / gen:bursty
+# (generated with a fixed seed). Every parameter is fixed in code; prints the markdown table, writes the plot.
+TRACE ?= $(abspath $(CURDIR)/../shared/data/azure-llm-2023/AzureLLMInferenceTrace_conv.csv)
+FLEET_SVG ?= $(CURDIR)/bench-results/fleet-offline.svg
+bench-fleet-offline: ## The fleet policies offline, no cluster (TRACE=<Azure-format CSV>|gen:low|gen:bursty; ~1 min on 2 cores; a model, no GPU)
+	mkdir -p $(dir $(FLEET_SVG))
+	cd e2e/k8s && GOTOOLCHAIN=local GOFLAGS=-mod=mod go run ./cmd/fleet-offline -trace '$(TRACE)' -svg '$(FLEET_SVG)'
+
 .PHONY: help build test test-unit test-bench test-sample lint up down e2e bench-packing bench-scheduler test-faults bench-scheduler-rate bench-coldstart
 
 help: ## List the targets
@@ -42,7 +51,7 @@ test-unit: ## Rust unit and integration tests (no cluster)
 test-bench: ## The benchmarks' and e2e tools' own Go tests (packing counts on a fixed slice of the trace, the fleet model, 1.38's iptables stand-in, the DCGM recording rules in a real Prometheus; no timing)
 	e2e/scripts/build-autoscaling.sh
 	cd e2e/bench && TESSERA_REQUIRE_PROMETHEUS=1 GOTOOLCHAIN=local go test -count=1 ./...
-	cd e2e/k8s && GOTOOLCHAIN=local GOFLAGS=-mod=mod go test -count=1 ./internal/fleet/
+	cd e2e/k8s && GOTOOLCHAIN=local GOFLAGS=-mod=mod go test -count=1 ./internal/fleet/ ./internal/fleetsim/
 	cd e2e/tools/iptables-wrappers && GOTOOLCHAIN=local go test -count=1 ./...
 
 # Import circles between the files of every crate of the workspace (the tool lives beside the project, in
