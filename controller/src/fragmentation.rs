@@ -1,0 +1,392 @@
+//! The controller's view of MIG fragmentation (see [`crate::explain::fragmentation`] for the definitions):
+//! each dynamic-MIG GPU's placements from its inventory and the policy's model, the slices taken from the
+//! allocated ResourceClaims, and the profile in demand from the pending ones. Plain Rust over the objects
+//! the controller watches; [`crate::metrics`] exports the result.
+//!
+//! Reading the placements from the inventory rather than from the published slices keeps the slice cache
+//! trimmed as it is ([`crate::pool_diff::trim_to_what_diff_reads`]): it is the same table the devices are
+//! rendered from.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
+use tessera_api::{DRIVER_NAME, DeviceName, GpuInfo, NodeInventory, NodeInventorySpec};
+
+use crate::{
+    cel::DeviceView,
+    devices::{Model, dynamic_mig_profiles, mig_selector_view},
+    explain::{
+        eval::Selectors,
+        fragmentation::{GpuFragmentation, GpuLayout, Placement},
+        model::{NodeDevice, claim_key},
+        request::{Alternative, ClaimInput},
+    },
+    features::ApiFeatures,
+};
+
+/// The requests of claims that are neither allocated nor being deleted, one per distinct class, selectors
+/// and capacity (claims from one template ask alike), leaving out those whose class does not exist (they
+/// cannot be allocated anywhere).
+pub fn pending_alternatives(claims: &[ResourceClaim], classes: &[DeviceClass]) -> Vec<Alternative> {
+    let selectors = Selectors::new(classes);
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
+    for claim in claims {
+        let allocated = claim.status.as_ref().is_some_and(|s| s.allocation.is_some());
+        if allocated || claim.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let Ok(input) = ClaimInput::from_spec(claim_key(claim), claim.spec.as_ref()) else {
+            continue;
+        };
+        for alt in input.requests.into_iter().flat_map(|r| r.alternatives) {
+            let key = format!("{}|{:?}|{:?}", alt.class, alt.selectors, alt.capacity);
+            if selectors.class(&alt.class).is_some() && seen.insert(key) {
+                out.push(alt);
+            }
+        }
+    }
+    out
+}
+
+/// Per node and GPU index: the slices allocated claims hold, with the claims.
+fn held_slices(
+    claims: &[ResourceClaim],
+    inventories: &[NodeInventory],
+) -> BTreeMap<(String, u32), BTreeMap<u32, Vec<String>>> {
+    let gpus: BTreeMap<(&str, u32), &GpuInfo> = inventories
+        .iter()
+        .flat_map(|i| {
+            i.spec
+                .gpus
+                .iter()
+                .map(move |g| ((i.spec.node_name.as_str(), g.index), g))
+        })
+        .collect();
+    let mut out: BTreeMap<(String, u32), BTreeMap<u32, Vec<String>>> = BTreeMap::new();
+    for claim in claims {
+        let results = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_ref());
+        for r in results.into_iter().flatten().filter(|r| r.driver == DRIVER_NAME) {
+            let Ok(name) = r.device.parse::<DeviceName>() else {
+                continue;
+            };
+            let Some(gpu) = gpus.get(&(r.pool.as_str(), name.gpu())) else {
+                continue;
+            };
+            let total = gpu.mig.as_ref().map_or(0, |m| m.memory_slices);
+            let slices: Vec<u32> = match &name {
+                DeviceName::Gpu { .. } => (0..total).collect(),
+                DeviceName::Mig { profile, start, .. } | DeviceName::SharedMig { profile, start, .. } => {
+                    let size = crate::devices::find_profile(gpu, profile)
+                        .and_then(|p| p.placements.iter().find(|pl| pl.start == *start))
+                        .map_or(0, |pl| pl.size);
+                    (*start..start + size).collect()
+                }
+                _ => continue,
+            };
+            let held = out.entry((r.pool.clone(), name.gpu())).or_default();
+            for k in slices {
+                let holders = held.entry(k).or_default();
+                let key = claim_key(claim);
+                if !holders.contains(&key) {
+                    holders.push(key);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The GPU's layout under dynamic MIG, or `None` when it is not published as dynamic MIG.
+fn layout(
+    node: &NodeInventorySpec,
+    gpu: &GpuInfo,
+    model: &Model,
+    features: ApiFeatures,
+    held: BTreeMap<u32, Vec<String>>,
+) -> Option<GpuLayout> {
+    let profiles = dynamic_mig_profiles(gpu, model, features)?;
+    let placements = profiles
+        .iter()
+        .flat_map(|p| {
+            p.placements.iter().map(|pl| Placement {
+                profile: p.name.clone(),
+                start: pl.start,
+                size: pl.size,
+                device: DeviceName::Mig {
+                    gpu: gpu.index,
+                    profile: p.name.clone(),
+                    start: pl.start,
+                }
+                .to_string(),
+            })
+        })
+        .collect();
+    Some(GpuLayout {
+        node: node.node_name.clone(),
+        gpu: DeviceName::Gpu { gpu: gpu.index }.to_string(),
+        memory_slices: gpu.mig.as_ref().map_or(0, |m| m.memory_slices),
+        placements,
+        held,
+    })
+}
+
+/// The largest profile of the GPU that some pending request asks for there (see the module's definitions).
+fn demanded(
+    selectors: &mut Selectors<'_>,
+    alternatives: &[Alternative],
+    node: &NodeInventorySpec,
+    gpu: &GpuInfo,
+    layout: &GpuLayout,
+) -> Option<String> {
+    if alternatives.is_empty() {
+        return None;
+    }
+    let mig = gpu.mig.as_ref()?;
+    // One device per profile, smallest first: the first a request accepts is what it needs here.
+    let devices: Vec<(u32, String, k8s_openapi::api::resource::v1::Device)> = layout
+        .profiles()
+        .into_iter()
+        .filter_map(|(name, size)| {
+            let profile = mig.profile(name)?;
+            let start = layout.placements_of(name).next()?.start;
+            Some((
+                size,
+                name.to_string(),
+                mig_selector_view(node, gpu, profile, start),
+            ))
+        })
+        .collect();
+    let mut best: Option<(u32, String)> = None;
+    for alt in alternatives {
+        let needed = devices.iter().find(|(_, _, device)| {
+            let dev = NodeDevice {
+                id: (DRIVER_NAME.into(), node.node_name.clone(), device.name.clone()),
+                device,
+                view: DeviceView::from_device(DRIVER_NAME, device),
+                pool_complete: true,
+                rule_taints: Vec::new(),
+            };
+            selectors.static_check(alt, &dev).is_ok()
+        });
+        if let Some((size, name, _)) = needed
+            && best.as_ref().is_none_or(|(s, _)| size > s)
+        {
+            best = Some((*size, name.clone()));
+        }
+    }
+    best.map(|(_, name)| name)
+}
+
+/// Every dynamic-MIG GPU's fragmentation for the profile in demand there, in node and GPU order.
+pub fn fragmentation(
+    inventories: &[NodeInventory],
+    models: &dyn Fn(&str, u32) -> Model,
+    features: ApiFeatures,
+    claims: &[ResourceClaim],
+    classes: &[DeviceClass],
+) -> Vec<GpuFragmentation> {
+    let alternatives = pending_alternatives(claims, classes);
+    let mut selectors = Selectors::new(classes);
+    let mut held = held_slices(claims, inventories);
+    let mut out = Vec::new();
+    for inv in inventories {
+        let node = &inv.spec;
+        for gpu in &node.gpus {
+            let taken = held
+                .remove(&(node.node_name.clone(), gpu.index))
+                .unwrap_or_default();
+            let Some(layout) = layout(node, gpu, &models(&node.node_name, gpu.index), features, taken) else {
+                continue;
+            };
+            let profile = demanded(&mut selectors, &alternatives, node, gpu, &layout);
+            out.extend(layout.fragmentation(profile.as_deref()));
+        }
+    }
+    out.sort_by(|a, b| (&a.node, a.gpu.len(), &a.gpu).cmp(&(&b.node, b.gpu.len(), &b.gpu)));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::{
+        api::resource::v1::{
+            AllocationResult, CELDeviceSelector, DeviceAllocationResult, DeviceClaim, DeviceClassSpec,
+            DeviceRequest, DeviceRequestAllocationResult, DeviceSelector, ExactDeviceRequest,
+            ResourceClaimSpec, ResourceClaimStatus,
+        },
+        apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    };
+
+    use super::*;
+    use crate::fixtures::{GpuModel, node};
+
+    fn mig_class() -> DeviceClass {
+        DeviceClass {
+            metadata: ObjectMeta {
+                name: Some("mig.gpu.tessera.dev".into()),
+                ..Default::default()
+            },
+            spec: Some(DeviceClassSpec {
+                selectors: Some(vec![DeviceSelector {
+                    cel: Some(CELDeviceSelector {
+                        expression: r#"device.driver == "gpu.tessera.dev" && device.attributes["gpu.tessera.dev"].type == "mig""#
+                            .into(),
+                    }),
+                }]),
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// A claim builder: pending with a selector, or allocated to devices of a node.
+    struct ClaimBuilder(ResourceClaim);
+
+    fn claim(name: &str) -> ClaimBuilder {
+        ClaimBuilder(ResourceClaim {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+            spec: Some(ResourceClaimSpec {
+                devices: Some(DeviceClaim {
+                    requests: Some(vec![DeviceRequest {
+                        name: "gpu".into(),
+                        exactly: Some(ExactDeviceRequest {
+                            device_class_name: "mig.gpu.tessera.dev".into(),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }]),
+                    ..Default::default()
+                }),
+            }),
+            status: None,
+        })
+    }
+
+    impl ClaimBuilder {
+        fn selecting(mut self, expression: &str) -> Self {
+            let req = &mut self
+                .0
+                .spec
+                .as_mut()
+                .unwrap()
+                .devices
+                .as_mut()
+                .unwrap()
+                .requests
+                .as_mut()
+                .unwrap()[0];
+            req.exactly.as_mut().unwrap().selectors = Some(vec![DeviceSelector {
+                cel: Some(CELDeviceSelector {
+                    expression: expression.into(),
+                }),
+            }]);
+            self
+        }
+
+        fn allocated(mut self, node: &str, device: &str) -> Self {
+            self.0.status = Some(ResourceClaimStatus {
+                allocation: Some(AllocationResult {
+                    devices: Some(DeviceAllocationResult {
+                        results: Some(vec![DeviceRequestAllocationResult {
+                            driver: DRIVER_NAME.into(),
+                            pool: node.into(),
+                            device: device.into(),
+                            request: "gpu".into(),
+                            ..Default::default()
+                        }]),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+            self
+        }
+
+        fn build(self) -> ResourceClaim {
+            self.0
+        }
+    }
+
+    fn run(claims: &[ResourceClaim]) -> Vec<GpuFragmentation> {
+        let inv = node("n").mig_gpus(GpuModel::H100Sxm5_80gb, 2).build();
+        fragmentation(
+            &[inv],
+            &|_, _| Model::Default,
+            ApiFeatures::ALL,
+            claims,
+            &[mig_class()],
+        )
+    }
+
+    #[test]
+    fn a_pending_3g_claim_makes_the_slices_two_1g_instances_strand_count_as_fragmented() {
+        let claims = [
+            claim("a").allocated("n", "gpu-0-mig-1g-10gb-1").build(),
+            claim("b").allocated("n", "gpu-0-mig-1g-10gb-5").build(),
+            claim("big")
+                .selecting(r#"device.attributes["gpu.tessera.dev"].profile.startsWith("3g.")"#)
+                .build(),
+        ];
+        let f = run(&claims);
+        assert_eq!(f.len(), 2);
+        assert_eq!(
+            (
+                f[0].gpu.as_str(),
+                f[0].profile.as_str(),
+                f[0].pending,
+                f[0].free,
+                f[0].unusable
+            ),
+            ("gpu-0", "3g.40gb", true, 6, 6)
+        );
+        assert_eq!((f[1].gpu.as_str(), f[1].free, f[1].unusable), ("gpu-1", 8, 0));
+    }
+
+    #[test]
+    fn the_largest_of_the_pending_profiles_is_the_demand_and_each_request_needs_its_smallest_match() {
+        let claims = [
+            claim("a").allocated("n", "gpu-0-mig-1g-10gb-1").build(),
+            // Any MIG device: the smallest, 1g.10gb, is what it gets.
+            claim("any").build(),
+            claim("half")
+                .selecting(r#"device.capacity["gpu.tessera.dev"].memory.compareTo(quantity("30Gi")) >= 0"#)
+                .build(),
+        ];
+        let f = run(&claims);
+        assert_eq!((f[0].profile.as_str(), f[0].pending), ("3g.40gb", true));
+        assert_eq!(f[0].unusable, 3, "slices 0, 2, 3: 3g@4 still fits");
+    }
+
+    #[test]
+    fn without_pending_claims_the_largest_profile_stands_in_and_allocated_claims_are_not_demand() {
+        let claims = [claim("a").allocated("n", "gpu-1-mig-1g-10gb-6").build()];
+        let f = run(&claims);
+        assert_eq!(
+            (f[1].profile.as_str(), f[1].pending, f[1].free, f[1].unusable),
+            ("7g.80gb", false, 7, 7)
+        );
+    }
+
+    #[test]
+    fn gpus_not_published_as_dynamic_mig_have_no_fragmentation() {
+        let inv = node("n").mig_gpus(GpuModel::H100Sxm5_80gb, 2).build();
+        let f = fragmentation(
+            &[inv],
+            &|_, i| if i == 0 { Model::Whole } else { Model::Default },
+            ApiFeatures::ALL,
+            &[],
+            &[],
+        );
+        assert_eq!(f.iter().map(|g| g.gpu.as_str()).collect::<Vec<_>>(), ["gpu-1"]);
+    }
+}
