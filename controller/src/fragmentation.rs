@@ -7,7 +7,7 @@
 //! trimmed as it is ([`crate::pool_diff::trim_to_what_diff_reads`]): it is the same table the devices are
 //! rendered from.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use tessera_api::{DRIVER_NAME, DeviceName, GpuInfo, NodeInventory, NodeInventorySpec};
@@ -183,6 +183,17 @@ fn demanded(
     best.map(|(_, name)| name)
 }
 
+/// The profile in demand per GPU, kept across rounds while the pending requests (as distinct
+/// alternatives), the classes and the GPU's profiles are the same: pods made from one template leave the
+/// set of distinct requests unchanged however many are pending, so at 1,000 nodes a round then evaluates no
+/// selector at all.
+#[derive(Debug, Default)]
+pub struct DemandCache {
+    requests: String,
+    /// (node, GPU index, GPU UUID, its published profiles) → the profile in demand.
+    per_gpu: HashMap<(String, u32, String, String), Option<String>>,
+}
+
 /// Every dynamic-MIG GPU's fragmentation for the profile in demand there, in node and GPU order.
 pub fn fragmentation(
     inventories: &[NodeInventory],
@@ -190,8 +201,25 @@ pub fn fragmentation(
     features: ApiFeatures,
     claims: &[ResourceClaim],
     classes: &[DeviceClass],
+    cache: &mut DemandCache,
 ) -> Vec<GpuFragmentation> {
     let alternatives = pending_alternatives(claims, classes);
+    let requests = format!(
+        "{:?}|{:?}",
+        alternatives
+            .iter()
+            .map(|a| (&a.class, &a.selectors, &a.capacity, &a.tolerations))
+            .collect::<Vec<_>>(),
+        classes
+            .iter()
+            .map(|c| (&c.metadata.name, &c.spec))
+            .collect::<Vec<_>>()
+    );
+    let mut known = std::mem::take(&mut cache.per_gpu);
+    if cache.requests != requests {
+        known.clear();
+        cache.requests = requests;
+    }
     let mut selectors = Selectors::new(classes);
     let mut held = held_slices(claims, inventories);
     let mut out = Vec::new();
@@ -204,8 +232,19 @@ pub fn fragmentation(
             let Some(layout) = layout(node, gpu, &models(&node.node_name, gpu.index), features, taken) else {
                 continue;
             };
-            let profile = demanded(&mut selectors, &alternatives, node, gpu, &layout);
+            let profiles: Vec<&str> = layout.profiles().into_iter().map(|(p, _)| p).collect();
+            let key = (
+                node.node_name.clone(),
+                gpu.index,
+                gpu.uuid.clone(),
+                profiles.join(","),
+            );
+            let profile = match known.remove(&key) {
+                Some(p) => p,
+                None => demanded(&mut selectors, &alternatives, node, gpu, &layout),
+            };
             out.extend(layout.fragmentation(profile.as_deref()));
+            cache.per_gpu.insert(key, profile);
         }
     }
     out.sort_by(|a, b| (&a.node, a.gpu.len(), &a.gpu).cmp(&(&b.node, b.gpu.len(), &b.gpu)));
@@ -325,6 +364,7 @@ mod tests {
             ApiFeatures::ALL,
             claims,
             &[mig_class()],
+            &mut DemandCache::default(),
         )
     }
 
@@ -378,6 +418,34 @@ mod tests {
     }
 
     #[test]
+    fn the_demand_is_kept_while_the_pending_requests_are_alike_and_redone_when_they_change() {
+        let inv = node("n").mig_gpus(GpuModel::H100Sxm5_80gb, 1).build();
+        let mut cache = DemandCache::default();
+        let mut round = |claims: &[ResourceClaim]| {
+            let f = fragmentation(
+                std::slice::from_ref(&inv),
+                &|_, _| Model::Default,
+                ApiFeatures::ALL,
+                claims,
+                &[mig_class()],
+                &mut cache,
+            );
+            (f[0].profile.clone(), f[0].unusable)
+        };
+        let three_g = r#"device.attributes["gpu.tessera.dev"].profile.startsWith("3g.")"#;
+        let a = claim("a").allocated("n", "gpu-0-mig-1g-10gb-1").build();
+        let big = || claim("big").selecting(three_g).build();
+        assert_eq!(round(&[a.clone(), big()]), ("3g.40gb".into(), 3));
+        // A second pending claim from the same template: same demand; the slices taken are read anew.
+        let b = claim("b").allocated("n", "gpu-0-mig-1g-10gb-5").build();
+        assert_eq!(
+            round(&[a.clone(), b.clone(), big(), big()]),
+            ("3g.40gb".into(), 6)
+        );
+        assert_eq!(round(&[a, b]), ("7g.80gb".into(), 6), "no pending claim left");
+    }
+
+    #[test]
     fn gpus_not_published_as_dynamic_mig_have_no_fragmentation() {
         let inv = node("n").mig_gpus(GpuModel::H100Sxm5_80gb, 2).build();
         let f = fragmentation(
@@ -386,6 +454,7 @@ mod tests {
             ApiFeatures::ALL,
             &[],
             &[],
+            &mut DemandCache::default(),
         );
         assert_eq!(f.iter().map(|g| g.gpu.as_str()).collect::<Vec<_>>(), ["gpu-1"]);
     }

@@ -241,6 +241,7 @@ struct FragmentationRound {
     inputs: Option<(u64, u64, u64, usize)>,
     started: Option<Instant>,
     running: Option<tokio::task::JoinHandle<()>>,
+    demand: Arc<std::sync::Mutex<crate::fragmentation::DemandCache>>,
 }
 
 impl FragmentationRound {
@@ -273,6 +274,7 @@ impl FragmentationRound {
         let claims: Vec<ResourceClaim> = stores.claims.state().iter().map(|c| (**c).clone()).collect();
         let classes: Vec<DeviceClass> = stores.classes.state().iter().map(|c| (**c).clone()).collect();
         let features = reconciler.features;
+        let demand = Arc::clone(&self.demand);
         self.running = Some(tokio::task::spawn_blocking(move || {
             let model = |node: &str, gpu: u32| {
                 models
@@ -280,7 +282,15 @@ impl FragmentationRound {
                     .cloned()
                     .unwrap_or(crate::devices::Model::Default)
             };
-            let gpus = crate::fragmentation::fragmentation(&inventories, &model, features, &claims, &classes);
+            let mut demand = demand.lock().unwrap_or_else(|e| e.into_inner());
+            let gpus = crate::fragmentation::fragmentation(
+                &inventories,
+                &model,
+                features,
+                &claims,
+                &classes,
+                &mut demand,
+            );
             crate::metrics::metrics().set_mig_fragmentation(&gpus);
         }));
     }
