@@ -136,6 +136,33 @@ fn layout(
     })
 }
 
+/// The attributes whose values differ between GPUs of one product on nodes with one driver.
+const PER_GPU_ATTRIBUTES: [&str; 8] = [
+    tessera_api::attributes::UUID,
+    tessera_api::attributes::INDEX,
+    tessera_api::attributes::MINOR,
+    tessera_api::attributes::NUMA_NODE,
+    tessera_api::attributes::PCI_BUS_ID,
+    tessera_api::attributes::PCIE_ROOT,
+    tessera_api::attributes::MIG_PLACEMENT_START,
+    tessera_api::attributes::MIG_UUID,
+];
+
+/// Whether the request's or its class's selectors mention an attribute that tells GPUs of one kind apart
+/// (by name anywhere in the expression: a false alarm only costs evaluating per GPU).
+fn names_a_gpu_of_its_kind(alt: &Alternative, classes: &[DeviceClass]) -> bool {
+    let class = classes
+        .iter()
+        .filter(|c| c.metadata.name.as_deref() == Some(alt.class.as_str()))
+        .flat_map(|c| c.spec.iter().flat_map(|s| s.selectors.iter().flatten()))
+        .filter_map(|s| s.cel.as_ref().map(|c| c.expression.as_str()));
+    alt.selectors.iter().map(String::as_str).chain(class).any(|e| {
+        PER_GPU_ATTRIBUTES
+            .iter()
+            .any(|a| e.contains(a.rsplit('/').next().unwrap_or(a)))
+    })
+}
+
 /// The largest profile of the GPU that some pending request asks for there (see the module's definitions).
 fn demanded(
     selectors: &mut Selectors<'_>,
@@ -221,6 +248,10 @@ pub fn fragmentation(
         cache.requests = requests;
     }
     let mut selectors = Selectors::new(classes);
+    // Requests that name no attribute telling GPUs of one product apart get the same answer on all of
+    // them: evaluated once per product, driver and profile set in this round.
+    let per_gpu = alternatives.iter().any(|a| names_a_gpu_of_its_kind(a, classes));
+    let mut by_kind: HashMap<String, Option<String>> = HashMap::new();
     let mut held = held_slices(claims, inventories);
     let mut out = Vec::new();
     for inv in inventories {
@@ -239,9 +270,18 @@ pub fn fragmentation(
                 gpu.uuid.clone(),
                 profiles.join(","),
             );
-            let profile = match known.remove(&key) {
-                Some(p) => p,
-                None => demanded(&mut selectors, &alternatives, node, gpu, &layout),
+            let kind = format!(
+                "{}|{:?}|{:?}|{}",
+                gpu.product_name, node.driver_version, node.cuda_driver_version, key.3
+            );
+            let profile = match (known.remove(&key), by_kind.get(&kind)) {
+                (Some(p), _) => p,
+                (None, Some(p)) if !per_gpu => p.clone(),
+                (None, _) => {
+                    let p = demanded(&mut selectors, &alternatives, node, gpu, &layout);
+                    by_kind.insert(kind, p.clone());
+                    p
+                }
             };
             out.extend(layout.fragmentation(profile.as_deref()));
             cache.per_gpu.insert(key, profile);
@@ -443,6 +483,25 @@ mod tests {
             ("3g.40gb".into(), 6)
         );
         assert_eq!(round(&[a, b]), ("7g.80gb".into(), 6), "no pending claim left");
+    }
+
+    #[test]
+    fn a_request_for_one_gpu_by_index_is_demand_on_that_gpu_only() {
+        let claims = [
+            claim("a").allocated("n", "gpu-0-mig-1g-10gb-1").build(),
+            claim("b").allocated("n", "gpu-1-mig-1g-10gb-1").build(),
+            claim("big")
+                .selecting(
+                    r#"device.attributes["gpu.tessera.dev"].index == 1 && device.attributes["gpu.tessera.dev"].profile.startsWith("3g.")"#,
+                )
+                .build(),
+        ];
+        let f = run(&claims);
+        assert_eq!((f[0].profile.as_str(), f[0].pending), ("7g.80gb", false));
+        assert_eq!(
+            (f[1].profile.as_str(), f[1].pending, f[1].unusable),
+            ("3g.40gb", true, 3)
+        );
     }
 
     #[test]
