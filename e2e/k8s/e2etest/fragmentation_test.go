@@ -139,17 +139,17 @@ func TestMigFragmentationIsAControllerMetricAndExplainsAPendingMigPod(t *testing
 
 	gpuName := fmt.Sprintf("gpu-%d", gpu)
 	url := controllerMetricsURL(t)
-	at2 := map[string]string{"node": node, "gpu": gpuName}
+	gpuLabels := map[string]string{"node": node, "gpu": gpuName}
 	// The controller recomputes at most every 5 s, after the claims it watches change.
 	waitFor(t, "tessera_controller_mig_fragmented_slices for "+gpuName+" on "+node, time.Minute, func(context.Context) (bool, string) {
-		v, labels, ok, err := scrapeGauge(url, "tessera_controller_mig_fragmented_slices", at2)
+		v, labels, ok, err := scrapeGauge(url, "tessera_controller_mig_fragmented_slices", gpuLabels)
 		if err != nil || !ok {
 			return false, fmt.Sprintf("scrape %s: ok=%v err=%v", url, ok, err)
 		}
 		want := v == 6 && labels["profile"] == "3g.40gb" && labels["demand"] == "pending"
 		return want, fmt.Sprintf("%v = %v, want 6 with profile=3g.40gb, demand=pending", labels, v)
 	})
-	if free, _, ok, err := scrapeGauge(url, "tessera_controller_mig_free_slices", at2); err != nil || !ok || free != 6 {
+	if free, _, ok, err := scrapeGauge(url, "tessera_controller_mig_free_slices", gpuLabels); err != nil || !ok || free != 6 {
 		t.Errorf("tessera_controller_mig_free_slices{node=%q,gpu=%q} = %v (found %v, %v), want 6", node, gpuName, free, ok, err)
 	}
 
