@@ -384,6 +384,48 @@ fn consumption(set: &str, counters: BTreeMap<String, Counter>) -> Option<Vec<Dev
     }])
 }
 
+/// Whether a dynamic-MIG rule's `profiles` (empty: all) publish the profile `name` (`3g.40gb` or `3g`).
+pub fn allows_profile(allowed: &[String], name: &str) -> bool {
+    allowed.is_empty()
+        || allowed
+            .iter()
+            .any(|a| a == name || name.starts_with(&format!("{a}.")))
+}
+
+/// The profiles a GPU publishes under dynamic MIG with `model`, or `None` when the GPU is not published as
+/// dynamic MIG (another model, or a cluster without partitionable devices).
+pub fn dynamic_mig_profiles<'a>(
+    gpu: &'a GpuInfo,
+    model: &Model,
+    features: ApiFeatures,
+) -> Option<Vec<&'a MigProfileInfo>> {
+    let allowed: &[String] = match model {
+        Model::Default => &[],
+        Model::DynamicMig { profiles, .. } => profiles,
+        _ => return None,
+    };
+    if !features.partitionable || !supports_dynamic_mig(gpu) || (!gpu.healthy && !features.taints) {
+        return None;
+    }
+    let mig = gpu.mig.as_ref()?;
+    Some(
+        mig.profiles
+            .iter()
+            .filter(|p| allows_profile(allowed, &p.name))
+            .collect(),
+    )
+}
+
+/// A MIG placement's device as selectors see it (what demand for a profile is judged against).
+pub fn mig_selector_view(
+    node: &NodeInventorySpec,
+    gpu: &GpuInfo,
+    profile: &MigProfileInfo,
+    start: u32,
+) -> Device {
+    mig_device(node, gpu, profile, start)
+}
+
 /// Dynamic MIG: every placement of the allowed profiles plus the whole GPU, all drawing on one counter set.
 ///
 /// Order matters: the scheduler's allocator takes the first device in slice order that matches and whose
@@ -397,13 +439,11 @@ fn consumption(set: &str, counters: BTreeMap<String, Counter>) -> Option<Vec<Dev
 pub fn dynamic_mig(node: &NodeInventorySpec, gpu: &GpuInfo, allowed: &[String]) -> GpuDevices {
     let mig = gpu.mig.as_ref().expect("only called for MIG-capable GPUs");
     let (set, binding) = counter_set(gpu);
-    let allowed_profile = |p: &MigProfileInfo| {
-        allowed.is_empty()
-            || allowed
-                .iter()
-                .any(|a| a == &p.name || p.name.starts_with(&format!("{a}.")))
-    };
-    let mut profiles: Vec<&MigProfileInfo> = mig.profiles.iter().filter(|p| allowed_profile(p)).collect();
+    let mut profiles: Vec<&MigProfileInfo> = mig
+        .profiles
+        .iter()
+        .filter(|p| allows_profile(allowed, &p.name))
+        .collect();
     profiles.sort_by_key(|p| {
         (
             p.memory_slices,

@@ -20,6 +20,7 @@ pub mod devices;
 pub mod explain;
 pub mod features;
 pub mod fixtures;
+pub mod fragmentation;
 pub mod health;
 pub mod leader;
 pub mod liveness;

@@ -6,6 +6,11 @@
 //! | `tessera_controller_slice_writes_total` | `operation` (`create`, `update`, `delete`) | ResourceSlice writes the API server accepted |
 //! | `tessera_controller_api_errors_total` | `operation` (the above, `patch_policy_status`) | writes it refused or that failed |
 //! | `tessera_controller_leader` | | 1 while this replica holds the Lease and publishes |
+//! | `tessera_controller_mig_free_slices` | `node`, `gpu` | memory slices of a dynamic-MIG GPU no allocated claim holds |
+//! | `tessera_controller_mig_fragmented_slices` | `node`, `gpu`, `profile`, `demand` (`pending`, `none`) | of those, the ones no placement of `profile` that fits now can use: `profile` is the largest a pending claim asks for on that GPU (`demand="pending"`), else the GPU's largest (`none`) |
+//!
+//! The MIG gauges ([`crate::fragmentation`]) need the controller to read ResourceClaims and DeviceClasses;
+//! per node: `sum by (node) (tessera_controller_mig_fragmented_slices)`.
 //!
 //! The registry is process-wide ([`metrics`]), so the kube-rs layer records with one line per call site.
 
@@ -20,6 +25,8 @@ use prometheus_client::{
 };
 use tessera_api::metrics::duration_buckets;
 
+use crate::explain::fragmentation::GpuFragmentation;
+
 type Labels = Vec<(&'static str, String)>;
 
 /// The controller's metrics and the registry they render from.
@@ -29,6 +36,8 @@ pub struct ControllerMetrics {
     writes: Family<Labels, Counter>,
     api_errors: Family<Labels, Counter>,
     leader: Gauge,
+    mig_free: Family<Labels, Gauge>,
+    mig_fragmented: Family<Labels, Gauge>,
 }
 
 static METRICS: LazyLock<ControllerMetrics> = LazyLock::new(ControllerMetrics::new);
@@ -71,12 +80,27 @@ impl ControllerMetrics {
             "1 while this replica holds the leader Lease and publishes, else 0",
             leader.clone(),
         );
+        let mig_free = Family::<Labels, Gauge>::default();
+        registry.register(
+            "mig_free_slices",
+            "Memory slices of a dynamic-MIG GPU that no allocated ResourceClaim holds",
+            mig_free.clone(),
+        );
+        let mig_fragmented = Family::<Labels, Gauge>::default();
+        registry.register(
+            "mig_fragmented_slices",
+            "Free memory slices of a dynamic-MIG GPU that no placement of the profile in demand can use now \
+             (demand=pending: the largest profile a pending claim asks for there; none: the GPU's largest)",
+            mig_fragmented.clone(),
+        );
         Self {
             registry: Mutex::new(registry),
             reconciles,
             writes,
             api_errors,
             leader,
+            mig_free,
+            mig_fragmented,
         }
     }
 
@@ -107,6 +131,25 @@ impl ControllerMetrics {
     /// Whether this replica leads now.
     pub fn set_leader(&self, leading: bool) {
         self.leader.set(i64::from(leading));
+    }
+
+    /// Replaces the MIG gauges with `gpus` (GPUs gone since the last call drop out).
+    pub fn set_mig_fragmentation(&self, gpus: &[GpuFragmentation]) {
+        // Under the registry's lock, so a scrape never sees the families half rebuilt.
+        let _scrape = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        self.mig_free.clear();
+        self.mig_fragmented.clear();
+        for g in gpus {
+            let at = vec![("node", g.node.clone()), ("gpu", g.gpu.clone())];
+            self.mig_free.get_or_create(&at).set(i64::from(g.free));
+            let mut labels = at;
+            labels.push(("profile", g.profile.clone()));
+            let demand = if g.pending { "pending" } else { "none" };
+            labels.push(("demand", demand.to_string()));
+            self.mig_fragmented
+                .get_or_create(&labels)
+                .set(i64::from(g.unusable));
+        }
     }
 
     /// The metrics as OpenMetrics text.
@@ -170,5 +213,45 @@ mod tests {
             1.0
         );
         assert_eq!(value("tessera_controller_leader", &[]), 1.0);
+    }
+
+    #[test]
+    fn mig_gauges_show_each_gpus_free_and_fragmented_slices_and_drop_gpus_that_are_gone() {
+        let m = ControllerMetrics::new();
+        let gpu = |gpu: &str, pending, free, unusable| GpuFragmentation {
+            node: "n".into(),
+            gpu: gpu.into(),
+            profile: "3g.40gb".into(),
+            pending,
+            free,
+            unusable,
+        };
+        m.set_mig_fragmentation(&[gpu("gpu-0", true, 6, 6), gpu("gpu-2", false, 8, 0)]);
+        let text = m.render();
+        let parsed = tessera_api::metrics::exposition::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let fragmented = parsed.find(
+            "tessera_controller_mig_fragmented_slices",
+            &[
+                ("node", "n"),
+                ("gpu", "gpu-0"),
+                ("profile", "3g.40gb"),
+                ("demand", "pending"),
+            ],
+        );
+        assert_eq!(fragmented.len(), 1, "{text}");
+        assert_eq!(fragmented[0].value, 6.0);
+        let free = parsed.find("tessera_controller_mig_free_slices", &[("gpu", "gpu-2")]);
+        assert_eq!(free.len(), 1, "{text}");
+        assert_eq!(free[0].value, 8.0);
+
+        m.set_mig_fragmentation(&[gpu("gpu-0", true, 6, 6)]);
+        let text = m.render();
+        let parsed = tessera_api::metrics::exposition::parse(&text).unwrap();
+        assert!(
+            parsed
+                .find("tessera_controller_mig_free_slices", &[("gpu", "gpu-2")])
+                .is_empty(),
+            "{text}"
+        );
     }
 }

@@ -211,6 +211,12 @@ impl Reconciler {
         &self.renders
     }
 
+    /// The models of the last valid assignment, per (node, GPU index); a GPU missing from it gets
+    /// [`crate::devices::Model::Default`], as when publishing.
+    pub fn assigned_models(&self) -> Option<Arc<Assignments>> {
+        self.assigned.as_ref().map(|(_, a)| Arc::clone(a))
+    }
+
     /// How often the policy was evaluated over every GPU (for tests: steady ticks reuse the last result).
     pub fn policy_evaluations(&self) -> u64 {
         self.evaluations

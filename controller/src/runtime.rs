@@ -25,7 +25,11 @@ use std::{
 use anyhow::Context as _;
 use chrono::Utc;
 use clap::Args as ClapArgs;
-use k8s_openapi::api::{coordination::v1::Lease, core::v1::Node, resource::v1::ResourceSlice};
+use k8s_openapi::api::{
+    coordination::v1::Lease,
+    core::v1::Node,
+    resource::v1::{DeviceClass, ResourceClaim, ResourceSlice},
+};
 use kube::{
     Api, Client, Config,
     api::{DeleteParams, Patch, PatchParams, PostParams},
@@ -64,6 +68,9 @@ const CACHE_SYNC_TIMEOUT: Duration = Duration::from_secs(5);
 const LEASE_LIST_WAIT: Duration = Duration::from_secs(10);
 /// How often the API server's features are probed again.
 const REPROBE_EVERY: Duration = Duration::from_secs(300);
+/// At most how often the MIG fragmentation gauges are recomputed (only when claims, classes, inventories
+/// or the policy's assignment changed): at 1,000 nodes a round evaluates pending requests on every GPU.
+const FRAGMENTATION_EVERY: Duration = Duration::from_secs(5);
 
 /// [`ClusterApi`] on a kube client.
 pub struct KubeApi {
@@ -218,10 +225,75 @@ struct Stores {
     policies: Store<GpuPolicy>,
     slices: Store<ResourceSlice>,
     node_leases: Store<Lease>,
+    claims: Store<ResourceClaim>,
+    classes: Store<DeviceClass>,
     inventory_view: ViewCell,
     node_view: ViewCell,
     slice_view: ViewCell,
     lease_view: ViewCell,
+    claim_view: ViewCell,
+    class_view: ViewCell,
+}
+
+/// What the fragmentation gauges were last computed from, and the computation in flight.
+#[derive(Default)]
+struct FragmentationRound {
+    inputs: Option<(u64, u64, u64, usize)>,
+    started: Option<Instant>,
+    running: Option<tokio::task::JoinHandle<()>>,
+    demand: Arc<std::sync::Mutex<crate::fragmentation::DemandCache>>,
+}
+
+impl FragmentationRound {
+    /// Starts a computation off the loop's thread when the inputs changed, none is running and the last
+    /// started at least [`FRAGMENTATION_EVERY`] ago. Without a list of claims (no RBAC on them: an older
+    /// chart) there are no gauges.
+    fn maybe_start(&mut self, stores: &Stores, snap: &Snapshot, reconciler: &Reconciler) {
+        if self.running.as_ref().is_some_and(|r| !r.is_finished())
+            || self.started.is_some_and(|t| t.elapsed() < FRAGMENTATION_EVERY)
+            || !stores.claim_view.listed_once()
+            || !stores.class_view.listed_once()
+        {
+            return;
+        }
+        let Some(models) = reconciler.assigned_models() else {
+            return;
+        };
+        let inputs = (
+            stores.claim_view.changes(),
+            stores.class_view.changes(),
+            stores.inventory_view.changes(),
+            Arc::as_ptr(&models) as usize,
+        );
+        if self.inputs == Some(inputs) {
+            return;
+        }
+        self.inputs = Some(inputs);
+        self.started = Some(Instant::now());
+        let inventories = snap.inventories.clone();
+        let claims: Vec<ResourceClaim> = stores.claims.state().iter().map(|c| (**c).clone()).collect();
+        let classes: Vec<DeviceClass> = stores.classes.state().iter().map(|c| (**c).clone()).collect();
+        let features = reconciler.features;
+        let demand = Arc::clone(&self.demand);
+        self.running = Some(tokio::task::spawn_blocking(move || {
+            let model = |node: &str, gpu: u32| {
+                models
+                    .get(&(node.to_string(), gpu))
+                    .cloned()
+                    .unwrap_or(crate::devices::Model::Default)
+            };
+            let mut demand = demand.lock().unwrap_or_else(|e| e.into_inner());
+            let gpus = crate::fragmentation::fragmentation(
+                &inventories,
+                &model,
+                features,
+                &claims,
+                &classes,
+                &mut demand,
+            );
+            crate::metrics::metrics().set_mig_fragmentation(&gpus);
+        }));
+    }
 }
 
 /// The inventories' view as liveness needs it: lost while either the inventories or the Nodes are
@@ -434,7 +506,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (slice_reader, slice_writer) = reflector::store();
     let (lease_reader, lease_writer) = reflector::store();
     let started = Instant::now();
-    let views = [(); 5].map(|()| ViewCell::new(started));
+    let views = [(); 7].map(|()| ViewCell::new(started));
+    let (claim_reader, claim_writer) = reflector::store();
+    let (class_reader, class_writer) = reflector::store();
     if let Some(addr) = health_addr {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -494,16 +568,39 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         views[4].clone(),
         None,
     ));
+    // For the MIG fragmentation gauges only: they wake nothing, and the controller publishes without them.
+    tokio::spawn(mirror(
+        "ResourceClaim",
+        claim_writer,
+        Api::<ResourceClaim>::all(client.clone()),
+        wc(),
+        drop_managed_fields,
+        views[5].clone(),
+        None,
+    ));
+    tokio::spawn(mirror(
+        "DeviceClass",
+        class_writer,
+        Api::<DeviceClass>::all(client.clone()),
+        wc(),
+        drop_managed_fields,
+        views[6].clone(),
+        None,
+    ));
     let stores = Stores {
         inventories: inv_reader,
         nodes: node_reader,
         policies: pol_reader,
         slices: slice_reader,
         node_leases: lease_reader,
+        claims: claim_reader,
+        classes: class_reader,
         inventory_view: views[0].clone(),
         node_view: views[1].clone(),
         slice_view: views[3].clone(),
         lease_view: views[4].clone(),
+        claim_view: views[5].clone(),
+        class_view: views[6].clone(),
     };
     for (what, ready) in [
         (
@@ -560,6 +657,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut stop = std::pin::pin!(stop_signal()?);
     let mut next_probe = tokio::time::Instant::now() + REPROBE_EVERY;
     let (mut snap, mut copied) = (Snapshot::default(), Copied::default());
+    let mut fragmentation = FragmentationRound::default();
     loop {
         // Gates change with API server upgrades or restarts; a changed answer republishes every pool.
         if pinned_features.is_none() && tokio::time::Instant::now() >= next_probe {
@@ -586,6 +684,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let ticked = replica.tick(&lease, &api, &snap, &Utc::now, Instant::now()).await;
         crate::metrics::metrics().reconciled(round.elapsed(), ticked.is_ok());
         crate::metrics::metrics().set_leader(matches!(ticked, Ok(Some(_))));
+        fragmentation.maybe_start(&stores, &snap, &replica.reconciler);
         match ticked {
             Ok(Some(decision)) => {
                 if !was_leader {
@@ -735,10 +834,14 @@ mod tests {
             policies: reflector::store().0,
             slices: reflector::store().0,
             node_leases: reflector::store().0,
+            claims: reflector::store().0,
+            classes: reflector::store().0,
             inventory_view: views[0].clone(),
             node_view: views[1].clone(),
             slice_view: views[3].clone(),
             lease_view: views[4].clone(),
+            claim_view: ViewCell::new(t0),
+            class_view: ViewCell::new(t0),
         };
         let view = || stores.view();
         views[0].set(View::Synced { list: 1 });

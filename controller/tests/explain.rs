@@ -265,6 +265,59 @@ fn mig_placements_held_by_other_claims_name_those_claims() {
 }
 
 #[test]
+fn a_mig_claim_kept_out_by_fragmented_slices_names_the_free_slices_and_the_claim_to_move() {
+    // 1g instances at slices 1 and 5 leave 6 slices free, but each 3g placement (slices 0-3, 4-7) has one.
+    let c = cluster()
+        .node("gpu-node-0", "h100-default")
+        .claim(claim("a").holding("gpu-node-0", &["gpu-0-mig-1g-10gb-1"]))
+        .claim(claim("b").holding("gpu-node-0", &["gpu-0-mig-1g-10gb-5"]))
+        .claim(
+            claim("c").exactly(
+                "gpu",
+                ask("mig.gpu.tessera.dev")
+                    .selector(GPU0)
+                    .selector(r#"device.attributes["gpu.tessera.dev"].profile.startsWith("3g.")"#),
+            ),
+        );
+
+    let report = c.explain("claim/c");
+
+    assert!(!report.fits);
+    assert_eq!(
+        report.summary,
+        "claim default/c does not fit on any of 1 node: request gpu: gpu-node-0: profile 3g.40gb needs 4 free memory \
+         slices at one of its placements (starting at slice 0 or 4), but no GPU has them: 6 memory slices are free \
+         but fragmented: gpu-0 6 (slices 0, 2-4, 6-7); to free 3g.40gb at slice 0 on gpu-0, move claim default/a \
+         (delete and recreate the pod so the scheduler places it elsewhere)"
+    );
+}
+
+#[test]
+fn mig_placements_held_with_too_few_slices_free_are_in_use_not_fragmented() {
+    // Slices 0-3 held by a 4g, 4 and 6 by 1g instances: 2 free, fewer than a 3g needs.
+    let c = cluster()
+        .node("gpu-node-0", "h100-default")
+        .claim(claim("a").holding("gpu-node-0", &["gpu-0-mig-4g-40gb-0"]))
+        .claim(claim("b").holding("gpu-node-0", &["gpu-0-mig-1g-10gb-4", "gpu-0-mig-1g-10gb-6"]))
+        .claim(
+            claim("c").exactly(
+                "gpu",
+                ask("mig.gpu.tessera.dev")
+                    .selector(GPU0)
+                    .selector(&profile("3g.40gb")),
+            ),
+        );
+
+    let report = c.explain("claim/c");
+
+    let alt = &report.claims[0].requests[0].nodes[0].alternatives[0];
+    assert_eq!(
+        alt.reason.as_deref(),
+        Some("profile 3g.40gb: all 2 placements in use by claims default/a, default/b")
+    );
+}
+
+#[test]
 fn a_free_mig_placement_next_to_held_ones_fits() {
     let c = cluster()
         .node("gpu-node-0", "h100-default")

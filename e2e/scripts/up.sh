@@ -337,7 +337,9 @@ if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
     [[ $ready == 1 ]] || die "plugin on $n did not report a ready NodeInventory within 90s" "$LOG_DIR/plugin-$n.log"
   done
 
-  write_proc controller KUBECONFIG="$PKI_DIR/controller.kubeconfig" RUST_LOG="${RUST_LOG:-info}" TESSERA_LEASE_NAMESPACE="$TESSERA_NAMESPACE" -- "$CONTROLLER_BIN" \
+  # Probes and /metrics one below the plugins' METRICS_BASE_PORT (the MIG fragmentation scenario scrapes it).
+  write_proc controller KUBECONFIG="$PKI_DIR/controller.kubeconfig" RUST_LOG="${RUST_LOG:-info}" TESSERA_LEASE_NAMESPACE="$TESSERA_NAMESPACE" \
+    TESSERA_HEALTH_ADDR="127.0.0.1:$(( ${METRICS_BASE_PORT:-$((API_PORT + 1000))} - 1 ))" -- "$CONTROLLER_BIN" \
     --kubeconfig "$PKI_DIR/controller.kubeconfig"
   published=()
   if [[ "$INSTALL" == chart ]]; then

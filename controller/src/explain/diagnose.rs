@@ -8,6 +8,7 @@ use super::{
     cluster::Cluster,
     error::ExplainError,
     eval::{Candidates, Failure, Outcome, Search, Selectors},
+    fragmentation::{self, GpuLayout},
     model::{self, AllocatedState, NodeModel},
     pod,
     report::{AlternativeNode, ClaimReport, DeviceNote, NodeVerdict, Report, RequestNode, RequestReport},
@@ -119,6 +120,94 @@ fn grouped_reason(model: &NodeModel<'_>, alt: &Alternative, diag: &Diagnosis) ->
         }
         f => format!("{f} (closest: {name})"),
     }
+}
+
+/// When every placement of the MIG profile the request needs is blocked by slices other claims hold, yet
+/// the GPUs offering it have enough free memory slices between them: which profile, where the free slices
+/// are, and which claims to move to free one placement. `None` when that is not why the request waits.
+fn fragmented_reason(model: &NodeModel<'_>, diag: &Diagnosis) -> Option<String> {
+    let layouts = fragmentation::layouts_of_model(model);
+    // The request's devices with their profile and memory slices; the smallest profile is what it needs.
+    let matching: Vec<(&Failure, &str, &GpuLayout, u32)> = diag
+        .iter()
+        .filter_map(|(d, f)| {
+            let f = f.as_ref().filter(|f| f.stage() >= 2)?;
+            let name = model.devices[*d].name();
+            let layout = layouts
+                .iter()
+                .find(|l| l.placements.iter().any(|p| p.device == name))?;
+            let p = layout.placements.iter().find(|p| p.device == name)?;
+            Some((f, p.profile.as_str(), layout, p.size))
+        })
+        .collect();
+    let (_, profile, _, size) = matching.iter().min_by_key(|(_, p, _, s)| (*s, *p))?;
+    let of_profile: Vec<&(&Failure, &str, &GpuLayout, u32)> =
+        matching.iter().filter(|(_, p, _, _)| p == profile).collect();
+    // A placement kept off by a taint or a pool being updated is not fragmentation.
+    if of_profile.iter().any(|(f, _, _, _)| f.stage() != 5) {
+        return None;
+    }
+    let mut gpus: Vec<&GpuLayout> = of_profile.iter().map(|(_, _, l, _)| *l).collect();
+    gpus.sort_by(|a, b| (a.gpu.len(), &a.gpu).cmp(&(b.gpu.len(), &b.gpu)));
+    gpus.dedup_by(|a, b| a.gpu == b.gpu);
+    let free: usize = gpus.iter().map(|g| g.free().len()).sum();
+    if free < *size as usize || gpus.iter().any(|g| g.placements_of(profile).any(|p| g.fits(p))) {
+        return None;
+    }
+    let starts: BTreeSet<u32> = gpus[0].placements_of(profile).map(|p| p.start).collect();
+    let starts: Vec<String> = starts.iter().map(ToString::to_string).collect();
+    let per_gpu: Vec<String> = gpus
+        .iter()
+        .filter_map(|g| {
+            let unusable = g.unusable_for(profile);
+            (!unusable.is_empty()).then(|| {
+                format!(
+                    "{} {} (slices {})",
+                    g.gpu,
+                    unusable.len(),
+                    fragmentation::slice_list(&unusable)
+                )
+            })
+        })
+        .collect();
+    let mut out = format!(
+        "profile {profile} needs {size} free memory slices at one of its placements (starting at slice {}), \
+         but no GPU has them: {free} memory slices are free but fragmented: {}",
+        starts.join(" or "),
+        per_gpu.join(", ")
+    );
+    let cheapest = gpus
+        .iter()
+        .filter_map(|g| g.cheapest_to_free(profile).map(|(p, claims)| (g, p, claims)))
+        .min_by_key(|(g, p, claims)| {
+            (
+                claims.is_empty(),
+                claims.len(),
+                g.gpu.len(),
+                g.gpu.clone(),
+                p.start,
+            )
+        });
+    if let Some((g, p, claims)) = cheapest {
+        let who = if claims.is_empty() {
+            "the claims holding its slices (none recorded)".to_string()
+        } else {
+            format!(
+                "claim{} {}",
+                if claims.len() == 1 { "" } else { "s" },
+                claims.join(", ")
+            )
+        };
+        out.push_str(&format!(
+            "; to free {profile} at slice {} on {}, move {who} (delete and recreate the pod{} so the scheduler \
+             places {} elsewhere)",
+            p.start,
+            g.gpu,
+            if claims.len() == 1 { "" } else { "s" },
+            if claims.len() == 1 { "it" } else { "them" }
+        ));
+    }
+    Some(out)
 }
 
 /// A class that does not exist, with the closest name and the tessera classes there are.
@@ -247,7 +336,7 @@ fn alternative_reason(
         );
     }
     if free == 0 {
-        return grouped_reason(model, alt, diag);
+        return fragmented_reason(model, diag).unwrap_or_else(|| grouped_reason(model, alt, diag));
     }
     let rest: Diagnosis = matching.into_iter().filter(|(_, f)| f.is_some()).collect();
     if rest.is_empty() {

@@ -17,6 +17,7 @@ mod cluster;
 mod diagnose;
 mod error;
 pub mod eval;
+pub mod fragmentation;
 pub mod input;
 pub mod model;
 pub mod pod;
