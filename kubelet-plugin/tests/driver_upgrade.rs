@@ -147,7 +147,8 @@ fn an_operator_driver_upgrade_finds_no_nvml_session_or_mps_daemon_and_tessera_co
     };
     let refused = upgrade(&driver.root, NEW).unwrap_err().to_string();
     assert!(
-        refused.contains("Module nvidia is in use") && refused.contains(&format!("pid {}", std::process::id())),
+        refused.contains("Module nvidia is in use")
+            && refused.contains(&format!("pid {}", std::process::id())),
         "{refused}"
     );
 

@@ -57,7 +57,11 @@ impl UpgradeSetup {
     /// At start, before NVML is opened: while the Node asks for the driver to be released, waits without
     /// it (the calls at the gate fail with the upgrade's message), then for the driver, and then resumes
     /// the supervisor's daemons. Returns false when stopped meanwhile.
-    pub(super) async fn hold_while_released(&self, gate: &DriverReleased, stop: watch::Receiver<bool>) -> bool {
+    pub(super) async fn hold_while_released(
+        &self,
+        gate: &DriverReleased,
+        stop: watch::Receiver<bool>,
+    ) -> bool {
         if let Some(UpgradeSignal::Release(reason)) =
             crate::kubelet::upgrade_watch::current_signal(self.client.clone(), &self.node_name).await
         {
@@ -118,8 +122,10 @@ impl UpgradeSetup {
         let reason = reason.describe();
         match tokio::task::spawn_blocking(move || supervisor_protocol::pause(&socket, &reason)).await {
             Ok(Ok(keys)) => info!(daemons = ?keys, "the MPS supervisor stopped its daemons for the upgrade"),
-            Ok(Err(e)) => warn!(error = %e, "cannot stop the MPS supervisor's daemons for the driver upgrade; \
-                they keep the driver in use"),
+            Ok(Err(e)) => {
+                warn!(error = %e, "cannot stop the MPS supervisor's daemons for the driver upgrade; \
+                they keep the driver in use")
+            }
             Err(e) => warn!(error = %e, "the request to the MPS supervisor ended abnormally"),
         }
     }
@@ -156,10 +162,14 @@ impl UpgradeSetup {
         let mut last = String::new();
         loop {
             let (root, proc_root) = (self.driver_root.clone(), self.proc_root.clone());
-            if let Ok(found) = tokio::task::spawn_blocking(move || DriverPresence::check(&root, &proc_root)).await {
+            if let Ok(found) =
+                tokio::task::spawn_blocking(move || DriverPresence::check(&root, &proc_root)).await
+            {
                 if found.ready() {
-                    info!(version = found.kernel.as_deref().unwrap_or("?"),
-                        "the driver upgrade moved on and the driver is installed: loading it");
+                    info!(
+                        version = found.kernel.as_deref().unwrap_or("?"),
+                        "the driver upgrade moved on and the driver is installed: loading it"
+                    );
                     return true;
                 }
                 let missing = found.missing();

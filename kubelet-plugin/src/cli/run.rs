@@ -126,13 +126,13 @@ impl Args {
             false => None,
         };
         let upgrade = upgrade_client.map(|client| UpgradeSetup {
-                node_name: node_name.clone(),
-                client,
-                supervisor: mps_supervisor_socket.clone(),
-                driver_root: DriverRoot::mounted(&backend.driver_root, backend.read_root()),
-                proc_root: crate::gpu::nvml::proc_root_for(backend.read_root()),
-                released: released.clone(),
-                stop: stop_tx.clone(),
+            node_name: node_name.clone(),
+            client,
+            supervisor: mps_supervisor_socket.clone(),
+            driver_root: DriverRoot::mounted(&backend.driver_root, backend.read_root()),
+            proc_root: crate::gpu::nvml::proc_root_for(backend.read_root()),
+            released: released.clone(),
+            stop: stop_tx.clone(),
         });
         // Under a driver upgrade the driver is not opened until it moves on (driver_upgrade.rs).
         let held = match (&lock, &upgrade) {

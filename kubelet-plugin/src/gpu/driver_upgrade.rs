@@ -200,7 +200,11 @@ mod tests {
             "upgrade-done",
             "upgrade-failed",
         ] {
-            assert_eq!(UpgradeSignal::of(&state(serving)), UpgradeSignal::Serve, "{serving:?}");
+            assert_eq!(
+                UpgradeSignal::of(&state(serving)),
+                UpgradeSignal::Serve,
+                "{serving:?}"
+            );
         }
         for releasing in ["pod-restart-required", "post-maintenance-required"] {
             let signal = UpgradeSignal::of(&state(releasing));
@@ -216,12 +220,18 @@ mod tests {
 
     #[test]
     fn a_deploy_label_paused_by_the_driver_manager_releases_bare_or_appended() {
-        let bare = labels(&[("nvidia.com/gpu.deploy.operator-validator", "paused-for-driver-upgrade")]);
+        let bare = labels(&[(
+            "nvidia.com/gpu.deploy.operator-validator",
+            "paused-for-driver-upgrade",
+        )]);
         assert!(UpgradeSignal::of(&bare).is_release());
         let custom = labels(&[("example.com/tessera", "pool-a_paused-for-driver-upgrade")]);
         match UpgradeSignal::of(&custom) {
             UpgradeSignal::Release(r) => {
-                assert_eq!(r.describe(), "example.com/tessera=pool-a_paused-for-driver-upgrade")
+                assert_eq!(
+                    r.describe(),
+                    "example.com/tessera=pool-a_paused-for-driver-upgrade"
+                )
             }
             other => panic!("{other:?}"),
         }
@@ -236,11 +246,17 @@ mod tests {
     fn the_tracker_releases_once_and_comes_back_when_the_upgrade_moves_on() {
         let mut t = UpgradeTracker::holding();
         assert_eq!(t.observe(&state("drain-required")), Step::Stay);
-        assert!(matches!(t.observe(&state("pod-restart-required")), Step::Release(_)));
+        assert!(matches!(
+            t.observe(&state("pod-restart-required")),
+            Step::Release(_)
+        ));
         assert!(t.is_released());
         // The driver manager pauses its labels meanwhile: still released, nothing new to do.
         let mut both = state("pod-restart-required");
-        both.insert("nvidia.com/gpu.deploy.dcgm".into(), PAUSED_FOR_DRIVER_UPGRADE.into());
+        both.insert(
+            "nvidia.com/gpu.deploy.dcgm".into(),
+            PAUSED_FOR_DRIVER_UPGRADE.into(),
+        );
         assert_eq!(t.observe(&both), Step::Stay);
         assert_eq!(t.observe(&state("validation-required")), Step::ComeBack);
         assert!(!t.is_released());
@@ -254,8 +270,15 @@ mod tests {
             value: PAUSED_FOR_DRIVER_UPGRADE.into(),
         };
         let mut t = UpgradeTracker::released(reason.clone());
-        assert!(reason.prepare_refusal().contains("nvidia.com/gpu.deploy.operator-validator=paused"));
-        let paused = labels(&[("nvidia.com/gpu.deploy.operator-validator", PAUSED_FOR_DRIVER_UPGRADE)]);
+        assert!(
+            reason
+                .prepare_refusal()
+                .contains("nvidia.com/gpu.deploy.operator-validator=paused")
+        );
+        let paused = labels(&[(
+            "nvidia.com/gpu.deploy.operator-validator",
+            PAUSED_FOR_DRIVER_UPGRADE,
+        )]);
         assert_eq!(t.observe(&paused), Step::Stay);
         let back = labels(&[("nvidia.com/gpu.deploy.operator-validator", "true")]);
         assert_eq!(t.observe(&back), Step::ComeBack);

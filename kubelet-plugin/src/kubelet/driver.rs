@@ -582,7 +582,10 @@ mod tests {
         assert!(e.is_transient(), "kubelet retries it");
         assert!(e.to_string().contains("pod-restart-required"), "{e}");
         released.set(None);
-        assert!(gate.state().now_or_never().is_none(), "back to waiting for the handover");
+        assert!(
+            gate.state().now_or_never().is_none(),
+            "back to waiting for the handover"
+        );
         assert!(matches!(gate.pending(), ClaimError::HandoverPending { .. }));
     }
 

@@ -20,7 +20,10 @@ use crate::gpu::driver_upgrade::{ReleaseReason, Step, UpgradeSignal, UpgradeTrac
 
 /// The labels of `node` as the API server sends each change of it (the watch retries with backoff on
 /// errors, which are logged).
-pub fn node_labels(client: Client, node: &str) -> impl Stream<Item = BTreeMap<String, String>> + Send + use<> {
+pub fn node_labels(
+    client: Client,
+    node: &str,
+) -> impl Stream<Item = BTreeMap<String, String>> + Send + use<> {
     let api: Api<Node> = Api::all(client);
     let config = watcher::Config::default().fields(&format!("metadata.name={node}"));
     watcher(api, config)
@@ -68,8 +71,15 @@ pub async fn next_step(
 }
 
 /// Waits for the Node to ask the serving plugin to let go of the driver; `None` when stopped first.
-pub async fn wait_for_release(client: Client, node: String, stop: watch::Receiver<bool>) -> Option<ReleaseReason> {
-    info!(node, "watching this node for a GPU Operator driver upgrade (kubelet-plugin/README.md)");
+pub async fn wait_for_release(
+    client: Client,
+    node: String,
+    stop: watch::Receiver<bool>,
+) -> Option<ReleaseReason> {
+    info!(
+        node,
+        "watching this node for a GPU Operator driver upgrade (kubelet-plugin/README.md)"
+    );
     let mut tracker = UpgradeTracker::holding();
     match next_step(node_labels(client, &node), &mut tracker, stop).await? {
         Step::Release(reason) => Some(reason),
