@@ -503,13 +503,6 @@ impl Supervisor {
         self.stopping.store(true, Ordering::SeqCst);
         let record = self.lock();
         let began = Instant::now();
-        self.quit_all(&record);
-        info!(daemons = record.daemons.len(), elapsed = ?began.elapsed(),
-            "quit the MPS daemons; the next supervisor restores them");
-    }
-
-    /// Quits every daemon of `record` in parallel, killing one that does not exit in time.
-    fn quit_all(&self, record: &DaemonRecord) {
         std::thread::scope(|scope| {
             for key in record.daemons.keys() {
                 scope.spawn(move || {
@@ -523,6 +516,8 @@ impl Supervisor {
                 });
             }
         });
+        info!(daemons = record.daemons.len(), elapsed = ?began.elapsed(),
+            "quit the MPS daemons; the next supervisor restores them");
     }
 
     /// [`Request::Pause`]: marks the record paused (first, so that a crash meanwhile restores nothing),
@@ -532,7 +527,18 @@ impl Supervisor {
         let mut record = self.lock();
         record.paused = Some(reason.to_string());
         self.save(&record);
-        self.quit_all(&record);
+        std::thread::scope(|scope| {
+            for key in record.daemons.keys() {
+                scope.spawn(move || {
+                    // No kill by the pid file's number (any tenant of the pipe directory can write it): a
+                    // daemon that does not quit is named, and the driver manager's unload says the rest.
+                    if let Err(e) = self.manager.quit(key) {
+                        warn!(key, error = %e, "an MPS daemon did not quit for the driver upgrade; it keeps the \
+                            driver in use");
+                    }
+                });
+            }
+        });
         let keys: Vec<String> = record.daemons.keys().cloned().collect();
         info!(keys = ?keys, reason, "stopped the MPS daemons for a driver upgrade; their settings are kept");
         keys
