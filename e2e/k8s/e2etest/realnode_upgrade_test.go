@@ -1,11 +1,14 @@
 package e2etest
 
-// The driver's life under the chart on the real node (issue 22, "Upgrades and boot"): at boot the node
-// pods wait in their init container while the driver root is empty and start once a driver is mounted
-// there, as a GPU Operator driver container does; a driver upgraded in place under the running plugin
-// (`tessera-kubelet-plugin simulate upgrade-driver`: new versioned libraries, soname links repointed, the
-// simulated kernel module's version changed) restarts the plugin cleanly, new pods get the new libraries,
-// and a pod that runs through it keeps its own.
+// The driver's life under the chart on the real node (issue 22, "Upgrades and boot"; issue 38 item 4): at
+// boot the node pods wait in their init container while the driver root is empty and start once a driver is
+// mounted there, as a GPU Operator driver container does. An upgrade goes as under the Operator: the
+// simulated module cannot be swapped (`tessera-kubelet-plugin simulate upgrade-driver`: "Module nvidia is in
+// use") while the plugin holds NVML; the node is labelled as the Operator's upgrade controller does when it
+// restarts the driver pod (`nvidia.com/gpu-driver-upgrade-state=pod-restart-required`), the plugin lets go
+// (exit 75, restarted, waiting without the driver), the swap goes through (new versioned libraries, soname
+// links repointed, the kernel module's version changed), the label moves on (`upgrade-done`) and the plugin
+// serves on the new driver; new pods get the new libraries, and a pod that runs through it keeps its own.
 
 import (
 	"context"
@@ -28,9 +31,20 @@ import (
 // upgradedDriverVersion is the version the scenario upgrades the simulated driver to.
 const upgradedDriverVersion = "580.200.01"
 
-// driverChangedExitCode is the plugin's exit status when the driver changed under it
-// (kubelet-plugin/src/gpu/driver_watch.rs, DRIVER_CHANGED_EXIT_CODE).
+// driverChangedExitCode is the plugin's exit status when the driver changed under it or it let go of the
+// driver for an upgrade (kubelet-plugin/src/gpu/driver_watch.rs, DRIVER_CHANGED_EXIT_CODE; driver_upgrade.rs,
+// RELEASED_EXIT_CODE).
 const driverChangedExitCode = 75
+
+// upgradeStateLabel is the GPU Operator upgrade controller's node label (NVIDIA/k8s-operator-libs,
+// pkg/upgrade/consts.go).
+const upgradeStateLabel = "nvidia.com/gpu-driver-upgrade-state"
+
+// tryUpgradeDriver is upgradeDriver that reports the refusal instead of failing the test.
+func (rn realNodeEnv) tryUpgradeDriver(version string) (string, error) {
+	out, err := exec.Command(filepath.Join(e.repoRoot, "target", "debug", "tessera-kubelet-plugin"), "simulate", "upgrade-driver", "--root", rn.driverRoot, "--version", version).CombinedOutput()
+	return strings.TrimSpace(string(out)), err
+}
 
 var nvrmVersion = regexp.MustCompile(`Kernel Module\s+(\d+(?:\.\d+)+)`)
 
@@ -282,7 +296,7 @@ func TestRealNodeDriverUpgradeAndBootThePluginWaitsForTheDriverAndRestartsOnANew
 		return
 	}
 
-	t.Run("upgrade: the plugin restarts on the new driver, new pods get its libraries, and a running pod keeps its own", func(t *testing.T) {
+	t.Run("upgrade: the plugin lets go of the driver for the Operator's swap and serves on the new one, new pods get its libraries, and a running pod keeps its own", func(t *testing.T) {
 		ctx := ctxFor(t, 8*time.Minute)
 		ns := namespace(t, "driver-upgrade")
 		claimTemplate(t, ns, "whole", gpuClass(t))
@@ -312,8 +326,28 @@ func TestRealNodeDriverUpgradeAndBootThePluginWaitsForTheDriverAndRestartsOnANew
 		}
 		restarts := containerStatus(plugin, "plugin").RestartCount
 
+		// The plugin holds NVML: the module cannot be swapped, as rmmod refuses on a real node.
+		if out, err := rn.tryUpgradeDriver(upgradedDriverVersion); err == nil || !strings.Contains(out, "Module nvidia is in use") {
+			t.Fatalf("the driver swap under the serving plugin: %v %s; want it refused with \"Module nvidia is in use\"", err, out)
+		}
+		// The Operator restarts the driver pod: the plugin lets go and the swap goes through.
+		t.Cleanup(func() { patchNode(t, rn.name, `{"metadata":{"labels":{"`+upgradeStateLabel+`":null}}}`) })
 		upgraded := time.Now()
-		rn.upgradeDriver(t, upgradedDriverVersion)
+		patchNode(t, rn.name, `{"metadata":{"labels":{"`+upgradeStateLabel+`":"pod-restart-required"}}}`)
+		waitFor(t, "the driver swap once the plugin released the driver", 2*time.Minute, func(context.Context) (bool, string) {
+			out, err := rn.tryUpgradeDriver(upgradedDriverVersion)
+			return err == nil, out
+		})
+		t.Logf("the driver was swapped %s after the node was labelled", time.Since(upgraded).Round(100*time.Millisecond))
+		released, err := chartPluginPod(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Restarted, and waiting without the driver (still registered with kubelet, so it may show Ready).
+		if s := containerStatus(released, "plugin"); s.RestartCount <= restarts {
+			t.Errorf("the plugin while the driver is released: restarts %d (before %d); want it restarted", s.RestartCount, restarts)
+		}
+		patchNode(t, rn.name, `{"metadata":{"labels":{"`+upgradeStateLabel+`":"upgrade-done"}}}`)
 		var after *v1.Pod
 		waitFor(t, "the plugin container restarted and Ready on the new driver", 2*time.Minute, func(ctx context.Context) (bool, string) {
 			p, err := chartPluginPod(ctx)
@@ -329,13 +363,17 @@ func TestRealNodeDriverUpgradeAndBootThePluginWaitsForTheDriverAndRestartsOnANew
 		t.Logf("the plugin was restarted and Ready %s after the upgrade", time.Since(upgraded).Round(100*time.Millisecond))
 		s := containerStatus(after, "plugin")
 		if term := s.LastTerminationState.Terminated; term == nil || term.ExitCode != driverChangedExitCode ||
-			!strings.Contains(term.Message, "changed from "+original+" to "+upgradedDriverVersion) {
-			t.Errorf("the plugin's last termination %+v; want exit code %d and a message naming %s -> %s",
-				term, driverChangedExitCode, original, upgradedDriverVersion)
+			!strings.Contains(term.Message, upgradeStateLabel+"=pod-restart-required") {
+			t.Errorf("the plugin's last termination %+v; want exit code %d and a message naming %s=pod-restart-required",
+				term, driverChangedExitCode, upgradeStateLabel)
 		}
-		if log := rn.containerLog(after, "plugin", restarts); !strings.Contains(log, "the NVIDIA driver changed from "+original+" to "+upgradedDriverVersion) {
+		if log := rn.containerLog(after, "plugin", restarts); !strings.Contains(log, "releasing the driver") {
 			t.Errorf("the stopped plugin's log does not say why it stopped:\n%s", tail(log, 20))
 		}
+		waitFor(t, "the restarted plugin's log saying it waited for the upgrade and came back", time.Minute, func(context.Context) (bool, string) {
+			log := rn.containerLog(after, "plugin", s.RestartCount)
+			return strings.Contains(log, "waiting without the driver") && strings.Contains(log, "the driver upgrade moved on and the driver is installed"), tail(log, 20)
+		})
 		waitFor(t, "NodeInventory "+rn.name+" names the new driver", time.Minute, func(ctx context.Context) (bool, string) {
 			inv, err := e.dyn.Resource(inventoryGVR).Get(ctx, rn.name, metav1.GetOptions{})
 			if err != nil {
@@ -434,6 +472,9 @@ func TestTheChartsNodePodsWaitForTheDriverAndThePluginWatchesIt(t *testing.T) {
 	}
 	if got := containerEnv(daemonSet(t, objs, "tessera-kubelet-plugin"))["TESSERA_DRIVER_WATCH_INTERVAL"]; got != "7" {
 		t.Errorf("the plugin's TESSERA_DRIVER_WATCH_INTERVAL=%q, want the chart's driver.watchInterval 7", got)
+	}
+	if got := containerEnv(daemonSet(t, objs, "tessera-kubelet-plugin"))["TESSERA_RELEASE_FOR_DRIVER_UPGRADES"]; got != "true" {
+		t.Errorf("the plugin's TESSERA_RELEASE_FOR_DRIVER_UPGRADES=%q, want the chart's driver.releaseForUpgrades true", got)
 	}
 	sim := renderChart(t, helm, "backend=simulated")
 	if inits := daemonSet(t, sim, "tessera-kubelet-plugin").Spec.Template.Spec.InitContainers; len(inits) != 0 {

@@ -154,6 +154,14 @@ pub struct Args {
     #[arg(long, env = "TESSERA_DRIVER_WATCH_INTERVAL", default_value_t = crate::gpu::driver_watch::DEFAULT_WATCH_INTERVAL.as_secs())]
     pub(super) driver_watch_interval: u64,
 
+    /// Take part in the GPU Operator's driver upgrades (nvml backend): when this node's labels say its
+    /// driver is being unloaded (`nvidia.com/gpu-driver-upgrade-state=pod-restart-required`, or a label
+    /// at `paused-for-driver-upgrade`), stop the MPS daemons, release NVML and wait without the driver
+    /// until the upgrade moves on (kubelet-plugin/README.md, "Driver upgrades under the GPU Operator").
+    /// Needs `list` and `watch` on nodes (the chart grants them).
+    #[arg(long, env = "TESSERA_RELEASE_FOR_DRIVER_UPGRADES", default_value_t = true, action = clap::ArgAction::Set)]
+    pub(super) release_for_driver_upgrades: bool,
+
     /// Write device metadata (KEP-5304) for each prepared claim: a JSON file per request, under
     /// `<state dir>/device-metadata`, that the claim's containers read at
     /// `/var/run/kubernetes.io/dra-device-attributes/…/gpu.tessera.dev-metadata.json` (kubelet-plugin/README.md,

@@ -51,6 +51,12 @@ pub enum Error {
         "the NVIDIA driver changed from {from} to {to} under the running plugin; restart it to load the new driver"
     )]
     DriverChanged { from: String, to: String },
+    /// The node's driver is being upgraded under the GPU Operator: the plugin let go of it (exit status
+    /// [`crate::gpu::driver_upgrade::RELEASED_EXIT_CODE`]) and the restarted one waits for the upgrade.
+    #[error(
+        "the node's NVIDIA driver is being upgraded ({label}): released the driver so that its kernel module can          be unloaded; the restarted plugin waits for the upgrade to move on"
+    )]
+    ReleasedForDriverUpgrade { label: String },
     /// `wait-for-driver --timeout` passed without the driver.
     #[error(
         "the NVIDIA driver did not appear under the driver root {root} within {waited_secs}s: {missing}; check the \
@@ -162,6 +168,7 @@ impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
             Self::DriverChanged { .. } => crate::gpu::driver_watch::DRIVER_CHANGED_EXIT_CODE,
+            Self::ReleasedForDriverUpgrade { .. } => crate::gpu::driver_upgrade::RELEASED_EXIT_CODE,
             _ => 1,
         }
     }

@@ -4,6 +4,7 @@ pub mod args;
 mod backend;
 mod discover;
 mod driver_params;
+mod driver_upgrade;
 pub mod error;
 mod mps;
 mod run;

@@ -15,13 +15,16 @@ use tokio::{
 use tracing::{info, warn};
 
 use crate::cli::args::{Args, Command};
-use crate::cli::backend::DriverWatchSetup;
+use crate::cli::backend::{BackendKind, DriverWatchSetup};
+use crate::cli::driver_upgrade::UpgradeSetup;
 use crate::cli::error::{Error, Result};
 use crate::cli::take_over::NodeSetup;
+use crate::gpu::driver_root::DriverRoot;
+use crate::gpu::driver_upgrade::ReleaseReason;
 use crate::gpu::driver_watch::DriverChange;
 use crate::gpu::health::Health;
 use crate::kubelet::driver;
-use crate::kubelet::driver::SocketPaths;
+use crate::kubelet::driver::{DriverReleased, SocketPaths};
 use crate::kubelet::health_service::HealthService;
 use crate::kubelet::inventory::LeaseConfig;
 use crate::kubelet::registration::RegistrationState;
@@ -56,6 +59,7 @@ impl Args {
             coexistence,
             host_proc,
             driver_watch_interval,
+            release_for_driver_upgrades,
             device_metadata,
             log_format: _,
         } = self;
@@ -77,6 +81,7 @@ impl Args {
         };
         let (stop_tx, stop_rx) = watch::channel(false);
         let driver_change = Arc::new(OnceLock::new());
+        let released = Arc::new(OnceLock::new());
         stop_on_signals(stop_tx.clone())?;
         let (registration_tx, registration_rx) = watch::channel(RegistrationState::Pending);
         if let Some(addr) = health_addr {
@@ -100,6 +105,7 @@ impl Args {
             mut serving,
             health,
             health_service,
+            driver_released,
         } = KubeletSockets::serve(&paths, &state_dir, &node_name, registration_tx, &stop_rx);
         if pod_uid.is_some() {
             wait_for_fixed_name_instance(&paths, stop_rx.clone()).await;
@@ -112,7 +118,28 @@ impl Args {
 
         // The node, once owned: GPUs, node state with preparers, then health, metrics and the inventory
         // (take_over.rs).
-        let owned = match lock {
+        let upgrade_client = match release_for_driver_upgrades && backend.backend == BackendKind::Nvml {
+            true => crate::cli::take_over::kube_client(kubeconfig.as_deref())
+                .await
+                .inspect_err(|e| warn!(error = %e, "no API server client: driver upgrades go unwatched"))
+                .ok(),
+            false => None,
+        };
+        let upgrade = upgrade_client.map(|client| UpgradeSetup {
+            node_name: node_name.clone(),
+            client,
+            supervisor: mps_supervisor_socket.clone(),
+            driver_root: DriverRoot::mounted(&backend.driver_root, backend.read_root()),
+            proc_root: crate::gpu::nvml::proc_root_for(backend.read_root()),
+            released: released.clone(),
+            stop: stop_tx.clone(),
+        });
+        // Under a driver upgrade the driver is not opened until it moves on (driver_upgrade.rs).
+        let held = match (&lock, &upgrade) {
+            (Some(_), Some(u)) => u.hold_while_released(&driver_released, stop_rx.clone()).await,
+            _ => true,
+        };
+        let owned = match lock.as_ref().filter(|_| held) {
             Some(_) => {
                 let setup = NodeSetup {
                     node_name,
@@ -141,6 +168,7 @@ impl Args {
                         change: driver_change.clone(),
                         stop: stop_tx.clone(),
                     },
+                    upgrade,
                 };
                 setup.take_over(gate, registration_rx, stop_rx.clone()).await
             }
@@ -152,7 +180,7 @@ impl Args {
             }
         };
 
-        shut_down(owned, serving, stop_tx, lock, &driver_change).await
+        shut_down(owned, serving, stop_tx, lock, &driver_change, &released).await
     }
 }
 
@@ -229,6 +257,7 @@ struct KubeletSockets {
     serving: JoinHandle<crate::kubelet::error::Result<()>>,
     health: Arc<Health>,
     health_service: HealthService,
+    driver_released: DriverReleased,
 }
 
 impl KubeletSockets {
@@ -244,6 +273,7 @@ impl KubeletSockets {
             info!(socket = %path.display(), "cleaned up after a plugin instance that was killed");
         }
         let (gate_tx, gate) = driver::StateGate::closed(StateLock::path_in(state_dir));
+        let driver_released = gate.released();
         // Served from the start like the DRA service; it reports devices once the state is owned.
         let health = Health::new(std::iter::empty());
         let health_service = HealthService::new(health.clone(), node_name.to_string());
@@ -262,6 +292,7 @@ impl KubeletSockets {
             serving,
             health,
             health_service,
+            driver_released,
         }
     }
 }
@@ -293,6 +324,7 @@ async fn shut_down(
     stop: watch::Sender<bool>,
     lock: Option<StateLock>,
     driver_change: &OnceLock<DriverChange>,
+    released: &OnceLock<ReleaseReason>,
 ) -> Result<()> {
     if owned.is_err() {
         stop.send_replace(true);
@@ -311,6 +343,11 @@ async fn shut_down(
     // The lock goes last: the calls in flight and the reconcile have finished, so the next instance
     // loads a checkpoint nothing changes any more.
     drop(lock);
+    if let Some(reason) = released.get() {
+        return Err(Error::ReleasedForDriverUpgrade {
+            label: reason.describe(),
+        });
+    }
     if let Some(change) = driver_change.get() {
         return Err(Error::DriverChanged {
             from: change.from.clone(),

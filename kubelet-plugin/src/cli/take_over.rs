@@ -47,6 +47,8 @@ pub(super) struct NodeSetup {
     pub(super) host_proc: PathBuf,
     pub(super) device_metadata: bool,
     pub(super) driver_watch: DriverWatchSetup,
+    /// The watch of the Node for a GPU Operator driver upgrade, when on.
+    pub(super) upgrade: Option<crate::cli::driver_upgrade::UpgradeSetup>,
 }
 
 impl NodeSetup {
@@ -78,10 +80,12 @@ impl NodeSetup {
             host_proc,
             device_metadata,
             driver_watch,
+            upgrade,
         } = self;
         // The hardware: the GPUs, and a watch of the driver under them.
         let (gpu_backend, mut spec, unusable) = discover_gpus(&backend, &node_name, &state_dir)?;
         let driver_watcher = driver_watch.spawn(&backend, spec.driver_version.clone(), stop_rx.clone());
+        let upgrade_watcher = upgrade.map(|u| u.spawn_watch(stop_rx.clone()));
         for u in &unusable {
             warn!(gpu = u.index, reason = %u.reason, "a GPU is left out of the inventory");
         }
@@ -212,6 +216,7 @@ impl NodeSetup {
         Ok([publisher, reconcile, warm, watch, recheck, retry, retry_failed]
             .into_iter()
             .chain(driver_watcher)
+            .chain(upgrade_watcher)
             .collect())
     }
 }
@@ -252,7 +257,7 @@ fn read_boot_id(boot_id_file: &Path) -> Result<String> {
 
 /// A client from the kubeconfig file, or the in-cluster configuration. Connecting is lazy: an unreachable
 /// API server shows up as failed requests (retried), not as a failed start.
-async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client> {
+pub(super) async fn kube_client(kubeconfig: Option<&Path>) -> Result<kube::Client> {
     let config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| Error::KubeConfig(Box::new(e)))?;

@@ -449,6 +449,58 @@ fn candidates(root: &Path, dirs: &[&str], file: &str) -> Vec<PathBuf> {
         .collect()
 }
 
+/// NVIDIA's daemons' sockets every container gets where the daemon runs: nvidia-persistenced's and fabric
+/// manager's, found under the driver root's `/run` or `/var/run` as NVIDIA's toolkit finds them
+/// (`NVIDIA/nvidia-container-toolkit`, `internal/discover/ipc.go`, `NewIPCDiscoverer`; libnvidia-container's
+/// `lookup_ipcs`). A daemon that is not running has no socket and nothing is mounted.
+pub const IPC_SOCKETS: [&str; 2] = ["nvidia-persistenced/socket", "nvidia-fabricmanager/socket"];
+/// Mount options of a socket: not read-only, since `connect(2)` needs write permission on it
+/// (libnvidia-container's `mount_ipc` leaves `MS_RDONLY` out; the toolkit's `ipcMounts` likewise).
+pub const IPC_MOUNT_OPTIONS: [&str; 5] = ["nosuid", "nodev", "noexec", "rbind", "rprivate"];
+/// The driver's GSP firmware directory under the root, per driver version (`lib/firmware/nvidia/<version>`),
+/// whose files NVIDIA's toolkit mounts at the same path (`NewDriverFirmwareDiscoverer`).
+pub const FIRMWARE_DIR: &str = "lib/firmware/nvidia";
+
+/// The sockets of [`IPC_SOCKETS`] under `root`, each at the first of `/run`, `/var/run` that has it (links
+/// followed inside the root: `var/run` is often one to `/run`), named in the container where it was found.
+fn ipc_sockets(root: &DriverRoot) -> Vec<DriverFile> {
+    let mut out: Vec<DriverFile> = Vec::new();
+    for socket in IPC_SOCKETS {
+        let found = ["run", "var/run"].into_iter().find_map(|dir| {
+            let named = Path::new(dir).join(socket);
+            let resolved = root.resolve(&root.path().join(&named))?;
+            Some(DriverFile {
+                host_path: root.to_host(&resolved)?,
+                container_path: format!("/{}", named.display()),
+            })
+        });
+        out.extend(found);
+    }
+    out
+}
+
+/// The files of `lib/firmware/nvidia/<version>` under `root`, sorted, named in the container at that path.
+fn firmware_files(root: &DriverRoot, version: &str) -> Vec<DriverFile> {
+    let named_dir = Path::new("/").join(FIRMWARE_DIR).join(version);
+    let Some(dir) = root.resolve(&root.path().join(FIRMWARE_DIR).join(version)) else {
+        return Vec::new();
+    };
+    let mut files: Vec<DriverFile> = fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| {
+            Some(DriverFile {
+                host_path: root.to_host(&e.path())?,
+                container_path: named_dir.join(e.file_name()).display().to_string(),
+            })
+        })
+        .collect();
+    files.sort_by(|a, b| a.container_path.cmp(&b.container_path));
+    files
+}
+
 /// One driver file and where the container sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DriverFile {
@@ -546,6 +598,10 @@ pub struct DriverFiles {
     /// Whether the host has the driver's `/proc/driver/nvidia/params`, which the hook then masks in each
     /// container (`disable-device-node-modification`, see [`DriverFiles::with_driver_params`]).
     pub driver_params: bool,
+    /// The sockets of NVIDIA's daemons that run ([`IPC_SOCKETS`]), mounted writable.
+    pub ipc: Vec<DriverFile>,
+    /// The driver version's GSP firmware files ([`FIRMWARE_DIR`]), mounted read-only as the toolkit does.
+    pub firmware: Vec<DriverFile>,
 }
 
 impl DriverFiles {
@@ -604,6 +660,10 @@ impl DriverFiles {
             driver_version: driver_version.map(str::to_string),
             simulated_kernel,
             driver_params: false,
+            ipc: ipc_sockets(root),
+            firmware: driver_version
+                .map(|v| firmware_files(root, v))
+                .unwrap_or_default(),
         }
     }
 

@@ -11,6 +11,7 @@
 //! instance by id, the way NVML handles must be re-resolved after a destroy or reset.
 
 pub mod driver_root;
+pub mod driver_upgrade;
 pub mod driver_watch;
 pub mod health;
 pub mod mig;

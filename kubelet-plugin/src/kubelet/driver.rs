@@ -209,6 +209,24 @@ pub fn remove_stale_sockets(own: &SocketPaths) -> Vec<PathBuf> {
 pub struct StateGate {
     state: watch::Receiver<Option<Arc<NodeState>>>,
     lock_path: PathBuf,
+    released: DriverReleased,
+}
+
+/// Set while this instance waits, without the driver, for a GPU Operator driver upgrade to move on
+/// (`gpu::driver_upgrade`): calls at the gate fail at once with its message (kubelet retries them) instead
+/// of waiting for a state that comes only after the upgrade.
+#[derive(Clone, Debug, Default)]
+pub struct DriverReleased(Arc<std::sync::RwLock<Option<String>>>);
+
+impl DriverReleased {
+    /// Sets (or with `None` clears) the message the calls get.
+    pub fn set(&self, message: Option<String>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = message;
+    }
+
+    fn get(&self) -> Option<String> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 /// How long a call waits for the handover: below kubelet's default 45 s deadline for a DRA call
@@ -225,6 +243,7 @@ impl StateGate {
         Self {
             state,
             lock_path: PathBuf::new(),
+            released: DriverReleased::default(),
         }
     }
 
@@ -232,7 +251,19 @@ impl StateGate {
     /// file is `lock_path`. Dropping the sender unopened fails the waiting calls at once.
     pub fn closed(lock_path: PathBuf) -> (watch::Sender<Option<Arc<NodeState>>>, Self) {
         let (tx, state) = watch::channel(None);
-        (tx, Self { state, lock_path })
+        (
+            tx,
+            Self {
+                state,
+                lock_path,
+                released: DriverReleased::default(),
+            },
+        )
+    }
+
+    /// The switch that makes the calls at this gate fail at once while the driver is released.
+    pub fn released(&self) -> DriverReleased {
+        self.released.clone()
     }
 
     /// The state, once owned; `None` when the handover did not finish within [`HANDOVER_WAIT`] or this
@@ -242,6 +273,9 @@ impl StateGate {
         if let Some(state) = rx.borrow().clone() {
             return Some(state);
         }
+        if self.released.get().is_some() {
+            return None;
+        }
         match tokio::time::timeout(HANDOVER_WAIT, rx.wait_for(|s| s.is_some())).await {
             Ok(Ok(state)) => state.clone(),
             _ => None,
@@ -249,6 +283,9 @@ impl StateGate {
     }
 
     fn pending(&self) -> ClaimError {
+        if let Some(message) = self.released.get() {
+            return ClaimError::DriverReleased { message };
+        }
         ClaimError::HandoverPending {
             path: self.lock_path.clone(),
             waited_secs: HANDOVER_WAIT.as_secs(),
@@ -529,6 +566,28 @@ mod tests {
     use super::*;
 
     const UID: &str = "0d6f6a2e-5b7c-4e4f-9a7e-3c1f2b8e9d10";
+
+    #[tokio::test]
+    async fn calls_at_a_gate_of_a_released_driver_fail_at_once_naming_the_upgrade_and_wait_again_after_it() {
+        use futures::FutureExt;
+        let (_tx, gate) = StateGate::closed(PathBuf::from("/var/lib/tessera/plugin.lock"));
+        let released = gate.released();
+        released.set(Some(
+            "the node's NVIDIA driver is being upgraded (nvidia.com/gpu-driver-upgrade-state=pod-restart-required)"
+                .into(),
+        ));
+        // Answered without waiting for a state that comes only after the upgrade.
+        assert_eq!(gate.state().now_or_never().map(|s| s.is_none()), Some(true));
+        let e = gate.pending();
+        assert!(e.is_transient(), "kubelet retries it");
+        assert!(e.to_string().contains("pod-restart-required"), "{e}");
+        released.set(None);
+        assert!(
+            gate.state().now_or_never().is_none(),
+            "back to waiting for the handover"
+        );
+        assert!(matches!(gate.pending(), ClaimError::HandoverPending { .. }));
+    }
 
     /// A registry directory whose path is `len` bytes long.
     fn dir_of_len(len: usize) -> PathBuf {

@@ -9,3 +9,4 @@ pub mod inventory;
 pub mod mps_events;
 pub mod prepare_retry;
 pub mod registration;
+pub mod upgrade_watch;

@@ -11,7 +11,7 @@
 
 use tessera_api::GpuInfo;
 
-use crate::gpu::driver_root::{DriverFiles, HookFeature, MOUNT_OPTIONS};
+use crate::gpu::driver_root::{DriverFiles, HookFeature, IPC_MOUNT_OPTIONS, MOUNT_OPTIONS};
 use crate::gpu::{GpuBackend, GpuError};
 use crate::node::cdi::{ContainerEdits, DeviceNode, Hook, Mount};
 
@@ -88,11 +88,17 @@ pub fn driver_edits(files: &DriverFiles) -> ContainerEdits {
         .iter()
         .chain(&files.binaries)
         .chain(&files.simulated_kernel)
+        .chain(&files.firmware)
         .map(|f| Mount {
             host_path: f.host_path.display().to_string(),
             container_path: f.container_path.clone(),
             options: options.clone(),
         })
+        .chain(files.ipc.iter().map(|f| Mount {
+            host_path: f.host_path.display().to_string(),
+            container_path: f.container_path.clone(),
+            options: IPC_MOUNT_OPTIONS.map(String::from).to_vec(),
+        }))
         .collect();
     let mut hooks = Vec::new();
     if let Some(hook) = &files.hook {
@@ -149,6 +155,57 @@ mod tests {
 
     use super::*;
     use crate::gpu::driver_root::{CdiHook, DriverRoot, HookFeature};
+
+    #[test]
+    fn the_daemons_sockets_are_mounted_writable_and_the_drivers_firmware_read_only_where_the_root_has_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        fs::create_dir_all(d.join("usr/lib/x86_64-linux-gnu")).unwrap();
+        // A merged-/usr root whose var/run links to /run: the socket is found once, at /run.
+        fs::create_dir_all(d.join("run/nvidia-persistenced")).unwrap();
+        let socket = d.join("run/nvidia-persistenced/socket");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        fs::create_dir_all(d.join("var")).unwrap();
+        symlink("/run", d.join("var/run")).unwrap();
+        symlink("usr/lib", d.join("lib")).unwrap();
+        let firmware = d.join("usr/lib/firmware/nvidia/580.1");
+        fs::create_dir_all(&firmware).unwrap();
+        for f in ["gsp_tu10x.bin", "gsp_ga10x.bin"] {
+            fs::write(firmware.join(f), b"fw").unwrap();
+        }
+        fs::create_dir_all(d.join("usr/lib/firmware/nvidia/575.2")).unwrap();
+        fs::write(d.join("usr/lib/firmware/nvidia/575.2/gsp_ga10x.bin"), b"old").unwrap();
+
+        let files = DriverFiles::discover(&DriverRoot::mounted("/run/nvidia/driver", d), Some("580.1"));
+        let edits = driver_edits(&files);
+        let mount = |target: &str| edits.mounts.iter().find(|m| m.container_path == target);
+        let sock = mount("/run/nvidia-persistenced/socket").expect("persistenced's socket");
+        assert_eq!(
+            sock.host_path,
+            "/run/nvidia/driver/run/nvidia-persistenced/socket"
+        );
+        assert!(
+            !sock.options.iter().any(|o| o == "ro"),
+            "connect(2) needs it writable: {:?}",
+            sock.options
+        );
+        assert!(mount("/var/run/nvidia-persistenced/socket").is_none());
+        assert!(
+            mount("/run/nvidia-fabricmanager/socket").is_none(),
+            "no fabric manager, no socket"
+        );
+        let fw = mount("/lib/firmware/nvidia/580.1/gsp_ga10x.bin").expect("the driver's firmware");
+        assert_eq!(
+            fw.host_path,
+            "/run/nvidia/driver/usr/lib/firmware/nvidia/580.1/gsp_ga10x.bin"
+        );
+        assert_eq!(fw.options, MOUNT_OPTIONS.map(String::from));
+        assert!(mount("/lib/firmware/nvidia/580.1/gsp_tu10x.bin").is_some());
+        assert!(
+            !edits.mounts.iter().any(|m| m.container_path.contains("575.2")),
+            "another version's firmware is not this driver's"
+        );
+    }
 
     #[test]
     fn driver_edits_mount_every_file_read_only_and_call_the_hook_to_link_enable_compat_and_cache() {

@@ -232,6 +232,10 @@ pub enum ClaimError {
          see which process holds the file (fuser {path})"
     )]
     HandoverPending { path: PathBuf, waited_secs: u64 },
+    /// The plugin has let go of the driver for a GPU Operator driver upgrade (`gpu::driver_upgrade`); the
+    /// message names the Node label that asked for it.
+    #[error("{message}")]
+    DriverReleased { message: String },
     /// Node state (checkpoint or CDI spec) could not be written.
     #[error(transparent)]
     State(#[from] Box<Error>),
@@ -244,7 +248,10 @@ impl ClaimError {
     /// ([`crate::kubelet::prepare_retry`]); a bad config, a wrong allocation or a refused checkpoint is not.
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::GetClaim { .. } | Self::Task { .. } | Self::HandoverPending { .. } => true,
+            Self::GetClaim { .. }
+            | Self::Task { .. }
+            | Self::HandoverPending { .. }
+            | Self::DriverReleased { .. } => true,
             Self::Sharing { transient, .. } => *transient,
             _ => false,
         }

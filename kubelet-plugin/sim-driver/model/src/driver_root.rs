@@ -372,12 +372,36 @@ pub struct Upgraded {
 /// it), its soname link is repointed by rename, the other versions' files are removed, and then the
 /// simulated kernel module behind `root/tessera-sim` reports `version`. Libraries first: a plugin that
 /// reads the root in between sees sources that disagree and waits (`driver_watch`).
+///
+/// Refused, with nothing changed, while a process holds an NVML session of the simulated kernel: the old
+/// module must be unloaded first, and the kernel refuses `delete_module` for a module whose reference count
+/// is not 0 (`rmmod`: "Module nvidia is in use"); every process with a `/dev/nvidia*` file open counts.
+/// NVIDIA's driver manager unloads it so before a new driver goes in and stops when it cannot
+/// (`NVIDIA/k8s-driver-manager`, `cmd/driver-manager/main.go`, `unloadDriver`: "Could not unload NVIDIA
+/// driver kernel modules, driver is in use").
 pub fn upgrade(root: &Path, version: &str) -> Result<Upgraded> {
     if tessera_gpu_api::driver_version::version_in_name(Path::new(&format!("x.so.{version}")), "x").is_none()
     {
         return Err(GpuError::InvalidArgument(format!(
             "--version {version:?} is not a driver version such as 580.159.03 (digits and dots)"
         )));
+    }
+    if let Ok(kernel) = fs::canonicalize(root.join(KERNEL_DIR_NAME)) {
+        let holders = crate::sessions::live_sessions(&kernel);
+        if !holders.is_empty() {
+            let names: Vec<String> = holders
+                .iter()
+                .map(|h| format!("{} (pid {})", h.name, h.pid))
+                .collect();
+            return Err(GpuError::SimulatedState {
+                path: kernel.display().to_string(),
+                reason: format!(
+                    "rmmod nvidia: Module nvidia is in use: the old kernel module cannot be unloaded while \
+                     {} hold NVML sessions of it; stop them (or let them release the driver) first",
+                    names.join(", ")
+                ),
+            });
+        }
     }
     let lib_dir = root.join(LIBRARY_DIR);
     let err = |path: &Path, e: std::io::Error| GpuError::SimulatedState {
@@ -633,6 +657,29 @@ mod tests {
             Path::new(".."),
             "a root inside its kernel links to it relatively"
         );
+    }
+
+    #[test]
+    fn an_upgrade_is_refused_while_an_nvml_session_holds_the_module_and_changes_nothing() {
+        let built = tempfile::tempdir().unwrap();
+        artifacts_in(built.path(), &["libnvidia_ml.so", "libcuda.so"]);
+        let kernel = tempfile::tempdir().unwrap();
+        let r = kernel.path().join("driver-root");
+        install(&r, kernel.path(), &[built.path().to_path_buf()]).unwrap();
+        let session = crate::sessions::Session::open(kernel.path(), &[0]).unwrap();
+        let e = upgrade(&r, "580.200.01").unwrap_err().to_string();
+        assert!(e.contains("Module nvidia is in use"), "{e}");
+        assert_eq!(
+            crate::kernel::kernel_driver_version(kernel.path()).as_deref(),
+            Some(SIMULATED_DRIVER_VERSION)
+        );
+        assert_eq!(
+            fs::read_link(r.join(LIBRARY_DIR).join("libcuda.so.1")).unwrap(),
+            Path::new(&format!("libcuda.so.{SIMULATED_DRIVER_VERSION}")),
+            "the libraries are left alone too"
+        );
+        drop(session);
+        upgrade(&r, "580.200.01").unwrap();
     }
 
     #[test]

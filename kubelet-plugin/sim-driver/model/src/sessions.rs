@@ -143,6 +143,33 @@ pub fn other_holders(kernel: &Path, gpu: u32) -> Vec<SessionRecord> {
     out
 }
 
+/// Every live NVML session of kernel directory `kernel`, this process's included: what keeps the kernel
+/// module in use (each holds `/dev/nvidiactl` open on a real driver). Stale sessions are removed on the way.
+pub fn live_sessions(kernel: &Path) -> Vec<SessionRecord> {
+    let Ok(entries) = fs::read_dir(kernel.join(SESSIONS_DIR)) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for path in entries.filter_map(|e| e.ok()).map(|e| e.path()) {
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        let Some(record) = fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<SessionRecord>(&b).ok())
+        else {
+            continue;
+        };
+        if is_live(&path) {
+            out.push(record);
+        } else {
+            let _ = fs::remove_file(&path);
+        }
+    }
+    out.sort_by_key(|r| r.pid);
+    out
+}
+
 /// Whether the session file at `path` is still locked by its process.
 fn is_live(path: &Path) -> bool {
     let Ok(file) = File::open(path) else {

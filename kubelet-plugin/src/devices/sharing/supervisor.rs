@@ -8,6 +8,7 @@
 //!         {"op":"start","key":"gpu-0","uuid":"GPU-…","defaults":{…}}   (foreground children, driver-root
 //!         {"op":"send","key":"gpu-0","command":"get_default_…"}          PATH, LD_LIBRARY_PATH = links to
 //!         {"op":"stop","key":"gpu-0"} · {"op":"pid",…} · {"op":"running"}   NVIDIA's libraries only, output
+//!         {"op":"pause","reason":"…"} · {"op":"resume"}
 //!                                            │                          in log/daemon.log, own /dev/shm
 //!                                            ▼                          on real GPUs)
 //!                     <state dir>/mps-supervisor.json: the daemons asked for, with their settings
@@ -37,6 +38,12 @@
 //!   stops running daemons no prepared share uses and starts again the daemon of every prepared share
 //!   that does not answer (so a record lost with its file is rebuilt too);
 //! * a record of an earlier boot (the node's boot id differs) is dropped: a reboot ended the clients.
+//!
+//! **Driver upgrades.** A running daemon holds the GPU, so the kernel module cannot be unloaded under it.
+//! When the node's driver is upgraded (`gpu::driver_upgrade`) the plugin sends `pause`: the record is
+//! marked paused, every daemon quits, and none is started (by a request, the watchdog or a restarted
+//! supervisor) until `resume`, which starts them again with their recorded settings on the driver there
+//! then.
 //!
 //! **Stopping.** The supervisor is PID 1 of its container, where SIGTERM has no default action, so it
 //! waits for SIGTERM and SIGINT itself: it `quit`s every daemon (in parallel; a daemon that does not exit
@@ -122,7 +129,11 @@ pub fn validate(req: &Request) -> Result<(), String> {
         Request::Start { key, uuid, .. } => check_key(key).and_then(|()| check_uuid(uuid)),
         Request::Stop { key } | Request::Pid { key } => check_key(key),
         Request::Send { key, command } => check_key(key).and_then(|()| check_command(command)),
-        Request::Running => Ok(()),
+        Request::Running | Request::Resume => Ok(()),
+        Request::Pause { reason } if reason.len() > 512 || reason.contains('\n') => {
+            Err("a pause reason is one line of at most 512 characters".into())
+        }
+        Request::Pause { .. } => Ok(()),
     }
 }
 
@@ -138,6 +149,10 @@ pub struct DaemonRecord {
     /// The daemons asked for, by key.
     #[serde(default)]
     pub daemons: BTreeMap<String, DaemonSpec>,
+    /// Set while the daemons are stopped for a driver upgrade ([`Request::Pause`]): why. Kept in the
+    /// record so that a supervisor restarted meanwhile does not start them on the driver being unloaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused: Option<String>,
 }
 
 /// One daemon to run: its device and the defaults applied after each start.
@@ -227,6 +242,7 @@ impl Supervisor {
             record: Mutex::new(DaemonRecord {
                 boot_id: boot_id.trim().to_string(),
                 daemons: BTreeMap::new(),
+                paused: None,
             }),
             retries: Mutex::default(),
             stopping: AtomicBool::new(false),
@@ -273,6 +289,7 @@ impl Supervisor {
             *record = DaemonRecord {
                 boot_id: self.boot_id.clone(),
                 daemons: BTreeMap::new(),
+                paused: None,
             };
             self.save(&record);
             return out;
@@ -281,6 +298,11 @@ impl Supervisor {
             boot_id: self.boot_id.clone(),
             ..loaded
         };
+        if let Some(reason) = &record.paused {
+            info!(keys = ?record.daemons.keys().collect::<Vec<_>>(), reason,
+                "the MPS daemons stay stopped for a driver upgrade until the plugin resumes them");
+            return out;
+        }
         let results: Vec<(String, Result<(), String>)> = std::thread::scope(|scope| {
             let handles: Vec<_> = record
                 .daemons
@@ -342,6 +364,9 @@ impl Supervisor {
         }
         let record = self.lock();
         let mut started = Vec::new();
+        if record.paused.is_some() {
+            return started;
+        }
         for (key, spec) in &record.daemons {
             if self.manager.pid(key).is_some() {
                 continue;
@@ -388,8 +413,25 @@ impl Supervisor {
         }
         let manager = &self.manager;
         match req {
+            Request::Pause { reason } => Answer {
+                keys: self.pause(reason),
+                ..Default::default()
+            },
+            Request::Resume => match self.resume() {
+                Ok(keys) => Answer {
+                    keys,
+                    ..Default::default()
+                },
+                Err(e) => failed(e),
+            },
             Request::Start { key, uuid, defaults } => {
                 let mut record = self.lock();
+                if let Some(reason) = &record.paused {
+                    return failed(format!(
+                        "the MPS daemons are stopped for a driver upgrade ({reason}); the plugin resumes them \
+                         once the upgrade moves on"
+                    ));
+                }
                 let spec = DaemonSpec {
                     uuid: uuid.clone(),
                     defaults: *defaults,
@@ -419,6 +461,13 @@ impl Supervisor {
             }
             Request::Stop { key } => {
                 let mut record = self.lock();
+                // Paused: nothing runs; the share is gone, so its daemon is not resumed.
+                if record.paused.is_some() {
+                    if record.daemons.remove(key).is_some() {
+                        self.save(&record);
+                    }
+                    return Answer::default();
+                }
                 match manager.stop(key) {
                     Ok(()) => {
                         if record.daemons.remove(key).is_some() {
@@ -469,6 +518,55 @@ impl Supervisor {
         });
         info!(daemons = record.daemons.len(), elapsed = ?began.elapsed(),
             "quit the MPS daemons; the next supervisor restores them");
+    }
+
+    /// [`Request::Pause`]: marks the record paused (first, so that a crash meanwhile restores nothing),
+    /// quits every daemon and keeps their settings. Returns the keys paused. Pausing again only updates
+    /// the reason.
+    pub fn pause(&self, reason: &str) -> Vec<String> {
+        let mut record = self.lock();
+        record.paused = Some(reason.to_string());
+        self.save(&record);
+        std::thread::scope(|scope| {
+            for key in record.daemons.keys() {
+                scope.spawn(move || {
+                    // No kill by the pid file's number (any tenant of the pipe directory can write it): a
+                    // daemon that does not quit is named, and the driver manager's unload says the rest.
+                    if let Err(e) = self.manager.quit(key) {
+                        warn!(key, error = %e, "an MPS daemon did not quit for the driver upgrade; it keeps the \
+                            driver in use");
+                    }
+                });
+            }
+        });
+        let keys: Vec<String> = record.daemons.keys().cloned().collect();
+        info!(keys = ?keys, reason, "stopped the MPS daemons for a driver upgrade; their settings are kept");
+        keys
+    }
+
+    /// [`Request::Resume`]: starts every daemon a pause stopped, with its settings, and clears the pause.
+    /// Returns the keys that serve; one that fails is left to the watchdog, which retries it.
+    pub fn resume(&self) -> Result<Vec<String>, String> {
+        let mut record = self.lock();
+        if record.paused.take().is_none() {
+            return Ok(self.manager.running());
+        }
+        self.save(&record);
+        let mut serving = Vec::new();
+        for (key, spec) in &record.daemons {
+            match self.manager.start(key, &spec.uuid, spec.defaults) {
+                Ok(_) => {
+                    self.schedule_retry(key, true);
+                    serving.push(key.clone());
+                }
+                Err(e) => {
+                    warn!(key, error = %e, "cannot start an MPS daemon again after the driver upgrade; retrying");
+                    self.schedule_retry(key, false);
+                }
+            }
+        }
+        info!(serving = ?serving, "started the MPS daemons again after the driver upgrade");
+        Ok(serving)
     }
 }
 

@@ -37,6 +37,12 @@ pub enum Request {
     Pid { key: String },
     /// Keys of the running daemons.
     Running,
+    /// Quit every daemon and start none until [`Request::Resume`], keeping each one's settings: the node's
+    /// driver is being upgraded and its kernel module cannot be unloaded while a daemon holds the GPU
+    /// (`gpu::driver_upgrade`). `reason` names the upgrade in the supervisor's log and refusals.
+    Pause { reason: String },
+    /// Start again every daemon a [`Request::Pause`] quit, with its settings (on the driver there now).
+    Resume,
 }
 
 /// The supervisor's answer; `error` set means the request failed.
@@ -77,6 +83,8 @@ pub(super) fn op_name(req: &Request) -> &'static str {
         Request::Send { .. } => "send",
         Request::Pid { .. } => "pid",
         Request::Running => "running",
+        Request::Pause { .. } => "pause",
+        Request::Resume => "resume",
     }
 }
 
@@ -109,4 +117,19 @@ pub fn request(socket: &Path, req: &Request) -> Result<Answer, SupervisorError> 
         }),
         None => Ok(answer),
     }
+}
+
+/// [`Request::Pause`]: the supervisor quits every daemon, keeping their settings, until [`resume`]. Returns
+/// the keys paused.
+pub fn pause(socket: &Path, reason: &str) -> Result<Vec<String>, SupervisorError> {
+    let req = Request::Pause {
+        reason: reason.to_string(),
+    };
+    request(socket, &req).map(|a| a.keys)
+}
+
+/// [`Request::Resume`]: the supervisor starts again, with their settings, the daemons a pause quit (none
+/// when nothing was paused). Returns the keys that serve.
+pub fn resume(socket: &Path) -> Result<Vec<String>, SupervisorError> {
+    request(socket, &Request::Resume).map(|a| a.keys)
 }
