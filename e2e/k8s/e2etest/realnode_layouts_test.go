@@ -317,9 +317,16 @@ func TestRealNodeLayoutsGiveCUDAWorkloadsTheDriverThroughTheirOwnLoaderCache(t *
 	}
 	// GKE's paths are absolute (the chart's GKE defaults key on them); they are this test's alone.
 	if _, err := os.Stat("/home/kubernetes"); err == nil {
-		t.Fatalf("/home/kubernetes exists on this machine: remove it (a test run that did not clean up?) so the GKE layout can be made there")
+		t.Fatalf("/home/kubernetes exists on this machine; the GKE-like layout is made there (a killed run of this test leaves it, which `make down` removes)")
 	}
 	t.Cleanup(func() { _ = os.RemoveAll("/home/kubernetes") })
+	// The mark real-node.sh's `down` looks for to clean up after a run that was killed.
+	if err := os.MkdirAll("/home/kubernetes", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile("/home/kubernetes/.tessera-e2e", []byte(e.runDir+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	// Every GPU's fabric trains until hgxFabricTraining after the plugin starts (below); until then the
 	// kernel's load time is in the future, which the simulated driver reads as training not yet finished.
 	hgx := hgxNodeFile(t, rn)
