@@ -358,6 +358,14 @@ down() {
   findmnt -rn -o TARGET | awk -v d="$RUN_DIR/" 'index($0, d) == 1' | sort -r | while read -r m; do
     umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || echo "warning: cannot unmount $m" >&2
   done
+  # TestRealNodeLayouts…'s GKE-like layout lives at GKE's absolute paths; a run killed before its cleanup
+  # leaves them (marked as the e2e's own).
+  if [[ -f /home/kubernetes/.tessera-e2e ]]; then
+    findmnt -rn -o TARGET | awk 'index($0, "/home/kubernetes/") == 1' | sort -r | while read -r m; do
+      umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || echo "warning: cannot unmount $m" >&2
+    done
+    rm -rf /home/kubernetes
+  fi
   teardown_network
   teardown_cgroups
 }

@@ -174,6 +174,26 @@ rc=()
 # kube-controller-manager's serviceaccount controller creates; without that process (the rate benchmark)
 # the admission plugin stays off.
 [[ "${SKIP_CONTROLLER_MANAGER:-0}" == 1 ]] && rc+=(--disable-admission-plugins ServiceAccount)
+# ResourceQuota admission as GKE configures it: pods of the PriorityClasses system-node-critical and
+# system-cluster-critical are admitted only in a namespace with a ResourceQuota scoped to them (GKE ships
+# one in kube-system; tessera's chart brings one to its namespace, priorityQuota.create). Kubernetes docs,
+# "Resource Quotas", "Limit Priority Class consumption by default"; nothing here runs such pods elsewhere.
+ADMISSION_CONFIG="$RUN_DIR/admission-config.yaml"
+cat > "$ADMISSION_CONFIG" <<'YAML'
+apiVersion: apiserver.config.k8s.io/v1
+kind: AdmissionConfiguration
+plugins:
+  - name: ResourceQuota
+    configuration:
+      apiVersion: apiserver.config.k8s.io/v1
+      kind: ResourceQuotaConfiguration
+      limitedResources:
+        - resource: pods
+          matchScopes:
+            - scopeName: PriorityClass
+              operator: In
+              values: [system-node-critical, system-cluster-critical]
+YAML
 write_proc kube-apiserver -- "$BIN_DIR/kube-apiserver" \
   --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
   --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
@@ -192,6 +212,7 @@ write_proc kube-apiserver -- "$BIN_DIR/kube-apiserver" \
   --requestheader-username-headers X-Remote-User --requestheader-group-headers X-Remote-Group \
   --requestheader-extra-headers-prefix X-Remote-Extra- \
   --proxy-client-cert-file "$PKI_DIR/front-proxy-client.crt" --proxy-client-key-file "$PKI_DIR/front-proxy-client.key" \
+  --admission-control-config-file "$ADMISSION_CONFIG" \
   --allow-privileged=true --profiling=false "${gates[@]}" "${rc[@]}"
 start_proc kube-apiserver
 clusterctl wait-api --kubeconfig "$ADMIN_KUBECONFIG" --timeout 90s || die "kube-apiserver did not become ready" "$LOG_DIR/kube-apiserver.log"
