@@ -110,6 +110,9 @@ impl NodeSetup {
             cdi_hook,
             &cdi_hook_features,
             cdi_hook_dir.unwrap_or_else(|| state_dir.join("bin")),
+            // The host's /proc shows the hook directory's host mount; a process's own /proc is the host's
+            // when the plugin runs on the host itself.
+            Some(host_proc.as_path()),
         )?;
         // The params file of a loaded NVIDIA module; a simulated driver has none, whatever the machine has.
         let driver_params = backend.backend == BackendKind::Nvml
@@ -277,6 +280,7 @@ fn cdi_hook_of(
     nvidia: Option<PathBuf>,
     nvidia_features: &[HookFeature],
     dir: PathBuf,
+    host_proc: Option<&Path>,
 ) -> Result<Option<CdiHook>> {
     if let Some(path) = nvidia {
         return Ok(Some(CdiHook::nvidia(path, nvidia_features)));
@@ -289,7 +293,7 @@ fn cdi_hook_of(
     };
     let path = crate::node::cdi::install_hook(&source, &dir)?;
     // As the runtime will run it: a hook on a noexec mount would fail every container, not this process.
-    crate::node::cdi::check_hook_runs(&path)?;
+    crate::node::cdi::check_hook_runs(&path, host_proc)?;
     info!(hook = %path.display(), from = %source.display(), "installed the CDI hook on the host");
     Ok(Some(CdiHook::tessera(path)))
 }

@@ -381,10 +381,14 @@ pub fn install_hook(source: &Path, dir: &Path) -> Result<PathBuf> {
 }
 
 /// Checks that the hook installed at `path` can be executed as the runtime will: its directory's
-/// filesystem is not mounted noexec, and running it (`--help`, which tessera's hook answers with its usage)
-/// succeeds. The runtime executes it on the host; this process sees the same mount at the same path
-/// (a bind mount keeps its source's noexec), so what fails here fails there.
-pub fn check_hook_runs(path: &Path) -> Result<()> {
+/// filesystem is not mounted noexec, here or on the host, and running it (`--help`, which tessera's hook
+/// answers with its usage) succeeds. The runtime executes it on the host, at the same path this process
+/// sees (the chart mounts the directory at its host path). This process's own mount may not show the
+/// host's noexec: runc remounts a hostPath bind with the container's own flags, which drops it (seen with
+/// containerd 2.4.2 and runc 1.5.3 over a noexec stateDir), and the hook then runs here but not there. So
+/// the host's mount table, `<host_proc>/1/mountinfo` (the host's init, whose mount namespace the runtime
+/// uses), is read too where the host's /proc is mounted.
+pub fn check_hook_runs(path: &Path, host_proc: Option<&Path>) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("/"));
     let run = || {
         std::process::Command::new(path)
@@ -404,7 +408,58 @@ pub fn check_hook_runs(path: &Path) -> Result<()> {
             _ => break,
         }
     }
-    hook_verdict(path, mounted_noexec(dir), result)
+    let host_noexec = host_proc
+        .and_then(|proc| fs::read_to_string(proc.join("1/mountinfo")).ok())
+        .and_then(|table| noexec_in_mountinfo(&table, dir));
+    let noexec = match (mounted_noexec(dir), host_noexec) {
+        (Some(true), _) | (_, Some(true)) => Some(true),
+        (here, host) => here.or(host),
+    };
+    hook_verdict(path, noexec, result)
+}
+
+/// Whether the mount holding `dir` in a `/proc/<pid>/mountinfo` table is mounted noexec: the mount
+/// point that is the longest path prefix of `dir` (the last such line where mounts are stacked, as the
+/// kernel lists them in mount order). `None` where no line parses or names a prefix of `dir`.
+pub(crate) fn noexec_in_mountinfo(table: &str, dir: &Path) -> Option<bool> {
+    let mut best: Option<(usize, bool)> = None;
+    for line in table.lines() {
+        // id parent major:minor root mount-point per-mount-options [optional...] - fstype source super-options
+        let mut fields = line.split(' ');
+        let (Some(point), Some(options)) = (fields.nth(4), fields.next()) else {
+            continue;
+        };
+        let point = PathBuf::from(unescape_mountinfo(point));
+        if !dir.starts_with(&point) {
+            continue;
+        }
+        let depth = point.components().count();
+        if best.is_none_or(|(d, _)| depth >= d) {
+            best = Some((depth, options.split(',').any(|o| o == "noexec")));
+        }
+    }
+    best.map(|(_, noexec)| noexec)
+}
+
+/// mountinfo writes space, tab, newline and backslash in paths as octal escapes (`\040`).
+fn unescape_mountinfo(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes.get(i + 1..i + 4).filter(|d| d.iter().all(|b| (b'0'..=b'7').contains(b)));
+        match (bytes[i], octal) {
+            (b'\\', Some(d)) => {
+                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
+                i += 4;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The decision of [`check_hook_runs`] from what it found: `noexec` is the directory's mount flag
@@ -542,7 +597,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // Not executable: exec answers EACCES, as it does on a noexec mount (which needs privileges to make).
         let hook = hook_file(dir.path(), "#!/bin/sh\nexit 0\n", 0o644);
-        let e = check_hook_runs(&hook).unwrap_err().to_string();
+        let e = check_hook_runs(&hook, None).unwrap_err().to_string();
         assert!(
             e.contains("cdiHookDir") && e.contains("--cdi-hook-dir") && e.contains("exec failed"),
             "{e}"
@@ -550,10 +605,51 @@ mod tests {
         assert!(e.contains(&hook.display().to_string()), "{e}");
 
         let runs = hook_file(dir.path(), "#!/bin/sh\n[ \"$1\" = --help ]\n", 0o755);
-        check_hook_runs(&runs).unwrap();
+        check_hook_runs(&runs, None).unwrap();
         let fails = hook_file(dir.path(), "#!/bin/sh\necho broken >&2; exit 3\n", 0o755);
-        let e = check_hook_runs(&fails).unwrap_err().to_string();
+        let e = check_hook_runs(&fails, None).unwrap_err().to_string();
         assert!(e.contains("broken") && e.contains("cdiHookDir"), "{e}");
+    }
+
+    #[test]
+    fn a_hook_directory_the_host_mounts_noexec_is_refused_though_the_container_can_run_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let hooks = dir.path().join("var/lib/tessera/bin");
+        fs::create_dir_all(&hooks).unwrap();
+        let hook = hook_file(&hooks, "#!/bin/sh\n[ \"$1\" = --help ]\n", 0o755);
+        // The host's table as the host's init sees it: the stateDir bind-mounted noexec over /var.
+        let state = dir.path().join("var/lib/tessera");
+        let proc = dir.path().join("host-proc");
+        fs::create_dir_all(proc.join("1")).unwrap();
+        let table = |state_options: &str| {
+            format!(
+                "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw\n\
+                 40 22 8:1 /var {var} rw,nosuid,nodev,noexec,relatime shared:20 - ext4 /dev/vda1 rw\n\
+                 41 40 8:1 /var/lib/tessera {state} {state_options} shared:21 - ext4 /dev/vda1 rw\n",
+                var = dir.path().join("var").display(),
+                state = state.display(),
+            )
+        };
+        fs::write(proc.join("1/mountinfo"), table("rw,nosuid,nodev,noexec,relatime")).unwrap();
+        let e = check_hook_runs(&hook, Some(&proc)).unwrap_err().to_string();
+        assert!(e.contains("noexec") && e.contains("cdiHookDir"), "{e}");
+        // Without the host's table this process can only go by its own mount, where the hook runs.
+        check_hook_runs(&hook, None).unwrap();
+        // The stateDir remounted exec on the host, over a noexec /var: the nearest mount decides.
+        fs::write(proc.join("1/mountinfo"), table("rw,nosuid,nodev,relatime")).unwrap();
+        check_hook_runs(&hook, Some(&proc)).unwrap();
+    }
+
+    #[test]
+    fn mountinfo_paths_are_unescaped_and_the_last_of_stacked_mounts_decides() {
+        let table = "22 1 8:1 / / rw - ext4 /dev/vda1 rw\n\
+                     30 22 0:5 / /home/my\\040dir rw,noexec - tmpfs tmpfs rw\n\
+                     31 30 0:5 / /home/my\\040dir rw - tmpfs tmpfs rw\n\
+                     32 22 0:6 / /home/other rw,noexec - tmpfs tmpfs rw\n";
+        assert_eq!(noexec_in_mountinfo(table, Path::new("/home/my dir/bin")), Some(false));
+        assert_eq!(noexec_in_mountinfo(table, Path::new("/home/other/bin")), Some(true));
+        assert_eq!(noexec_in_mountinfo(table, Path::new("/home/otherwise")), Some(false));
+        assert_eq!(noexec_in_mountinfo("garbage\n", Path::new("/x")), None);
     }
 
     #[test]
