@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
-use tessera_controller::rightsize::{Inputs, RightsizeError, query::Prometheus, rightsize};
+use tessera_controller::rightsize::{Inputs, RightsizeError, cli::report, query::Prometheus, rightsize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SAMPLES_PER_POD: u64 = 50;
@@ -275,6 +275,10 @@ async fn rightsize_reads_the_known_load_back_from_prometheus_and_gives_the_rules
     let outcome = rightsize(&prometheus, &inputs("serving", "50s", t_end))
         .await
         .unwrap();
+    // The table the command prints (controller/README.md shows this run's).
+    let table = report(&outcome, &inputs("serving", "50s", t_end));
+    eprint!("{table}");
+    assert!(table.contains("  compute request 45 %"), "{table}");
     let r = &outcome.recommendation;
     assert_eq!(r.samples, 100, "{r:?}");
     assert!((r.p90_use - 0.36).abs() < 1e-9, "{r:?}");
@@ -334,4 +338,48 @@ async fn an_unreachable_prometheus_is_an_error_naming_its_url() {
         "{err}"
     );
     assert!(!err.is_no_recommendation());
+}
+
+/// Runs the built `kubectl-tessera rightsize` with a template file; (exit code, stdout, stderr).
+fn run_binary(template: &serde_json::Value, prometheus: &str) -> (i32, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("template.json");
+    std::fs::write(&file, template.to_string()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kubectl-tessera"))
+        .args([
+            "rightsize",
+            "deployment/web",
+            "-n",
+            "serving",
+            "--prometheus",
+            prometheus,
+            "--template-file",
+        ])
+        .arg(&file)
+        .env_remove("TESSERA_PROMETHEUS_URL")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_command_refuses_a_whole_gpu_template_with_exit_1_and_an_unreachable_prometheus_with_exit_2() {
+    let mut whole = template();
+    whole["spec"]["spec"]["devices"]["requests"][0]["exactly"] =
+        json!({"deviceClassName": "gpu.tessera.dev"});
+    let (code, stdout, stderr) = run_binary(&whole, "http://127.0.0.1:1");
+    assert_eq!((code, stdout.as_str()), (1, ""), "{stderr}");
+    assert!(
+        stderr.starts_with("error: request \"gpu\" is not a tessera share: it asks for a whole GPU"),
+        "{stderr}"
+    );
+
+    let port = free_port();
+    let (code, stdout, stderr) = run_binary(&template(), &format!("http://127.0.0.1:{port}"));
+    assert_eq!((code, stdout.as_str()), (2, ""), "{stderr}");
+    assert!(stderr.contains("is unreachable"), "{stderr}");
 }
