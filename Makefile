@@ -45,12 +45,14 @@ test-unit: ## Rust unit and integration tests (no cluster)
 	cargo build --workspace --all-targets
 	cargo test --workspace
 
-# e2e/bench/dcgmjoin runs the real Prometheus over the chart's DCGM recording rules: the add-on's build
+# e2e/bench/dcgmjoin runs the real Prometheus over the chart's DCGM recording rules, and controller/tests/rightsize.rs
+# reads a known load back through it: the add-on's build
 # (Prometheus and KEDA, relinked only when their sources change) runs here, before `make e2e`, whose own
 # call then finds them up to date; TESSERA_REQUIRE_PROMETHEUS turns the test's skip without it into a failure.
-test-bench: ## The benchmarks' and e2e tools' own Go tests (packing counts on a fixed slice of the trace, the fleet model, 1.38's iptables stand-in, the DCGM recording rules in a real Prometheus; no timing)
+test-bench: ## The benchmarks' and e2e tools' own Go tests (packing counts on a fixed slice of the trace, the fleet model, 1.38's iptables stand-in, the DCGM recording rules and kubectl tessera rightsize in a real Prometheus; no timing)
 	e2e/scripts/build-autoscaling.sh
 	cd e2e/bench && TESSERA_REQUIRE_PROMETHEUS=1 GOTOOLCHAIN=local go test -count=1 ./...
+	TESSERA_REQUIRE_PROMETHEUS=1 cargo test -p tessera-controller --test rightsize
 	cd e2e/k8s && GOTOOLCHAIN=local GOFLAGS=-mod=mod go test -count=1 ./internal/fleet/ ./internal/fleetsim/
 	cd e2e/tools/iptables-wrappers && GOTOOLCHAIN=local go test -count=1 ./...
 

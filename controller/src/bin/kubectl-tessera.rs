@@ -1,9 +1,10 @@
 //! `kubectl-tessera`: tessera's kubectl plugin (`kubectl tessera explain pod/NAME`,
-//! `kubectl tessera migrate -f FILE`).
+//! `kubectl tessera migrate -f FILE`, `kubectl tessera rightsize deployment/NAME`).
 
 use clap::{Parser, Subcommand};
 use tessera_controller::explain::cli::{self as explain, Args};
 use tessera_controller::migrate::cli::{self as migrate, MigrateArgs};
+use tessera_controller::rightsize::cli::{self as rightsize, RightsizeArgs};
 
 const EXIT_CODES: &str = "Exit status: see each command's --help.";
 
@@ -23,6 +24,11 @@ enum Top {
     /// stdout, what changed and what could not be translated on stderr.
     #[command(after_help = migrate::EXIT_CODES)]
     Migrate(MigrateArgs),
+    /// Size a Deployment's GPU share from what its pods used (tessera's per-claim series in Prometheus)
+    /// by tessera's sizing rule v1: the resized ResourceClaimTemplate (or the JSON patch) on stdout, the
+    /// numbers on stderr.
+    #[command(after_help = rightsize::EXIT_CODES)]
+    Rightsize(RightsizeArgs),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -30,6 +36,7 @@ async fn main() -> std::process::ExitCode {
     let code = match Cli::parse().command {
         Top::Explain(command) => explain::run(Args { command }).await,
         Top::Migrate(args) => migrate::run(&args),
+        Top::Rightsize(args) => rightsize::run(&args).await,
     };
     std::process::ExitCode::from(code)
 }
