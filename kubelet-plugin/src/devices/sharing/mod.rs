@@ -49,6 +49,7 @@ use tracing::{info, warn};
 use crate::gpu::{ComputeMode, GpuBackend, GpuError};
 use mps::{MpsError, MpsManager, ShareLimits};
 use supervisor_protocol::DaemonDefaults;
+pub use supervisor_protocol::{TENANT_SEPARATOR, check_daemon_key, split_daemon_key};
 use timeslice::{TimeSliceError, TimeSliceRecord};
 
 /// Why a share could not be set up.
@@ -166,6 +167,29 @@ pub fn share_key(device: &DeviceName) -> String {
     }
 }
 
+/// The key of the MPS daemon that serves a share of `device`: the device's [`share_key`] for the device's
+/// one daemon (tenancy `Shared`, and every daemon of a plugin before per-namespace daemons), or
+/// `<share key>@<namespace>` for the daemon of the claims of one namespace. Keys name the daemon's
+/// directory (`<state dir>/mps/<key>/`), so each namespace gets its own pipe, log and `/dev/shm`.
+pub fn daemon_key(device: &DeviceName, tenant: Option<&str>) -> String {
+    match tenant {
+        Some(namespace) => format!("{}{TENANT_SEPARATOR}{namespace}", share_key(device)),
+        None => share_key(device),
+    }
+}
+
+/// The key of the daemon a prepared MPS share uses: the directory its checkpointed pipe directory
+/// (`<state dir>/mps/<key>/pipe`) is in, so a share keeps the daemon it was prepared with across restarts
+/// and upgrades (a share prepared by a plugin before per-namespace daemons names the device's one
+/// daemon); the device's [`share_key`] where the record names no pipe directory.
+pub fn daemon_key_of_share(device: &DeviceName, pipe_dir: Option<&str>) -> String {
+    pipe_dir
+        .map(std::path::Path::new)
+        .and_then(|p| p.parent()?.file_name()?.to_str())
+        .filter(|key| check_daemon_key(key).is_ok() && split_daemon_key(key).0 == share_key(device))
+        .map_or_else(|| share_key(device), str::to_string)
+}
+
 /// One share to prepare.
 #[derive(Clone, Debug)]
 pub struct ShareRequest<'a> {
@@ -183,6 +207,9 @@ pub struct ShareRequest<'a> {
     pub interval: TimeSliceInterval,
     /// The allocation result's `consumedCapacity`.
     pub consumed: &'a BTreeMap<String, Quantity>,
+    /// MPS: the namespace whose own daemon serves the share (tenancy `Namespace`), or `None` for the
+    /// device's one daemon, shared by every namespace (tenancy `Shared`). See [`daemon_key`].
+    pub tenant: Option<&'a str>,
 }
 
 /// What a prepared share gives its containers and what the checkpoint keeps.
@@ -220,6 +247,9 @@ pub struct Sharer {
     /// The daemon each watch found answering, by key: one that answers the next watch but is another
     /// daemon was replaced in between, an outage shorter than the watch's interval that the clients felt.
     seen: Mutex<BTreeMap<String, mps::DaemonInstance>>,
+    /// The holders of each MPS daemon, by daemon key ([`daemon_key`]): a device has one daemon per
+    /// namespace of its shares (or one for all), started with its first holder and stopped after its last.
+    tenants: Mutex<BTreeMap<String, BTreeSet<String>>>,
 }
 
 /// The MPS daemon of a shared device: its device UUID and the defaults it was started with.
@@ -291,7 +321,92 @@ impl Sharer {
             daemons: Mutex::default(),
             down: Mutex::default(),
             seen: Mutex::default(),
+            tenants: Mutex::default(),
         }
+    }
+
+    fn lock_tenants(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, BTreeSet<String>>> {
+        self.tenants.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn add_tenant(&self, daemon: &str, holder: &str) {
+        self.lock_tenants()
+            .entry(daemon.to_string())
+            .or_default()
+            .insert(holder.to_string());
+    }
+
+    /// Removes `holder` from the daemon of `device_key` it holds: that daemon's key, and whether it has no
+    /// holder left. `None` when the holder holds none (a time-sliced share, an unprepare after a crash).
+    fn remove_tenant(&self, device_key: &str, holder: &str) -> Option<(String, bool)> {
+        let mut tenants = self.lock_tenants();
+        let key = tenants
+            .iter()
+            .find(|(k, holders)| split_daemon_key(k).0 == device_key && holders.contains(holder))
+            .map(|(k, _)| k.clone())?;
+        let holders = tenants.get_mut(&key)?;
+        holders.remove(holder);
+        let last = holders.is_empty();
+        if last {
+            tenants.remove(&key);
+        }
+        Some((key, last))
+    }
+
+    /// Number of holders of the MPS daemon `daemon` (a [`daemon_key`]).
+    pub fn daemon_holders(&self, daemon: &str) -> usize {
+        self.lock_tenants().get(daemon).map_or(0, BTreeSet::len)
+    }
+
+    /// The compute mode of a whole GPU follows its daemons: EXCLUSIVE_PROCESS while exactly one serves it
+    /// (only its MPS server may open the GPU, so no client bypasses it); DEFAULT with two or more (the
+    /// servers of different namespaces must each open the GPU, and a real driver refuses a second process
+    /// in EXCLUSIVE_PROCESS, so they time-slice as separate contexts) and with none. MIG devices are left
+    /// alone: the mode is the GPU's, and other tenants hold its other MIG devices.
+    fn apply_compute_mode(
+        &self,
+        gpu: &GpuInfo,
+        device: &DeviceName,
+        daemons: &BTreeMap<String, DaemonNeed>,
+    ) -> Result<(), SharingError> {
+        if on_mig(device) {
+            return Ok(());
+        }
+        let key = share_key(device);
+        // Registered daemons and those of restored shares whose record named no defaults to register.
+        let tenants = self.lock_tenants();
+        let serving = daemons
+            .keys()
+            .chain(tenants.keys())
+            .filter(|k| split_daemon_key(k).0 == key)
+            .collect::<BTreeSet<_>>()
+            .len();
+        drop(tenants);
+        let mode = if serving == 1 {
+            ComputeMode::ExclusiveProcess
+        } else {
+            ComputeMode::Default
+        };
+        self.backend
+            .set_compute_mode(gpu.index, mode)
+            .map_err(|source| SharingError::ComputeMode {
+                gpu: gpu.index,
+                source,
+            })
+    }
+
+    /// Stops the MPS daemon `daemon` whose last holder went while other shares still hold its device (a
+    /// namespace's last share of a GPU other namespaces share too), and sets the GPU's mode for the daemons
+    /// left.
+    fn stop_daemon(&self, gpu: &GpuInfo, daemon: &str, device: &DeviceName) -> Result<(), SharingError> {
+        let mut daemons = self.lock_daemons();
+        if self.daemon_holders(daemon) > 0 {
+            return Ok(());
+        }
+        daemons.remove(daemon);
+        self.forget_instance(daemon);
+        self.mps.stop(daemon)?;
+        self.apply_compute_mode(gpu, device, &daemons)
     }
 
     fn lock_daemons(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, DaemonNeed>> {
@@ -321,7 +436,13 @@ impl Sharer {
     /// Re-registers the MPS daemon of a share prepared before a restart (from its checkpoint record), so
     /// the watch starts it again should it go. The first restored share of a device decides.
     pub fn restore_daemon(&self, device: &DeviceName, need: DaemonNeed) {
-        self.lock_daemons().entry(share_key(device)).or_insert(need);
+        self.restore_daemon_of(&share_key(device), need);
+    }
+
+    /// [`Sharer::restore_daemon`] for the daemon `daemon` (a [`daemon_key`], as [`daemon_key_of_share`]
+    /// reads it from the share's record).
+    pub fn restore_daemon_of(&self, daemon: &str, need: DaemonNeed) {
+        self.lock_daemons().entry(daemon.to_string()).or_insert(need);
     }
 
     /// The devices whose MPS daemon the last watch found down.
@@ -342,7 +463,7 @@ impl Sharer {
         // Never held across a start: the inventory reads it from an async task.
         let down = || self.down.lock().unwrap_or_else(|e| e.into_inner());
         for (key, need) in daemons.iter() {
-            if self.users.count(key) == 0 {
+            if self.daemon_holders(key) == 0 {
                 self.forget_instance(key);
                 continue;
             }
@@ -354,7 +475,7 @@ impl Sharer {
                 } else if replaced {
                     warn!(
                         key,
-                        shares = self.users.count(key),
+                        shares = self.daemon_holders(key),
                         "the MPS daemon of prepared shares was replaced since the last check: CUDA contexts \
                          its clients made on the old daemon are lost"
                     );
@@ -369,7 +490,7 @@ impl Sharer {
                 .or_insert_with(|| {
                     warn!(
                         key,
-                        shares = self.users.count(key),
+                        shares = self.daemon_holders(key),
                         "the MPS daemon of prepared shares does not answer: their CUDA clients have no \
                          server; starting it again"
                     );
@@ -412,17 +533,24 @@ impl Sharer {
     fn stop_orphans_locked(&self, daemons: &BTreeMap<String, DaemonNeed>, gpus: &[GpuInfo]) -> Vec<String> {
         let mut stopped = Vec::new();
         for key in self.mps.running() {
-            if daemons.contains_key(&key) || self.users.count(&key) > 0 {
+            if daemons.contains_key(&key) || self.daemon_holders(&key) > 0 {
                 continue;
             }
-            let Ok(device) = key.parse::<DeviceName>() else {
+            let Ok(device) = split_daemon_key(&key).0.parse::<DeviceName>() else {
                 continue;
             };
             let Some(gpu) = gpus.iter().find(|g| g.index == device.gpu()) else {
                 continue;
             };
             info!(key, "stopping an MPS daemon no prepared claim uses");
-            match self.teardown_locked(gpu, &key, SharingStrategy::Mps, &device) {
+            self.forget_instance(&key);
+            // The GPU's mode then follows the daemons its shares still use (none: DEFAULT).
+            let result = self
+                .mps
+                .stop(&key)
+                .map_err(SharingError::from)
+                .and_then(|()| self.apply_compute_mode(gpu, &device, daemons));
+            match result {
                 Ok(()) => stopped.push(key),
                 Err(e) => warn!(key, error = %e, "could not stop an orphaned MPS daemon"),
             }
@@ -445,9 +573,25 @@ impl Sharer {
 
     /// Re-registers a share prepared before a restart (from a completed checkpoint record).
     pub fn restore(&self, device: &DeviceName, holder: &str, strategy: SharingStrategy) {
+        self.restore_on(device, holder, strategy, None);
+    }
+
+    /// [`Sharer::restore`] of an MPS share on the daemon `daemon` (a [`daemon_key`], as
+    /// [`daemon_key_of_share`] reads it from the share's record); `None`: the device's one daemon.
+    pub fn restore_on(
+        &self,
+        device: &DeviceName,
+        holder: &str,
+        strategy: SharingStrategy,
+        daemon: Option<&str>,
+    ) {
         let key = share_key(device);
         if let Err(e) = self.users.add(&key, holder, strategy) {
             warn!(key, holder, error = %e, "cannot restore a prepared share");
+            return;
+        }
+        if strategy == SharingStrategy::Mps {
+            self.add_tenant(daemon.unwrap_or(&key), holder);
         }
     }
 
@@ -455,12 +599,23 @@ impl Sharer {
     pub fn prepare(&self, req: &ShareRequest<'_>) -> Result<PreparedShare, SharingError> {
         let key = share_key(req.device);
         let first = self.users.add(&key, &req.holder, req.strategy)?;
-        let result = self.prepare_registered(req, &key, first);
-        if result.is_err()
-            && self.users.remove(&key, &req.holder)
-            && let Err(e) = self.teardown(req.gpu, &key, req.strategy, req.device)
-        {
-            warn!(key, error = %e, "could not undo the shared device's setup");
+        let daemon = daemon_key(req.device, req.tenant);
+        if req.strategy == SharingStrategy::Mps {
+            self.add_tenant(&daemon, &req.holder);
+        }
+        let result = self.prepare_registered(req, &key, &daemon, first);
+        if result.is_err() {
+            let daemon_left = self.remove_tenant(&key, &req.holder);
+            let undone = if self.users.remove(&key, &req.holder) {
+                self.teardown(req.gpu, &key, req.strategy, req.device)
+            } else if let Some((daemon, true)) = daemon_left {
+                self.stop_daemon(req.gpu, &daemon, req.device)
+            } else {
+                Ok(())
+            };
+            if let Err(e) = undone {
+                warn!(key, error = %e, "could not undo the shared device's setup");
+            }
         }
         result
     }
@@ -469,9 +624,9 @@ impl Sharer {
         &self,
         req: &ShareRequest<'_>,
         key: &str,
+        daemon: &str,
         first: bool,
     ) -> Result<PreparedShare, SharingError> {
-        let gpu = req.gpu.index;
         let mig = on_mig(req.device);
         let mut out = PreparedShare {
             uuid: req.uuid.to_string(),
@@ -485,30 +640,44 @@ impl Sharer {
                     uuid: req.uuid.to_string(),
                     defaults: daemon_defaults(req, limits),
                 };
-                let need = match daemons.get(key) {
+                if first {
+                    // Daemons the device's last share left warm for other namespaces (or for all): not
+                    // this share's, and they must not hold the GPU next to its daemon.
+                    let others: Vec<String> = daemons
+                        .keys()
+                        .filter(|k| split_daemon_key(k).0 == key && *k != daemon)
+                        .cloned()
+                        .collect();
+                    for other in others {
+                        info!(key = other, "stopping a warm MPS daemon of another tenancy");
+                        self.forget_instance(&other);
+                        self.mps.stop(&other)?;
+                        daemons.remove(&other);
+                    }
+                }
+                let need = match daemons.get(daemon) {
                     // A daemon kept warm by the last share, started for another device or with other
                     // defaults than this first share gives: not this share's daemon, so a new one.
                     Some(warm) if first && *warm != wanted => {
-                        info!(key, kept = ?warm.defaults, wanted = ?wanted.defaults,
+                        info!(key = daemon, kept = ?warm.defaults, wanted = ?wanted.defaults,
                             "the warm MPS daemon has other settings than this share asks for; starting anew");
-                        self.forget_instance(key);
-                        self.mps.stop(key)?;
+                        self.forget_instance(daemon);
+                        self.mps.stop(daemon)?;
                         wanted
                     }
                     Some(current) => current.clone(),
                     None => wanted,
                 };
-                if !self.mps.is_running(key) {
-                    if !mig {
-                        // Only the MPS server may own the GPU, so clients cannot bypass it.
-                        self.backend
-                            .set_compute_mode(gpu, ComputeMode::ExclusiveProcess)
-                            .map_err(|source| SharingError::ComputeMode { gpu, source })?;
-                    }
-                    self.forget_instance(key);
-                    self.mps.start(key, &need.uuid, need.defaults)?;
+                if !self.mps.is_running(daemon) {
+                    // The mode for the daemons the GPU will have, before this one's server opens it: a
+                    // second namespace's server needs DEFAULT (see `apply_compute_mode`).
+                    let mut serving = daemons.clone();
+                    serving.insert(daemon.to_string(), need.clone());
+                    self.apply_compute_mode(req.gpu, req.device, &serving)?;
+                    self.forget_instance(daemon);
+                    self.mps.start(daemon, &need.uuid, need.defaults)?;
                 }
-                daemons.insert(key.to_string(), need.clone());
+                daemons.insert(daemon.to_string(), need.clone());
                 drop(daemons);
                 if let Some(p) = need.defaults.active_thread_percentage {
                     out.limits.insert(DAEMON_THREAD_LIMIT.into(), p.to_string());
@@ -517,7 +686,7 @@ impl Sharer {
                     out.limits
                         .insert(DAEMON_PINNED_LIMIT.into(), format!("{}M", b >> 20));
                 }
-                let dirs = self.mps.dirs(key);
+                let dirs = self.mps.dirs(daemon);
                 let (env, mounts) = mps::client_edits(&dirs, limits, self.real_hardware);
                 out.env = env;
                 out.mounts = mounts;
@@ -570,7 +739,12 @@ impl Sharer {
         keep: bool,
     ) -> Result<bool, SharingError> {
         let key = share_key(device);
+        let daemon_left = self.remove_tenant(&key, holder);
         if !self.users.remove(&key, holder) {
+            // Other shares keep the device; a namespace whose last share of it went loses its daemon.
+            if let Some((daemon, true)) = daemon_left {
+                self.stop_daemon(gpu, &daemon, device)?;
+            }
             return Ok(false);
         }
         if keep {
@@ -594,8 +768,7 @@ impl Sharer {
         if self.users.count(key) > 0 {
             return Ok(false);
         }
-        daemons.remove(key);
-        self.teardown_locked(gpu, key, strategy, device)?;
+        self.teardown_locked(gpu, key, strategy, device, &mut daemons)?;
         Ok(true)
     }
 
@@ -607,24 +780,32 @@ impl Sharer {
         device: &DeviceName,
     ) -> Result<(), SharingError> {
         let mut daemons = self.lock_daemons();
-        daemons.remove(key);
-        self.teardown_locked(gpu, key, strategy, device)
+        self.teardown_locked(gpu, key, strategy, device, &mut daemons)
     }
 
-    /// [`Sharer::teardown`] with the daemon lock held by the caller.
+    /// [`Sharer::teardown`] with the daemon lock held by the caller: stops every MPS daemon of the device
+    /// (registered, or with a directory: one of a share this process never knew), then its mode.
     fn teardown_locked(
         &self,
         gpu: &GpuInfo,
         key: &str,
         strategy: SharingStrategy,
         device: &DeviceName,
+        daemons: &mut BTreeMap<String, DaemonNeed>,
     ) -> Result<(), SharingError> {
         let index = gpu.index;
         let mig = on_mig(device);
+        let of_device = |k: &String| split_daemon_key(k).0 == key;
+        let mut keys: BTreeSet<String> = daemons.keys().filter(|k| of_device(k)).cloned().collect();
+        daemons.retain(|k, _| !of_device(k));
         match strategy {
             SharingStrategy::Mps => {
-                self.forget_instance(key);
-                self.mps.stop(key)?;
+                keys.insert(key.to_string());
+                keys.extend(self.mps.known().into_iter().filter(of_device));
+                for daemon in &keys {
+                    self.forget_instance(daemon);
+                    self.mps.stop(daemon)?;
+                }
                 if !mig {
                     self.backend
                         .set_compute_mode(index, ComputeMode::Default)

@@ -263,11 +263,10 @@ impl MpsManager {
                 .ok()?
                 .pid;
         }
-        if let Some(owned) = &self.owned
-            && let Some(&pid) = owned.lock().unwrap_or_else(|e| e.into_inner()).get(key)
-            && process_alive(pid)
-        {
-            return Some(pid);
+        if self.owned.is_some() {
+            // The supervisor knows its children; the pid file is in the pipe directory every tenant of
+            // the daemon mounts read-write, so a number read there may name any process (review N16).
+            return self.child_pid(key);
         }
         let pid: u32 = fs::read_to_string(self.dirs(key).pipe.join(PID_FILE))
             .ok()?
@@ -275,6 +274,27 @@ impl MpsManager {
             .parse()
             .ok()?;
         process_alive(pid).then_some(pid)
+    }
+
+    /// The pid of the daemon of `key` when this manager started it as its child and it runs (supervisor
+    /// mode); `None` otherwise. The only pids the supervisor signals.
+    pub fn child_pid(&self, key: &str) -> Option<u32> {
+        let owned = self.owned.as_ref()?;
+        let pid = *owned.lock().unwrap_or_else(|e| e.into_inner()).get(key)?;
+        process_alive(pid).then_some(pid)
+    }
+
+    /// Keys of the daemon directories under `<state dir>/mps`, running or not (no daemon is asked).
+    pub fn known(&self) -> Vec<String> {
+        let Ok(entries) = fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        let mut keys: Vec<String> = entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|k| super::supervisor_protocol::check_daemon_key(k).is_ok())
+            .collect();
+        keys.sort();
+        keys
     }
 
     /// Which daemon of `key` listens now: its control socket's device, inode and modification time. Each
