@@ -21,7 +21,7 @@ use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager, send_c
 use tessera_kubelet_plugin::devices::sharing::supervisor::{
     DaemonRecord, DaemonSpec, RECORD_FILE, Supervisor,
 };
-use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::DaemonDefaults;
+use tessera_kubelet_plugin::devices::sharing::supervisor_protocol::{DaemonDefaults, Request};
 use tessera_kubelet_plugin::devices::sharing::{
     PreparedShare, ShareRequest, Sharer, daemon_key, daemon_key_of_share,
 };
@@ -291,32 +291,52 @@ fn a_supervisor_restores_the_daemons_of_every_namespace_and_of_an_older_record()
 }
 
 #[test]
-fn a_pid_file_a_tenant_wrote_is_not_what_the_supervisor_signals() {
+fn a_pid_file_a_tenant_wrote_is_neither_a_running_daemon_nor_what_the_supervisor_signals() {
     let tmp = tempfile::tempdir().unwrap();
-    let manager = MpsManager::new(tmp.path(), simulated()).owning_children(false);
-    manager
-        .start("gpu-0@team-a", "GPU-0a1b", DaemonDefaults::default())
-        .unwrap();
-    let daemon = manager.child_pid("gpu-0@team-a").unwrap();
-    // A tenant rewrites the pid file in its mounted pipe directory to name another process.
-    let victim = std::process::Command::new("sleep").arg("30").spawn().unwrap();
-    let pid_file = manager
-        .dirs("gpu-0@team-a")
-        .pipe
-        .join(tessera_kubelet_plugin::devices::sharing::mps::PID_FILE);
-    fs::write(&pid_file, format!("{}\n", victim.id())).unwrap();
-    assert_eq!(
-        manager.pid("gpu-0@team-a"),
-        Some(daemon),
-        "the supervisor's own child"
+    let supervisor = Supervisor::new(
+        MpsManager::new(tmp.path(), simulated()).owning_children(false),
+        common::BOOT_ID,
     );
-    manager.stop("gpu-0@team-a").unwrap();
-    assert_eq!(manager.pid("gpu-0@team-a"), None);
+    let key = "gpu-0@team-a";
+    let started = supervisor.handle(&Request::Start {
+        key: key.into(),
+        uuid: "GPU-0a1b".into(),
+        defaults: DaemonDefaults::default(),
+    });
+    assert_eq!(started.error, None);
+    let manager = supervisor.manager();
+    let pipe = manager.dirs(key).pipe;
+    // A tenant quits its daemon and leaves a pid file in its mounted pipe directory naming another process.
+    let mut victim = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+    send_control(&pipe, "quit").unwrap();
+    while manager.child_pid(key).is_some() {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    fs::write(
+        pipe.join(tessera_kubelet_plugin::devices::sharing::mps::PID_FILE),
+        format!("{}\n", victim.id()),
+    )
+    .unwrap();
+    assert_eq!(
+        manager.pid(key),
+        None,
+        "a number in the pipe directory is no daemon"
+    );
+    assert_eq!(
+        supervisor.watch_once(),
+        [key],
+        "the watchdog starts the daemon again"
+    );
+    fs::write(
+        pipe.join(tessera_kubelet_plugin::devices::sharing::mps::PID_FILE),
+        format!("{}\n", victim.id()),
+    )
+    .unwrap();
+    supervisor.shutdown();
     assert!(
         alive(victim.id()),
         "the process the pid file named must be left alone"
     );
-    let mut victim = victim;
     victim.kill().unwrap();
     victim.wait().unwrap();
 }

@@ -1145,11 +1145,23 @@ impl ControlDaemon {
             )
             .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limits.join(","))
             .stdin(Stdio::piped())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn();
         match child {
-            Ok(child) => {
+            Ok(mut child) => {
+                // A server that cannot open the GPU (in EXCLUSIVE_PROCESS mode, held by another MPS
+                // server) exits instead of saying it serves: its clients are refused, not granted.
+                if let Err(e) = await_server(&mut child) {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(std::io::Error::other(format!(
+                        "{} {} did not serve: {e}; see {}",
+                        program.display(),
+                        child.id(),
+                        self.log_dir.join("server.log").display()
+                    )));
+                }
                 grant.server_pid = child.id();
                 writeln!(
                     log,
@@ -1200,6 +1212,30 @@ impl Server {
     }
 }
 
+/// What a server prints on its stdout once it serves ([`run_server`]).
+pub const SERVER_READY: &str = "ready";
+
+/// Waits for a just started server's [`SERVER_READY`] line: `Err` when it exits (or closes its stdout)
+/// first, or says nothing within the daemon timeout.
+fn await_server(child: &mut std::process::Child) -> std::io::Result<()> {
+    let Some(out) = child.stdout.take() else {
+        return Ok(());
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(out).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    match rx.recv_timeout(DAEMON_TIMEOUT) {
+        Ok(line) if line.trim() == SERVER_READY => Ok(()),
+        Ok(_) => Err(std::io::Error::other("it exited before serving")),
+        Err(_) => Err(std::io::Error::other(format!(
+            "it did not serve within {DAEMON_TIMEOUT:?}"
+        ))),
+    }
+}
+
 /// The simulated `nvidia-cuda-mps-server`: started by [`ControlDaemon`] with the pipe and log directories,
 /// the devices and its limits in its environment; logs to `server.log` and runs until its stdin (held by
 /// the daemon) closes. It does no work: clients are attached by the daemon, and their "kernels" run nowhere.
@@ -1221,6 +1257,8 @@ pub fn run_server() -> std::io::Result<()> {
         env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
     )?;
+    println!("{SERVER_READY}");
+    let _ = std::io::stdout().flush();
     let mut sink = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut sink);
     writeln!(log, "[{}] server exit", timestamp())?;
