@@ -8,25 +8,29 @@
 //!
 //! | Limit | Set by | Enforced by | A hostile container can |
 //! |---|---|---|---|
-//! | MPS: device access | plugin: GPU in `EXCLUSIVE_PROCESS` while the daemon runs (whole GPUs) | driver: only the MPS server opens the GPU | on a whole GPU, not open it past the server (but see the control socket); on a MIG device, whose GPU stays `DEFAULT` (a compute mode is the GPU's, and other tenants hold its other MIG devices), open it without the server by unsetting `CUDA_MPS_PIPE_DIRECTORY`, escaping the MPS limits but not the MIG device |
-//! | MPS: the daemon's control socket (`<pipe dir>/control`, mounted read-write: every CUDA client needs it) | — | nothing: NVIDIA's daemon takes control commands from any client of its user (root in both by default), and `nvidia-cuda-mps-control` is in every container | `quit` the daemon (every share of the device loses its server until the plugin's watch or the supervisor's watchdog starts it again, within seconds) or change the defaults other tenants' servers start with |
+//! | MPS: who shares a daemon | plugin: one daemon per (device, namespace) ([`daemon_key`]), or one per device where the policy publishes `mpsTenancy: Shared` | plugin (each daemon has its own directory, mounted only into its own shares) | reach only its own namespace's daemon (`Shared`: every namespace's on the device) |
+//! | MPS: device access | plugin: a whole GPU in `EXCLUSIVE_PROCESS` while exactly one daemon serves it, `DEFAULT` while two or more do (a second namespace's server could not open it otherwise) | driver: only the first MPS server opens an `EXCLUSIVE_PROCESS` GPU | on a whole GPU with one daemon, not open it past the server (but see the control socket); on a whole GPU with daemons of two or more namespaces, and on a MIG device (whose GPU stays `DEFAULT`: a compute mode is the GPU's, and other tenants hold its other MIG devices), open it without the server by unsetting `CUDA_MPS_PIPE_DIRECTORY`, escaping the MPS limits (not the MIG device's) |
+//! | MPS: the daemon's control socket (`<pipe dir>/control`, mounted read-write: every CUDA client needs it) | — | nothing: NVIDIA's daemon takes control commands from any client of its user (root in both by default), and `nvidia-cuda-mps-control` is in every container | `quit` its daemon (its namespace's shares of the device lose their server until the plugin's watch or the supervisor's watchdog starts it again, within seconds) or change the defaults its namespace's later servers start with; `Shared`: every namespace's |
 //! | MPS: compute share (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) | CDI env from `compute` capacity or `defaultActiveThreadPercentage` | MPS server, per client context, as the client declares it | unset it and get the daemon default (a share slot's size, else the config default, else 100%) |
 //! | MPS: pinned memory (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<N>M`) | CDI env from `memory` capacity or the config's limits | MPS server, per client context, as the client declares it | unset it and get the daemon default (a share slot's size, else the config default, else none) |
-//! | MPS: IPC (`/dev/shm`) | with the supervisor: a tmpfs per daemon, the daemon's own `/dev/shm`, mounted only into its clients; without it on real GPUs the host's `/dev/shm`; a per-daemon dir on the simulated backend | kernel (mount namespaces) | with the supervisor: see only its own daemon's segments; without it: other host segments |
-//! | MPS: fault isolation | — | none: a fatal fault in one client reaches all clients of the daemon | crash the other shares' work |
+//! | MPS: IPC (`/dev/shm`) | with the supervisor: a tmpfs per daemon (`size=1g`), the daemon's own `/dev/shm`, mounted only into its clients; without it on real GPUs the host's `/dev/shm`; a per-daemon dir on the simulated backend | kernel (mount namespaces) | with the supervisor: see only its own daemon's (its namespace's) segments; without it: other host segments |
+//! | MPS: fault isolation | plugin: a server per namespace | none within a server: a fatal fault in one client reaches all clients of the daemon's server | crash its own namespace's shares' work on the device (`Shared`: every share's) |
+//! | MPS: the supervisor's signals | supervisor: only its own children's pids, never a pid file (tenant-writable) | supervisor | nothing |
 //! | Time-slicing: interval | first share's config (`timeSlicing.interval`), reset after the last | driver scheduler | nothing (no per-share limit exists) |
 //! | Time-slicing: memory, compute | — | nothing | use all memory and compute of the GPU |
 //! | Strategy per device | plugin: one strategy per device, checked at prepare | plugin | — |
 //!
-//! So MPS limits bind cooperative tenants only: the tenants of one daemon must trust each other (MIG
-//! isolates tenants that do not). `kubelet-plugin/README.md` ("What a tenant of a shared MPS daemon can and
-//! cannot do") says the same for users.
+//! So MPS limits bind cooperative tenants only: the tenants of one daemon, a namespace's shares of a device
+//! by default, must trust each other (MIG isolates tenants that do not). `kubelet-plugin/README.md` ("MPS
+//! tenancy: which claims share a daemon") says the same for users, with what it costs.
 //!
 //! This module shares a device that exists: a whole GPU, or a MIG device the caller made. It knows neither
 //! MIG nor the prepare state machine; [`crate::devices::preparers`] composes "MIG, then share on it".
 //!
 //! All shares of one device use one strategy: an MPS daemon puts a whole GPU in exclusive-process mode,
-//! which locks out a time-sliced client, so a second strategy on the same device is refused.
+//! which locks out a time-sliced client, so a second strategy on the same device is refused. The holders
+//! are counted per device ([`ShareUsers`]: strategy, MIG device, the device's setup) and per MPS daemon
+//! (a namespace's daemon stops with the namespace's last share of the device).
 
 pub mod mps;
 mod private_shm;

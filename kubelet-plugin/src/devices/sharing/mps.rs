@@ -1,7 +1,8 @@
-//! MPS control daemons: one per shared GPU or MIG device, started with its first MPS share and stopped
-//! after the last.
+//! MPS control daemons: one per shared GPU or MIG device and namespace (or per device, for every namespace,
+//! under tenancy `Shared`), started with its first MPS share and stopped after the last.
 //!
-//! Each daemon has a directory `<state dir>/mps/<key>/` (key = the device's `GPU-…`/`MIG-…` UUID) with
+//! Each daemon has a directory `<state dir>/mps/<key>/` (key = the daemon key: the device's share key,
+//! `@<namespace>` for a namespace's own daemon) with
 //! `pipe/` (the control socket `control` and the pid file), `log/` (`control.log`, and [`DAEMON_LOG`]:
 //! the launcher's and daemon's own stdout and stderr and the failures of control commands), `lib/` (see
 //! below) and `shm/`. A daemon is
@@ -56,8 +57,9 @@
 //! * So the per-claim limits bind cooperative workloads; a hostile container on the same device can take
 //!   up to the daemon defaults. A fault in one client reaches every client of the daemon.
 //! * And every client can talk to the daemon: the control socket a CUDA client needs is the one control
-//!   commands go to, so a tenant can `quit` its device's daemon (the watches start it again) or change the
-//!   defaults later servers get ([`super`]'s table).
+//!   commands go to, so a tenant can `quit` its daemon (the watches start it again) or change the defaults
+//!   later servers get. Hence a daemon per namespace by default (key `<device>@<namespace>`, see
+//!   [`super::daemon_key`]): what a tenant can do to its daemon stays in its namespace ([`super`]'s table).
 
 use std::{
     collections::HashMap,
@@ -256,7 +258,8 @@ impl MpsManager {
         }
     }
 
-    /// Pid from the daemon's pid file, if the file exists and the process is alive.
+    /// Pid from the daemon's pid file, if the file exists and the process is alive; in supervisor mode the
+    /// pid of the daemon this process started, never the pid file's.
     pub fn pid(&self, key: &str) -> Option<u32> {
         if let Some(socket) = self.supervisor() {
             return supervisor::request(socket, &supervisor::Request::Pid { key: key.into() })
