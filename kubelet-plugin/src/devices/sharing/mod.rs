@@ -995,6 +995,34 @@ mod tests {
     }
 
     #[test]
+    fn a_share_keeps_the_daemon_its_pipe_directory_names_and_a_foreign_or_missing_one_names_the_devices() {
+        let shared = DeviceName::SharedGpu { gpu: 0 };
+        assert_eq!(daemon_key(&shared, Some("team-a")), "gpu-0@team-a");
+        assert_eq!(daemon_key(&shared, None), "gpu-0");
+        assert_eq!(
+            daemon_key_of_share(&shared, Some("/var/lib/tessera/mps/gpu-0@team-a/pipe")),
+            "gpu-0@team-a"
+        );
+        // A record of a plugin before per-namespace daemons.
+        assert_eq!(
+            daemon_key_of_share(&shared, Some("/var/lib/tessera/mps/gpu-0/pipe")),
+            "gpu-0"
+        );
+        for foreign in [
+            Some("/var/lib/tessera/mps/gpu-1@team-a/pipe"),
+            Some("/var/lib/tessera/mps/../pipe"),
+            Some("/var/lib/tessera/mps/gpu-0@Team_A/pipe"),
+            None,
+        ] {
+            assert_eq!(daemon_key_of_share(&shared, foreign), "gpu-0", "{foreign:?}");
+        }
+        assert_eq!(check_daemon_key("gpu-0@team-a"), Ok(()));
+        assert!(check_daemon_key("gpu-0@").is_err());
+        assert!(check_daemon_key("gpu-0@-a").is_err());
+        assert!(check_daemon_key("gpu-0@a/b").is_err());
+    }
+
+    #[test]
     fn consumed_capacity_wins_over_config_defaults() {
         let mps = MpsConfig {
             default_active_thread_percentage: Some(30),
