@@ -672,12 +672,16 @@ impl Sharer {
                     Some(current) => current.clone(),
                     None => wanted,
                 };
-                if !self.mps.is_running(daemon) {
+                let running = self.mps.is_running(daemon);
+                if !running || !daemons.contains_key(daemon) {
                     // The mode for the daemons the GPU will have, before this one's server opens it: a
-                    // second namespace's server needs DEFAULT (see `apply_compute_mode`).
+                    // second namespace's server needs DEFAULT (see `apply_compute_mode`). Also for a daemon
+                    // that runs unregistered (left by a crash), which counts from now on.
                     let mut serving = daemons.clone();
                     serving.insert(daemon.to_string(), need.clone());
                     self.apply_compute_mode(req.gpu, req.device, &serving)?;
+                }
+                if !running {
                     self.forget_instance(daemon);
                     self.mps.start(daemon, &need.uuid, need.defaults)?;
                 }
