@@ -44,6 +44,10 @@ pub const SHARING_STRATEGY: &str = "sharingStrategy";
 /// goes, for the next claim of the same device to take without making it again (the policy rule's
 /// `warm.window`); absent when the rule keeps nothing warm. MIG and shared devices only.
 pub const WARM_SECONDS: &str = "warmSeconds";
+/// `string`: which claims share an MPS device's control daemon (the policy rule's `shared.tenancy`):
+/// `Shared` for one daemon across namespaces; absent means `Namespace`, a daemon per namespace. Shared
+/// MPS devices only.
+pub const MPS_TENANCY: &str = "mpsTenancy";
 /// Standard attribute: PCI bus id, `0000:3b:00.0`.
 pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
 /// Standard attribute: PCIe root complex, `pci0000:3a`.

@@ -321,6 +321,40 @@ pub struct SharedModel {
     /// Number of equal slots per GPU when the API server lacks consumable capacity; default 4.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback_slots: Option<u32>,
+    /// Which claims share one MPS control daemon (MPS only): `Namespace` (the default) gives the claims
+    /// of each namespace a daemon, pipe directory and `/dev/shm` of their own, so no tenant can stop,
+    /// reconfigure or read another namespace's MPS work; `Shared` runs one daemon per GPU for every
+    /// namespace, for namespaces that trust each other (their work then runs concurrently instead of
+    /// time-sliced). Published as the `mpsTenancy` attribute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenancy: Option<MpsTenancy>,
+}
+
+/// Which claims of a shared GPU share one MPS control daemon (`shared.tenancy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum MpsTenancy {
+    /// One daemon per namespace: a namespace's claims share it, other namespaces cannot reach it.
+    #[default]
+    Namespace,
+    /// One daemon for every claim of the GPU, whatever its namespace.
+    Shared,
+}
+
+impl MpsTenancy {
+    /// The attribute value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Namespace => "Namespace",
+            Self::Shared => "Shared",
+        }
+    }
+
+    /// The tenancy an `mpsTenancy` attribute value names.
+    pub fn parse(value: &str) -> Option<Self> {
+        [Self::Namespace, Self::Shared]
+            .into_iter()
+            .find(|t| t.as_str() == value)
+    }
 }
 
 /// Sharing strategy, published as the `sharingStrategy` attribute.

@@ -60,6 +60,8 @@ pub enum Model {
         memory_step: u64,
         fallback_slots: u32,
         warm_seconds: u64,
+        /// Which claims share an MPS daemon; published as `mpsTenancy` only when `Shared`.
+        tenancy: tessera_api::policy::MpsTenancy,
     },
 }
 
@@ -677,6 +679,19 @@ pub fn publish(node: &NodeInventorySpec, gpu: &GpuInfo, model: &Model, features:
             counter_set: None,
         },
     };
+    if let Model::Shared {
+        strategy: SharingStrategy::Mps,
+        tenancy: tenancy @ tessera_api::policy::MpsTenancy::Shared,
+        ..
+    } = model
+    {
+        // Absent means a daemon per namespace, the default: only the opt-in is published.
+        for d in &mut out.devices {
+            d.attributes
+                .get_or_insert_with(Default::default)
+                .insert(attr::MPS_TENANCY.into(), string(tenancy.as_str()));
+        }
+    }
     let warm = model.warm_seconds();
     if warm > 0 {
         // Every device the plugin makes something for: MIG and shared devices, not the whole GPU.

@@ -48,6 +48,7 @@ enum RuleModel {
         strategy: api::SharingStrategy,
         memory_step: u64,
         fallback_slots: u32,
+        tenancy: api::MpsTenancy,
     },
 }
 
@@ -130,10 +131,22 @@ impl CompiledPolicy {
                             ),
                         ));
                     }
+                    // A time-sliced GPU runs no MPS daemon, so a tenancy there would promise what nothing does.
+                    if m.tenancy.is_some() && m.strategy != api::SharingStrategy::Mps {
+                        return Err(invalid_model(
+                            &name,
+                            format!(
+                                "shared.tenancy applies to strategy MPS only (the daemon it chooses); this rule's \
+                                 strategy is {}: remove shared.tenancy",
+                                m.strategy.as_str()
+                            ),
+                        ));
+                    }
                     RuleModel::Shared {
                         strategy: m.strategy,
                         memory_step,
                         fallback_slots,
+                        tenancy: m.tenancy.unwrap_or_default(),
                     }
                 }
                 Err(n) => {
@@ -238,11 +251,13 @@ impl CompiledPolicy {
                                 strategy,
                                 memory_step,
                                 fallback_slots,
+                                tenancy,
                             } => Model::Shared {
                                 strategy: *strategy,
                                 memory_step: *memory_step,
                                 fallback_slots: *fallback_slots,
                                 warm_seconds: rule.warm_seconds,
+                                tenancy: *tenancy,
                             },
                         });
                     }

@@ -513,3 +513,49 @@ fn warm_on_a_whole_gpu_rule_or_with_an_unusable_window_is_refused_naming_the_rul
         );
     }
 }
+
+fn mps_tenancy(d: &Device) -> Option<&str> {
+    d.attributes
+        .as_ref()?
+        .get(tessera_api::attributes::MPS_TENANCY)?
+        .string
+        .as_deref()
+}
+
+#[test]
+fn a_shared_tenancy_rule_publishes_mps_tenancy_and_the_default_publishes_none() {
+    for (model, expected) in [
+        ("shared: {strategy: MPS, tenancy: Shared}", Some("Shared")),
+        ("shared: {strategy: MPS, tenancy: Namespace}", None),
+        ("shared: {strategy: MPS}", None),
+    ] {
+        let slices = render_policy(&one_rule(model, None)).unwrap();
+        let all = devices(&slices);
+        assert!(!all.is_empty());
+        assert!(all.iter().all(|d| mps_tenancy(d) == expected), "{model}");
+    }
+}
+
+#[test]
+fn a_tenancy_on_a_time_sliced_rule_or_an_unknown_tenancy_is_refused_naming_the_field() {
+    let err = render_policy(&one_rule(
+        "shared: {strategy: TimeSlicing, tenancy: Shared}",
+        None,
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("rule \"r\"") && err.contains("shared.tenancy applies to strategy MPS only"),
+        "{err}"
+    );
+    let unknown = tessera_controller::render::parse_policy(
+        "test",
+        &one_rule("shared: {strategy: MPS, tenancy: PerPod}", None),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        unknown.contains("tenancy") && unknown.contains("Namespace") && unknown.contains("Shared"),
+        "{unknown}"
+    );
+}

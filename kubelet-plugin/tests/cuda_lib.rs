@@ -20,7 +20,8 @@ use std::{
 
 use tessera_api::MigPlacement;
 use tessera_gpu_api::models;
-use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager};
+use tessera_kubelet_plugin::devices::sharing::mps::{Launcher, MpsManager, send_control};
+use tessera_kubelet_plugin::devices::sharing::{ShareRequest, Sharer};
 use tessera_kubelet_plugin::gpu::driver_root::{DriverFiles, DriverRoot};
 use tessera_kubelet_plugin::gpu::{ComputeMode, GpuBackend, TimeSlice};
 use tessera_kubelet_plugin::node::edits::driver_edits;
@@ -800,6 +801,115 @@ fn the_plugins_nvidia_launcher_drives_the_simulated_mps_tools_unchanged() {
     wait_gone(pid);
     wait_gone(server);
     assert!(mps.running().is_empty());
+}
+
+/// Starts a simulated control daemon (`nvidia-cuda-mps-control -d`) for GPU `gpu` in `<dir>/<name>/`;
+/// its pipe directory, quit when the guard drops.
+fn start_daemon(d: &Driver, name: &str, gpu: u32) -> (PathBuf, QuitOnDrop) {
+    let pipe = d.dir.path().join(name).join("pipe");
+    let started = Command::new(d.bin("nvidia-cuda-mps-control"))
+        .arg("-d")
+        .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+        .env("CUDA_MPS_LOG_DIRECTORY", d.dir.path().join(name).join("log"))
+        .env("CUDA_VISIBLE_DEVICES", d.uuid(gpu))
+        .output()
+        .unwrap();
+    assert!(started.status.success(), "{}", text(&started));
+    (pipe.clone(), QuitOnDrop(pipe))
+}
+
+#[test]
+fn a_second_mps_server_cannot_open_an_exclusive_process_gpu_another_server_holds() {
+    let d = Driver::new(1);
+    d.backend
+        .set_compute_mode(0, ComputeMode::ExclusiveProcess)
+        .unwrap();
+    let (first, _quit_first) = start_daemon(&d, "team-a", 0);
+    let (second, _quit_second) = start_daemon(&d, "team-b", 0);
+    let p = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", first.to_str().unwrap())]);
+    assert_eq!((p.get("ctx"), p.get("mps")), ("0", "0"), "{p:?}");
+    let held_by: u32 = p.get("server_pid").parse().unwrap();
+
+    // The second daemon's server cannot open the GPU, so its client is refused.
+    let p = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", second.to_str().unwrap())]);
+    assert_eq!(p.get("ctx"), "805", "CUDA_ERROR_MPS_CONNECTION_FAILED: {p:?}");
+    let log = fs::read_to_string(d.dir.path().join("team-b/log/server.log")).unwrap();
+    assert!(
+        log.contains("EXCLUSIVE_PROCESS") && log.contains(&held_by.to_string()),
+        "{log}"
+    );
+
+    // In DEFAULT mode each server opens the GPU.
+    d.backend.set_compute_mode(0, ComputeMode::Default).unwrap();
+    let p = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", second.to_str().unwrap())]);
+    assert_eq!((p.get("ctx"), p.get("mps")), ("0", "0"), "{p:?}");
+    assert_ne!(p.get("server_pid"), held_by.to_string());
+
+    // PROHIBITED: no server opens it.
+    send_control(&second, "quit").unwrap();
+    d.backend.set_compute_mode(0, ComputeMode::Prohibited).unwrap();
+    let (third, _quit_third) = start_daemon(&d, "team-c", 0);
+    let p = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", third.to_str().unwrap())]);
+    assert_eq!(p.get("ctx"), "805", "{p:?}");
+}
+
+#[test]
+fn the_plugin_lets_the_mps_servers_of_two_namespaces_open_one_gpu() {
+    let d = Driver::new(1);
+    let state = d.dir.path().join("state");
+    let mps = MpsManager::new(
+        &state,
+        Launcher::Nvidia {
+            control: d.bin("nvidia-cuda-mps-control"),
+            driver_root: d.root(),
+        },
+    );
+    let backend = std::sync::Arc::new(SimulatedBackend::open_kernel(&d.dir.path().join("kernel")).unwrap());
+    let sharer = Sharer::new(backend, mps, false);
+    let gpus = d.backend.discover().unwrap().gpus;
+    let device = tessera_api::DeviceName::SharedGpu { gpu: 0 };
+    let consumed = Default::default();
+    let share = |holder: &str, tenant: &str| {
+        sharer
+            .prepare(&ShareRequest {
+                holder: holder.into(),
+                device: &device,
+                gpu: &gpus[0],
+                uuid: &gpus[0].uuid,
+                strategy: tessera_api::config::SharingStrategy::Mps,
+                mps: None,
+                interval: Default::default(),
+                consumed: &consumed,
+                tenant: Some(tenant),
+            })
+            .unwrap()
+            .mps_pipe_dir
+            .unwrap()
+    };
+    let a = share("uid-a/gpu-0-shared", "team-a");
+    let _quit_a = QuitOnDrop(PathBuf::from(&a));
+    let b = share("uid-b/gpu-0-shared", "team-b");
+    let _quit_b = QuitOnDrop(PathBuf::from(&b));
+    let pa = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", a.as_str())]);
+    let pb = d.probe(&[("CUDA_MPS_PIPE_DIRECTORY", b.as_str())]);
+    for p in [&pa, &pb] {
+        assert_eq!(
+            (p.get("ctx"), p.get("mps")),
+            ("0", "0"),
+            "each namespace's client has a server: {p:?}"
+        );
+    }
+    assert_ne!(pa.get("server_pid"), pb.get("server_pid"));
+    for holder in ["uid-a/gpu-0-shared", "uid-b/gpu-0-shared"] {
+        sharer
+            .unprepare(
+                &gpus[0],
+                &device,
+                holder,
+                tessera_api::config::SharingStrategy::Mps,
+            )
+            .unwrap();
+    }
 }
 
 /// Sends `quit` to the daemon of a pipe directory when dropped, so a failing test leaves no daemon behind.

@@ -326,6 +326,10 @@ fn the_supervisor_quits_its_daemons_and_exits_at_once_on_sigterm_and_the_next_on
 
 // --- the plugin's side ---------------------------------------------------------------------------
 
+/// The daemon the plugin starts for the shares of GPU 0 of the test claims' namespace (`default`):
+/// each namespace has its own.
+const PLUGIN_DAEMON: &str = "gpu-0@default";
+
 fn share_claim() -> k8s_openapi::api::resource::v1::ResourceClaim {
     claim("share")
         .uid("uid-share")
@@ -363,11 +367,14 @@ async fn the_plugin_starts_a_prepared_shares_daemon_again_with_the_defaults_its_
     state.prepare(&ClaimRef::of(&c)).await.unwrap();
     let gpus = backend.discover().unwrap().gpus;
     let mps = shared.sharer.mps().clone();
-    let first = mps.pid("gpu-0").expect("the share's daemon");
+    let first = mps.pid(PLUGIN_DAEMON).expect("the share's daemon");
     cleanup.pids.push(first);
-    assert_eq!(settings(&state_dir, "gpu-0"), ("60.0".into(), "8192M".into()));
+    assert_eq!(
+        settings(&state_dir, PLUGIN_DAEMON),
+        ("60.0".into(), "8192M".into())
+    );
     let watch = shared.watch_daemons(&gpus, true);
-    assert_eq!(watch.up, ["gpu-0"], "{watch:?}");
+    assert_eq!(watch.up, [PLUGIN_DAEMON], "{watch:?}");
 
     // The plugin restarts; then the daemon is gone (its supervisor replaced, a crash).
     drop((state, shared));
@@ -375,12 +382,12 @@ async fn the_plugin_starts_a_prepared_shares_daemon_again_with_the_defaults_its_
     kill9(first);
     wait_for("the daemon to die", Duration::from_secs(10), || !alive(first));
     let watch = shared.watch_daemons(&gpus, true);
-    assert_eq!(watch.restarted, ["gpu-0"], "{watch:?}");
-    let again = mps.pid("gpu-0").expect("the daemon started again");
+    assert_eq!(watch.restarted, [PLUGIN_DAEMON], "{watch:?}");
+    let again = mps.pid(PLUGIN_DAEMON).expect("the daemon started again");
     cleanup.pids.push(again);
     assert_ne!(again, first);
     assert_eq!(
-        settings(&state_dir, "gpu-0"),
+        settings(&state_dir, PLUGIN_DAEMON),
         ("60.0".into(), "8192M".into()),
         "the daemon is back with the first share's defaults, from the checkpoint"
     );
@@ -465,6 +472,7 @@ fn share_gpu0(sharer: &Sharer, gpus: &[tessera_api::GpuInfo], holder: &str) {
             mps: None,
             interval: Default::default(),
             consumed: &Default::default(),
+            tenant: None,
         })
         .unwrap();
 }
@@ -546,9 +554,9 @@ async fn a_share_slots_daemon_gets_the_slots_size_as_its_defaults_so_a_client_wi
     claims.insert(c.clone());
     let (state, shared, _) = plugin(dir, claims);
     state.prepare(&ClaimRef::of(&c)).await.unwrap();
-    cleanup.pids.extend(shared.sharer.mps().pid("gpu-0"));
+    cleanup.pids.extend(shared.sharer.mps().pid(PLUGIN_DAEMON));
     assert_eq!(
-        settings(&dir.join("state"), "gpu-0"),
+        settings(&dir.join("state"), PLUGIN_DAEMON),
         ("25.0".into(), "20480M".into()),
         "the daemon's defaults are the slot"
     );

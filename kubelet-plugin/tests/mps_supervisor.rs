@@ -138,10 +138,16 @@ async fn an_mps_daemon_outlives_a_killed_plugin_and_a_restarted_plugin_stops_it(
         dir.join("prepared").exists()
     });
 
-    let daemon = supervisor_protocol::request(&socket, &Request::Pid { key: "gpu-0".into() })
-        .unwrap()
-        .pid
-        .expect("a daemon for the share");
+    // The share's namespace's own daemon (claims of the fake source are in `default`).
+    let daemon = supervisor_protocol::request(
+        &socket,
+        &Request::Pid {
+            key: "gpu-0@default".into(),
+        },
+    )
+    .unwrap()
+    .pid
+    .expect("a daemon for the share");
     cleanup.daemon = Some(daemon);
     assert_eq!(
         parent_pid(daemon),
@@ -157,8 +163,8 @@ async fn an_mps_daemon_outlives_a_killed_plugin_and_a_restarted_plugin_stops_it(
     assert!(alive(daemon), "the daemon must survive the plugin");
 
     let (state, shared, backend) = plugin(&dir, FakeClaims::new());
-    assert_eq!(shared.sharer.mps().running(), vec!["gpu-0".to_string()]);
-    assert_eq!(shared.sharer.mps().pid("gpu-0"), Some(daemon));
+    assert_eq!(shared.sharer.mps().running(), vec!["gpu-0@default".to_string()]);
+    assert_eq!(shared.sharer.mps().pid("gpu-0@default"), Some(daemon));
     assert_eq!(backend.compute_mode(0).unwrap(), ComputeMode::ExclusiveProcess);
     state.unprepare(&ClaimRef::of(&share_claim())).await.unwrap();
     wait_for("the daemon to exit", || !alive(daemon));

@@ -23,6 +23,9 @@ use tessera_kubelet_plugin::node::state::{
 };
 use tessera_sim_model::backend::NodeSpec;
 
+/// The MPS daemon of the test shares of GPU 0: their namespace's own (the fake claims are in `default`).
+const SHARES_DAEMON: &str = "gpu-0@default";
+
 /// A running pod's claim of a 3g MIG slice on GPU 2.
 fn add_mig_slice(node: &TestNode) -> ClaimRef {
     add(
@@ -68,7 +71,7 @@ async fn run_pods(node: &TestNode, plugin: &Plugin) -> Running {
         daemon: plugin
             .mps
             .mps()
-            .pid("gpu-0")
+            .pid(SHARES_DAEMON)
             .expect("an MPS daemon for the shares"),
         mig,
         shares,
@@ -83,7 +86,7 @@ fn assert_devices_intact(node: &TestNode, plugin: &Plugin, running: &Running) {
         "the running pod's MIG instance was destroyed"
     );
     assert_eq!(
-        plugin.mps.mps().pid("gpu-0"),
+        plugin.mps.mps().pid(SHARES_DAEMON),
         Some(running.daemon),
         "the running shares' MPS daemon was stopped"
     );
@@ -226,7 +229,7 @@ async fn a_corrupted_checkpoint_refuses_prepare_and_unprepare_naming_the_file_an
         "the corrupted file was changed"
     );
     assert_eq!(instances(&node, 1), running.mig_instances);
-    assert_eq!(second.mps.mps().pid("gpu-0"), Some(running.daemon));
+    assert_eq!(second.mps.mps().pid(SHARES_DAEMON), Some(running.daemon));
     for c in std::iter::once(&running.mig).chain(&running.shares) {
         assert!(second.state.cdi().spec_path(&c.uid).exists());
     }
@@ -254,7 +257,7 @@ async fn an_unreachable_api_server_after_a_lost_checkpoint_destroys_nothing_unti
     let second = start(&node, BOOT_ID).await;
     assert!(second.recovery.api_error.is_some());
     assert_eq!(instances(&node, 1), running.mig_instances);
-    assert_eq!(second.mps.mps().pid("gpu-0"), Some(running.daemon));
+    assert_eq!(second.mps.mps().pid(SHARES_DAEMON), Some(running.daemon));
     node.claims.fail_with(None);
     let later = second.state.reconcile().await;
     assert_eq!(later.adopted.len(), 3, "{later:?}");
@@ -324,7 +327,7 @@ async fn the_daemon_watch_stops_no_daemon_while_a_checkpoint_of_another_boot_wai
         watch.stopped.is_empty(),
         "the watch stopped a running share's daemon: {watch:?}"
     );
-    assert_eq!(new.mps.mps().pid("gpu-0"), Some(running.daemon));
+    assert_eq!(new.mps.mps().pid(SHARES_DAEMON), Some(running.daemon));
 
     node.claims.fail_with(None);
     new.state.reconcile().await;
@@ -365,7 +368,7 @@ async fn records_are_checked_against_the_api_while_serving() {
             .all(|(_, u)| !running.mig_instances.iter().any(|(_, m)| m == u))
     );
     // The other share still runs on the daemon; the allocated (not yet reserved) claim is kept.
-    assert_eq!(plugin.mps.mps().pid("gpu-0"), Some(running.daemon));
+    assert_eq!(plugin.mps.mps().pid(SHARES_DAEMON), Some(running.daemon));
     assert!(
         plugin
             .state

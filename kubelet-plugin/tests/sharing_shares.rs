@@ -71,6 +71,7 @@ fn request<'a>(
         mps,
         interval: TimeSliceInterval::Default,
         consumed,
+        tenant: None,
     }
 }
 

@@ -27,6 +27,9 @@ struct Plugin {
     recovery: Recovery,
 }
 
+/// The MPS daemon of the test shares of GPU 0: their namespace's own (the fake claims are in `default`).
+const SHARES_DAEMON: &str = "gpu-0@default";
+
 /// The plugin as `cli/take_over.rs` assembles it, (re)started over `node`.
 fn plugin(node: &TestNode) -> Plugin {
     let program = PathBuf::from(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
@@ -226,10 +229,10 @@ async fn two_share_claims_get_their_own_limits_and_the_last_unprepare_stops_the_
         "{eb:?}"
     );
     let mps = p.shared.sharer.mps();
-    assert_eq!(mps.running(), vec!["gpu-0".to_string()]);
+    assert_eq!(mps.running(), vec![SHARES_DAEMON.to_string()]);
 
     p.state.unprepare(&a).await.unwrap();
-    assert_eq!(mps.running(), vec!["gpu-0".to_string()]);
+    assert_eq!(mps.running(), vec![SHARES_DAEMON.to_string()]);
     p.state.unprepare(&b).await.unwrap();
     assert!(mps.running().is_empty());
     assert_eq!(node.backend.compute_mode(0).unwrap(), ComputeMode::Default);
@@ -295,7 +298,7 @@ async fn a_restarted_plugin_removes_leaked_mig_instances_and_keeps_prepared_clai
     }
     let m = add(&node, claim("m").allocated("gpu-1-mig-1g-10gb-6").build());
     first.state.prepare(&m).await.unwrap();
-    let daemon = first.shared.sharer.mps().pid("gpu-0").unwrap();
+    let daemon = first.shared.sharer.mps().pid(SHARES_DAEMON).unwrap();
     // What a crash between creating an instance and recording it leaves: an instance nobody knows.
     let prof = node.backend.discover().unwrap().gpus[1]
         .mig
@@ -318,13 +321,13 @@ async fn a_restarted_plugin_removes_leaked_mig_instances_and_keeps_prepared_clai
         "the prepared MIG claim must survive"
     );
     assert_eq!(
-        second.shared.sharer.mps().pid("gpu-0"),
+        second.shared.sharer.mps().pid(SHARES_DAEMON),
         Some(daemon),
         "the daemon must survive the restart"
     );
     // The restored share count keeps the daemon until the last share goes.
     second.state.unprepare(&shares[0]).await.unwrap();
-    assert_eq!(second.shared.sharer.mps().pid("gpu-0"), Some(daemon));
+    assert_eq!(second.shared.sharer.mps().pid(SHARES_DAEMON), Some(daemon));
     second.state.unprepare(&shares[1]).await.unwrap();
     assert!(second.shared.sharer.mps().running().is_empty());
     second.state.unprepare(&m).await.unwrap();
@@ -496,7 +499,7 @@ async fn a_restarted_plugin_keeps_both_shares_of_one_claim_under_their_cdi_names
     let first = plugin(&node);
     let prepared = first.state.prepare(&r).await.unwrap();
     let spec = first.state.cdi().read(&r.uid).unwrap().unwrap();
-    let daemon = first.shared.sharer.mps().pid("gpu-0").unwrap();
+    let daemon = first.shared.sharer.mps().pid(SHARES_DAEMON).unwrap();
     assert_eq!(cdi_names(&first.state, &r).len(), 2);
     assert_ne!(prepared[0].cdi_device_ids, prepared[1].cdi_device_ids);
     drop(first);
@@ -520,7 +523,7 @@ async fn a_restarted_plugin_keeps_both_shares_of_one_claim_under_their_cdi_names
     );
     assert_eq!(third.state.prepare(&r).await.unwrap(), prepared);
     assert_eq!(third.state.cdi().read(&r.uid).unwrap().unwrap(), spec);
-    assert_eq!(third.mps.mps().pid("gpu-0"), Some(daemon));
+    assert_eq!(third.mps.mps().pid(SHARES_DAEMON), Some(daemon));
 
     third.state.unprepare(&r).await.unwrap();
     assert!(third.state.cdi().claim_uids().unwrap().is_empty());

@@ -11,6 +11,9 @@ use tessera_kubelet_plugin::gpu::ComputeMode;
 use tessera_kubelet_plugin::kubelet::claims::fake::{NODE, claim};
 use tessera_kubelet_plugin::node::state::ClaimRef;
 
+/// The MPS daemon of the test shares of GPU 0: their namespace's own (the fake claims are in `default`).
+const SHARES_DAEMON: &str = "gpu-0@default";
+
 /// Long enough that no test sees a window end unless it asks for one.
 const WINDOW: u64 = 3600;
 
@@ -247,11 +250,11 @@ async fn the_last_mps_share_leaves_its_daemon_warm_and_the_next_first_share_uses
     let plugin = start(&node, BOOT_ID).await;
     let a = share_claim(&node, "a", 60);
     plugin.state.prepare(&a).await.unwrap();
-    let daemon = plugin.mps.mps().pid("gpu-0").expect("the share's daemon");
+    let daemon = plugin.mps.mps().pid(SHARES_DAEMON).expect("the share's daemon");
 
     plugin.state.unprepare(&a).await.unwrap();
     assert_eq!(
-        plugin.mps.mps().pid("gpu-0"),
+        plugin.mps.mps().pid(SHARES_DAEMON),
         Some(daemon),
         "the daemon stays warm"
     );
@@ -269,7 +272,7 @@ async fn the_last_mps_share_leaves_its_daemon_warm_and_the_next_first_share_uses
     let b = share_claim(&node, "b", 60);
     plugin.state.prepare(&b).await.unwrap();
     assert_eq!(
-        plugin.mps.mps().pid("gpu-0"),
+        plugin.mps.mps().pid(SHARES_DAEMON),
         Some(daemon),
         "the same daemon serves the next share"
     );
@@ -279,7 +282,7 @@ async fn the_last_mps_share_leaves_its_daemon_warm_and_the_next_first_share_uses
     tokio::time::sleep(Duration::from_millis(2100)).await;
     plugin.state.expire_warm().await;
     assert_eq!(
-        plugin.mps.mps().pid("gpu-0"),
+        plugin.mps.mps().pid(SHARES_DAEMON),
         None,
         "the window ended: daemon stopped"
     );
@@ -295,12 +298,16 @@ async fn a_warm_daemon_with_other_settings_than_the_next_share_asks_for_is_start
     let plugin = start(&node, BOOT_ID).await;
     let a = share_claim(&node, "a", 60);
     plugin.state.prepare(&a).await.unwrap();
-    let daemon = plugin.mps.mps().pid("gpu-0").unwrap();
+    let daemon = plugin.mps.mps().pid(SHARES_DAEMON).unwrap();
     plugin.state.unprepare(&a).await.unwrap();
 
     let b = share_claim(&node, "b", 30);
     plugin.state.prepare(&b).await.unwrap();
-    let now = plugin.mps.mps().pid("gpu-0").expect("a daemon for the new share");
+    let now = plugin
+        .mps
+        .mps()
+        .pid(SHARES_DAEMON)
+        .expect("a daemon for the new share");
     assert_ne!(
         now, daemon,
         "a daemon started for 60 % does not serve a share that asks for 30 %"
@@ -308,7 +315,7 @@ async fn a_warm_daemon_with_other_settings_than_the_next_share_asks_for_is_start
     let percentage = plugin
         .mps
         .mps()
-        .send("gpu-0", "get_default_active_thread_percentage")
+        .send(SHARES_DAEMON, "get_default_active_thread_percentage")
         .unwrap();
     assert_eq!(percentage, "30.0");
 }
@@ -321,20 +328,20 @@ async fn a_warm_daemon_survives_a_plugin_restart_and_a_whole_gpu_claim_stops_it(
     let plugin = start(&node, BOOT_ID).await;
     let a = share_claim(&node, "a", 50);
     plugin.state.prepare(&a).await.unwrap();
-    let daemon = plugin.mps.mps().pid("gpu-0").unwrap();
+    let daemon = plugin.mps.mps().pid(SHARES_DAEMON).unwrap();
     plugin.state.unprepare(&a).await.unwrap();
     drop(plugin);
 
     let plugin = start(&node, BOOT_ID).await;
     assert_eq!(
-        plugin.mps.mps().pid("gpu-0"),
+        plugin.mps.mps().pid(SHARES_DAEMON),
         Some(daemon),
         "the start-up sweep of orphaned daemons keeps a warm one"
     );
     let whole = mig_claim(&node, "whole", "gpu-0");
     plugin.state.prepare(&whole).await.unwrap();
     assert_eq!(
-        plugin.mps.mps().pid("gpu-0"),
+        plugin.mps.mps().pid(SHARES_DAEMON),
         None,
         "the whole GPU is not left to a daemon"
     );

@@ -292,7 +292,9 @@ func observeNode(t *testing.T, node string) nodeHolds {
 	if entries, err := os.ReadDir(filepath.Join(state, "mps")); err == nil {
 		for _, en := range entries {
 			if daemonAnswers(node, filepath.Join(state, "mps", en.Name(), "pipe")) {
-				h.daemons = append(h.daemons, en.Name())
+				// By device (shareKey): a namespace's own daemon is `<key>@<namespace>`.
+				key, _, _ := strings.Cut(en.Name(), "@")
+				h.daemons = append(h.daemons, key)
 			}
 		}
 	}

@@ -25,8 +25,7 @@ import (
 // one line, the writer's half closed, the answer until EOF).
 func (rn realNodeEnv) mpsControl(t *testing.T, device, command string) string {
 	t.Helper()
-	key := strings.TrimSuffix(device, "-shared")
-	conn, err := net.DialTimeout("unix", filepath.Join(rn.stateDir, "mps", key, "pipe", "control"), 2*time.Second)
+	conn, err := net.DialTimeout("unix", filepath.Join(rn.mpsDaemonDir(device), "pipe", "control"), 2*time.Second)
 	if err != nil {
 		t.Fatalf("MPS daemon of %s: %v", device, err)
 	}

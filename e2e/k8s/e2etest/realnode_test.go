@@ -502,8 +502,7 @@ func (rn realNodeEnv) lastReport(t *testing.T, p *v1.Pod) (string, time.Time) {
 // namespace): the same value before and after means the same daemon.
 func (rn realNodeEnv) mpsDaemonPID(t *testing.T, device string) string {
 	t.Helper()
-	gpu := strings.TrimSuffix(device, "-shared")
-	data, err := os.ReadFile(filepath.Join(rn.stateDir, "mps", gpu, "pipe", "nvidia-cuda-mps-control.pid"))
+	data, err := os.ReadFile(filepath.Join(rn.mpsDaemonDir(device), "pipe", "nvidia-cuda-mps-control.pid"))
 	if err != nil {
 		t.Fatalf("MPS daemon of %s: %v", device, err)
 	}
@@ -597,8 +596,19 @@ func (rn realNodeEnv) checkSpecsNameHostPaths(t *testing.T, name string, files [
 // mpsServes dials the simulated MPS control daemon's socket for a shared GPU (gpu-1-shared → gpu-1):
 // the same socket the clients' CUDA_MPS_PIPE_DIRECTORY holds.
 func (rn realNodeEnv) mpsServes(device string) bool {
-	gpu := strings.TrimSuffix(device, "-shared")
-	return controlAnswers(filepath.Join(rn.stateDir, "mps", gpu, "pipe"))
+	return controlAnswers(filepath.Join(rn.mpsDaemonDir(device), "pipe"))
+}
+
+// mpsDaemonDir is the directory of the MPS control daemon of a shared device's shares: the namespace's own
+// (`<key>@<namespace>`, tessera's default tenancy) where there is one, else the device's one daemon
+// (`<key>`, tenancy Shared). The scenarios share a device within one namespace, so at most one matches.
+func (rn realNodeEnv) mpsDaemonDir(device string) string {
+	key := strings.TrimSuffix(device, "-shared")
+	if dirs, _ := filepath.Glob(filepath.Join(rn.stateDir, "mps", key+"@*")); len(dirs) > 0 {
+		sort.Strings(dirs)
+		return dirs[0]
+	}
+	return filepath.Join(rn.stateDir, "mps", key)
 }
 
 // controlAnswers dials the MPS control socket of a pipe directory.
@@ -911,9 +921,9 @@ func TestRealNodeRunsTheChartAndItsWorkloadsSeeTheirDevicesFromInside(t *testing
 			t.Errorf("mig-mps: no MIG instance for %s in the simulated kernel", device)
 		}
 		if !rn.mpsServes(device) {
-			t.Errorf("mig-mps: no MPS control daemon serves %s (%s)", device, filepath.Join(rn.stateDir, "mps", device, "pipe", "control"))
+			t.Errorf("mig-mps: no MPS control daemon serves %s (%s)", device, filepath.Join(rn.mpsDaemonDir(device), "pipe", "control"))
 		}
-		if log, err := os.ReadFile(filepath.Join(rn.stateDir, "mps", device, "log", "control.log")); err != nil {
+		if log, err := os.ReadFile(filepath.Join(rn.mpsDaemonDir(device), "log", "control.log")); err != nil {
 			t.Errorf("mig-mps: the MPS daemon's log: %v", err)
 		} else if !strings.Contains(string(log), "NEW CLIENT") || !strings.Contains(string(log), "device="+mig) {
 			t.Errorf("mig-mps: the MPS daemon of %s logged no client on the MIG device %s:\n%s", device, mig, log)

@@ -24,7 +24,8 @@ use tessera_api::{
 use tracing::{info, warn};
 
 use crate::devices::sharing::{
-    DEFAULT_STRATEGY, DaemonNeed, ShareRequest, Sharer, SharingError, share_key, share_limits,
+    DEFAULT_STRATEGY, DaemonNeed, ShareRequest, Sharer, SharingError, daemon_key_of_share, share_key,
+    share_limits,
 };
 use crate::gpu::driver_root::DriverFiles;
 use crate::gpu::mig;
@@ -98,6 +99,19 @@ fn holder(ctx: &DeviceContext) -> String {
     match &ctx.allocation.share_id {
         Some(id) => format!("{}/{}/{id}", ctx.claim.uid, ctx.device),
         None => format!("{}/{}", ctx.claim.uid, ctx.device),
+    }
+}
+
+/// The namespace whose own MPS daemon serves the share `ctx` prepares: its claim's, unless the device is
+/// published with tenancy `Shared` (one daemon for every namespace, by the cluster's policy). The
+/// scheduler cannot see namespaces (no DRA selector names the claim's), so shares of different namespaces
+/// do land on one GPU: refusing them here would leave their pods pending, so each gets a daemon instead.
+fn tenant(ctx: &DeviceContext) -> Option<&str> {
+    match ctx.allocation.published_tenancy {
+        Some(tessera_api::policy::MpsTenancy::Shared) => None,
+        Some(tessera_api::policy::MpsTenancy::Namespace) | None => {
+            Some(ctx.claim.namespace.as_str()).filter(|n| !n.is_empty())
+        }
     }
 }
 
@@ -297,6 +311,7 @@ impl DevicePreparer for SharedPreparer {
                 .map(|t| t.interval)
                 .unwrap_or_default(),
             consumed: &ctx.allocation.consumed_capacity,
+            tenant: tenant(ctx),
         };
         let share = match self.sharer.prepare(&req) {
             Ok(share) => share,
@@ -347,7 +362,11 @@ impl DevicePreparer for SharedPreparer {
 
     fn restore(&self, ctx: &DeviceContext, detail: &DeviceDetail) {
         let DeviceDetail::Shared(d) = detail else { return };
-        self.sharer.restore(&ctx.device, &holder(ctx), strategy_of(d));
+        // The daemon the share was prepared with, from its pipe directory: a per-namespace one, or the
+        // device's one daemon of an older plugin's share (it keeps serving until its last share goes).
+        let daemon = daemon_key_of_share(&ctx.device, d.mps_pipe_dir.as_deref());
+        self.sharer
+            .restore_on(&ctx.device, &holder(ctx), strategy_of(d), Some(&daemon));
         self.restore_warm(ctx, detail);
     }
 
@@ -402,8 +421,9 @@ impl DevicePreparer for SharedPreparer {
         if strategy_of(d) == SharingStrategy::Mps
             && let Some(uuid) = &d.uuid
         {
+            let daemon = daemon_key_of_share(&ctx.device, d.mps_pipe_dir.as_deref());
             self.sharer
-                .restore_daemon(&ctx.device, DaemonNeed::from_limits(uuid, &d.limits));
+                .restore_daemon_of(&daemon, DaemonNeed::from_limits(uuid, &d.limits));
         }
         if let Some(dev) = d.mig.as_ref().and_then(|m| mig_records::device_of(&ctx.gpu, m)) {
             self.lock_migs().insert(share_key(&ctx.device), dev);

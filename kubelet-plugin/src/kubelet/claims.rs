@@ -53,6 +53,9 @@ pub struct Published {
     pub capacity: BTreeMap<String, Quantity>,
     /// The `warmSeconds` attribute: how long the device's partition stays warm after its claim goes.
     pub warm_seconds: Option<u64>,
+    /// The `mpsTenancy` attribute: which claims share the device's MPS daemon (absent: a daemon per
+    /// namespace).
+    pub tenancy: Option<tessera_api::policy::MpsTenancy>,
 }
 
 impl Published {
@@ -70,6 +73,9 @@ impl Published {
                 .and_then(|a| a.int)
                 .and_then(|s| u64::try_from(s).ok())
                 .filter(|s| *s > 0),
+            tenancy: attribute(tessera_api::attributes::MPS_TENANCY)
+                .and_then(|a| a.string.as_deref())
+                .and_then(tessera_api::policy::MpsTenancy::parse),
         }
     }
 }
@@ -241,6 +247,9 @@ pub struct AllocatedDevice {
     /// The strategy a shared device is published with (its `sharingStrategy` attribute), which it serves
     /// to every claim sharing it; `None` for exclusive devices and where no slice says.
     pub published_strategy: Option<SharingStrategy>,
+    /// Which claims share the device's MPS daemon (its `mpsTenancy` attribute); `None` where no slice
+    /// says, which is a daemon per namespace.
+    pub published_tenancy: Option<tessera_api::policy::MpsTenancy>,
 }
 
 /// This driver's allocation results of `claim`, or `None` when the claim is not allocated.
@@ -282,6 +291,7 @@ pub fn allocated_devices(claim: &ResourceClaim, driver: &str) -> Option<Vec<Allo
                     config_entries,
                     consumed_capacity: r.consumed_capacity.clone().unwrap_or_default(),
                     published_strategy: None,
+                    published_tenancy: None,
                 }
             })
             .collect(),
@@ -383,6 +393,16 @@ pub mod fake {
             strategy: tessera_api::config::SharingStrategy,
         ) -> &Self {
             self.publish(pool, device, |p| p.strategy = Some(strategy))
+        }
+
+        /// Publishes `device` of `pool` with the `mpsTenancy` attribute `tenancy`.
+        pub fn with_device_tenancy(
+            &self,
+            pool: &str,
+            device: &str,
+            tenancy: tessera_api::policy::MpsTenancy,
+        ) -> &Self {
+            self.publish(pool, device, |p| p.tenancy = Some(tenancy))
         }
 
         /// Publishes `device` of `pool` with the `warmSeconds` attribute `seconds`.

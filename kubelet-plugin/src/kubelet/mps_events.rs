@@ -17,7 +17,7 @@ use kube::{
 use tokio::sync::Mutex;
 use tracing::warn;
 
-use crate::devices::sharing::{DaemonWatch, Sharer, share_key};
+use crate::devices::sharing::{DaemonWatch, Sharer, daemon_key_of_share};
 use crate::node::checkpoint::{DeviceDetail, Phase};
 use crate::node::state::NodeState;
 
@@ -93,8 +93,9 @@ impl DaemonEvents {
             .filter(|c| c.phase == Phase::PrepareCompleted)
             .filter(|c| {
                 c.devices.iter().any(|d| {
-                    matches!(&d.detail, DeviceDetail::Shared(s) if s.strategy.as_deref() != Some("TimeSlicing"))
-                        && d.device.parse().is_ok_and(|n| share_key(&n) == key)
+                    // Only the pods of the daemon's own shares: a namespace's daemon is its own business.
+                    matches!(&d.detail, DeviceDetail::Shared(s) if s.strategy.as_deref() != Some("TimeSlicing")
+                        && d.device.parse().is_ok_and(|n| daemon_key_of_share(&n, s.mps_pipe_dir.as_deref()) == key))
                 })
             })
             .collect();

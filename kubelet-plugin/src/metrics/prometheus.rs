@@ -361,11 +361,17 @@ fn mps_daemons_up(checkpoint: &crate::node::checkpoint::Checkpoint, mps: &MpsMan
         .values()
         .filter(|c| c.phase == crate::node::checkpoint::Phase::PrepareCompleted)
         .flat_map(|c| &c.devices)
-        .filter(
-            |d| matches!(&d.detail, DeviceDetail::Shared(s) if s.strategy.as_deref() != Some("TimeSlicing")),
-        )
-        .filter_map(|d| d.device.parse().ok())
-        .map(|d| crate::devices::sharing::share_key(&d))
+        .filter_map(|d| match &d.detail {
+            DeviceDetail::Shared(s) if s.strategy.as_deref() != Some("TimeSlicing") => {
+                let device = d.device.parse().ok()?;
+                // Each namespace's daemon of the device, as the share's pipe directory names it.
+                Some(crate::devices::sharing::daemon_key_of_share(
+                    &device,
+                    s.mps_pipe_dir.as_deref(),
+                ))
+            }
+            _ => None,
+        })
         .collect();
     keys.into_iter()
         .map(|key| {

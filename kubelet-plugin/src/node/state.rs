@@ -1370,6 +1370,7 @@ impl NodeState {
                 // The strategy the device serves to every claim sharing it, which a claim's config may
                 // only agree with: the scheduler cannot see a config's strategy when it places shares.
                 p.ctx.allocation.published_strategy = published.strategy;
+                p.ctx.allocation.published_tenancy = published.tenancy;
             }
             // A share slot consumes its whole, fixed size, which only its ResourceSlice names (the
             // allocation carries no capacity for it): the share's limits and its daemon's defaults.
@@ -1580,6 +1581,7 @@ impl NodeState {
                 config_entries: Vec::new(),
                 consumed_capacity: BTreeMap::new(),
                 published_strategy: None,
+                published_tenancy: None,
             },
         };
         Ok((preparer, ctx))

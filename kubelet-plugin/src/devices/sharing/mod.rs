@@ -8,25 +8,29 @@
 //!
 //! | Limit | Set by | Enforced by | A hostile container can |
 //! |---|---|---|---|
-//! | MPS: device access | plugin: GPU in `EXCLUSIVE_PROCESS` while the daemon runs (whole GPUs) | driver: only the MPS server opens the GPU | on a whole GPU, not open it past the server (but see the control socket); on a MIG device, whose GPU stays `DEFAULT` (a compute mode is the GPU's, and other tenants hold its other MIG devices), open it without the server by unsetting `CUDA_MPS_PIPE_DIRECTORY`, escaping the MPS limits but not the MIG device |
-//! | MPS: the daemon's control socket (`<pipe dir>/control`, mounted read-write: every CUDA client needs it) | — | nothing: NVIDIA's daemon takes control commands from any client of its user (root in both by default), and `nvidia-cuda-mps-control` is in every container | `quit` the daemon (every share of the device loses its server until the plugin's watch or the supervisor's watchdog starts it again, within seconds) or change the defaults other tenants' servers start with |
+//! | MPS: who shares a daemon | plugin: one daemon per (device, namespace) ([`daemon_key`]), or one per device where the policy publishes `mpsTenancy: Shared` | plugin (each daemon has its own directory, mounted only into its own shares) | reach only its own namespace's daemon (`Shared`: every namespace's on the device) |
+//! | MPS: device access | plugin: a whole GPU in `EXCLUSIVE_PROCESS` while exactly one daemon serves it, `DEFAULT` while two or more do (a second namespace's server could not open it otherwise) | driver: only the first MPS server opens an `EXCLUSIVE_PROCESS` GPU | on a whole GPU with one daemon, not open it past the server (but see the control socket); on a whole GPU with daemons of two or more namespaces, and on a MIG device (whose GPU stays `DEFAULT`: a compute mode is the GPU's, and other tenants hold its other MIG devices), open it without the server by unsetting `CUDA_MPS_PIPE_DIRECTORY`, escaping the MPS limits (not the MIG device's) |
+//! | MPS: the daemon's control socket (`<pipe dir>/control`, mounted read-write: every CUDA client needs it) | — | nothing: NVIDIA's daemon takes control commands from any client of its user (root in both by default), and `nvidia-cuda-mps-control` is in every container | `quit` its daemon (its namespace's shares of the device lose their server until the plugin's watch or the supervisor's watchdog starts it again, within seconds) or change the defaults its namespace's later servers start with; `Shared`: every namespace's |
 //! | MPS: compute share (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`) | CDI env from the config's `computeCeiling` (a burstable share), else `compute` capacity, else `defaultActiveThreadPercentage` | MPS server, per client context, as the client declares it | unset it and get the daemon default (a share slot's size, else the config default, else 100%) |
 //! | MPS: pinned memory (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<N>M`) | CDI env from `memory` capacity or the config's limits | MPS server, per client context, as the client declares it | unset it and get the daemon default (a share slot's size, else the config default, else none) |
-//! | MPS: IPC (`/dev/shm`) | with the supervisor: a tmpfs per daemon, the daemon's own `/dev/shm`, mounted only into its clients; without it on real GPUs the host's `/dev/shm`; a per-daemon dir on the simulated backend | kernel (mount namespaces) | with the supervisor: see only its own daemon's segments; without it: other host segments |
-//! | MPS: fault isolation | — | none: a fatal fault in one client reaches all clients of the daemon | crash the other shares' work |
+//! | MPS: IPC (`/dev/shm`) | with the supervisor: a tmpfs per daemon (`size=1g`), the daemon's own `/dev/shm`, mounted only into its clients; without it on real GPUs the host's `/dev/shm`; a per-daemon dir on the simulated backend | kernel (mount namespaces) | with the supervisor: see only its own daemon's (its namespace's) segments; without it: other host segments |
+//! | MPS: fault isolation | plugin: a server per namespace | none within a server: a fatal fault in one client reaches all clients of the daemon's server | crash its own namespace's shares' work on the device (`Shared`: every share's) |
+//! | MPS: the supervisor's signals | supervisor: only its own children's pids, never a pid file (tenant-writable) | supervisor | nothing |
 //! | Time-slicing: interval | first share's config (`timeSlicing.interval`), reset after the last | driver scheduler | nothing (no per-share limit exists) |
 //! | Time-slicing: memory, compute | — | nothing | use all memory and compute of the GPU |
 //! | Strategy per device | plugin: one strategy per device, checked at prepare | plugin | — |
 //!
-//! So MPS limits bind cooperative tenants only: the tenants of one daemon must trust each other (MIG
-//! isolates tenants that do not). `kubelet-plugin/README.md` ("What a tenant of a shared MPS daemon can and
-//! cannot do") says the same for users.
+//! So MPS limits bind cooperative tenants only: the tenants of one daemon, a namespace's shares of a device
+//! by default, must trust each other (MIG isolates tenants that do not). `kubelet-plugin/README.md` ("MPS
+//! tenancy: which claims share a daemon") says the same for users, with what it costs.
 //!
 //! This module shares a device that exists: a whole GPU, or a MIG device the caller made. It knows neither
 //! MIG nor the prepare state machine; [`crate::devices::preparers`] composes "MIG, then share on it".
 //!
 //! All shares of one device use one strategy: an MPS daemon puts a whole GPU in exclusive-process mode,
-//! which locks out a time-sliced client, so a second strategy on the same device is refused.
+//! which locks out a time-sliced client, so a second strategy on the same device is refused. The holders
+//! are counted per device ([`ShareUsers`]: strategy, MIG device, the device's setup) and per MPS daemon
+//! (a namespace's daemon stops with the namespace's last share of the device).
 
 pub mod mps;
 mod private_shm;
@@ -49,6 +53,7 @@ use tracing::{info, warn};
 use crate::gpu::{ComputeMode, GpuBackend, GpuError};
 use mps::{MpsError, MpsManager, ShareLimits};
 use supervisor_protocol::DaemonDefaults;
+pub use supervisor_protocol::{TENANT_SEPARATOR, check_daemon_key, split_daemon_key};
 use timeslice::{TimeSliceError, TimeSliceRecord};
 
 /// Why a share could not be set up.
@@ -166,6 +171,29 @@ pub fn share_key(device: &DeviceName) -> String {
     }
 }
 
+/// The key of the MPS daemon that serves a share of `device`: the device's [`share_key`] for the device's
+/// one daemon (tenancy `Shared`, and every daemon of a plugin before per-namespace daemons), or
+/// `<share key>@<namespace>` for the daemon of the claims of one namespace. Keys name the daemon's
+/// directory (`<state dir>/mps/<key>/`), so each namespace gets its own pipe, log and `/dev/shm`.
+pub fn daemon_key(device: &DeviceName, tenant: Option<&str>) -> String {
+    match tenant {
+        Some(namespace) => format!("{}{TENANT_SEPARATOR}{namespace}", share_key(device)),
+        None => share_key(device),
+    }
+}
+
+/// The key of the daemon a prepared MPS share uses: the directory its checkpointed pipe directory
+/// (`<state dir>/mps/<key>/pipe`) is in, so a share keeps the daemon it was prepared with across restarts
+/// and upgrades (a share prepared by a plugin before per-namespace daemons names the device's one
+/// daemon); the device's [`share_key`] where the record names no pipe directory.
+pub fn daemon_key_of_share(device: &DeviceName, pipe_dir: Option<&str>) -> String {
+    pipe_dir
+        .map(std::path::Path::new)
+        .and_then(|p| p.parent()?.file_name()?.to_str())
+        .filter(|key| check_daemon_key(key).is_ok() && split_daemon_key(key).0 == share_key(device))
+        .map_or_else(|| share_key(device), str::to_string)
+}
+
 /// One share to prepare.
 #[derive(Clone, Debug)]
 pub struct ShareRequest<'a> {
@@ -183,6 +211,9 @@ pub struct ShareRequest<'a> {
     pub interval: TimeSliceInterval,
     /// The allocation result's `consumedCapacity`.
     pub consumed: &'a BTreeMap<String, Quantity>,
+    /// MPS: the namespace whose own daemon serves the share (tenancy `Namespace`), or `None` for the
+    /// device's one daemon, shared by every namespace (tenancy `Shared`). See [`daemon_key`].
+    pub tenant: Option<&'a str>,
 }
 
 /// What a prepared share gives its containers and what the checkpoint keeps.
@@ -220,6 +251,9 @@ pub struct Sharer {
     /// The daemon each watch found answering, by key: one that answers the next watch but is another
     /// daemon was replaced in between, an outage shorter than the watch's interval that the clients felt.
     seen: Mutex<BTreeMap<String, mps::DaemonInstance>>,
+    /// The holders of each MPS daemon, by daemon key ([`daemon_key`]): a device has one daemon per
+    /// namespace of its shares (or one for all), started with its first holder and stopped after its last.
+    tenants: Mutex<BTreeMap<String, BTreeSet<String>>>,
 }
 
 /// The MPS daemon of a shared device: its device UUID and the defaults it was started with.
@@ -291,7 +325,92 @@ impl Sharer {
             daemons: Mutex::default(),
             down: Mutex::default(),
             seen: Mutex::default(),
+            tenants: Mutex::default(),
         }
+    }
+
+    fn lock_tenants(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, BTreeSet<String>>> {
+        self.tenants.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn add_tenant(&self, daemon: &str, holder: &str) {
+        self.lock_tenants()
+            .entry(daemon.to_string())
+            .or_default()
+            .insert(holder.to_string());
+    }
+
+    /// Removes `holder` from the daemon of `device_key` it holds: that daemon's key, and whether it has no
+    /// holder left. `None` when the holder holds none (a time-sliced share, an unprepare after a crash).
+    fn remove_tenant(&self, device_key: &str, holder: &str) -> Option<(String, bool)> {
+        let mut tenants = self.lock_tenants();
+        let key = tenants
+            .iter()
+            .find(|(k, holders)| split_daemon_key(k).0 == device_key && holders.contains(holder))
+            .map(|(k, _)| k.clone())?;
+        let holders = tenants.get_mut(&key)?;
+        holders.remove(holder);
+        let last = holders.is_empty();
+        if last {
+            tenants.remove(&key);
+        }
+        Some((key, last))
+    }
+
+    /// Number of holders of the MPS daemon `daemon` (a [`daemon_key`]).
+    pub fn daemon_holders(&self, daemon: &str) -> usize {
+        self.lock_tenants().get(daemon).map_or(0, BTreeSet::len)
+    }
+
+    /// The compute mode of a whole GPU follows its daemons: EXCLUSIVE_PROCESS while exactly one serves it
+    /// (only its MPS server may open the GPU, so no client bypasses it); DEFAULT with two or more (the
+    /// servers of different namespaces must each open the GPU, and a real driver refuses a second process
+    /// in EXCLUSIVE_PROCESS, so they time-slice as separate contexts) and with none. MIG devices are left
+    /// alone: the mode is the GPU's, and other tenants hold its other MIG devices.
+    fn apply_compute_mode(
+        &self,
+        gpu: &GpuInfo,
+        device: &DeviceName,
+        daemons: &BTreeMap<String, DaemonNeed>,
+    ) -> Result<(), SharingError> {
+        if on_mig(device) {
+            return Ok(());
+        }
+        let key = share_key(device);
+        // Registered daemons and those of restored shares whose record named no defaults to register.
+        let tenants = self.lock_tenants();
+        let serving = daemons
+            .keys()
+            .chain(tenants.keys())
+            .filter(|k| split_daemon_key(k).0 == key)
+            .collect::<BTreeSet<_>>()
+            .len();
+        drop(tenants);
+        let mode = if serving == 1 {
+            ComputeMode::ExclusiveProcess
+        } else {
+            ComputeMode::Default
+        };
+        self.backend
+            .set_compute_mode(gpu.index, mode)
+            .map_err(|source| SharingError::ComputeMode {
+                gpu: gpu.index,
+                source,
+            })
+    }
+
+    /// Stops the MPS daemon `daemon` whose last holder went while other shares still hold its device (a
+    /// namespace's last share of a GPU other namespaces share too), and sets the GPU's mode for the daemons
+    /// left.
+    fn stop_daemon(&self, gpu: &GpuInfo, daemon: &str, device: &DeviceName) -> Result<(), SharingError> {
+        let mut daemons = self.lock_daemons();
+        if self.daemon_holders(daemon) > 0 {
+            return Ok(());
+        }
+        daemons.remove(daemon);
+        self.forget_instance(daemon);
+        self.mps.stop(daemon)?;
+        self.apply_compute_mode(gpu, device, &daemons)
     }
 
     fn lock_daemons(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, DaemonNeed>> {
@@ -321,7 +440,13 @@ impl Sharer {
     /// Re-registers the MPS daemon of a share prepared before a restart (from its checkpoint record), so
     /// the watch starts it again should it go. The first restored share of a device decides.
     pub fn restore_daemon(&self, device: &DeviceName, need: DaemonNeed) {
-        self.lock_daemons().entry(share_key(device)).or_insert(need);
+        self.restore_daemon_of(&share_key(device), need);
+    }
+
+    /// [`Sharer::restore_daemon`] for the daemon `daemon` (a [`daemon_key`], as [`daemon_key_of_share`]
+    /// reads it from the share's record).
+    pub fn restore_daemon_of(&self, daemon: &str, need: DaemonNeed) {
+        self.lock_daemons().entry(daemon.to_string()).or_insert(need);
     }
 
     /// The devices whose MPS daemon the last watch found down.
@@ -342,7 +467,7 @@ impl Sharer {
         // Never held across a start: the inventory reads it from an async task.
         let down = || self.down.lock().unwrap_or_else(|e| e.into_inner());
         for (key, need) in daemons.iter() {
-            if self.users.count(key) == 0 {
+            if self.daemon_holders(key) == 0 {
                 self.forget_instance(key);
                 continue;
             }
@@ -354,7 +479,7 @@ impl Sharer {
                 } else if replaced {
                     warn!(
                         key,
-                        shares = self.users.count(key),
+                        shares = self.daemon_holders(key),
                         "the MPS daemon of prepared shares was replaced since the last check: CUDA contexts \
                          its clients made on the old daemon are lost"
                     );
@@ -369,7 +494,7 @@ impl Sharer {
                 .or_insert_with(|| {
                     warn!(
                         key,
-                        shares = self.users.count(key),
+                        shares = self.daemon_holders(key),
                         "the MPS daemon of prepared shares does not answer: their CUDA clients have no \
                          server; starting it again"
                     );
@@ -412,17 +537,24 @@ impl Sharer {
     fn stop_orphans_locked(&self, daemons: &BTreeMap<String, DaemonNeed>, gpus: &[GpuInfo]) -> Vec<String> {
         let mut stopped = Vec::new();
         for key in self.mps.running() {
-            if daemons.contains_key(&key) || self.users.count(&key) > 0 {
+            if daemons.contains_key(&key) || self.daemon_holders(&key) > 0 {
                 continue;
             }
-            let Ok(device) = key.parse::<DeviceName>() else {
+            let Ok(device) = split_daemon_key(&key).0.parse::<DeviceName>() else {
                 continue;
             };
             let Some(gpu) = gpus.iter().find(|g| g.index == device.gpu()) else {
                 continue;
             };
             info!(key, "stopping an MPS daemon no prepared claim uses");
-            match self.teardown_locked(gpu, &key, SharingStrategy::Mps, &device) {
+            self.forget_instance(&key);
+            // The GPU's mode then follows the daemons its shares still use (none: DEFAULT).
+            let result = self
+                .mps
+                .stop(&key)
+                .map_err(SharingError::from)
+                .and_then(|()| self.apply_compute_mode(gpu, &device, daemons));
+            match result {
                 Ok(()) => stopped.push(key),
                 Err(e) => warn!(key, error = %e, "could not stop an orphaned MPS daemon"),
             }
@@ -445,9 +577,25 @@ impl Sharer {
 
     /// Re-registers a share prepared before a restart (from a completed checkpoint record).
     pub fn restore(&self, device: &DeviceName, holder: &str, strategy: SharingStrategy) {
+        self.restore_on(device, holder, strategy, None);
+    }
+
+    /// [`Sharer::restore`] of an MPS share on the daemon `daemon` (a [`daemon_key`], as
+    /// [`daemon_key_of_share`] reads it from the share's record); `None`: the device's one daemon.
+    pub fn restore_on(
+        &self,
+        device: &DeviceName,
+        holder: &str,
+        strategy: SharingStrategy,
+        daemon: Option<&str>,
+    ) {
         let key = share_key(device);
         if let Err(e) = self.users.add(&key, holder, strategy) {
             warn!(key, holder, error = %e, "cannot restore a prepared share");
+            return;
+        }
+        if strategy == SharingStrategy::Mps {
+            self.add_tenant(daemon.unwrap_or(&key), holder);
         }
     }
 
@@ -455,12 +603,23 @@ impl Sharer {
     pub fn prepare(&self, req: &ShareRequest<'_>) -> Result<PreparedShare, SharingError> {
         let key = share_key(req.device);
         let first = self.users.add(&key, &req.holder, req.strategy)?;
-        let result = self.prepare_registered(req, &key, first);
-        if result.is_err()
-            && self.users.remove(&key, &req.holder)
-            && let Err(e) = self.teardown(req.gpu, &key, req.strategy, req.device)
-        {
-            warn!(key, error = %e, "could not undo the shared device's setup");
+        let daemon = daemon_key(req.device, req.tenant);
+        if req.strategy == SharingStrategy::Mps {
+            self.add_tenant(&daemon, &req.holder);
+        }
+        let result = self.prepare_registered(req, &key, &daemon, first);
+        if result.is_err() {
+            let daemon_left = self.remove_tenant(&key, &req.holder);
+            let undone = if self.users.remove(&key, &req.holder) {
+                self.teardown(req.gpu, &key, req.strategy, req.device)
+            } else if let Some((daemon, true)) = daemon_left {
+                self.stop_daemon(req.gpu, &daemon, req.device)
+            } else {
+                Ok(())
+            };
+            if let Err(e) = undone {
+                warn!(key, error = %e, "could not undo the shared device's setup");
+            }
         }
         result
     }
@@ -469,9 +628,9 @@ impl Sharer {
         &self,
         req: &ShareRequest<'_>,
         key: &str,
+        daemon: &str,
         first: bool,
     ) -> Result<PreparedShare, SharingError> {
-        let gpu = req.gpu.index;
         let mig = on_mig(req.device);
         let mut out = PreparedShare {
             uuid: req.uuid.to_string(),
@@ -488,30 +647,48 @@ impl Sharer {
                     uuid: req.uuid.to_string(),
                     defaults: daemon_defaults(req, limits),
                 };
-                let need = match daemons.get(key) {
+                if first {
+                    // Daemons the device's last share left warm for other namespaces (or for all): not
+                    // this share's, and they must not hold the GPU next to its daemon.
+                    let others: Vec<String> = daemons
+                        .keys()
+                        .filter(|k| split_daemon_key(k).0 == key && *k != daemon)
+                        .cloned()
+                        .collect();
+                    for other in others {
+                        info!(key = other, "stopping a warm MPS daemon of another tenancy");
+                        self.forget_instance(&other);
+                        self.mps.stop(&other)?;
+                        daemons.remove(&other);
+                    }
+                }
+                let need = match daemons.get(daemon) {
                     // A daemon kept warm by the last share, started for another device or with other
                     // defaults than this first share gives: not this share's daemon, so a new one.
                     Some(warm) if first && *warm != wanted => {
-                        info!(key, kept = ?warm.defaults, wanted = ?wanted.defaults,
+                        info!(key = daemon, kept = ?warm.defaults, wanted = ?wanted.defaults,
                             "the warm MPS daemon has other settings than this share asks for; starting anew");
-                        self.forget_instance(key);
-                        self.mps.stop(key)?;
+                        self.forget_instance(daemon);
+                        self.mps.stop(daemon)?;
                         wanted
                     }
                     Some(current) => current.clone(),
                     None => wanted,
                 };
-                if !self.mps.is_running(key) {
-                    if !mig {
-                        // Only the MPS server may own the GPU, so clients cannot bypass it.
-                        self.backend
-                            .set_compute_mode(gpu, ComputeMode::ExclusiveProcess)
-                            .map_err(|source| SharingError::ComputeMode { gpu, source })?;
-                    }
-                    self.forget_instance(key);
-                    self.mps.start(key, &need.uuid, need.defaults)?;
+                let running = self.mps.is_running(daemon);
+                if !running || !daemons.contains_key(daemon) {
+                    // The mode for the daemons the GPU will have, before this one's server opens it: a
+                    // second namespace's server needs DEFAULT (see `apply_compute_mode`). Also for a daemon
+                    // that runs unregistered (left by a crash), which counts from now on.
+                    let mut serving = daemons.clone();
+                    serving.insert(daemon.to_string(), need.clone());
+                    self.apply_compute_mode(req.gpu, req.device, &serving)?;
                 }
-                daemons.insert(key.to_string(), need.clone());
+                if !running {
+                    self.forget_instance(daemon);
+                    self.mps.start(daemon, &need.uuid, need.defaults)?;
+                }
+                daemons.insert(daemon.to_string(), need.clone());
                 drop(daemons);
                 if let Some(p) = need.defaults.active_thread_percentage {
                     out.limits.insert(DAEMON_THREAD_LIMIT.into(), p.to_string());
@@ -520,7 +697,7 @@ impl Sharer {
                     out.limits
                         .insert(DAEMON_PINNED_LIMIT.into(), format!("{}M", b >> 20));
                 }
-                let dirs = self.mps.dirs(key);
+                let dirs = self.mps.dirs(daemon);
                 let (env, mounts) = mps::client_edits(&dirs, limits, self.real_hardware);
                 out.env = env;
                 out.mounts = mounts;
@@ -573,7 +750,12 @@ impl Sharer {
         keep: bool,
     ) -> Result<bool, SharingError> {
         let key = share_key(device);
+        let daemon_left = self.remove_tenant(&key, holder);
         if !self.users.remove(&key, holder) {
+            // Other shares keep the device; a namespace whose last share of it went loses its daemon.
+            if let Some((daemon, true)) = daemon_left {
+                self.stop_daemon(gpu, &daemon, device)?;
+            }
             return Ok(false);
         }
         if keep {
@@ -597,8 +779,7 @@ impl Sharer {
         if self.users.count(key) > 0 {
             return Ok(false);
         }
-        daemons.remove(key);
-        self.teardown_locked(gpu, key, strategy, device)?;
+        self.teardown_locked(gpu, key, strategy, device, &mut daemons)?;
         Ok(true)
     }
 
@@ -610,24 +791,32 @@ impl Sharer {
         device: &DeviceName,
     ) -> Result<(), SharingError> {
         let mut daemons = self.lock_daemons();
-        daemons.remove(key);
-        self.teardown_locked(gpu, key, strategy, device)
+        self.teardown_locked(gpu, key, strategy, device, &mut daemons)
     }
 
-    /// [`Sharer::teardown`] with the daemon lock held by the caller.
+    /// [`Sharer::teardown`] with the daemon lock held by the caller: stops every MPS daemon of the device
+    /// (registered, or with a directory: one of a share this process never knew), then its mode.
     fn teardown_locked(
         &self,
         gpu: &GpuInfo,
         key: &str,
         strategy: SharingStrategy,
         device: &DeviceName,
+        daemons: &mut BTreeMap<String, DaemonNeed>,
     ) -> Result<(), SharingError> {
         let index = gpu.index;
         let mig = on_mig(device);
+        let of_device = |k: &String| split_daemon_key(k).0 == key;
+        let mut keys: BTreeSet<String> = daemons.keys().filter(|k| of_device(k)).cloned().collect();
+        daemons.retain(|k, _| !of_device(k));
         match strategy {
             SharingStrategy::Mps => {
-                self.forget_instance(key);
-                self.mps.stop(key)?;
+                keys.insert(key.to_string());
+                keys.extend(self.mps.known().into_iter().filter(of_device));
+                for daemon in &keys {
+                    self.forget_instance(daemon);
+                    self.mps.stop(daemon)?;
+                }
                 if !mig {
                     self.backend
                         .set_compute_mode(index, ComputeMode::Default)
@@ -860,6 +1049,34 @@ mod tests {
             None,
             "a ceiling of the whole GPU sets no limit"
         );
+    }
+
+    #[test]
+    fn a_share_keeps_the_daemon_its_pipe_directory_names_and_a_foreign_or_missing_one_names_the_devices() {
+        let shared = DeviceName::SharedGpu { gpu: 0 };
+        assert_eq!(daemon_key(&shared, Some("team-a")), "gpu-0@team-a");
+        assert_eq!(daemon_key(&shared, None), "gpu-0");
+        assert_eq!(
+            daemon_key_of_share(&shared, Some("/var/lib/tessera/mps/gpu-0@team-a/pipe")),
+            "gpu-0@team-a"
+        );
+        // A record of a plugin before per-namespace daemons.
+        assert_eq!(
+            daemon_key_of_share(&shared, Some("/var/lib/tessera/mps/gpu-0/pipe")),
+            "gpu-0"
+        );
+        for foreign in [
+            Some("/var/lib/tessera/mps/gpu-1@team-a/pipe"),
+            Some("/var/lib/tessera/mps/../pipe"),
+            Some("/var/lib/tessera/mps/gpu-0@Team_A/pipe"),
+            None,
+        ] {
+            assert_eq!(daemon_key_of_share(&shared, foreign), "gpu-0", "{foreign:?}");
+        }
+        assert_eq!(check_daemon_key("gpu-0@team-a"), Ok(()));
+        assert!(check_daemon_key("gpu-0@").is_err());
+        assert!(check_daemon_key("gpu-0@-a").is_err());
+        assert!(check_daemon_key("gpu-0@a/b").is_err());
     }
 
     #[test]

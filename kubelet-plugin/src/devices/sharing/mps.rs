@@ -1,7 +1,8 @@
-//! MPS control daemons: one per shared GPU or MIG device, started with its first MPS share and stopped
-//! after the last.
+//! MPS control daemons: one per shared GPU or MIG device and namespace (or per device, for every namespace,
+//! under tenancy `Shared`), started with its first MPS share and stopped after the last.
 //!
-//! Each daemon has a directory `<state dir>/mps/<key>/` (key = the device's `GPU-…`/`MIG-…` UUID) with
+//! Each daemon has a directory `<state dir>/mps/<key>/` (key = the daemon key: the device's share key,
+//! `@<namespace>` for a namespace's own daemon) with
 //! `pipe/` (the control socket `control` and the pid file), `log/` (`control.log`, and [`DAEMON_LOG`]:
 //! the launcher's and daemon's own stdout and stderr and the failures of control commands), `lib/` (see
 //! below) and `shm/`. A daemon is
@@ -56,8 +57,9 @@
 //! * So the per-claim limits bind cooperative workloads; a hostile container on the same device can take
 //!   up to the daemon defaults. A fault in one client reaches every client of the daemon.
 //! * And every client can talk to the daemon: the control socket a CUDA client needs is the one control
-//!   commands go to, so a tenant can `quit` its device's daemon (the watches start it again) or change the
-//!   defaults later servers get ([`super`]'s table).
+//!   commands go to, so a tenant can `quit` its daemon (the watches start it again) or change the defaults
+//!   later servers get. Hence a daemon per namespace by default (key `<device>@<namespace>`, see
+//!   [`super::daemon_key`]): what a tenant can do to its daemon stays in its namespace ([`super`]'s table).
 
 use std::{
     collections::HashMap,
@@ -256,18 +258,18 @@ impl MpsManager {
         }
     }
 
-    /// Pid from the daemon's pid file, if the file exists and the process is alive.
+    /// Pid from the daemon's pid file, if the file exists and the process is alive; in supervisor mode the
+    /// pid of the daemon this process started, never the pid file's.
     pub fn pid(&self, key: &str) -> Option<u32> {
         if let Some(socket) = self.supervisor() {
             return supervisor::request(socket, &supervisor::Request::Pid { key: key.into() })
                 .ok()?
                 .pid;
         }
-        if let Some(owned) = &self.owned
-            && let Some(&pid) = owned.lock().unwrap_or_else(|e| e.into_inner()).get(key)
-            && process_alive(pid)
-        {
-            return Some(pid);
+        if self.owned.is_some() {
+            // The supervisor knows its children; the pid file is in the pipe directory every tenant of
+            // the daemon mounts read-write, so a number read there may name any process (review N16).
+            return self.child_pid(key);
         }
         let pid: u32 = fs::read_to_string(self.dirs(key).pipe.join(PID_FILE))
             .ok()?
@@ -275,6 +277,27 @@ impl MpsManager {
             .parse()
             .ok()?;
         process_alive(pid).then_some(pid)
+    }
+
+    /// The pid of the daemon of `key` when this manager started it as its child and it runs (supervisor
+    /// mode); `None` otherwise. The only pids the supervisor signals.
+    pub fn child_pid(&self, key: &str) -> Option<u32> {
+        let owned = self.owned.as_ref()?;
+        let pid = *owned.lock().unwrap_or_else(|e| e.into_inner()).get(key)?;
+        process_alive(pid).then_some(pid)
+    }
+
+    /// Keys of the daemon directories under `<state dir>/mps`, running or not (no daemon is asked).
+    pub fn known(&self) -> Vec<String> {
+        let Ok(entries) = fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        let mut keys: Vec<String> = entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|k| super::supervisor_protocol::check_daemon_key(k).is_ok())
+            .collect();
+        keys.sort();
+        keys
     }
 
     /// Which daemon of `key` listens now: its control socket's device, inode and modification time. Each
@@ -1125,11 +1148,23 @@ impl ControlDaemon {
             )
             .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", limits.join(","))
             .stdin(Stdio::piped())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn();
         match child {
-            Ok(child) => {
+            Ok(mut child) => {
+                // A server that cannot open the GPU (in EXCLUSIVE_PROCESS mode, held by another MPS
+                // server) exits instead of saying it serves: its clients are refused, not granted.
+                if let Err(e) = await_server(&mut child) {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(std::io::Error::other(format!(
+                        "{} {} did not serve: {e}; see {}",
+                        program.display(),
+                        child.id(),
+                        self.log_dir.join("server.log").display()
+                    )));
+                }
                 grant.server_pid = child.id();
                 writeln!(
                     log,
@@ -1180,6 +1215,30 @@ impl Server {
     }
 }
 
+/// What a server prints on its stdout once it serves ([`run_server`]).
+pub const SERVER_READY: &str = "ready";
+
+/// Waits for a just started server's [`SERVER_READY`] line: `Err` when it exits (or closes its stdout)
+/// first, or says nothing within the daemon timeout.
+fn await_server(child: &mut std::process::Child) -> std::io::Result<()> {
+    let Some(out) = child.stdout.take() else {
+        return Ok(());
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(out).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    match rx.recv_timeout(DAEMON_TIMEOUT) {
+        Ok(line) if line.trim() == SERVER_READY => Ok(()),
+        Ok(_) => Err(std::io::Error::other("it exited before serving")),
+        Err(_) => Err(std::io::Error::other(format!(
+            "it did not serve within {DAEMON_TIMEOUT:?}"
+        ))),
+    }
+}
+
 /// The simulated `nvidia-cuda-mps-server`: started by [`ControlDaemon`] with the pipe and log directories,
 /// the devices and its limits in its environment; logs to `server.log` and runs until its stdin (held by
 /// the daemon) closes. It does no work: clients are attached by the daemon, and their "kernels" run nowhere.
@@ -1201,6 +1260,8 @@ pub fn run_server() -> std::io::Result<()> {
         env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
     )?;
+    println!("{SERVER_READY}");
+    let _ = std::io::stdout().flush();
     let mut sink = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut sink);
     writeln!(log, "[{}] server exit", timestamp())?;

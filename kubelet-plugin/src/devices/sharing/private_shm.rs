@@ -20,6 +20,13 @@ use std::{
     process::Command,
 };
 
+/// The size of each daemon's tmpfs. Without one a tmpfs may take half the node's memory, and its pages
+/// are charged to the cgroup of whoever writes them first, so a tenant could pin memory outside its pod's
+/// limit through segments it leaves behind. 1 GiB holds MPS's own segments (a few MiB per server) and the
+/// NCCL and DataLoader segments of a namespace's shares on one GPU in the common case; a workload that
+/// needs more sets an `emptyDir` of `medium: Memory` with its own `sizeLimit` at another path.
+pub(crate) const SIZE: &str = "1g";
+
 fn c_path(path: &Path) -> Result<CString, String> {
     CString::new(path.as_os_str().as_bytes()).map_err(|_| format!("{} contains a NUL byte", path.display()))
 }
@@ -37,7 +44,7 @@ pub(crate) fn prepare(cmd: &mut Command, shm: &Path) -> Result<(), String> {
     let source = c_path(shm)?;
     if !is_mount_point(shm) {
         let fstype = CString::new("tmpfs").expect("static");
-        let data = CString::new("mode=1777").expect("static");
+        let data = CString::new(format!("mode=1777,size={SIZE}")).expect("static");
         // SAFETY: every pointer is a valid NUL-terminated string that outlives the call.
         let rc = unsafe {
             libc::mount(

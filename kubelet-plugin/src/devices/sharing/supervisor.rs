@@ -71,7 +71,6 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
-use tessera_api::DeviceName;
 use tracing::{info, warn};
 
 use super::mps::MpsManager;
@@ -88,12 +87,8 @@ const VERBS: [&str; 6] = [
 ];
 
 fn check_key(key: &str) -> Result<(), String> {
-    match key.parse::<DeviceName>() {
-        Ok(d) if d.to_string() == key => Ok(()),
-        _ => Err(format!(
-            "key {key:?} is not a tessera device name (e.g. gpu-0, gpu-1-mig-3g-40gb-4)"
-        )),
-    }
+    // A device's one daemon (`gpu-0`) or a namespace's (`gpu-0@team-a`); never a path.
+    super::supervisor_protocol::check_daemon_key(key)
 }
 
 fn check_uuid(uuid: &str) -> Result<(), String> {
@@ -506,7 +501,9 @@ impl Supervisor {
         std::thread::scope(|scope| {
             for key in record.daemons.keys() {
                 scope.spawn(move || {
-                    let pid = self.manager.pid(key);
+                    // Only a child this supervisor started: never a pid file's number, which any tenant
+                    // of the daemon's pipe directory can write (review N16).
+                    let pid = self.manager.child_pid(key);
                     if let Err(e) = self.manager.quit(key) {
                         warn!(key, error = %e, "an MPS daemon did not quit; killing it");
                         if let Some(pid) = pid {
@@ -701,6 +698,13 @@ mod tests {
                 key: "gpu-0".into(),
                 command: "set_default_active_thread_percentage $(id)".into(),
             },
+            Request::Stop {
+                key: "gpu-0@../../etc".into(),
+            },
+            Request::Stop {
+                key: "gpu-0@Team_A".into(),
+            },
+            Request::Stop { key: "team-a".into() },
         ];
         for req in &bad {
             assert!(validate(req).is_err(), "{req:?} must be refused");
@@ -714,6 +718,11 @@ mod tests {
             Request::Send {
                 key: "gpu-0".into(),
                 command: "set_default_device_pinned_mem_limit 0 1024M".into(),
+            },
+            Request::Start {
+                key: "gpu-0@team-a".into(),
+                uuid: "GPU-ab".into(),
+                defaults: DaemonDefaults::default(),
             },
             Request::Running,
         ];

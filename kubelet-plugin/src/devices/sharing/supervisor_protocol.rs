@@ -10,6 +10,44 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
+use tessera_api::DeviceName;
+
+/// Separates the device key from the namespace in a per-namespace daemon key (`gpu-0@team-a`): neither a
+/// device name nor a namespace (a DNS label) contains it.
+pub const TENANT_SEPARATOR: char = '@';
+
+/// The device key and the namespace of a daemon key (`daemon_key`); no namespace for a device's one
+/// daemon.
+pub fn split_daemon_key(key: &str) -> (&str, Option<&str>) {
+    match key.split_once(TENANT_SEPARATOR) {
+        Some((device, namespace)) => (device, Some(namespace)),
+        None => (key, None),
+    }
+}
+
+/// Checks a daemon key: a device name as `share_key` writes it, then optionally `@` and a namespace
+/// (a DNS label: what the API server allows, and nothing that leaves the daemon's directory).
+pub fn check_daemon_key(key: &str) -> Result<(), String> {
+    let (device, namespace) = split_daemon_key(key);
+    let device_ok = device
+        .parse::<DeviceName>()
+        .is_ok_and(|d| d.to_string() == device);
+    let namespace_ok = namespace.is_none_or(|n| {
+        (1..=63).contains(&n.len())
+            && n.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            && !n.starts_with('-')
+            && !n.ends_with('-')
+    });
+    if device_ok && namespace_ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "key {key:?} is not a tessera device name (e.g. gpu-0, gpu-1-mig-3g-40gb-4), optionally followed \
+             by @<namespace>"
+        ))
+    }
+}
 
 /// Settings applied to a daemon right after start (servers spawned later inherit them).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

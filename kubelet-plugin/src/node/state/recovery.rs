@@ -266,8 +266,9 @@ pub fn adopt_detail(
                 gpu_named()?;
                 s.uuid = Some(gpu.uuid.clone());
             }
-            // The host side of the pipe directory's mount; informational (undoing a share needs only the
-            // device and the holder).
+            // The host side of the pipe directory's mount: it names the share's MPS daemon (its namespace's,
+            // or the device's one: `sharing::daemon_key_of_share`), so a rebuilt record keeps the daemon its
+            // pods use.
             let edits = spec.devices.iter().map(|d| &d.container_edits);
             s.mps_pipe_dir = edits.clone().find_map(|e| {
                 let pipe = e
