@@ -272,6 +272,7 @@ fn a_supervisor_restores_the_daemons_of_every_namespace_and_of_an_older_record()
                 )
             })
             .collect(),
+        paused: None,
     };
     record.save(&tmp.path().join(RECORD_FILE)).unwrap();
     let supervisor = Supervisor::new(
