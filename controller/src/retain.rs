@@ -135,7 +135,13 @@ pub fn retain(
             .iter()
             .filter(|n| !new.devices.iter().any(|d| d.name == ***n))
             .filter_map(|n| rebuild(node, gpu, n))
-            .map(|(mut d, set)| {
+            .map(|(mut d, mut set)| {
+                // Without partitionable devices the server would drop the counters: withholding the GPU
+                // (below) is what keeps new devices off it then.
+                if !features.partitionable {
+                    d.consumes_counters = None;
+                    set = None;
+                }
                 // A kept device stays as sick as its GPU: a NoExecute health taint still evicts.
                 if features.taints {
                     for t in health_taints_of(gpu.index, &d, health) {
@@ -405,6 +411,27 @@ mod tests {
         );
         assert_eq!(kept, ["gpu-0-shared"]);
         assert!(after[0].devices[0].taints.is_none());
+    }
+
+    #[test]
+    fn without_partitionable_devices_a_kept_placement_has_no_counters_and_withholds_its_gpu() {
+        let inv = h100();
+        let features = ApiFeatures::NONE;
+        let fallback = Model::DynamicMig {
+            profiles: vec![],
+            fallback_layout: vec![LayoutEntry {
+                profile: "7g.80gb".into(),
+                start: 0,
+            }],
+            warm_seconds: 0,
+        };
+        let per_gpu = vec![publish(&inv, &inv.gpus[0], &fallback, features)];
+        let allocated = ["gpu-0-mig-3g-40gb-4".to_string()].into();
+        let (after, kept) = retain(&inv, per_gpu, &allocated, features, &NodeTaints::new());
+        assert_eq!(kept, ["gpu-0-mig-3g-40gb-4"]);
+        assert_eq!(names(&after[0]), ["gpu-0-mig-3g-40gb-4"]);
+        assert!(after[0].devices[0].consumes_counters.is_none());
+        assert!(after[0].counter_set.is_none());
     }
 
     #[test]
