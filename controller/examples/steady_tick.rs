@@ -103,6 +103,7 @@ async fn run(nodes: usize, ticks: u32, policy: Option<GpuPolicy>) {
             nodes: refs.clone(),
             policy: policy.clone(),
             slices: slices.iter().map(|s| (**s).clone()).collect(),
+            allocated: Default::default(),
         }
     };
     // Listed once, then a heartbeat change: every pool is published.

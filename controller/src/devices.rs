@@ -592,6 +592,19 @@ pub fn share_slots(
     }
 }
 
+/// The health taints of `taints` that go on device `d` of GPU `gpu`: the GPU's, then its MIG placement's.
+pub fn health_taints_of(gpu: u32, d: &Device, taints: &crate::health::NodeTaints) -> Vec<DeviceTaint> {
+    use crate::health::Target;
+    let mut all: Vec<DeviceTaint> = taints.get(&Target::Gpu(gpu)).cloned().unwrap_or_default();
+    if let Ok(DeviceName::Mig { profile, start, .. } | DeviceName::SharedMig { profile, start, .. }) =
+        d.name.parse::<DeviceName>()
+    {
+        let mig = tessera_api::inventory::MigDeviceRef { profile, start };
+        all.extend(taints.get(&Target::Mig(gpu, mig)).cloned().unwrap_or_default());
+    }
+    all
+}
+
 /// [`publish`], then the health taints of `taints` on the devices they target (see [`crate::health`]).
 /// Where the API server has no device taints, a tainted GPU is left out, and so is a tainted MIG device
 /// with its shares: the only way left to keep new claims off them.
@@ -605,21 +618,7 @@ pub fn publish_with_health(
     use crate::health::Target;
     let mut out = publish(node, gpu, model, features);
     let for_gpu = taints.get(&Target::Gpu(gpu.index));
-    let for_device = |d: &Device| -> Vec<DeviceTaint> {
-        let mut all: Vec<DeviceTaint> = for_gpu.cloned().unwrap_or_default();
-        if let Ok(DeviceName::Mig { profile, start, .. } | DeviceName::SharedMig { profile, start, .. }) =
-            d.name.parse::<DeviceName>()
-        {
-            let mig = tessera_api::inventory::MigDeviceRef { profile, start };
-            all.extend(
-                taints
-                    .get(&Target::Mig(gpu.index, mig))
-                    .cloned()
-                    .unwrap_or_default(),
-            );
-        }
-        all
-    };
+    let for_device = |d: &Device| health_taints_of(gpu.index, d, taints);
     if !features.taints {
         if for_gpu.is_some() {
             return GpuDevices::default();

@@ -32,6 +32,7 @@ pub mod pool;
 pub mod pool_diff;
 pub mod publisher;
 pub mod render;
+pub mod retain;
 pub mod rightsize;
 pub mod runtime;
 pub mod time;

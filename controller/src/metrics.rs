@@ -8,6 +8,7 @@
 //! | `tessera_controller_leader` | | 1 while this replica holds the Lease and publishes |
 //! | `tessera_controller_mig_free_slices` | `node`, `gpu` | memory slices of a dynamic-MIG GPU no allocated claim holds |
 //! | `tessera_controller_mig_fragmented_slices` | `node`, `gpu`, `profile`, `demand` (`pending`, `none`) | of those, the ones no placement of `profile` that fits now can use: `profile` is the largest a pending claim asks for on that GPU (`demand="pending"`), else the GPU's largest (`none`) |
+//! | `tessera_controller_retained_devices` | `node` | allocated devices kept published although the policy drops them, until their claims are released ([`crate::retain`]) |
 //!
 //! The MIG gauges ([`crate::fragmentation`]) need the controller to read ResourceClaims and DeviceClasses;
 //! per node: `sum by (node) (tessera_controller_mig_fragmented_slices)`.
@@ -38,6 +39,7 @@ pub struct ControllerMetrics {
     leader: Gauge,
     mig_free: Family<Labels, Gauge>,
     mig_fragmented: Family<Labels, Gauge>,
+    retained: Family<Labels, Gauge>,
 }
 
 static METRICS: LazyLock<ControllerMetrics> = LazyLock::new(ControllerMetrics::new);
@@ -93,6 +95,13 @@ impl ControllerMetrics {
              (demand=pending: the largest profile a pending claim asks for there; none: the GPU's largest)",
             mig_fragmented.clone(),
         );
+        let retained = Family::<Labels, Gauge>::default();
+        registry.register(
+            "retained_devices",
+            "Allocated devices kept published (tainted gpu.tessera.dev/retained) although the policy drops \
+             them, until their claims are released",
+            retained.clone(),
+        );
         Self {
             registry: Mutex::new(registry),
             reconciles,
@@ -101,6 +110,18 @@ impl ControllerMetrics {
             leader,
             mig_free,
             mig_fragmented,
+            retained,
+        }
+    }
+
+    /// Replaces the retained-devices gauge with `(node, count)` per node that keeps any.
+    pub fn set_retained(&self, nodes: &[(String, usize)]) {
+        let _scrape = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        self.retained.clear();
+        for (node, count) in nodes {
+            self.retained
+                .get_or_create(&vec![("node", node.clone())])
+                .set(*count as i64);
         }
     }
 

@@ -12,7 +12,7 @@
 //! except the pool generation, so "unchanged" does not depend on how the API server normalizes
 //! quantities or drops gated fields (which would otherwise cause endless rewrites).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::{
     api::resource::v1::{CounterSet, Device, ResourcePool, ResourceSlice, ResourceSliceSpec},
@@ -96,11 +96,30 @@ pub fn node_slices_with_health(
     features: ApiFeatures,
     taints: &NodeTaints,
 ) -> Vec<ResourceSlice> {
+    node_slices_retaining(node, inventory, models, features, taints, &BTreeSet::new()).0
+}
+
+/// [`node_slices_with_health`], keeping the devices of `allocated` (this node's allocated devices) that
+/// the models drop ([`crate::retain`]); also returns the names of the devices kept that way.
+pub fn node_slices_retaining(
+    node: &NodeRef,
+    inventory: &NodeInventorySpec,
+    models: &dyn Fn(u32) -> Model,
+    features: ApiFeatures,
+    taints: &NodeTaints,
+    allocated: &BTreeSet<String>,
+) -> (Vec<ResourceSlice>, Vec<String>) {
     let per_gpu: Vec<GpuDevices> = inventory
         .gpus
         .iter()
         .map(|gpu| publish_with_health(inventory, gpu, &models(gpu.index), features, taints))
         .collect();
+    let (per_gpu, kept) = crate::retain::retain(inventory, per_gpu, allocated, features, taints);
+    (layout(node, per_gpu), kept)
+}
+
+/// Lays one node's devices and counter sets out in slices (the module's rules).
+fn layout(node: &NodeRef, per_gpu: Vec<GpuDevices>) -> Vec<ResourceSlice> {
     let counter_sets: Vec<CounterSet> = per_gpu.iter().filter_map(|g| g.counter_set.clone()).collect();
     let mut device_groups: Vec<Vec<Device>> = vec![];
     let mut loose: Vec<Device> = vec![];

@@ -24,7 +24,8 @@ use crate::{
     health::NodeTaints,
     liveness::Verdict,
     policy::Assignments,
-    pool::{CONTENT_HASH_ANNOTATION, NodeRef, node_slices_with_health},
+    pool::{CONTENT_HASH_ANNOTATION, NodeRef, node_slices_retaining},
+    retain::Allocated,
 };
 
 /// Writes that bring the cluster to the desired pools.
@@ -228,6 +229,9 @@ pub struct Inputs<'a, 'v> {
     pub verdict: &'v dyn Fn(&str) -> Verdict,
     /// The health taints of a node's devices ([`crate::health`]).
     pub health: &'v dyn Fn(&str) -> NodeTaints,
+    /// This driver's allocated devices by node, kept published while the models drop them
+    /// ([`crate::retain`]).
+    pub allocated: &'a Allocated,
 }
 
 /// The pools to leave as they are: those of existing nodes (with slices or an inventory) whose verdict is
@@ -261,8 +265,15 @@ pub fn desired_pools(inputs: &Inputs<'_, '_>) -> DesiredPools {
                 .cloned()
                 .unwrap_or(Model::Default)
         };
-        let slices =
-            node_slices_with_health(node, &inv.spec, &models, inputs.features, &(inputs.health)(name));
+        let allocated = inputs.allocated.get(name).cloned().unwrap_or_default();
+        let (slices, _) = node_slices_retaining(
+            node,
+            &inv.spec,
+            &models,
+            inputs.features,
+            &(inputs.health)(name),
+            &allocated,
+        );
         if !slices.is_empty() {
             pools.insert(name.clone(), slices);
         }
@@ -320,8 +331,19 @@ struct RenderKey {
 /// published device: full slices exist only for pools being written, until the writes are done.
 #[derive(Debug, Default)]
 pub struct RenderCache {
-    entries: BTreeMap<String, (RenderKey, PoolSummary)>,
+    entries: BTreeMap<String, Entry>,
     renders: u64,
+}
+
+/// What a node's pool was last rendered from and what [`diff`] needs of it.
+#[derive(Debug)]
+struct Entry {
+    key: RenderKey,
+    summary: PoolSummary,
+    /// The node's allocated devices the render kept ([`crate::retain`]); while any is, the render also
+    /// depends on `allocated`, and is made again once that changes.
+    kept: Vec<String>,
+    allocated: BTreeSet<String>,
 }
 
 impl RenderCache {
@@ -334,10 +356,24 @@ impl RenderCache {
     pub fn nodes(&self) -> impl Iterator<Item = &str> {
         self.entries.keys().map(String::as_str)
     }
+
+    /// Per node, the allocated devices its last render kept published although the policy drops them
+    /// ([`crate::retain`]); nodes without any are left out.
+    pub fn retained(&self) -> impl Iterator<Item = (&str, &[String])> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| !e.kept.is_empty())
+            .map(|(n, e)| (n.as_str(), e.kept.as_slice()))
+    }
 }
 
 /// [`crate::pool::node_slices`] for `key`, counted in `renders`.
-fn render(key: &RenderKey, inventory: &NodeInventorySpec, renders: &mut u64) -> Vec<ResourceSlice> {
+fn render(
+    key: &RenderKey,
+    inventory: &NodeInventorySpec,
+    allocated: &BTreeSet<String>,
+    renders: &mut u64,
+) -> (Vec<ResourceSlice>, Vec<String>) {
     *renders += 1;
     let models = |index: u32| {
         inventory
@@ -347,7 +383,14 @@ fn render(key: &RenderKey, inventory: &NodeInventorySpec, renders: &mut u64) -> 
             .and_then(|i| key.models.get(i).cloned())
             .unwrap_or(Model::Default)
     };
-    node_slices_with_health(&key.node, inventory, &models, key.features, &key.health)
+    node_slices_retaining(
+        &key.node,
+        inventory,
+        &models,
+        key.features,
+        &key.health,
+        allocated,
+    )
 }
 
 /// [`diff`] of [`desired_pools`] against `existing`, one pool at a time, rendering a node's slices only
@@ -361,6 +404,7 @@ pub struct PoolCursor<'a> {
     assignments: &'a Assignments,
     features: ApiFeatures,
     health: BTreeMap<&'a str, NodeTaints>,
+    allocated: &'a Allocated,
     desired: BTreeSet<String>,
 }
 
@@ -408,6 +452,7 @@ impl<'a> PoolCursor<'a> {
             assignments: inputs.assignments,
             features: inputs.features,
             health,
+            allocated: inputs.allocated,
             desired: BTreeSet::new(),
         }
     }
@@ -443,18 +488,49 @@ impl<'a> PoolCursor<'a> {
             health: self.health.get(pool).cloned().unwrap_or_default(),
         };
         let RenderCache { entries, renders } = cache;
+        let empty = BTreeSet::new();
+        let allocated = self.allocated.get(pool).unwrap_or(&empty);
         // A render made to learn the hashes is kept for the writes, so a changed pool renders once.
+        // Allocations matter to a pool only while it keeps a device for them, or when its key changed.
         let mut fresh = None;
-        if entries.get(pool).is_none_or(|(k, _)| *k != key) {
-            let slices = render(&key, &inv.spec, renders);
-            entries.insert(pool.to_string(), (key.clone(), PoolSummary::of(&slices)));
+        if entries
+            .get(pool)
+            .is_none_or(|e| e.key != key || (!e.kept.is_empty() && e.allocated != *allocated))
+        {
+            let (slices, kept) = render(&key, &inv.spec, allocated, renders);
+            let was = entries.get(pool).map(|e| e.kept.clone()).unwrap_or_default();
+            if kept != was {
+                tracing::info!(
+                    node = pool,
+                    devices = ?kept,
+                    "allocated devices the policy drops stay published (tainted {}) until their claims \
+                     are released",
+                    crate::retain::RETAINED_TAINT
+                );
+            }
+            let entry = Entry {
+                key: key.clone(),
+                summary: PoolSummary::of(&slices),
+                allocated: if kept.is_empty() {
+                    BTreeSet::new()
+                } else {
+                    allocated.clone()
+                },
+                kept,
+            };
+            entries.insert(pool.to_string(), entry);
             fresh = Some(slices);
         }
-        let summary = &entries[pool].1;
+        let Entry {
+            summary,
+            allocated: used,
+            ..
+        } = &entries[pool];
         if !summary.slices.is_empty() {
             self.desired.insert(pool.to_string());
         }
-        let slices = || fresh.unwrap_or_else(|| render(&key, &inv.spec, renders));
+        // The allocations the summary was made with: a render from others could hash differently.
+        let slices = || fresh.unwrap_or_else(|| render(&key, &inv.spec, used, renders).0);
         Some(diff_pool(pool, summary, slices, have, generations))
     }
 

@@ -131,6 +131,9 @@ pub struct Snapshot {
     pub policy: Option<GpuPolicy>,
     /// ResourceSlices of this driver.
     pub slices: Vec<ResourceSlice>,
+    /// This driver's devices that ResourceClaims hold, by node: a republish keeps those it would drop
+    /// ([`crate::retain`]). Empty without a list of claims.
+    pub allocated: crate::retain::Allocated,
 }
 
 /// What one reconcile step decided.
@@ -336,6 +339,7 @@ impl Reconciler {
             features: self.features,
             verdict: &verdict,
             health: &health,
+            allocated: &snap.allocated,
         };
         let held = held_pools(&inputs, &snap.slices);
         let cursor = PoolCursor::new(&inputs, &snap.slices, &held, &mut self.renders);

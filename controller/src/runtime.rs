@@ -312,6 +312,7 @@ fn combined_view(inventories: View, nodes: View) -> View {
 struct Copied {
     inventories: Option<u64>,
     slices: Option<u64>,
+    claims: Option<u64>,
 }
 
 impl Stores {
@@ -331,6 +332,12 @@ impl Stores {
         if copied.slices != Some(slice_changes) {
             snap.slices = self.slices.state().iter().map(|s| (**s).clone()).collect();
             copied.slices = Some(slice_changes);
+        }
+        let claim_changes = self.claim_view.changes();
+        if copied.claims != Some(claim_changes) {
+            let claims = self.claims.state();
+            snap.allocated = crate::retain::allocated_devices(claims.iter().map(|c| &**c));
+            copied.claims = Some(claim_changes);
         }
         snap.nodes = self
             .nodes
@@ -568,7 +575,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         views[4].clone(),
         None,
     ));
-    // For the MIG fragmentation gauges only: they wake nothing, and the controller publishes without them.
+    // For the MIG fragmentation gauges and the devices a republish keeps for their claims
+    // ([`crate::retain`]). Claim events wake the loop only while a device is kept: then a released claim
+    // lets its node's pool drop it; otherwise a claim changes no pool, and a wake per pod would reconcile
+    // every node for each. The controller publishes without claims (no RBAC on them: an older chart).
+    let claim_events = Arc::new(Notify::new());
+    let retaining = Arc::new(std::sync::atomic::AtomicBool::new(false));
     tokio::spawn(mirror(
         "ResourceClaim",
         claim_writer,
@@ -576,8 +588,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         wc(),
         drop_managed_fields,
         views[5].clone(),
-        None,
+        Some(Arc::clone(&claim_events)),
     ));
+    tokio::spawn({
+        let (retaining, notify) = (Arc::clone(&retaining), Arc::clone(&notify));
+        async move {
+            loop {
+                claim_events.notified().await;
+                if retaining.load(std::sync::atomic::Ordering::Acquire) {
+                    notify.notify_one();
+                }
+            }
+        }
+    });
     tokio::spawn(mirror(
         "DeviceClass",
         class_writer,
@@ -627,6 +650,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             "could not list the nodes' heartbeat Leases within {LEASE_LIST_WAIT:?}; judging nodes by their \
              NodeInventory heartbeats until it can (fix: grant list and watch on leases in that namespace, as \
              the chart's leader-election Role does)"
+        );
+    }
+    // The claims too, for as long: a first publish without them would drop what a policy change made
+    // while the controller was down took from allocated devices.
+    if tokio::time::timeout(LEASE_LIST_WAIT, stores.claims.wait_until_ready())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "could not list ResourceClaims within {LEASE_LIST_WAIT:?}; publishing without them, so a policy \
+             change may drop allocated devices (fix: grant list and watch on resourceclaims, as the chart's \
+             ClusterRole does)"
         );
     }
     let api = KubeApi {
@@ -685,6 +720,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         crate::metrics::metrics().reconciled(round.elapsed(), ticked.is_ok());
         crate::metrics::metrics().set_leader(matches!(ticked, Ok(Some(_))));
         fragmentation.maybe_start(&stores, &snap, &replica.reconciler);
+        let kept = replica.reconciler.render_cache().retained();
+        let kept: Vec<(String, usize)> = kept.map(|(n, d)| (n.to_string(), d.len())).collect();
+        retaining.store(!kept.is_empty(), std::sync::atomic::Ordering::Release);
+        crate::metrics::metrics().set_retained(&kept);
         match ticked {
             Ok(Some(decision)) => {
                 if !was_leader {

@@ -145,6 +145,7 @@ impl Cluster {
                     s
                 })
                 .collect(),
+            allocated: Default::default(),
         }
     }
 }

@@ -75,6 +75,7 @@ impl Cluster {
             .into(),
             policy: self.policy.clone(),
             slices: api.slices(),
+            allocated: Default::default(),
         }
     }
 }

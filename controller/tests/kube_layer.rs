@@ -183,6 +183,7 @@ async fn a_reconcile_through_kube_creates_slices_and_patches_the_policy_status()
         .into(),
         policy: Some(policy),
         slices: vec![],
+        allocated: Default::default(),
     };
     let mut r = Reconciler::new(
         ApiFeatures::ALL,

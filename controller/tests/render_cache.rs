@@ -105,6 +105,7 @@ impl World {
             nodes: self.node_refs(),
             policy: self.policy.clone(),
             slices: cached(api),
+            allocated: Default::default(),
         }
     }
 }
@@ -363,6 +364,7 @@ async fn the_cached_diff_plans_the_writes_that_rendering_every_pool_plans() {
             features,
             verdict: &verdict,
             health: &|_: &str| Default::default(),
+            allocated: &Default::default(),
         };
         let existing = cached(&api);
         let held_now = held_pools(&inputs, &existing);
