@@ -34,6 +34,7 @@ pub mod publisher;
 pub mod render;
 pub mod runtime;
 pub mod time;
+pub mod top;
 pub mod uninstall;
 pub mod validate;
 pub mod webhook;

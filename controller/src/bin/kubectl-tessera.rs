@@ -1,9 +1,10 @@
 //! `kubectl-tessera`: tessera's kubectl plugin (`kubectl tessera explain pod/NAME`,
-//! `kubectl tessera migrate -f FILE`).
+//! `kubectl tessera migrate -f FILE`, `kubectl tessera top [--node NAME]`).
 
 use clap::{Parser, Subcommand};
 use tessera_controller::explain::cli::{self as explain, Args};
 use tessera_controller::migrate::cli::{self as migrate, MigrateArgs};
+use tessera_controller::top::cli::{self as top, TopArgs};
 
 const EXIT_CODES: &str = "Exit status: see each command's --help.";
 
@@ -23,6 +24,10 @@ enum Top {
     /// stdout, what changed and what could not be translated on stderr.
     #[command(after_help = migrate::EXIT_CODES)]
     Migrate(MigrateArgs),
+    /// Each node's GPUs drawn for an 80-column terminal: whole, MIG layout as blocks of its memory
+    /// slices, shares with request / ceiling / use, the pod holding each, taints.
+    #[command(name = "top", after_help = top::EXIT_CODES)]
+    Gpus(TopArgs),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -30,6 +35,7 @@ async fn main() -> std::process::ExitCode {
     let code = match Cli::parse().command {
         Top::Explain(command) => explain::run(Args { command }).await,
         Top::Migrate(args) => migrate::run(&args),
+        Top::Gpus(args) => top::run(&args).await,
     };
     std::process::ExitCode::from(code)
 }
