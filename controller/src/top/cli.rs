@@ -9,6 +9,7 @@ use kube::{
     api::ListParams,
     config::{KubeConfigOptions, Kubeconfig},
 };
+use tessera_api::NodeInventory;
 
 use super::{
     error::TopError,
@@ -146,14 +147,20 @@ pub async fn run(args: &TopArgs) -> u8 {
 }
 
 async fn run_inner(args: &TopArgs) -> Result<Vec<String>, TopError> {
-    let (slices, claims, usage, notes) = match &args.from_file {
+    let (slices, claims, inventories, usage, notes) = match &args.from_file {
         Some(path) => {
             let cluster = crate::explain::input::read(path).map_err(|e| TopError::File {
                 path: path.display().to_string(),
                 message: e.to_string(),
             })?;
             let note = "use: not shown, read from a file".to_string();
-            (cluster.slices, cluster.claims, HashMap::new(), vec![note])
+            (
+                cluster.slices,
+                cluster.claims,
+                Vec::new(),
+                HashMap::new(),
+                vec![note],
+            )
         }
         None => {
             let client = client(args.kubeconfig.as_deref()).await?;
@@ -170,6 +177,19 @@ async fn run_inner(args: &TopArgs) -> Result<Vec<String>, TopError> {
                 .iter()
                 .map(|u| format!("warning: {u}; the devices it holds, if any, are drawn free"))
                 .collect();
+            // Only a static layout's instance sizes come from here; without them they are estimated.
+            let inventories = match Api::<NodeInventory>::all(client.clone())
+                .list(&ListParams::default())
+                .await
+            {
+                Ok(l) => l.items.into_iter().map(|i| i.spec).collect(),
+                Err(e) => {
+                    notes.push(format!(
+                        "warning: cannot list NodeInventories ({e}); static MIG instances are sized by their memory"
+                    ));
+                    Vec::new()
+                }
+            };
             let usage = if args.no_metrics {
                 notes.push("use: not shown (--no-metrics)".into());
                 HashMap::new()
@@ -178,10 +198,10 @@ async fn run_inner(args: &TopArgs) -> Result<Vec<String>, TopError> {
                 notes.extend(more);
                 usage
             };
-            (slices, listed.claims, usage, notes)
+            (slices, listed.claims, inventories, usage, notes)
         }
     };
-    let fleet = model::build(&slices, &claims, &usage, args.node.as_deref());
+    let fleet = model::build(&slices, &claims, &inventories, &usage, args.node.as_deref());
     if let Some(node) = &args.node
         && fleet.nodes.is_empty()
     {

@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use k8s_openapi::api::resource::v1::{Device, DeviceAttribute, ResourceClaim, ResourceSlice};
-use tessera_api::{DRIVER_NAME, DeviceName, attributes as attr, config::parse_quantity};
+use tessera_api::{
+    DRIVER_NAME, DeviceName, GpuInfo, NodeInventorySpec, attributes as attr, config::parse_quantity,
+};
 
 use super::metrics::{ClaimKey, Usage};
 
@@ -211,12 +213,34 @@ fn share(a: &Allocated<'_>, device: &str, usage: &HashMap<ClaimKey, Usage>, d: &
     }
 }
 
-/// Memory slices a MIG device spans: the counters it consumes, else its memory over the GPU's per slice,
-/// else the profile's `<n>g` (what the slices of a static layout of an unknown GPU come closest to).
-fn mig_size(d: &Device, profile: &str, gpu_memory: Option<u64>, slices: u32) -> u32 {
+/// Memory slices a MIG device spans: the counters it consumes, else what the node's inventory says of
+/// the profile's placement, else its memory over the GPU's per slice, else the profile's `<n>g` (what the
+/// slices of a static layout of an unknown GPU come closest to).
+fn mig_size(
+    d: &Device,
+    profile: &str,
+    start: u32,
+    inventory: Option<&GpuInfo>,
+    gpu_memory: Option<u64>,
+    slices: u32,
+) -> u32 {
     let consumed = consumed_slices(d);
     if !consumed.is_empty() {
         return consumed.len() as u32;
+    }
+    let known = inventory
+        .and_then(|g| g.mig.as_ref())
+        .and_then(|m| m.profiles.iter().find(|p| p.name == profile))
+        .and_then(|p| {
+            p.placements
+                .iter()
+                .find(|pl| pl.start == start)
+                .map(|pl| pl.size)
+                .or(Some(p.memory_slices))
+        })
+        .filter(|n| *n > 0);
+    if let Some(n) = known {
+        return n;
     }
     if let (Some(mem), Some(total)) = (capacity_bytes(d, attr::MEMORY), gpu_memory)
         && total > 0
@@ -229,11 +253,13 @@ fn mig_size(d: &Device, profile: &str, gpu_memory: Option<u64>, slices: u32) -> 
         .unwrap_or(1)
 }
 
-/// Builds the view of every node (or only `only_node`) from the objects the API server returned and the
-/// per-claim usage the plugins reported.
+/// Builds the view of every node (or only `only_node`) from the objects the API server returned (the
+/// NodeInventories only size a static layout's MIG instances; empty when unknown) and the per-claim usage
+/// the plugins reported.
 pub fn build(
     slices: &[ResourceSlice],
     claims: &[ResourceClaim],
+    inventories: &[NodeInventorySpec],
     usage: &HashMap<ClaimKey, Usage>,
     only_node: Option<&str>,
 ) -> Fleet {
@@ -320,7 +346,14 @@ pub fn build(
             gpus: gpus
                 .into_iter()
                 .filter(|(_, g)| !g.devices.is_empty())
-                .map(|(index, g)| gpu_view(&node, index, g, &allocated, usage))
+                .map(|(index, g)| {
+                    let inventory = inventories
+                        .iter()
+                        .filter(|i| i.node_name == node)
+                        .flat_map(|i| &i.gpus)
+                        .find(|gpu| gpu.index == index);
+                    gpu_view(&node, index, g, inventory, &allocated, usage)
+                })
                 .collect(),
             name: node,
         })
@@ -332,6 +365,7 @@ fn gpu_view(
     node: &str,
     index: u32,
     g: GpuDevices<'_>,
+    inventory: Option<&GpuInfo>,
     allocated: &HashMap<(String, u32, String), Vec<Allocated<'_>>>,
     usage: &HashMap<ClaimKey, Usage>,
 ) -> GpuView {
@@ -345,13 +379,15 @@ fn gpu_view(
         .devices
         .iter()
         .find_map(|(_, d)| string_attribute(d, attr::PRODUCT_NAME))
+        .or_else(|| inventory.map(|i| i.product_name.clone()))
         .unwrap_or_default();
     let memory_bytes = g
         .devices
         .iter()
         .find(|(n, _)| matches!(n, DeviceName::Gpu { .. } | DeviceName::SharedGpu { .. }))
         .and_then(|(_, d)| capacity_bytes(d, attr::MEMORY))
-        .or(g.counter_memory);
+        .or(g.counter_memory)
+        .or(inventory.map(|i| i.memory_bytes).filter(|m| *m > 0));
     let mut taints: Vec<String> = g
         .devices
         .iter()
@@ -397,11 +433,16 @@ fn gpu_view(
         }
     } else {
         let dynamic = migs.iter().any(|(_, d)| !consumed_slices(d).is_empty());
-        let slices = if g.counter_slices > 0 {
-            g.counter_slices
-        } else {
-            DEFAULT_MEMORY_SLICES
-        };
+        let slices = [
+            g.counter_slices,
+            inventory
+                .and_then(|i| i.mig.as_ref())
+                .map_or(0, |m| m.memory_slices),
+            DEFAULT_MEMORY_SLICES,
+        ]
+        .into_iter()
+        .find(|n| *n > 0)
+        .unwrap_or(DEFAULT_MEMORY_SLICES);
         let mut instances: Vec<MigInstance> = migs
             .iter()
             .filter_map(|(n, d)| {
@@ -417,7 +458,7 @@ fn gpu_view(
                 }
                 let profile = string_attribute(d, attr::MIG_PROFILE).unwrap_or_else(|| profile.clone());
                 Some(MigInstance {
-                    size: mig_size(d, &profile, memory_bytes, slices),
+                    size: mig_size(d, &profile, *start, inventory, memory_bytes, slices),
                     profile,
                     start: *start,
                     holders,

@@ -119,12 +119,16 @@ fn mig(lines: &mut Vec<String>, slices: u32, dynamic: bool, instances: &[MigInst
 }
 
 fn shared(lines: &mut Vec<String>, strategy: &str, shares: &[Share], gpu_memory: Option<u64>) {
+    let strategy = if strategy.is_empty() { "shared" } else { strategy };
+    if shares.is_empty() {
+        lines.push(format!("  shared ({strategy})  free"));
+        return;
+    }
     let reserved: u64 = shares.iter().filter_map(|s| s.memory_bytes).sum();
     let compute: f64 = shares.iter().filter_map(|s| s.request_pct).sum();
     let of = gpu_memory
         .map(|m| format!(" of {}", bytes(m)))
         .unwrap_or_default();
-    let strategy = if strategy.is_empty() { "shared" } else { strategy };
     lines.push(truncate(
         &format!(
             "  shared ({strategy})  {} share{}  memory {}{of}  compute {}% reserved",
@@ -135,10 +139,6 @@ fn shared(lines: &mut Vec<String>, strategy: &str, shares: &[Share], gpu_memory:
         ),
         WIDTH,
     ));
-    if shares.is_empty() {
-        lines.push("    free".into());
-        return;
-    }
     lines.push(format!(
         "    {:<HOLDER_WIDTH$} {:>6} {:>7} {:>7} {:>5} {:>8}",
         "share", "memory", "request", "ceiling", "use", "mem used"

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use serde_json::{Value, json};
+use tessera_api::NodeInventorySpec;
 
 use super::{
     metrics::{ClaimKey, Usage},
@@ -158,7 +159,7 @@ fn usage(claim: &str, device: &str, u: Usage) -> (ClaimKey, Usage) {
 }
 
 fn draw(slices: &[ResourceSlice], claims: &[ResourceClaim], u: &HashMap<ClaimKey, Usage>) -> String {
-    let lines = render::render(&model::build(slices, claims, u, None), &[]);
+    let lines = render::render(&model::build(slices, claims, &[], u, None), &[]);
     for l in &lines {
         assert!(l.chars().count() <= WIDTH, "over {WIDTH} columns: {l:?}");
     }
@@ -233,11 +234,70 @@ GPU 0  NVIDIA H100 80GB HBM3                                       80Gi  healthy
     );
 }
 
+/// A static layout's instance: a MIG device without counters.
+fn static_instance(index: u32, profile: &str, encoded: &str, start: u32) -> Value {
+    let mut d = placement(index, profile, encoded, start, 1);
+    d.as_object_mut().expect("an object").remove("consumesCounters");
+    d["capacity"] = json!({"memory": {"value": "40Gi"}});
+    d
+}
+
+/// A node's inventory whose GPU `index` has the H100's 3g.40gb profile: 4 memory slices at 0 or 4.
+fn inventory(node: &str, index: u32) -> NodeInventorySpec {
+    let profile = json!({
+        "name": "3g.40gb", "profileId": 9, "profileIndex": 9, "computeSlices": 3, "memorySlices": 4,
+        "instanceCount": 2, "memoryMib": 40960, "multiprocessors": 60, "copyEngines": 3,
+        "decoders": 3, "encoders": 0, "jpegEngines": 3, "ofaEngines": 0,
+        "placements": [{"start": 0, "size": 4}, {"start": 4, "size": 4}]
+    });
+    let mig = json!({
+        "enabled": true, "modeToggleWithoutReset": false, "memorySlices": 8, "computeSlices": 7,
+        "profiles": [profile]
+    });
+    let gpu = json!({
+        "index": index, "minor": index, "uuid": "GPU-x", "productName": H100, "brand": "Nvidia",
+        "architecture": "Hopper", "cudaComputeCapability": "9.0", "memoryBytes": 80 * GI,
+        "multiprocessors": 132, "pciBusId": "0000:01:00.0", "healthy": true, "mig": mig
+    });
+    serde_json::from_value(json!({"nodeName": node, "backend": "nvml", "gpus": [gpu]}))
+        .expect("a valid inventory")
+}
+
+#[test]
+fn a_static_layouts_instances_take_their_size_from_the_nodes_inventory_and_free_ones_are_listed() {
+    let devices = vec![
+        static_instance(3, "3g.40gb", "3g-40gb", 0),
+        static_instance(3, "3g.40gb", "3g-40gb", 4),
+    ];
+    let claims = [claim("c")
+        .for_pod("p")
+        .holds("node-a", "gpu-3-mig-3g-40gb-4", json!({}))
+        .build()];
+    let fleet = model::build(
+        &[slice("node-a", devices, vec![])],
+        &claims,
+        &[inventory("node-a", 3)],
+        &HashMap::new(),
+        None,
+    );
+    assert_eq!(
+        render::render(&fleet, &[]).join("\n") + "\n",
+        "\
+== node node-a  (1 GPU)
+GPU 3  NVIDIA H100 80GB HBM3                                       80Gi  healthy
+  MIG static [AAAA|AAAA|AAAA|AAAA|BBBB|BBBB|BBBB|BBBB]  0 of 8 slices free
+    A 3g.40gb    slices 0-3  free
+    B 3g.40gb    slices 4-7  team/p                          mem used       -
+"
+    );
+}
+
 #[test]
 fn an_idle_dynamic_mig_gpu_is_free_for_either_use() {
     let devices = vec![whole(0), placement(0, "1g.10gb", "1g-10gb", 0, 1)];
     let fleet = model::build(
         &[slice("node-a", devices, vec![counter_set(0)])],
+        &[],
         &[],
         &HashMap::new(),
         None,
@@ -323,6 +383,7 @@ fn a_share_without_metrics_takes_its_ceiling_from_its_claims_config() {
     let fleet = model::build(
         &[slice("node-a", vec![shared(1)], vec![])],
         &claims,
+        &[],
         &HashMap::new(),
         None,
     );
@@ -389,11 +450,82 @@ fn only_the_named_node_is_drawn_and_other_drivers_are_left_out() {
         slice("node-b", vec![whole(1)], vec![]),
         other,
     ];
-    let fleet = model::build(&slices, &[], &HashMap::new(), Some("node-b"));
+    let fleet = model::build(&slices, &[], &[], &HashMap::new(), Some("node-b"));
     assert_eq!(fleet.nodes.len(), 1);
     assert_eq!(fleet.nodes[0].name, "node-b");
     assert_eq!(
         fleet.nodes[0].gpus.iter().map(|g| g.index).collect::<Vec<_>>(),
         [1]
+    );
+}
+
+#[test]
+fn the_readme_shows_what_top_draws() {
+    let devices = vec![
+        whole(0),
+        shared(1),
+        tainted(whole(2), "gpu.tessera.dev/xid", "79"),
+        placement(2, "3g.40gb", "3g-40gb", 0, 4),
+        placement(2, "2g.20gb", "2g-20gb", 4, 2),
+    ];
+    let slices = [slice("node-a", devices, vec![counter_set(2)])];
+    let claims = [
+        claim("train-gpu")
+            .for_pod("trainer-7f9c")
+            .holds("node-a", "gpu-0", json!({}))
+            .build(),
+        claim("share-a")
+            .for_pod("share-a-6d8f")
+            .holds(
+                "node-a",
+                "gpu-1-shared",
+                json!({"memory": "10Gi", "compute": "25"}),
+            )
+            .ceiling(50)
+            .build(),
+        claim("share-b")
+            .for_pod("share-b-0")
+            .holds(
+                "node-a",
+                "gpu-1-shared",
+                json!({"memory": "20Gi", "compute": "25"}),
+            )
+            .build(),
+        claim("infer-a")
+            .for_pod("infer-a")
+            .holds("node-a", "gpu-2-mig-3g-40gb-0", json!({}))
+            .build(),
+        claim("infer-b")
+            .for_pod("infer-b")
+            .holds("node-a", "gpu-2-mig-2g-20gb-4", json!({}))
+            .build(),
+    ];
+    let mem = |claim, device, used, util| {
+        usage(
+            claim,
+            device,
+            Usage {
+                utilization: util,
+                memory_used_bytes: Some(used),
+                ..Usage::default()
+            },
+        )
+    };
+    let u = HashMap::from([
+        mem("train-gpu", "gpu-0", 61 * GI + GI / 2, Some(0.87)),
+        mem("share-a", "gpu-1-shared", 2 * GI, Some(0.31)),
+        mem("share-b", "gpu-1-shared", GI, Some(0.05)),
+        mem("infer-a", "gpu-2-mig-3g-40gb-0", 12 * GI, None),
+    ]);
+    let note =
+        "use: from 1 of 1 plugin pods' /metrics; '-' where a plugin reports none (MIG devices have no \
+                utilization in NVML)"
+            .to_string();
+    let drawn = render::render(&model::build(&slices, &claims, &[], &u, None), &[note]).join("\n");
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).expect("README.md");
+    assert!(
+        readme.contains(&format!("$ kubectl tessera top --node node-a\n{drawn}\n```")),
+        "README.md's example of `kubectl tessera top` is not what it draws:\n{drawn}"
     );
 }
