@@ -64,6 +64,17 @@ async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, TopError
     Client::try_from(config).map_err(cluster_error)
 }
 
+/// `GET /api/v1/namespaces/<ns>/pods/<name>:<port>/proxy/metrics`: a pod's `/metrics` through the API
+/// server, which reaches pod IPs where this client may not. The collection, the subresource and the name
+/// `kube::core::Request::get_subresource` puts together.
+fn metrics_target(namespace: &str, pod: &str, port: i32) -> (String, &'static str, String) {
+    (
+        format!("/api/v1/namespaces/{namespace}/pods"),
+        "proxy/metrics",
+        format!("{pod}:{port}"),
+    )
+}
+
 /// The per-claim gauges of every plugin pod (on `node` only, when given), read through the API server's
 /// pod proxy; the notes say from how many plugins, or why none.
 async fn scrape(client: &Client, node: Option<&str>) -> (HashMap<ClaimKey, Usage>, Vec<String>) {
@@ -99,9 +110,9 @@ async fn scrape(client: &Client, node: Option<&str>) -> (HashMap<ClaimKey, Usage
             failed.push(format!("{ns}/{name} (no `health` port)"));
             continue;
         };
-        // GET /api/v1/namespaces/<ns>/pods/<name>:<port>/proxy/metrics
-        let request = kube::core::Request::new(format!("/api/v1/namespaces/{ns}/pods"))
-            .get_subresource("proxy/metrics", &format!("{name}:{port}"))
+        let (collection, subresource, target) = metrics_target(ns, name, port);
+        let request = kube::core::Request::new(collection)
+            .get_subresource(subresource, &target)
             .expect("a GET with a non-empty name builds");
         match client.request_text(request).await {
             Ok(text) => {
@@ -208,4 +219,21 @@ async fn run_inner(args: &TopArgs) -> Result<Vec<String>, TopError> {
         return Err(TopError::NoSuchNode { node: node.clone() });
     }
     Ok(render::render(&fleet, &notes))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_plugin_pods_metrics_are_asked_of_the_api_servers_pod_proxy_at_its_health_port() {
+        let (collection, subresource, target) =
+            super::metrics_target("tessera", "tessera-kubelet-plugin-x2x9z", 8081);
+        let r = kube::core::Request::new(collection)
+            .get_subresource(subresource, &target)
+            .expect("a request");
+        assert_eq!(r.method(), "GET");
+        assert_eq!(
+            r.uri(),
+            "/api/v1/namespaces/tessera/pods/tessera-kubelet-plugin-x2x9z:8081/proxy/metrics"
+        );
+    }
 }
