@@ -213,6 +213,22 @@ fn share(a: &Allocated<'_>, device: &str, usage: &HashMap<ClaimKey, Usage>, d: &
     }
 }
 
+/// The memory a product name states (`NVIDIA A100-SXM4-80GB` → 80 GiB): only to size a static layout's
+/// MIG instances when nothing else says how large the GPU is.
+fn memory_in_name(product: &str) -> Option<u64> {
+    let upper = product.to_ascii_uppercase();
+    let end = upper.find("GB")?;
+    let digits: String = upper[..end]
+        .chars()
+        .rev()
+        .take_while(char::is_ascii_digit)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    digits.parse::<u64>().ok().map(|gb| gb << 30)
+}
+
 /// Memory slices a MIG device spans: the counters it consumes, else what the node's inventory says of
 /// the profile's placement, else its memory over the GPU's per slice, else the profile's `<n>g` (what the
 /// slices of a static layout of an unknown GPU come closest to).
@@ -458,7 +474,14 @@ fn gpu_view(
                 }
                 let profile = string_attribute(d, attr::MIG_PROFILE).unwrap_or_else(|| profile.clone());
                 Some(MigInstance {
-                    size: mig_size(d, &profile, *start, inventory, memory_bytes, slices),
+                    size: mig_size(
+                        d,
+                        &profile,
+                        *start,
+                        inventory,
+                        memory_bytes.or_else(|| memory_in_name(&product)),
+                        slices,
+                    ),
                     profile,
                     start: *start,
                     holders,
