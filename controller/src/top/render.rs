@@ -91,12 +91,19 @@ fn mig(lines: &mut Vec<String>, slices: u32, dynamic: bool, instances: &[MigInst
     // Wide cells for a few slices, narrow ones for many, so the bar stays under 50 columns.
     let cell = (48 / slices.max(1) as usize).clamp(1, 4);
     let bar: Vec<String> = cells.iter().map(|c| c.to_string().repeat(cell)).collect();
-    let free = cells.iter().filter(|c| **c == '.').count();
-    let kind = if dynamic { "MIG" } else { "MIG static" };
-    lines.push(truncate(
-        &format!("  {kind} [{}]  {free} of {slices} slices free", bar.join("|")),
-        WIDTH,
-    ));
+    // A static layout's instances exist whether held or not: what is free there is instances.
+    let summary = if dynamic {
+        let free = cells.iter().filter(|c| **c == '.').count();
+        format!("MIG [{}]  {free} of {slices} slices free", bar.join("|"))
+    } else {
+        let held = instances.iter().filter(|i| !i.holders.is_empty()).count();
+        format!(
+            "MIG static [{}]  {held} of {} held",
+            bar.join("|"),
+            instances.len()
+        )
+    };
+    lines.push(truncate(&format!("  {summary}"), WIDTH));
     for (i, inst) in instances.iter().enumerate() {
         let letter = (b'A' + (i % 26) as u8) as char;
         let span = if inst.size <= 1 {

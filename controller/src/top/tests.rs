@@ -285,7 +285,7 @@ fn a_static_layouts_instances_take_their_size_from_the_nodes_inventory_and_free_
         "\
 == node node-a  (1 GPU)
 GPU 3  NVIDIA H100 80GB HBM3                                       80Gi  healthy
-  MIG static [AAAA|AAAA|AAAA|AAAA|BBBB|BBBB|BBBB|BBBB]  0 of 8 slices free
+  MIG static [AAAA|AAAA|AAAA|AAAA|BBBB|BBBB|BBBB|BBBB]  1 of 2 held
     A 3g.40gb    slices 0-3  free
     B 3g.40gb    slices 4-7  team/p                          mem used       -
 "

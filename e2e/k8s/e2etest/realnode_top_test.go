@@ -91,7 +91,7 @@ func TestRealNodeTopDrawsWholeMigAndShareClaimsInAnEightyColumnTerminal(t *testi
 	want := map[string]*regexp.Regexp{
 		"the node as a header":              regexp.MustCompile(`(?m)^== node ` + regexp.QuoteMeta(rn.name) + ` `),
 		"the whole GPU held by its pod":     regexp.MustCompile(`(?m)^  whole GPU  ` + regexp.QuoteMeta(ns+"/whole") + ` `),
-		"the MIG slice bar":                 regexp.MustCompile(`(?m)^  MIG (static )?\[[A-Z.|]+\]  \d+ of \d+ slices free`),
+		"the MIG slice bar":                 regexp.MustCompile(`(?m)^  MIG (\[[A-Z.|]+\]  \d+ of \d+ slices free|static \[[A-Z.|]+\]  \d+ of \d+ held) *$`),
 		"the MIG instance's profile, pod":   regexp.MustCompile(`(?m)^    [A-Z] 3g\.\S+ +slices? [\d-]+ +` + regexp.QuoteMeta(ns+"/mig") + ` `),
 		"the share's memory, request, ceil": regexp.MustCompile(`(?m)^    ` + regexp.QuoteMeta(ns+"/share") + ` +10Gi +25% +25% `),
 		"use read from the plugin's pod":    regexp.MustCompile(`use: from 1 of 1 plugin pods' /metrics`),
