@@ -447,9 +447,7 @@ fn unescape_mountinfo(field: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        let octal = bytes
-            .get(i + 1..i + 4)
-            .filter(|d| d.iter().all(|b| (b'0'..=b'7').contains(b)));
+        let octal = bytes.get(i + 1..i + 4).filter(|d| d.iter().all(|b| (b'0'..=b'7').contains(b)));
         match (bytes[i], octal) {
             (b'\\', Some(d)) => {
                 out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
@@ -648,18 +646,9 @@ mod tests {
                      30 22 0:5 / /home/my\\040dir rw,noexec - tmpfs tmpfs rw\n\
                      31 30 0:5 / /home/my\\040dir rw - tmpfs tmpfs rw\n\
                      32 22 0:6 / /home/other rw,noexec - tmpfs tmpfs rw\n";
-        assert_eq!(
-            noexec_in_mountinfo(table, Path::new("/home/my dir/bin")),
-            Some(false)
-        );
-        assert_eq!(
-            noexec_in_mountinfo(table, Path::new("/home/other/bin")),
-            Some(true)
-        );
-        assert_eq!(
-            noexec_in_mountinfo(table, Path::new("/home/otherwise")),
-            Some(false)
-        );
+        assert_eq!(noexec_in_mountinfo(table, Path::new("/home/my dir/bin")), Some(false));
+        assert_eq!(noexec_in_mountinfo(table, Path::new("/home/other/bin")), Some(true));
+        assert_eq!(noexec_in_mountinfo(table, Path::new("/home/otherwise")), Some(false));
         assert_eq!(noexec_in_mountinfo("garbage\n", Path::new("/x")), None);
     }
 
