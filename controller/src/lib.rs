@@ -36,6 +36,7 @@ pub mod retain;
 pub mod rightsize;
 pub mod runtime;
 pub mod time;
+pub mod top;
 pub mod uninstall;
 pub mod validate;
 pub mod webhook;

@@ -4,10 +4,11 @@
 #   libseccomp-dev runc's seccomp support (containerd gives every sandbox a seccomp profile)
 #   busybox-static the workload image's /bin/busybox
 #   iptables       the CNI bridge plugin's masquerade and portmap rules
+#   tmux           the 80-column terminal `kubectl tessera top` is drawn in (e2etest/realnode_top_test.go)
 # --check: fail, naming the missing ones and this script, if any is absent. --install: apt-get install the
 # missing ones (idempotent: nothing runs when all are there; .ci/run calls it before `make test`).
 set -euo pipefail
-PKGS=(gcc libseccomp-dev busybox-static iptables)
+PKGS=(gcc libseccomp-dev busybox-static iptables tmux)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f '${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
