@@ -224,6 +224,7 @@ mod tests {
             memory_step: 1 << 30,
             fallback_slots: 4,
             warm_seconds: 0,
+            tenancy: tessera_api::policy::MpsTenancy::default(),
         }
     }
 
