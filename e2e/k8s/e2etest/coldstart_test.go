@@ -38,7 +38,7 @@ import (
 
 // coldStartWindow is the warm window of the scenario: long enough for a scale-down and the next scale-up
 // on a loaded 2-core machine, short enough that the test can wait for it to end.
-const coldStartWindow = 45 * time.Second
+const coldStartWindow = 30 * time.Second
 
 type coldKind struct {
 	name     string

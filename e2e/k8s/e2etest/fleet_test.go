@@ -25,7 +25,8 @@ package e2etest
 // hold whole GPUs and the shares' pods shares; Prometheus saw the load the test gave (its mean GPU use within
 // a tolerance of the test's own). `make bench-fleet` runs it on the whole hour and writes
 // e2e/bench/results/fleet.md; `make e2e` runs it on the trace's first 10 minutes, compressed 10x, with
-// the two HPA policies only (whole-peak differs from whole-hpa only in its missing ScaledObject).
+// shares-hpa only: the loop (load, Prometheus, KEDA, the HPA, kube-scheduler, prepares) is the same for every
+// policy, and the batch-slot model is superseded by the offline one (internal/fleetsim).
 
 import (
 	"context"
@@ -97,7 +98,7 @@ func fleetArgsFromEnv(t *testing.T) fleetArgs {
 	num("FLEET_SERVICES", &services)
 	num("FLEET_COMPRESS", &a.compress)
 	a.window, a.thin, a.services = time.Duration(window*float64(time.Minute)), int(thin), int(services)
-	for _, p := range strings.Split(getenv("FLEET_POLICIES", "whole-hpa,shares-hpa"), ",") {
+	for _, p := range strings.Split(getenv("FLEET_POLICIES", "shares-hpa"), ",") {
 		name, rest, found := strings.Cut(strings.TrimSpace(p), "@")
 		r := fleetRun{policy: fleet.Policy(name), target: 0.7}
 		if found {

@@ -18,10 +18,10 @@ import (
 	"testing"
 	"time"
 
-	resourcev1 "k8s.io/api/resource/v1"
 	v1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/runtime"
+	resourcev1 "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 
 	"tessera.dev/e2e/internal/cluster"
 )
@@ -82,6 +82,9 @@ func TestRealNodeBurstableSharesSeeTheirCeilingAloneAndTheirContentionWhenBothAr
 	}
 	pods := map[string]*v1.Pod{}
 	claims := map[string]string{}
+	// The load's process is the container's (its environment names the claim, as the plugin reads it
+	// through the host's /proc); --claim tells the simulated driver which contexts are that client's.
+	pids := map[string]int{}
 	var device string
 	for _, name := range names {
 		p := waitRunning(t, ns, name, 3*time.Minute)
@@ -94,6 +97,7 @@ func TestRealNodeBurstableSharesSeeTheirCeilingAloneAndTheirContentionWhenBothAr
 		}
 		device = devices[0].Device
 		pods[name], claims[name] = p, claim.Name
+		pids[name] = rn.containerPID(t, p, "hold")
 		if got := insideView(t, p).env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]; got != fmt.Sprint(ceiling) {
 			t.Fatalf("%s: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=%q, want the ceiling %d (the request is 25)", name, got, ceiling)
 		}
@@ -103,7 +107,7 @@ func TestRealNodeBurstableSharesSeeTheirCeilingAloneAndTheirContentionWhenBothAr
 	busy := func(name string) {
 		t.Helper()
 		out, err := exec.Command(loads.bin, "simulate", "--state-dir", rn.stateDir, "load", "--device", device,
-			"--claim", ns+"/"+claims[name], "--util", fmt.Sprint(ceiling), "--memory", "1Gi", "--mps-client",
+			"--claim", ns+"/"+claims[name], "--pid", fmt.Sprint(pids[name]), "--util", fmt.Sprint(ceiling), "--memory", "1Gi", "--mps-client",
 			"--mps-server-pid", fmt.Sprint(loads.mpsServer), "--active-thread-percentage", fmt.Sprint(ceiling)).CombinedOutput()
 		if err != nil {
 			t.Fatalf("simulate load for %s: %v\n%s", name, err, out)

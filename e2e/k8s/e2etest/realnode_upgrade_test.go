@@ -339,14 +339,21 @@ func TestRealNodeDriverUpgradeAndBootThePluginWaitsForTheDriverAndRestartsOnANew
 			return err == nil, out
 		})
 		t.Logf("the driver was swapped %s after the node was labelled", time.Since(upgraded).Round(100*time.Millisecond))
-		released, err := chartPluginPod(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
 		// Restarted, and waiting without the driver (still registered with kubelet, so it may show Ready).
-		if s := containerStatus(released, "plugin"); s.RestartCount <= restarts {
-			t.Errorf("the plugin while the driver is released: restarts %d (before %d); want it restarted", s.RestartCount, restarts)
-		}
+		// kubelet restarts the container a moment after the driver is free, so the label moves on only
+		// once the new process is seen waiting: moved on earlier, it would start on the new driver at once.
+		waitFor(t, "the restarted plugin waiting without the driver", 2*time.Minute, func(ctx context.Context) (bool, string) {
+			p, err := chartPluginPod(ctx)
+			if err != nil {
+				return false, err.Error()
+			}
+			s := containerStatus(p, "plugin")
+			if s == nil || s.RestartCount <= restarts {
+				return false, fmt.Sprintf("restarts %v (before %d)", s, restarts)
+			}
+			log := rn.containerLog(p, "plugin", s.RestartCount)
+			return strings.Contains(log, "waiting without the driver"), tail(log, 10)
+		})
 		patchNode(t, rn.name, `{"metadata":{"labels":{"`+upgradeStateLabel+`":"upgrade-done"}}}`)
 		var after *v1.Pod
 		waitFor(t, "the plugin container restarted and Ready on the new driver", 2*time.Minute, func(ctx context.Context) (bool, string) {
