@@ -5,7 +5,7 @@
 //! `mps-control-sim`).
 //!
 //! `cargo test -p tessera-kubelet-plugin --test sharing_tenancy`; the cost of a daemon start is printed by
-//! `cargo test -p tessera-kubelet-plugin --test sharing_tenancy -- --ignored --nocapture`.
+//! `cargo test -p tessera-kubelet-plugin --test sharing_tenancy -- --nocapture the_cost`.
 
 mod common;
 
@@ -392,12 +392,12 @@ async fn the_plugin_gives_each_namespace_a_daemon_unless_the_policy_publishes_sh
     );
 }
 
-/// The cost of per-namespace daemons in daemon starts: prints the time of each start of a simulated
-/// daemon (the plugin's `mps-control-sim`, started detached as on a node without a supervisor) and the
-/// resident memory of a running one. A benchmark, not a check.
+/// The cost of per-namespace daemons in daemon starts: eight namespaces start eight daemons, a second
+/// share of a namespace joins its running one. Prints the time of each start of a simulated daemon (the
+/// plugin's `mps-control-sim`, started detached as on a node without a supervisor) and the resident memory
+/// of a running one; the times are printed, never judged.
 #[test]
-#[ignore = "prints timings"]
-fn print_the_cost_of_a_daemon_per_namespace() {
+fn eight_namespaces_start_eight_daemons_and_a_second_share_joins_its_own_printing_the_cost() {
     let n = node();
     let mut times = Vec::new();
     for i in 0..8 {
@@ -418,9 +418,19 @@ fn print_the_cost_of_a_daemon_per_namespace() {
                 .ok()
         })
         .collect();
+    let pids: std::collections::BTreeSet<u32> = (0..8)
+        .filter_map(|i| n.daemon_pid(Some(&format!("team-{i}"))))
+        .collect();
+    assert_eq!(pids.len(), 8, "one running daemon per namespace: {pids:?}");
+    let team0 = n.daemon_pid(Some("team-0"));
     let began = Instant::now();
     n.share("uid-same/gpu-0-shared", Some("team-0"));
     let joined = began.elapsed();
+    assert_eq!(
+        n.daemon_pid(Some("team-0")),
+        team0,
+        "a second share of team-0 joins its daemon"
+    );
     println!("daemon starts (first share of a namespace on the GPU): {times:?}");
     println!("a share joining its namespace's running daemon: {joined:?}");
     println!("RSS of each simulated control daemon (KiB): {rss_kib:?}");
