@@ -22,6 +22,7 @@ pub mod features;
 pub mod fixtures;
 pub mod fragmentation;
 pub mod health;
+pub mod kubectl;
 pub mod leader;
 pub mod liveness;
 pub mod metrics;

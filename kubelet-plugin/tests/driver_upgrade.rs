@@ -340,41 +340,11 @@ struct PluginProcess {
 impl PluginProcess {
     fn start(d: &Path, driver: &sim_driver::BuiltDriver, api: &NodeApi, n: u32) -> Self {
         std::fs::write(d.join("boot_id"), "boot-1\n").unwrap();
-        let kubeconfig = d.join("kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters: [{{name: c, cluster: {{server: '{}'}}}}]\n\
-                 users: [{{name: u, user: {{token: t}}}}]\ncontexts: [{{name: x, context: {{cluster: c, user: u}}}}]\n\
-                 current-context: x\n",
-                api.url
-            ),
-        )
-        .unwrap();
         let log = d.join(format!("plugin-{n}.log"));
-        let child = Command::new(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"))
-            .args([
-                "--node-name",
-                NODE,
-                "--backend",
-                "nvml",
-                "--heartbeat-interval",
-                "60",
-            ])
+        let child = common::plugin_command_in(d, NODE, &api.url)
+            .args(["--backend", "nvml", "--heartbeat-interval", "60"])
             .arg("--driver-root")
             .arg(&driver.root)
-            .arg("--state-dir")
-            .arg(d.join("state"))
-            .arg("--kubelet-registry-dir")
-            .arg(d.join("registry"))
-            .arg("--kubelet-plugins-dir")
-            .arg(d.join("plugins"))
-            .arg("--cdi-dir")
-            .arg(d.join("cdi"))
-            .arg("--boot-id-file")
-            .arg(d.join("boot_id"))
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
             .env("RUST_LOG", "info")
             .stdout(std::process::Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())

@@ -9,9 +9,8 @@ use k8s_openapi::api::{
     resource::v1::{DeviceClass, DeviceTaintRule, ResourceClaimTemplate, ResourceSlice},
 };
 use kube::{
-    Api, Client, Config,
+    Api, Client,
     api::{ApiResource, DynamicObject, GroupVersionKind, ListParams},
-    config::{KubeConfigOptions, Kubeconfig},
 };
 
 use super::{cluster::Cluster, diagnose::explain, error::ExplainError, input, target::Target};
@@ -89,21 +88,7 @@ fn cluster_error(e: impl std::fmt::Display) -> ExplainError {
 }
 
 async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, ExplainError> {
-    let config = match kubeconfig {
-        Some(path) => {
-            // KUBECONFIG may list several files; kubectl merges them, the first one is enough here.
-            let first = std::env::split_paths(path)
-                .next()
-                .unwrap_or_else(|| path.to_path_buf());
-            let kc = Kubeconfig::read_from(&first)
-                .map_err(|e| cluster_error(format!("failed to read kubeconfig {}: {e}", first.display())))?;
-            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-                .await
-                .map_err(cluster_error)?
-        }
-        None => Config::infer().await.map_err(cluster_error)?,
-    };
-    Client::try_from(config).map_err(cluster_error)
+    crate::kubectl::client(kubeconfig).await.map_err(cluster_error)
 }
 
 async fn list<K>(api: Api<K>) -> Result<Vec<K>, ExplainError>

@@ -5,11 +5,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use k8s_openapi::api::{apps::v1::Deployment, core::v1::Pod, resource::v1::ResourceClaimTemplate};
-use kube::{
-    Api, Client, Config,
-    api::ListParams,
-    config::{KubeConfigOptions, Kubeconfig},
-};
+use kube::{Api, Client, api::ListParams};
 
 use super::{
     error::RightsizeError,
@@ -174,23 +170,9 @@ async fn from_cluster(
     ))
 }
 
-/// A client as kubectl finds its cluster (the same as explain's).
+/// A client as kubectl finds its cluster ([`crate::kubectl::client`]).
 async fn kube_client(kubeconfig: Option<&std::path::Path>) -> Result<Client, RightsizeError> {
-    let config = match kubeconfig {
-        Some(path) => {
-            // KUBECONFIG may list several files; kubectl merges them, the first one is enough here.
-            let first = std::env::split_paths(path)
-                .next()
-                .unwrap_or_else(|| path.to_path_buf());
-            let kc = Kubeconfig::read_from(&first)
-                .map_err(|e| cluster_error(format!("failed to read kubeconfig {}: {e}", first.display())))?;
-            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-                .await
-                .map_err(cluster_error)?
-        }
-        None => Config::infer().await.map_err(cluster_error)?,
-    };
-    Client::try_from(config).map_err(cluster_error)
+    crate::kubectl::client(kubeconfig).await.map_err(cluster_error)
 }
 
 fn read_template(path: &std::path::Path) -> Result<serde_json::Value, RightsizeError> {

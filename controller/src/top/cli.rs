@@ -4,11 +4,7 @@
 use std::{collections::HashMap, path::PathBuf};
 
 use k8s_openapi::api::{core::v1::Pod, resource::v1::ResourceSlice};
-use kube::{
-    Api, Client, Config,
-    api::ListParams,
-    config::{KubeConfigOptions, Kubeconfig},
-};
+use kube::{Api, Client, api::ListParams};
 use tessera_api::NodeInventory;
 
 use super::{
@@ -47,21 +43,7 @@ fn cluster_error(e: impl std::fmt::Display) -> TopError {
 }
 
 async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, TopError> {
-    let config = match kubeconfig {
-        Some(path) => {
-            // KUBECONFIG may list several files; kubectl merges them, the first one is enough here.
-            let first = std::env::split_paths(path)
-                .next()
-                .unwrap_or_else(|| path.to_path_buf());
-            let kc = Kubeconfig::read_from(&first)
-                .map_err(|e| cluster_error(format!("failed to read kubeconfig {}: {e}", first.display())))?;
-            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-                .await
-                .map_err(cluster_error)?
-        }
-        None => Config::infer().await.map_err(cluster_error)?,
-    };
-    Client::try_from(config).map_err(cluster_error)
+    crate::kubectl::client(kubeconfig).await.map_err(cluster_error)
 }
 
 /// `GET /api/v1/namespaces/<ns>/pods/<name>:<port>/proxy/metrics`: a pod's `/metrics` through the API

@@ -143,6 +143,16 @@ pub fn real_plugin(
 /// (state, registry, plugins, cdi, boot_id) and a kubeconfig for `server` written there: how the process
 /// tests start it. Callers add their own flags and environment.
 pub fn plugin_command(d: &Path, node: &str, node_file: &Path, server: &str) -> std::process::Command {
+    let mut cmd = plugin_command_in(d, node, server);
+    cmd.args(["--backend", "simulated"])
+        .arg("--simulated-node-file")
+        .arg(node_file);
+    cmd
+}
+
+/// The plugin binary for `node`, its backend not yet chosen, with every directory under `d` (state,
+/// registry, plugins, cdi, boot_id) and a kubeconfig for `server` written there.
+pub fn plugin_command_in(d: &Path, node: &str, server: &str) -> std::process::Command {
     let kubeconfig = d.join("kubeconfig");
     std::fs::write(
         &kubeconfig,
@@ -154,9 +164,7 @@ pub fn plugin_command(d: &Path, node: &str, node_file: &Path, server: &str) -> s
     )
     .unwrap();
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_tessera-kubelet-plugin"));
-    cmd.args(["--node-name", node, "--backend", "simulated"])
-        .arg("--simulated-node-file")
-        .arg(node_file)
+    cmd.args(["--node-name", node])
         .arg("--state-dir")
         .arg(d.join("state"))
         .arg("--kubelet-registry-dir")
