@@ -144,8 +144,17 @@ func procAlive(name string) bool {
 // devices are free for the next scenario) when the test ends.
 func namespace(t *testing.T, name string) string {
 	t.Helper()
-	ctx := ctxFor(t, time.Minute)
-	_, err := e.client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+	ctx := ctxFor(t, 3*time.Minute)
+	// A namespace of the same name may still be terminating: deleteNamespace returns once its pods and claims
+	// are gone, not the namespace itself.
+	err := wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		ns, err := e.client.CoreV1().Namespaces().Get(ctx, name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err) || (err == nil && ns.DeletionTimestamp == nil), nil
+	})
+	if err != nil {
+		t.Fatalf("namespace %s is still terminating from an earlier scenario: %v", name, err)
+	}
+	_, err = e.client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
 	if err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatalf("create namespace %s: %v", name, err)
 	}
@@ -162,6 +171,12 @@ func namespace(t *testing.T, name string) string {
 	return name
 }
 
+// deleteNamespace deletes a scenario's namespace and returns once its pods and ResourceClaims are gone, which
+// is what the next scenario depends on: the kubelet has unprepared the pods' claims and the scheduler sees
+// their devices free. The namespace object itself is left to the namespace controller, whose passes over
+// every API resource (the add-ons' CRDs included) took 5-10 s per namespace on 2 cores. Deleting the
+// namespace first makes the API server refuse new pods in it, so a Deployment's ReplicaSet cannot replace
+// the pods deleted here.
 func deleteNamespace(t *testing.T, name string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -169,14 +184,28 @@ func deleteNamespace(t *testing.T, name string) {
 		t.Errorf("delete namespace %s: %v", name, err)
 		return
 	}
-	err := wait.PollUntilContextCancel(ctx, time.Second, true, func(ctx context.Context) (bool, error) {
-		_, err := e.client.CoreV1().Namespaces().Get(ctx, name, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), nil
+	// Each pod keeps its own grace period: the kubelet still stops its containers and unprepares its claims.
+	if err := e.client.CoreV1().Pods(name).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		t.Errorf("delete the pods of namespace %s: %v", name, err)
+	}
+	if err := e.client.ResourceV1().ResourceClaims(name).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		t.Errorf("delete the claims of namespace %s: %v", name, err)
+	}
+	var pods, claims int
+	err := wait.PollUntilContextCancel(ctx, 200*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		p, err := e.client.CoreV1().Pods(name).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		c, err := e.client.ResourceV1().ResourceClaims(name).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		pods, claims = len(p.Items), len(c.Items)
+		return pods == 0 && claims == 0, nil
 	})
 	if err != nil {
-		pods, _ := e.client.CoreV1().Pods(name).List(context.Background(), metav1.ListOptions{})
-		claims, _ := e.client.ResourceV1().ResourceClaims(name).List(context.Background(), metav1.ListOptions{})
-		t.Errorf("namespace %s not gone after 2m (pods left: %d, claims left: %d)", name, len(pods.Items), len(claims.Items))
+		t.Errorf("namespace %s still has pods or claims after 2m (pods left: %d, claims left: %d)", name, pods, claims)
 	}
 }
 
