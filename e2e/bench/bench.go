@@ -137,6 +137,11 @@ func RunPolicy(ctx context.Context, c *Cluster, policy PolicySpec, tr *Trace, cf
 	if err != nil {
 		return res, fmt.Errorf("failed to replay the trace under policy %s: %w", policy.Name, err)
 	}
+	if b := c.Claims; b.Style == StyleMIG || (b.Style == StyleAuto && b.shared == nil) {
+		if bound, ok := MIGSliceBound(b, pods, sim.TotalGPUs()); ok {
+			res.Bound = &bound
+		}
+	}
 	if !cfg.SkipGPUsNeeded {
 		elastic := NewSim(policy, c)
 		elastic.Grow = c.Grow

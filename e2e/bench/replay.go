@@ -75,7 +75,9 @@ type RunResult struct {
 	// Unplaceable: pods that did not fit even on an empty extra node in the elastic run.
 	Unplaceable   int
 	AllocateCalls int
-	Elapsed       time.Duration
+	// Bound: for MIG policies, the allocation ratio no placement could exceed in this replay (MIGSliceBound).
+	Bound   *SliceBound
+	Elapsed time.Duration
 	// Holdings counts the GPUs by what they hold at the end of the replay (Sim.Holdings).
 	Holdings map[string]int
 	// SameAs names the policy whose replay this one reused (identical slices and claims).
