@@ -3,15 +3,21 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
 .PHONY: bench-fleet
-# Fleet utilization (issue 24): the Azure LLM trace's services on the real node under whole-peak, whole GPUs +
-# KEDA and MPS shares + KEDA, with Prometheus, KEDA, the HPA, kube-scheduler and tessera in the loop. The
-# table goes to e2e/bench/results/fleet.md. `make e2e` runs it on the trace's first 10 minutes.
+# Fleet utilization, live (issues 24 and 39): any Azure-format CSV (TRACE, TIMESTAMP,ContextTokens,GeneratedTokens;
+# default the conversation trace; gen:low / gen:bursty are generated) replayed on the real node with Prometheus,
+# KEDA, the HPA, kube-scheduler and tessera's burstable shares in the loop, then the offline model
+# (e2e/k8s/internal/fleetsim) on the same slice; the table of both (pods created, SM activity of GPUs held) goes
+# to e2e/bench/results/fleet-live.md. Everything but the trace is fixed in code (fleetsim.AgreementConfig).
+# `make e2e` runs the same scenario on the conversation trace's first 10 minutes, compressed 10x, and asserts
+# the agreement. FLEET_POLICIES=whole-peak,whole-hpa,shares-hpa,shares-hpa@0.85/0.1 runs the superseded
+# batch-slot model's policies instead (e2e/k8s/internal/fleet; fleet.md's history).
 FLEET_MINUTES ?= 60
 FLEET_COMPRESS ?= 6
-FLEET_POLICIES ?= whole-peak,whole-hpa,shares-hpa,shares-hpa@0.85/0.1
-bench-fleet: ## The fleet utilization benchmark on the Azure LLM trace (~45 min; root)
+FLEET_POLICIES ?=
+FLEET_OUT ?= $(CURDIR)/e2e/bench/results/fleet-live.md
+bench-fleet: ## The live fleet loop against the offline model on any trace (TRACE=<Azure-format CSV>|gen:low|gen:bursty; ~15 min; root)
 	e2e/scripts/node-packages.sh --install
-	FLEET_MINUTES=$(FLEET_MINUTES) FLEET_COMPRESS=$(FLEET_COMPRESS) FLEET_POLICIES='$(FLEET_POLICIES)' FLEET_OUT=$(CURDIR)/e2e/bench/results/fleet.md \
+	FLEET_TRACE='$(TRACE)' FLEET_MINUTES=$(FLEET_MINUTES) FLEET_COMPRESS=$(FLEET_COMPRESS) FLEET_POLICIES='$(FLEET_POLICIES)' FLEET_OUT='$(FLEET_OUT)' \
 		E2E_RUN='^TestFleetBench' E2E_TIMEOUT=90m e2e/scripts/e2e.sh
 
 .PHONY: bench-fleet-offline

@@ -23,10 +23,10 @@ package e2etest
 // time to Running (schedule + prepare + start). Asserted (counts only, never timings): every request that
 // arrived is served, dropped or in flight; each policy held at least one GPU; the whole-GPU policies' pods
 // hold whole GPUs and the shares' pods shares; Prometheus saw the load the test gave (its mean GPU use within
-// a tolerance of the test's own). `make bench-fleet` runs it on the whole hour and writes
-// e2e/bench/results/fleet.md; `make e2e` runs it on the trace's first 10 minutes, compressed 10x, with
-// shares-hpa only: the loop (load, Prometheus, KEDA, the HPA, kube-scheduler, prepares) is the same for every
-// policy, and the batch-slot model is superseded by the offline one (internal/fleetsim).
+// a tolerance of the test's own). That is the batch-slot path, run only with FLEET_POLICIES
+// set (its numbers are history in e2e/bench/results/fleet.md). Without FLEET_POLICIES (`make e2e`, and
+// `make bench-fleet TRACE=<file>`) the test is issue 39 item 6: the offline model's engines on the replicas
+// Kubernetes runs, against the offline model on the same slice (fleet_agreement_test.go).
 
 import (
 	"context"
@@ -47,6 +47,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
 	"tessera.dev/e2e/internal/fleet"
+	"tessera.dev/e2e/internal/fleetsim"
 )
 
 var gpuOfDevice = regexp.MustCompile(`^gpu-(\d+)`)
@@ -57,7 +58,7 @@ type fleetArgs struct {
 	thin     int           // keep 1 in thin requests
 	services int
 	compress float64
-	runs     []fleetRun
+	runs     []fleetRun // FLEET_POLICIES: the batch-slot model's policies; none: the agreement scenario
 	out      string
 }
 
@@ -73,13 +74,16 @@ func fleetArgsFromEnv(t *testing.T) fleetArgs {
 	t.Helper()
 	a := fleetArgs{
 		trace:    getenv("FLEET_TRACE", filepath.Join(e.repoRoot, "..", "shared", "data", "azure-llm-2023", "AzureLLMInferenceTrace_conv.csv")),
-		window:   10 * time.Minute,
-		thin:     4,
+		window:   fleetsim.AgreementSlice,
+		thin:     fleetsim.AgreementThin,
 		services: 3,
 		compress: 10,
 		out:      os.Getenv("FLEET_OUT"),
 	}
-	if _, err := os.Stat(a.trace); err != nil {
+	if _, err := os.Stat(a.trace); err != nil && !strings.HasPrefix(a.trace, "gen:") {
+		if os.Getenv("FLEET_TRACE") != "" {
+			t.Fatalf("FLEET_TRACE=%s: %v; give an Azure-format CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or gen:low / gen:bursty", a.trace, err)
+		}
 		// The trace's first 10 minutes are in the repository (CC-BY 4.0, internal/fleet/testdata/README.md).
 		a.trace = filepath.Join(e.repoRoot, "e2e", "k8s", "internal", "fleet", "testdata", "azure-conv-first-10min.csv")
 	}
@@ -98,7 +102,13 @@ func fleetArgsFromEnv(t *testing.T) fleetArgs {
 	num("FLEET_SERVICES", &services)
 	num("FLEET_COMPRESS", &a.compress)
 	a.window, a.thin, a.services = time.Duration(window*float64(time.Minute)), int(thin), int(services)
-	for _, p := range strings.Split(getenv("FLEET_POLICIES", "shares-hpa"), ",") {
+	if os.Getenv("FLEET_POLICIES") == "" {
+		return a
+	}
+	if os.Getenv("FLEET_THIN") == "" {
+		a.thin = 4 // the batch-slot runs' history
+	}
+	for _, p := range strings.Split(os.Getenv("FLEET_POLICIES"), ",") {
 		name, rest, found := strings.Cut(strings.TrimSpace(p), "@")
 		r := fleetRun{policy: fleet.Policy(name), target: 0.7}
 		if found {
@@ -175,6 +185,10 @@ func TestFleetBenchOnTheAzureTraceWithPrometheusKEDAAndTheHPAInTheLoop(t *testin
 		return n >= 3, fmt.Sprintf("%d shared devices", n)
 	})
 	loads := realNodeLoads(t, rn)
+	if len(args.runs) == 0 {
+		fleetAgreement(t, rn, a, loads, args)
+		return
+	}
 
 	var rows []fleetRow
 	for _, run := range args.runs {

@@ -31,6 +31,9 @@ type Policy struct {
 	// Overcommit divides the rule's request (packing only). 1 = the rule; larger values are points
 	// on the utilization–SLO curve, not the rule.
 	Overcommit float64
+	// Fixed, when its RequestPercent is set, is every service's share from the start, never re-sized
+	// (the live loop's agreement scenario, whose claims are written before the run).
+	Fixed Recommendation
 }
 
 // Policies are the policies compared; the first is the SLO baseline.
@@ -124,6 +127,10 @@ type replica struct {
 	uAcc, memMax     float64
 	loadAcc          float64
 	accTicks         int
+	// The live loop's accumulators, reset at each Live.Step (the sampling ones above keep their own
+	// period).
+	liveU, liveLoad float64
+	liveTicks       int
 }
 
 func (r *replica) load() int { return len(r.queue) + len(r.active) }
@@ -276,7 +283,7 @@ func WaterFill(ceilings []float64) []float64 {
 // (it is the "sized for the peak" baseline); every other policy starts at one replica per
 // service and learns from its own samples.
 func Run(cfg Config, trace []fleet.Request, p Policy) Result {
-	s := newSim(cfg, trace, p)
+	s := newSim(cfg, trace, p, false)
 	s.run()
 	return s.result()
 }
@@ -295,9 +302,11 @@ type sim struct {
 	pods     int
 	readyDur []float64
 	all      []*request
+
+	nextSample, nextResize, secAcc float64
 }
 
-func newSim(cfg Config, trace []fleet.Request, p Policy) *sim {
+func newSim(cfg Config, trace []fleet.Request, p Policy, live bool) *sim {
 	s := &sim{cfg: cfg, p: p}
 	s.svcs = make([]*serviceState, cfg.Services)
 	for k := range s.svcs {
@@ -315,6 +324,12 @@ func newSim(cfg Config, trace []fleet.Request, p Policy) *sim {
 		s.end = trace[len(trace)-1].At.Seconds() + 1
 	}
 	for k, sv := range s.svcs {
+		if p.Fixed.RequestPercent > 0 {
+			sv.rec, sv.haveRec = p.Fixed, true
+		}
+		if live {
+			continue // the caller adds the replicas
+		}
 		n := 1
 		if p.Name == "whole-peak" {
 			n = peakReplicas(sv, cfg.PeakReplicaBatch)
@@ -345,7 +360,7 @@ func peakReplicas(sv *serviceState, perReplica int) int {
 func (s *sim) size(k int) (request, ceiling, mem float64, mig MIGProfile) {
 	sv := s.svcs[k]
 	whole := MIGProfiles[len(MIGProfiles)-1]
-	if !s.p.Sized || !sv.haveRec {
+	if (!s.p.Sized && s.p.Fixed.RequestPercent == 0) || !sv.haveRec {
 		return 1, 1, GPUMemBytes, whole
 	}
 	req := float64(sv.rec.RequestPercent) / 100
@@ -382,21 +397,24 @@ func (s *sim) fits(g *gpuState, req, mem float64, mig MIGProfile) bool {
 }
 
 func (s *sim) addReplica(k int, now float64, warm bool) *replica {
-	req, ceil, mem, mig := s.size(k)
-	r := &replica{svc: k, request: req, ceiling: ceil, mem: mem, mig: mig}
-	kind := s.p.Kind
-	r.readyAt = now + s.svcs[k].class.ReadySeconds(kind)
+	readyAt := now + s.svcs[k].class.ReadySeconds(s.p.Kind)
 	if warm {
-		r.readyAt = 0
+		readyAt = 0
 	} else {
-		s.readyDur = append(s.readyDur, r.readyAt-now)
+		s.readyDur = append(s.readyDur, readyAt-now)
 	}
+	return s.place(k, readyAt, -1)
+}
+
+// place puts a new replica of service k on GPU gi, or first-fit when gi < 0 (a new GPU when none
+// fits); it serves from readyAt.
+func (s *sim) place(k int, readyAt float64, gi int) *replica {
+	req, ceil, mem, mig := s.size(k)
+	r := &replica{svc: k, request: req, ceiling: ceil, mem: mem, mig: mig, readyAt: readyAt}
 	r.retireAt = math.Inf(1)
-	gi := -1
-	for i, g := range s.gpus {
-		if s.fits(g, req, mem, mig) {
+	for i := 0; gi < 0 && i < len(s.gpus); i++ {
+		if s.fits(s.gpus[i], req, mem, mig) {
 			gi = i
-			break
 		}
 	}
 	if gi < 0 {
@@ -470,67 +488,73 @@ func (s *sim) retire(r *replica) {
 }
 
 func (s *sim) run() {
-	dt := s.cfg.Tick
-	nextSample := s.cfg.SampleSeconds
-	nextResize := s.cfg.LearnSeconds
-	secAcc := 0.0
+	s.nextSample = s.cfg.SampleSeconds
+	s.nextResize = s.cfg.LearnSeconds
 	limit := s.end + s.cfg.DrainSeconds
-	for s.now = 0; s.now < limit; s.now += dt {
+	for s.now = 0; s.now < limit; s.now += s.cfg.Tick {
 		if s.now >= s.end && s.allDone() {
 			break
 		}
-		for _, sv := range s.svcs {
-			for _, r := range sv.replicas {
-				if !r.retiring && r.retireAt <= s.now {
-					s.retire(r)
-				}
-			}
-			if len(sv.pending) > 0 {
-				p := sv.pending
-				sv.pending = nil
-				for _, q := range p {
-					s.route(q)
-				}
-			}
-			for sv.next < len(sv.reqs) && sv.reqs[sv.next].arrival < s.now+dt {
-				s.route(sv.reqs[sv.next])
-				sv.next++
+		s.tick()
+	}
+}
+
+// tick runs one Tick at s.now: retirements, routing, every GPU held, the per-second DCGM samples,
+// the claim-use samples (and the HPA, where the policy scales), re-sizing, and the removal of
+// drained replicas.
+func (s *sim) tick() {
+	dt := s.cfg.Tick
+	for _, sv := range s.svcs {
+		for _, r := range sv.replicas {
+			if !r.retiring && r.retireAt <= s.now {
+				s.retire(r)
 			}
 		}
-		held := 0
+		if len(sv.pending) > 0 {
+			p := sv.pending
+			sv.pending = nil
+			for _, q := range p {
+				s.route(q)
+			}
+		}
+		for sv.next < len(sv.reqs) && sv.reqs[sv.next].arrival < s.now+dt {
+			s.route(sv.reqs[sv.next])
+			sv.next++
+		}
+	}
+	held := 0
+	for _, g := range s.gpus {
+		if len(g.replicas) == 0 {
+			continue
+		}
+		held++
+		s.step(g, dt)
+	}
+	s.gpuHours += float64(held) * dt / 3600
+	s.maxGPUs = max(s.maxGPUs, held)
+	s.secAcc += dt
+	if s.secAcc >= 1-1e-9 {
+		s.secAcc = 0
 		for _, g := range s.gpus {
-			if len(g.replicas) == 0 {
-				continue
+			if len(g.replicas) > 0 && g.accTicks > 0 {
+				s.gpuUtil = append(s.gpuUtil, g.utilAcc/float64(g.accTicks))
+				s.smAct = append(s.smAct, g.smAcc/float64(g.accTicks))
 			}
-			held++
-			s.step(g, dt)
+			g.utilAcc, g.smAcc, g.accTicks = 0, 0, 0
 		}
-		s.gpuHours += float64(held) * dt / 3600
-		s.maxGPUs = max(s.maxGPUs, held)
-		secAcc += dt
-		if secAcc >= 1-1e-9 {
-			secAcc = 0
-			for _, g := range s.gpus {
-				if len(g.replicas) > 0 && g.accTicks > 0 {
-					s.gpuUtil = append(s.gpuUtil, g.utilAcc/float64(g.accTicks))
-					s.smAct = append(s.smAct, g.smAcc/float64(g.accTicks))
-				}
-				g.utilAcc, g.smAcc, g.accTicks = 0, 0, 0
-			}
-		}
-		if s.now+dt >= nextSample {
-			s.sample(nextSample)
-			nextSample += s.cfg.SampleSeconds
-		}
-		if s.p.Sized && s.now+dt >= nextResize {
-			s.resize(nextResize)
-			nextResize += s.cfg.ResizeSeconds
-		}
-		for _, sv := range s.svcs {
-			for _, r := range append([]*replica(nil), sv.replicas...) {
-				if r.retiring && r.load() == 0 {
-					s.removeReplica(r)
-				}
+	}
+	if s.now+dt >= s.nextSample {
+		s.sample(s.nextSample)
+		s.nextSample += s.cfg.SampleSeconds
+	}
+	if s.p.Sized && s.now+dt >= s.nextResize {
+		s.resize(s.nextResize)
+		s.nextResize += s.cfg.ResizeSeconds
+	}
+	for _, sv := range s.svcs {
+		for _, r := range append([]*replica(nil), sv.replicas...) {
+			if r.retiring && r.load() == 0 {
+				s.removeReplica(r)
 			}
 		}
 	}
@@ -613,6 +637,9 @@ func (s *sim) step(g *gpuState, dt float64) {
 		r.uAcc += r.grant * r.used / dt
 		r.loadAcc += float64(r.load())
 		r.accTicks++
+		r.liveU += r.grant * r.used / dt
+		r.liveLoad += float64(r.load())
+		r.liveTicks++
 		r.memMax = math.Max(r.memMax, s.svcs[r.svc].class.MemoryBytes(r.resident()))
 	}
 }
