@@ -2,12 +2,17 @@
 # kueue.sh up: the kueue add-on of the local cluster (`make up ADDONS=kueue`; `make e2e` always starts it):
 # Kueue's controller manager (upstream's, built from the Go module proxy by build-kueue.sh) as a process of the
 # run dir (make down stops it), with its CRDs applied and a configuration that charges tessera's DRA claims to
-# ClusterQueue quotas: the DynamicResourceAllocation and DRAExtendedResources feature gates (alpha in Kueue
-# v0.17) and resources.deviceClassMappings from tessera's DeviceClasses (deployments/classes) to logical
+# ClusterQueue quotas. Kueue v0.19.2's DRA gates (pkg/features/kube_features.go): KueueDRAIntegration (beta,
+# on), KueueDRAIntegrationExtendedResource (beta, on) and KueueDRAIntegrationPartitionableDevices (counter
+# sources; beta, on) by default; KueueDRAIntegrationConsumableCapacity (capacity sources; alpha, off) turned
+# on here. resources.deviceClassMappings maps tessera's DeviceClasses (deployments/classes) to logical
 # resources:
-#   gpu.tessera.dev                          -> tessera.dev/gpu        (whole GPUs)
-#   shared.gpu.tessera.dev                   -> tessera.dev/gpu-share  (MPS / time-sliced shares, one per claim)
-#   mig.gpu.tessera.dev, mig-*.gpu.tessera.dev -> tessera.dev/mig      (MIG slices, one per claim)
+#   gpu.tessera.dev                            -> tessera.dev/gpu               (whole GPUs, one per device)
+#   shared.gpu.tessera.dev                     -> tessera.dev/gpu-share-memory  (shares: the bytes of `memory`
+#                                                 capacity each claim consumes, a capacity source)
+#   mig.gpu.tessera.dev, mig-*.gpu.tessera.dev -> tessera.dev/mig               (MIG slices, one per device)
+# Why MIG is counted rather than charged by counters, and why a share's `compute` is not charged: see
+# deployments/examples/kueue/README.md (What Kueue v0.19.2 charges).
 # deployments/examples/kueue/README.md shows the same featureGates and deviceClassMappings.
 #
 # Without Kueue's admission webhooks: the manager serves them (controller-runtime needs a serving certificate
@@ -61,17 +66,23 @@ internalCertManagement:
 integrations:
   frameworks: ["batch/job"]
 featureGates:
-  DynamicResourceAllocation: true
-  # Pods asking for nvidia.com/gpu (gpu.tessera.dev's extendedResourceName) charged as tessera.dev/gpu.
-  DRAExtendedResources: true
+  # Capacity sources (the shares' memory); alpha in v0.19, off by default.
+  KueueDRAIntegrationConsumableCapacity: true
   # Its API server would need a certificate and an APIService of its own; nothing here reads it.
   VisibilityOnDemand: false
 resources:
   deviceClassMappings:
   - name: tessera.dev/gpu
     deviceClassNames: [gpu.tessera.dev]
-  - name: tessera.dev/gpu-share
+  - name: tessera.dev/gpu-share-memory
     deviceClassNames: [shared.gpu.tessera.dev]
+    sources:
+    - capacity:
+        name: memory
+        driver: gpu.tessera.dev
+        deviceSelector:
+          cel:
+            expression: device.attributes["gpu.tessera.dev"].type == "shared"
   - name: tessera.dev/mig
     deviceClassNames: [mig.gpu.tessera.dev$(for f in "$REPO_ROOT"/deployments/classes/mig-profiles/*.yaml; do printf ', %s' "$(basename "$f" .yaml)"; done)]
 YAML
@@ -90,7 +101,7 @@ YAML
   start_proc kueue
   clusterctl wait-url --url "http://127.0.0.1:$KUEUE_HEALTH_PORT/readyz" --timeout 90s \
     || die "Kueue's manager did not become ready" "$LOG_DIR/kueue.log"
-  step "kueue: Kueue $(cat "$KBIN/kueue-version") manager (DynamicResourceAllocation, DRAExtendedResources on; tessera.dev/gpu, tessera.dev/gpu-share, tessera.dev/mig)"
+  step "kueue: Kueue $(cat "$KBIN/kueue-version") manager (KueueDRAIntegration with extended resources, counter and capacity sources; tessera.dev/gpu, tessera.dev/gpu-share-memory, tessera.dev/mig)"
 }
 
 case "${1:-}" in

@@ -1,20 +1,25 @@
 package e2etest
 
-// Issue 26 item 4: quota with Kueue. Kueue v0.17's manager (the kueue add-on, e2e/scripts/kueue.sh) charges
-// tessera's DRA claims to a ClusterQueue's quota through its DynamicResourceAllocation gate and
-// deviceClassMappings (gpu.tessera.dev -> tessera.dev/gpu, shared.gpu.tessera.dev -> tessera.dev/gpu-share,
-// the MIG classes -> tessera.dev/mig). The queues and the Job are the example's (e2e/manifests/kueue/, shown
-// in deployments/examples/kueue/README.md); the Jobs run the CUDA probe on the real node.
+// Issue 26 item 4, issue 41 item 4: quota with Kueue. Kueue v0.19.2's manager (the kueue add-on,
+// e2e/scripts/kueue.sh) charges tessera's DRA claims to a ClusterQueue's quota through its deviceClassMappings:
+// gpu.tessera.dev -> tessera.dev/gpu and the MIG classes -> tessera.dev/mig by device count, and
+// shared.gpu.tessera.dev -> tessera.dev/gpu-share-memory by the `memory` capacity each share consumes (a
+// capacity source, KueueDRAIntegrationConsumableCapacity). The queues and the Job are the example's
+// (e2e/manifests/kueue/, shown in deployments/examples/kueue/README.md); the Jobs run the CUDA probe on the
+// real node.
 //
 // Asserted, as the user sees it (`kubectl get workloads`, the Workload's conditions, `kubectl logs`): the
 // team's first whole-GPU Job is admitted, charged 1 tessera.dev/gpu, and its pod makes a CUDA context on
 // the GPU; the second waits with Kueue's "insufficient unused quota for tessera.dev/gpu" and has no pod;
 // when the first finishes, the second is admitted and runs. A Job asking for nvidia.com/gpu (no claim; the
-// class's extendedResourceName) is charged to the same tessera.dev/gpu quota. A 10Gi/25 % share is charged
-// as one tessera.dev/gpu-share (Kueue counts devices, not capacity) and a MIG slice as one tessera.dev/mig;
-// a claim with a CEL selector, one with a GpuConfig and a pod naming a ResourceClaim are refused with
-// Kueue's messages and never get a pod, as does an nvidia.com/gpu Job that sets only limits (Kueue charges
-// it as nvidia.com/gpu, which the ClusterQueue does not cover).
+// class's extendedResourceName) is charged to the same tessera.dev/gpu quota, and a claim with a CEL selector
+// (refused by v0.17) waits behind it and then runs. Shares: a 10Gi share is charged 10Gi of the team's 40Gi,
+// a 40Gi one (with an MPS GpuConfig, refused by v0.17) waits for "more needed" and runs once the first ends.
+// MIG: a class-only claim and a 3g.40gb claim are each charged 1 tessera.dev/mig: v0.19.2's counter sources
+// cannot charge tessera's memory slices (deployments/examples/kueue/README.md says why). Still refused, no
+// pod: a pod naming a ResourceClaim, and an nvidia.com/gpu Job that sets only limits (Kueue charges it as
+// nvidia.com/gpu, which the ClusterQueue does not cover). The whole-GPU, share, MIG and refusal parts run
+// side by side: their quotas and GPUs are separate.
 
 import (
 	"context"
@@ -106,7 +111,8 @@ func kueueJob(t *testing.T, example *unstructured.Unstructured, ns, name, node, 
 }
 
 // legacyJob is the example Job without a claim, its container asking for nvidia.com/gpu: 1 in its limits and,
-// with requests, in its requests too (Kueue v0.17 reads only requests for DRA-backed extended resources).
+// with requests, in its requests too (Kueue v0.19.2 reads only requests for DRA-backed extended resources:
+// NeedsDRAReconcile in pkg/dra/extended_resources.go).
 func legacyJob(t *testing.T, example *unstructured.Unstructured, ns, name, node string, requests bool) *batchv1.Job {
 	t.Helper()
 	j := kueueJob(t, example, ns, name, node, "", probeThenHold)
@@ -295,7 +301,9 @@ func TestKueueChargesATeamsGPUQuotaForTesseraClaimsAndQueuesItsSecondJob(t *test
 	}
 	wholeGPU := template.GetName()
 
+	// Each part runs in parallel with the others: separate quotas, separate GPUs.
 	t.Run("the second whole-GPU Job waits for the first's quota", func(t *testing.T) {
+		t.Parallel()
 		createJob(t, kueueJob(t, example, ns, "train-1", rn.name, wholeGPU, probeThenHold))
 		w := waitWorkload(t, ns, "train-1", "Admitted", metav1.ConditionTrue, "", 2*time.Minute)
 		if w.usage["tessera.dev/gpu"] != "1" {
@@ -308,18 +316,7 @@ func TestKueueChargesATeamsGPUQuotaForTesseraClaimsAndQueuesItsSecondJob(t *test
 		w = waitWorkload(t, ns, "train-2", "QuotaReserved", metav1.ConditionFalse,
 			"insufficient unused quota for tessera.dev/gpu in flavor tessera-gpus, 1 more needed", time.Minute)
 		t.Logf("train-2 waits: %s", w)
-		// Kueue's scheduler cycles several times a second; give it a few to change its mind.
-		time.Sleep(5 * time.Second)
-		if w, err := workloadOf(ctxFor(t, 30*time.Second), ns, "train-2"); err != nil || w.conditions["Admitted"].Status == metav1.ConditionTrue {
-			t.Fatalf("train-2 admitted while train-1 holds the quota: %v %v", w, err)
-		}
-		j2, err := e.client.BatchV1().Jobs(ns).Get(ctxFor(t, 30*time.Second), "train-2", metav1.GetOptions{})
-		if err != nil || j2.Spec.Suspend == nil || !*j2.Spec.Suspend {
-			t.Errorf("train-2 not suspended while it waits (err %v)", err)
-		}
-		if pods := jobPods(t, ns, "train-2"); len(pods) != 0 {
-			t.Errorf("train-2 has %d pods while it waits", len(pods))
-		}
+		assertWaiting(t, ns, "train-2")
 
 		// train-1 finishes: its training step ends.
 		finishJob(t, rn, p1)
@@ -334,41 +331,79 @@ func TestKueueChargesATeamsGPUQuotaForTesseraClaimsAndQueuesItsSecondJob(t *test
 		t.Logf("train-2 admitted %.1f s after train-1 finished, running %.1f s after: pod %s on %s", admitted.Seconds(), time.Since(finished).Seconds(), p2.Name, uuid2)
 		finishJob(t, rn, p2)
 		waitJobComplete(t, ns, "train-2")
-	})
 
-	t.Run("an nvidia.com/gpu Job draws from the same tessera.dev/gpu quota", func(t *testing.T) {
 		// No claim: kube-scheduler serves nvidia.com/gpu from gpu.tessera.dev (its extendedResourceName), and
-		// Kueue's DRAExtendedResources gate charges it to that class's mapped resource.
+		// KueueDRAIntegrationExtendedResource charges it to that class's mapped resource.
 		createJob(t, legacyJob(t, example, ns, "legacy-1", rn.name, true))
-		w := waitWorkload(t, ns, "legacy-1", "Admitted", metav1.ConditionTrue, "", 2*time.Minute)
+		w = waitWorkload(t, ns, "legacy-1", "Admitted", metav1.ConditionTrue, "", 2*time.Minute)
 		if len(w.usage) != 1 || w.usage["tessera.dev/gpu"] != "1" {
 			t.Errorf("legacy-1's Workload charged %v, want only tessera.dev/gpu 1", w.usage)
 		}
 		p, uuid := waitJobPodRunning(t, ns, "legacy-1")
 		t.Logf("legacy-1: %s; pod %s runs on %s", w, p.Name, uuid)
 
-		createJob(t, kueueJob(t, example, ns, "train-3", rn.name, wholeGPU, probeThenExit))
-		w = waitWorkload(t, ns, "train-3", "QuotaReserved", metav1.ConditionFalse,
+		// A CEL selector (v0.17 refused it): v0.19.2 checks it matches a published device
+		// (validateCELSelectorsAgainstDevices, pkg/dra/claims.go) and counts the device as before.
+		h100 := claimTemplate(t, ns, "whole-h100", "gpu.tessera.dev", selector(`device.attributes["gpu.tessera.dev"].productName.startsWith("NVIDIA H100")`))
+		createJob(t, kueueJob(t, example, ns, "pick-h100", rn.name, h100, probeThenExit))
+		w = waitWorkload(t, ns, "pick-h100", "QuotaReserved", metav1.ConditionFalse,
 			"insufficient unused quota for tessera.dev/gpu in flavor tessera-gpus, 1 more needed", time.Minute)
-		t.Logf("train-3 waits: %s", w)
+		t.Logf("pick-h100 waits: %s", w)
 		finishJob(t, rn, p)
 		waitJobComplete(t, ns, "legacy-1")
-		waitWorkload(t, ns, "train-3", "Admitted", metav1.ConditionTrue, "", 2*time.Minute)
-		waitJobPodRunning(t, ns, "train-3")
-		waitJobComplete(t, ns, "train-3")
+		w = waitWorkload(t, ns, "pick-h100", "Admitted", metav1.ConditionTrue, "", 2*time.Minute)
+		if len(w.usage) != 1 || w.usage["tessera.dev/gpu"] != "1" {
+			t.Errorf("pick-h100's Workload charged %v, want only tessera.dev/gpu 1", w.usage)
+		}
+		waitJobPodRunning(t, ns, "pick-h100")
+		waitJobComplete(t, ns, "pick-h100")
 	})
 
-	t.Run("a share and a MIG slice are charged one device each", func(t *testing.T) {
-		share := claimTemplate(t, ns, "share-10gi-25pct", "shared.gpu.tessera.dev", capacity(map[string]string{"memory": "10Gi", "compute": "25"}))
-		mig := claimTemplate(t, ns, "mig-any", "mig.gpu.tessera.dev")
-		for _, c := range []struct{ job, template, resource string }{
-			{"infer-share", share, "tessera.dev/gpu-share"},
-			{"finetune-mig", mig, "tessera.dev/mig"},
-		} {
+	t.Run("shares are charged the memory they claim", func(t *testing.T) {
+		t.Parallel()
+		small := claimTemplate(t, ns, "share-10gi-25pct", "shared.gpu.tessera.dev", capacity(map[string]string{"memory": "10Gi", "compute": "25"}))
+		// A GpuConfig (v0.17 refused any device config): v0.19.2 reads only the requests (countDevicesPerClass,
+		// pkg/dra/claims.go).
+		config := `{` + gpuV1 + `,"kind":"GpuConfig","sharing":{"strategy":"MPS","mps":{"defaultActiveThreadPercentage":50,"defaultPinnedDeviceMemoryLimit":"40Gi"}}}`
+		big := claimTemplate(t, ns, "share-40gi-mps", "shared.gpu.tessera.dev", capacity(map[string]string{"memory": "40Gi", "compute": "50"}), opaqueConfig(config))
+
+		createJob(t, kueueJob(t, example, ns, "infer-10gi", rn.name, small, probeThenHold))
+		w := waitWorkload(t, ns, "infer-10gi", "Admitted", metav1.ConditionTrue, "", 2*time.Minute)
+		assertCharged(t, "infer-10gi", w, "tessera.dev/gpu-share-memory", "10Gi")
+		p, uuid := waitJobPodRunning(t, ns, "infer-10gi")
+		t.Logf("infer-10gi: %s; pod %s runs on %s", w, p.Name, uuid)
+
+		// 10Gi of 40Gi taken: a 40Gi share waits, though a device count (v0.17) would have let it in.
+		createJob(t, kueueJob(t, example, ns, "infer-40gi", rn.name, big, probeThenExit))
+		w = waitWorkload(t, ns, "infer-40gi", "QuotaReserved", metav1.ConditionFalse,
+			"insufficient unused quota for tessera.dev/gpu-share-memory in flavor tessera-gpus", time.Minute)
+		t.Logf("infer-40gi waits: %s", w)
+		assertWaiting(t, ns, "infer-40gi")
+
+		finishJob(t, rn, p)
+		waitJobComplete(t, ns, "infer-10gi")
+		w = waitWorkload(t, ns, "infer-40gi", "Admitted", metav1.ConditionTrue, "", 2*time.Minute)
+		assertCharged(t, "infer-40gi", w, "tessera.dev/gpu-share-memory", "40Gi")
+		_, uuid = waitJobPodRunning(t, ns, "infer-40gi")
+		waitJobComplete(t, ns, "infer-40gi")
+		t.Logf("infer-40gi: %s; ran on %s", w, uuid)
+	})
+
+	t.Run("a MIG slice is charged one device whatever its size", func(t *testing.T) {
+		t.Parallel()
+		// Counted, not charged by memory slices: Kueue's counter source reads one counter name and charges the
+		// largest value any matching device consumes (computeCounterCharges, pkg/dra/counters.go); tessera's
+		// memory-slice-<k> counters are 1 per slice and per name, so no counter of a placement sums its slices.
+		anyMIG := claimTemplate(t, ns, "mig-any", "mig.gpu.tessera.dev")
+		mig3g := claimTemplate(t, ns, "mig-3g", "mig.gpu.tessera.dev", selector(`device.attributes["gpu.tessera.dev"].profile == "3g.40gb"`))
+		jobs := []struct{ job, template string }{{"finetune-mig", anyMIG}, {"finetune-3g", mig3g}}
+		for _, c := range jobs {
 			createJob(t, kueueJob(t, example, ns, c.job, rn.name, c.template, probeThenExit))
+		}
+		for _, c := range jobs {
 			w := waitWorkload(t, ns, c.job, "Admitted", metav1.ConditionTrue, "", 2*time.Minute)
-			if len(w.usage) != 1 || w.usage[c.resource] != "1" {
-				t.Errorf("%s's Workload charged %v, want only %s 1", c.job, w.usage, c.resource)
+			if len(w.usage) != 1 || w.usage["tessera.dev/mig"] != "1" {
+				t.Errorf("%s's Workload charged %v, want only tessera.dev/mig 1", c.job, w.usage)
 			}
 			_, uuid := waitJobPodRunning(t, ns, c.job)
 			waitJobComplete(t, ns, c.job)
@@ -376,10 +411,8 @@ func TestKueueChargesATeamsGPUQuotaForTesseraClaimsAndQueuesItsSecondJob(t *test
 		}
 	})
 
-	t.Run("claims Kueue v0.17 cannot count are refused", func(t *testing.T) {
-		config := `{` + gpuV1 + `,"kind":"GpuConfig","sharing":{"strategy":"MPS","mps":{"defaultActiveThreadPercentage":40,"defaultPinnedDeviceMemoryLimit":"20Gi"}}}`
-		h100 := claimTemplate(t, ns, "whole-h100", "gpu.tessera.dev", selector(`device.attributes["gpu.tessera.dev"].productName.startsWith("NVIDIA H100")`))
-		mps := claimTemplate(t, ns, "share-with-config", "shared.gpu.tessera.dev", capacity(map[string]string{"memory": "10Gi", "compute": "25"}), opaqueConfig(config))
+	t.Run("claims Kueue v0.19.2 cannot charge are refused", func(t *testing.T) {
+		t.Parallel()
 		claim := &resourcev1.ResourceClaim{
 			ObjectMeta: metav1.ObjectMeta{Name: "shared-gpu", Namespace: ns},
 			Spec: resourcev1.ResourceClaimSpec{Devices: resourcev1.DeviceClaim{Requests: []resourcev1.DeviceRequest{{
@@ -395,9 +428,7 @@ func TestKueueChargesATeamsGPUQuotaForTesseraClaimsAndQueuesItsSecondJob(t *test
 			job         *batchv1.Job
 			reason, msg string
 		}{
-			{kueueJob(t, example, ns, "pick-h100", rn.name, h100, probeThenExit), "Inadmissible", "ResourceClaimTemplate whole-h100: CEL selectors are not supported"},
-			{kueueJob(t, example, ns, "mps-config", rn.name, mps, probeThenExit), "Inadmissible", "ResourceClaimTemplate share-with-config: device config is not supported"},
-			{named, "Inadmissible", "DynamicResourceAllocation feature does not support use of resource claims"},
+			{named, "Inadmissible", "KueueDRAIntegration feature does not support use of resource claims"},
 			// nvidia.com/gpu in limits only: Kueue charges it as nvidia.com/gpu, which no ClusterQueue here covers.
 			{legacyJob(t, example, ns, "legacy-limits-only", rn.name, false), "Pending", "resource nvidia.com/gpu unavailable in ClusterQueue"},
 		} {
@@ -407,12 +438,33 @@ func TestKueueChargesATeamsGPUQuotaForTesseraClaimsAndQueuesItsSecondJob(t *test
 				t.Errorf("%s: QuotaReserved reason %s, want %s", c.job.Name, r, c.reason)
 			}
 			t.Logf("%s refused: %s", c.job.Name, w.conditions["QuotaReserved"].Message)
-		}
-		time.Sleep(3 * time.Second)
-		for _, job := range []string{"pick-h100", "mps-config", "uses-claim", "legacy-limits-only"} {
-			if pods := jobPods(t, ns, job); len(pods) != 0 {
-				t.Errorf("%s has %d pods though Kueue refused it", job, len(pods))
-			}
+			assertWaiting(t, ns, c.job.Name)
 		}
 	})
+}
+
+// assertWaiting: a Job whose Workload Kueue has not admitted stays suspended, without pods.
+func assertWaiting(t *testing.T, ns, job string) {
+	t.Helper()
+	ctx := ctxFor(t, 30*time.Second)
+	if w, err := workloadOf(ctx, ns, job); err != nil || w.conditions["Admitted"].Status == metav1.ConditionTrue {
+		t.Fatalf("%s admitted while it should wait: %v %v", job, w, err)
+	}
+	j, err := e.client.BatchV1().Jobs(ns).Get(ctx, job, metav1.GetOptions{})
+	if err != nil || j.Spec.Suspend == nil || !*j.Spec.Suspend {
+		t.Errorf("%s not suspended while it waits (err %v)", job, err)
+	}
+	if pods := jobPods(t, ns, job); len(pods) != 0 {
+		t.Errorf("%s has %d pods while it waits", job, len(pods))
+	}
+}
+
+// assertCharged: the Workload's usage is `want` of `res` and nothing else (compared as quantities: Kueue may
+// print bytes in either form).
+func assertCharged(t *testing.T, job string, w kueueWorkload, res, want string) {
+	t.Helper()
+	got, err := resource.ParseQuantity(w.usage[res])
+	if len(w.usage) != 1 || err != nil || got.Cmp(resource.MustParse(want)) != 0 {
+		t.Errorf("%s's Workload charged %v, want only %s %s", job, w.usage, res, want)
+	}
 }
