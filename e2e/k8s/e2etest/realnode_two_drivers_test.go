@@ -16,6 +16,8 @@ package e2etest
 //     only when all of them succeeded. So "rolled back together" means: once the pod is gone, each
 //     driver has unprepared the claim, whether its own prepare ran, succeeded or never happened; and a
 //     driver must take an unprepare of a claim it never prepared (tessera: no record, nothing to do).
+//     The failure cases make kubelet retry (pokeUntil) until the driver that does not fail has prepared,
+//     so what is rolled back at delete is a prepared device of the other driver.
 // Each driver must also leave the other's results alone (tessera prepares only gpu.tessera.dev results:
 // kubelet-plugin/tests/state.rs results_of_other_drivers_are_left_alone and its unprepare/rollback
 // siblings).
@@ -190,6 +192,32 @@ func startFakeNIC(t *testing.T, rn realNodeEnv, ns string) fakeNIC {
 		return err != nil && (apierrors.IsInvalid(err) || apierrors.IsForbidden(err)), fmt.Sprintf("create answered %v", err)
 	})
 	return fakeNIC{stateFile: filepath.Join(dir, "claims.json")}
+}
+
+// pokeUntil makes kubelet sync the failing pod until done() says the other driver prepared its claim:
+// kubelet calls the claim's drivers in map order and stops at the first failure, so whether the one that
+// does not fail was called depends on the attempt. An annotation change makes kubelet sync the pod at once
+// (rather than after its 10-15 s back-off), each sync a new draw of the order. Go's small maps start their
+// iteration at a random one of 8 slots, which favours insertion order; two such maps in a row still put
+// either driver first in at least 14 of 64 syncs, so 40 syncs all miss with a chance of 0.78^40 (5e-5).
+// Returns the syncs it took.
+func pokeUntil(t *testing.T, ns, name, what string, done func() bool) int {
+	t.Helper()
+	for i := range 40 {
+		if done() {
+			return i
+		}
+		patch := fmt.Sprintf(`{"metadata":{"annotations":{"e2e.tessera.dev/poke":"%d"}}}`, i)
+		if _, err := e.client.CoreV1().Pods(ns).Patch(ctxFor(t, 10*time.Second), name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			t.Errorf("poke %s/%s: %v", ns, name, err)
+			return i
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	if !done() {
+		t.Errorf("%s/%s: %s in none of 40 kubelet syncs", ns, name, what)
+	}
+	return 40
 }
 
 // records is the fake NIC's state: claim UID → its record.
@@ -367,31 +395,27 @@ func TestRealNodeClaimsSpanningTesseraAndASecondDriverPrepareTogetherAndRollBack
 			t.Errorf("CDI specs naming claim %s: %v, want tessera's and the fake NIC's", c.UID, specs)
 		}
 	})
-	// (b) The NIC side fails: the pod's event carries the fake driver's error.
+	// (b) The NIC side fails: the pod's event carries the fake driver's error, and tessera's prepare runs
+	// too (pokeUntil), so the rollback below covers a GPU tessera prepared.
 	run("nic-fails", func(c *resourcev1.ResourceClaim) {
 		msg := waitPrepareFailure(t, ns, "nic-fails")
 		if !strings.Contains(msg, fakeNICDriver+" refuses to prepare") {
 			t.Errorf("nic-fails: FailedPrepareDynamicResources says %q, want the fake NIC's refusal", msg)
 		}
-		t.Logf("nic-fails (tessera prepared meanwhile: %v): %s", rn.tesseraHolds(t, c.UID), msg)
+		tries := pokeUntil(t, ns, "nic-fails", "tessera prepared its GPU", func() bool { return rn.tesseraHolds(t, c.UID) })
+		t.Logf("nic-fails (tessera prepared after %d kubelet syncs): %s", tries, msg)
 	})
-	// (c) The tessera side fails. Kubelet calls the drivers in no fixed order and retries, so the NIC's
-	// prepare may or may not have run by now; wait a while for it, so the rollback covers a prepared NIC
-	// when kubelet gets to it (each retry is ~10 s apart).
+	// (c) The tessera side fails, and the NIC's prepare runs too (pokeUntil).
 	run("gpu-fails", func(c *resourcev1.ResourceClaim) {
 		msg := waitPrepareFailure(t, ns, "gpu-fails")
 		if !strings.Contains(msg, "gpu-9") {
 			t.Errorf("gpu-fails: FailedPrepareDynamicResources says %q, want tessera's refusal of key gpu-9", msg)
 		}
-		deadline := time.Now().Add(25 * time.Second)
-		for time.Now().Before(deadline) {
-			if _, ok := nic.records(t)[c.UID]; ok {
-				break
-			}
-			time.Sleep(500 * time.Millisecond)
-		}
-		_, prepared := nic.records(t)[c.UID]
-		t.Logf("gpu-fails (the NIC prepared meanwhile: %v): %s", prepared, msg)
+		tries := pokeUntil(t, ns, "gpu-fails", "the fake NIC prepared", func() bool {
+			_, ok := nic.records(t)[c.UID]
+			return ok
+		})
+		t.Logf("gpu-fails (the NIC prepared after %d kubelet syncs): %s", tries, msg)
 	})
 	wg.Wait()
 	if t.Failed() {

@@ -97,7 +97,8 @@ func run(kubeconfig, nodeName string, nodeUID types.UID, kubeletDir, cdiDir, sta
 	if err != nil {
 		return err
 	}
-	for _, dir := range []string{cdiDir, stateDir} {
+	pluginDir := filepath.Join(kubeletDir, "plugins", DriverName)
+	for _, dir := range []string{cdiDir, stateDir, pluginDir} {
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return err
 		}
@@ -109,7 +110,7 @@ func run(kubeconfig, nodeName string, nodeUID types.UID, kubeletDir, cdiDir, sta
 		kubeletplugin.NodeName(nodeName),
 		kubeletplugin.NodeUID(nodeUID),
 		kubeletplugin.RegistrarDirectoryPath(filepath.Join(kubeletDir, "plugins_registry")),
-		kubeletplugin.PluginDataDirectoryPath(filepath.Join(kubeletDir, "plugins", DriverName)),
+		kubeletplugin.PluginDataDirectoryPath(pluginDir),
 		kubeletplugin.HealthService(false),
 	)
 	if err != nil {
