@@ -299,6 +299,7 @@ func resultOf(c *resourcev1.ResourceClaim, drv string) resourcev1.DeviceRequestA
 
 func TestRealNodeClaimsSpanningTesseraAndASecondDriverPrepareTogetherAndRollBackTogether(t *testing.T) {
 	rn := realNode(t)
+	start := time.Now()
 	installChart(t, rn)
 	ns := namespace(t, "two-drivers")
 	nic := startFakeNIC(t, rn, ns)
@@ -319,6 +320,8 @@ func TestRealNodeClaimsSpanningTesseraAndASecondDriverPrepareTogetherAndRollBack
 		return n >= 3, fmt.Sprintf("%d whole GPUs published", n)
 	})
 
+	setUp := time.Now()
+	t.Logf("set-up (chart, fake NIC, slices): %.1f s", setUp.Sub(start).Seconds())
 	gpu := gpuClass(t)
 	nicClass := "e2e-fakenic"
 	dc := &resourcev1.DeviceClass{ObjectMeta: metav1.ObjectMeta{Name: nicClass}, Spec: resourcev1.DeviceClassSpec{
@@ -421,6 +424,9 @@ func TestRealNodeClaimsSpanningTesseraAndASecondDriverPrepareTogetherAndRollBack
 	if t.Failed() {
 		return
 	}
+	ran := time.Now()
+	t.Logf("(a)-(c): %.1f s", ran.Sub(setUp).Seconds())
+	defer func() { t.Logf("delete and unprepare: %.1f s", time.Since(ran).Seconds()) }()
 
 	// (d) and the rollbacks: once each pod is gone, neither driver has a record or a CDI spec of its claim.
 	for _, name := range []string{"runs", "nic-fails", "gpu-fails"} {
