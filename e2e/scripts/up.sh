@@ -40,6 +40,12 @@ done
 step "build: Kubernetes control plane + kubelet stand-in (log: $LOG_DIR/build-go.log)"
 "$E2E_DIR/scripts/build-k8s.sh" > "$LOG_DIR/build-go.log" 2>&1 || die "Go build failed" "$LOG_DIR/build-go.log"
 grep -E 'built in|up to date' "$LOG_DIR/build-go.log" | sed 's/^/    /'
+# The fake NIC, the second DRA driver of the two-driver scenario (e2e/k8s/cmd/fakenic): always from go.mod
+# (the kubelet-plugin helper of 1.37), since it speaks kubelet's DRA v1 gRPC and resource.k8s.io/v1, which
+# 1.36 to 1.38 serve alike. Built here, not in build-k8s.sh, whose text is part of the control plane's stamp.
+(cd "$E2E_DIR/k8s" && GOTOOLCHAIN=local GOFLAGS="-mod=mod -buildvcs=false" CGO_ENABLED=0 \
+  go build -trimpath -o "$BIN_DIR/fakenic" ./cmd/fakenic) >> "$LOG_DIR/build-go.log" 2>&1 \
+  || die "building the fake NIC driver failed" "$LOG_DIR/build-go.log"
 
 if [[ "${SKIP_DRIVER:-0}" != 1 ]]; then
   # Always let cargo decide (seconds when nothing changed): a stale binary from an older tree would

@@ -560,6 +560,55 @@ async fn a_failing_device_rolls_back_the_devices_prepared_before_it() {
     assert_nothing_written(&node, &state);
 }
 
+/// Issue 41 item 5: NVIDIA's driver once let another driver's devices of a claim into its rollback. A claim
+/// spanning drivers (a GPU and a NIC) whose MIG device fails rolls back only the tessera devices before it,
+/// counted among tessera's own (the other driver's results in between shift no index), and leaves nothing;
+/// kubelet's unprepare after the pod goes (it asks every driver of the claim) is then a no-op.
+#[tokio::test]
+async fn a_failed_prepare_of_a_claim_spanning_drivers_rolls_back_only_its_own_devices() {
+    let node = TestNode::new();
+    let mig = Arc::new(FakeMig {
+        fail_device: Some("gpu-2-mig-3g-40gb-0".into()),
+        ..Default::default()
+    });
+    let state = with_mig(&node, mig.clone());
+    let c = claim("span")
+        .driver("nic.example.com")
+        .on_node("nic-pool")
+        .allocated("nic-0")
+        .driver(tessera_api::DRIVER_NAME)
+        .on_node(NODE)
+        .allocated("gpu-1-mig-3g-40gb-4")
+        .driver("nic.example.com")
+        .on_node("nic-pool")
+        .allocated("gpu-0-mig-3g-40gb-0")
+        .driver(tessera_api::DRIVER_NAME)
+        .on_node(NODE)
+        .allocated("gpu-2-mig-3g-40gb-0")
+        .build();
+    let r = ClaimRef::of(&c);
+    node.claims.insert(c);
+
+    let err = state.prepare(&r).await.unwrap_err().to_string();
+    assert!(
+        err.contains("failed to prepare device gpu-2-mig-3g-40gb-0"),
+        "{err}"
+    );
+    // The other driver's result named like a tessera MIG device is neither prepared nor undone.
+    assert_eq!(
+        *mig.calls.lock().unwrap(),
+        [
+            "prepare gpu-1-mig-3g-40gb-4",
+            "prepare gpu-2-mig-3g-40gb-0",
+            "unprepare gpu-1-mig-3g-40gb-4 gi=Some(7)"
+        ]
+    );
+    assert_nothing_written(&node, &state);
+    state.unprepare(&r).await.unwrap();
+    assert_eq!(mig.calls.lock().unwrap().len(), 3);
+    assert_nothing_written(&node, &state);
+}
+
 #[tokio::test]
 async fn a_crash_after_a_mig_device_was_created_is_undone_with_its_recorded_ids() {
     let node = TestNode::new();
