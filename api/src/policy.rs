@@ -298,6 +298,21 @@ pub struct DynamicMigModel {
     /// publishes the whole GPU then.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fallback_layout: Vec<String>,
+    /// Counters each GPU's counter set also publishes, for a quota system that charges MIG devices by
+    /// counter (Kueue's counter sources, `deviceClassMappings[].sources[].counter`): `memory` puts the GPU's
+    /// memory (bytes, the counter name NVIDIA's DRA driver uses) in the set, and every placement and the
+    /// whole GPU consume their memory from it. Off unless listed: it never changes what fits on a GPU (the
+    /// memory slices decide that), and each device/counter pair costs kube-scheduler time on every pod.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub quota_counters: Vec<QuotaCounter>,
+}
+
+/// A counter `dynamicMig.quotaCounters` adds to each GPU's counter set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, JsonSchema)]
+pub enum QuotaCounter {
+    /// The device's memory in bytes (a placement: its profile's memory; the whole GPU: all of it).
+    #[serde(rename = "memory")]
+    Memory,
 }
 
 /// A fixed MIG layout.
@@ -451,7 +466,7 @@ spec:
             rules[0].model(),
             Ok(ModelRef::DynamicMig(&DynamicMigModel {
                 profiles: vec!["1g.10gb".into(), "3g.40gb".into()],
-                fallback_layout: vec![]
+                ..Default::default()
             }))
         );
         let ModelRef::Shared(shared) = rules[1].model().unwrap() else {

@@ -28,7 +28,7 @@ use k8s_openapi::{
 use tessera_api::{
     DeviceName, GpuInfo, MigPlacement, MigProfileInfo, NodeInventorySpec,
     attributes::{self as attr, int, string},
-    policy::SharingStrategy,
+    policy::{QuotaCounter, SharingStrategy},
 };
 
 use crate::{cel::Semver, cel::quantity::format_binary, features::ApiFeatures};
@@ -50,6 +50,8 @@ pub enum Model {
         fallback_layout: Vec<LayoutEntry>,
         /// `warm.window` of the rule in seconds (0: keep nothing), published as `warmSeconds`.
         warm_seconds: u64,
+        /// `quotaCounters`: counters added to each GPU's set for quota systems, sorted, no repeats.
+        quota_counters: Vec<QuotaCounter>,
     },
     StaticMig {
         layout: Vec<LayoutEntry>,
@@ -274,7 +276,10 @@ fn profile_amounts(p: &MigProfileInfo) -> [(&'static str, u64); 7] {
 /// consumption: kube-scheduler validates each device/counter pair of every candidate node on every pod
 /// (`validateDeviceCounterConsumption`, half its CPU time for dynamic-MIG pods at 1,000 nodes on 1.38),
 /// and only the pairs that can bind are worth that.
-fn counter_set(gpu: &GpuInfo) -> (CounterSet, BTreeSet<&'static str>) {
+///
+/// `quota` (a rule's `quotaCounters`) puts counters in regardless: they never bind either, but a quota
+/// system that charges by counter (Kueue's counter sources) reads what each device consumes of them.
+fn counter_set(gpu: &GpuInfo, quota: &[QuotaCounter]) -> (CounterSet, BTreeSet<&'static str>) {
     let mig = gpu.mig.as_ref().expect("only called for MIG-capable GPUs");
     let mut max: BTreeMap<&'static str, u64> = BTreeMap::new();
     let whole_engines = mig
@@ -312,6 +317,9 @@ fn counter_set(gpu: &GpuInfo) -> (CounterSet, BTreeSet<&'static str>) {
         .iter()
         .filter(|&(k, v)| unlimited.get(k).is_some_and(|u| u > v))
         .map(|(k, _)| *k)
+        .chain(quota.iter().map(|q| match q {
+            QuotaCounter::Memory => C_MEMORY,
+        }))
         .collect();
     let mut counters: BTreeMap<String, Counter> = max
         .into_iter()
@@ -438,9 +446,16 @@ pub fn mig_selector_view(
 ///    GPU (slices 7, 6, …) and keep the bottom half (slices 0–3) free for as long as possible: that is
 ///    the only place a 4g fits, and one of the two places a 3g fits;
 /// 3. the whole GPU last, so it is taken only by requests nothing smaller satisfies.
-pub fn dynamic_mig(node: &NodeInventorySpec, gpu: &GpuInfo, allowed: &[String]) -> GpuDevices {
+///
+/// `quota` (the rule's `quotaCounters`) adds those counters to the set and to every device's consumption.
+pub fn dynamic_mig(
+    node: &NodeInventorySpec,
+    gpu: &GpuInfo,
+    allowed: &[String],
+    quota: &[QuotaCounter],
+) -> GpuDevices {
     let mig = gpu.mig.as_ref().expect("only called for MIG-capable GPUs");
-    let (set, binding) = counter_set(gpu);
+    let (set, binding) = counter_set(gpu, quota);
     let mut profiles: Vec<&MigProfileInfo> = mig
         .profiles
         .iter()
@@ -655,9 +670,15 @@ pub fn publish(node: &NodeInventorySpec, gpu: &GpuInfo, model: &Model, features:
         return GpuDevices::default();
     }
     let mut out = match model {
-        Model::Default if features.partitionable && supports_dynamic_mig(gpu) => dynamic_mig(node, gpu, &[]),
-        Model::DynamicMig { profiles, .. } if features.partitionable && supports_dynamic_mig(gpu) => {
-            dynamic_mig(node, gpu, profiles)
+        Model::Default if features.partitionable && supports_dynamic_mig(gpu) => {
+            dynamic_mig(node, gpu, &[], &[])
+        }
+        Model::DynamicMig {
+            profiles,
+            quota_counters,
+            ..
+        } if features.partitionable && supports_dynamic_mig(gpu) => {
+            dynamic_mig(node, gpu, profiles, quota_counters)
         }
         Model::DynamicMig { fallback_layout, .. } if !fallback_layout.is_empty() && gpu.mig.is_some() => {
             static_mig(node, gpu, fallback_layout)
@@ -764,7 +785,7 @@ mod tests {
         ] {
             let inv = node("n").mig_gpus(model, 1).build();
             let gpu = &inv.spec.gpus[0];
-            let devices = dynamic_mig(&inv.spec, gpu, &[]).devices;
+            let devices = dynamic_mig(&inv.spec, gpu, &[], &[]).devices;
             let placed: Vec<(String, u32)> = devices.iter().filter_map(profile_and_start).collect();
             assert!(!placed.is_empty(), "{model:?} publishes no MIG placement");
             for pair in placed.windows(2) {

@@ -40,6 +40,7 @@ enum RuleModel {
     DynamicMig {
         profiles: Vec<String>,
         fallback_layout: Vec<String>,
+        quota_counters: Vec<api::QuotaCounter>,
     },
     StaticMig {
         layout: Vec<String>,
@@ -98,6 +99,12 @@ impl CompiledPolicy {
                 Ok(ModelRef::DynamicMig(m)) => RuleModel::DynamicMig {
                     profiles: m.profiles.clone(),
                     fallback_layout: m.fallback_layout.clone(),
+                    quota_counters: {
+                        let mut q = m.quota_counters.clone();
+                        q.sort();
+                        q.dedup();
+                        q
+                    },
                 },
                 Ok(ModelRef::StaticMig(m)) if m.layout.is_empty() => {
                     return Err(invalid_model(&name, "staticMig.layout is empty"));
@@ -234,8 +241,10 @@ impl CompiledPolicy {
                             RuleModel::DynamicMig {
                                 profiles,
                                 fallback_layout,
+                                quota_counters,
                             } => Model::DynamicMig {
                                 profiles: profiles.clone(),
+                                quota_counters: quota_counters.clone(),
                                 fallback_layout: if gpu.mig.is_some() && !fallback_layout.is_empty() {
                                     resolve_layout(gpu, fallback_layout).map_err(at)?
                                 } else {

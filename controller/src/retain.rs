@@ -79,7 +79,7 @@ pub fn rebuild(node: &NodeInventorySpec, gpu: &GpuInfo, name: &str) -> Option<(D
     match parsed {
         DeviceName::Gpu { .. } => pick(publish(node, gpu, &Model::Whole, everything)),
         DeviceName::Mig { .. } if gpu.mig.as_ref().is_some_and(|m| !m.profiles.is_empty()) => {
-            pick(dynamic_mig(node, gpu, &[]))
+            pick(dynamic_mig(node, gpu, &[], &[]))
         }
         DeviceName::SharedGpu { .. } => pick(shared(node, gpu, SharingStrategy::default(), 1 << 20)),
         DeviceName::ShareSlot { slot, .. } => {
@@ -215,6 +215,7 @@ mod tests {
             profiles: profiles.iter().map(|p| p.to_string()).collect(),
             fallback_layout: vec![],
             warm_seconds: 0,
+            quota_counters: vec![],
         }
     }
 
@@ -425,6 +426,7 @@ mod tests {
                 start: 0,
             }],
             warm_seconds: 0,
+            quota_counters: vec![],
         };
         let per_gpu = vec![publish(&inv, &inv.gpus[0], &fallback, features)];
         let allocated = ["gpu-0-mig-3g-40gb-4".to_string()].into();

@@ -2,7 +2,7 @@
 
 mod support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
 use tessera_api::{DeviceName, MigPlacement, NodeInventory};
@@ -25,7 +25,7 @@ fn rendered_slices_match_the_golden_files() {
 #[test]
 fn every_published_pool_passes_the_v1_validator() {
     for (node_name, inv) in nodes() {
-        for case in models() {
+        for case in models().into_iter().chain([dynamic_mig_with_memory_counter()]) {
             let slices = render_case(&inv, &case);
             assert!(!slices.is_empty());
             let problems = validate_pool(&slices);
@@ -152,8 +152,13 @@ fn placement(inv: &NodeInventory, d: &Device) -> Option<(String, MigPlacement, u
 /// goes with nothing. Also every device fits alone.
 #[test]
 fn mig_devices_can_be_allocated_together_exactly_when_their_placements_do_not_overlap() {
-    for (node_name, inv) in nodes() {
-        let slices = render_case(&inv, &models()[2]);
+    for ((node_name, inv), case) in nodes().into_iter().flat_map(|n| {
+        [
+            (n.clone(), models().swap_remove(2)),
+            (n, dynamic_mig_with_memory_counter()),
+        ]
+    }) {
+        let slices = render_case(&inv, &case);
         let sets = counters_of(&slices);
         let mut by_gpu: BTreeMap<u32, Vec<&Device>> = BTreeMap::new();
         for d in devices(&slices) {
@@ -177,7 +182,8 @@ fn mig_devices_can_be_allocated_together_exactly_when_their_placements_do_not_ov
                     assert_eq!(
                         fits_together(&[a, b], &sets),
                         expected,
-                        "{node_name}: {} + {}",
+                        "{node_name}/{}: {} + {}",
+                        case.name,
                         a.name,
                         b.name
                     );
@@ -223,8 +229,13 @@ fn every_set_of_non_overlapping_placements_fits_exactly_when_the_hardware_allows
             chosen.pop();
         }
     }
-    for (node_name, inv) in nodes() {
-        let slices = render_case(&inv, &models()[2]);
+    for ((node_name, inv), case) in nodes().into_iter().flat_map(|n| {
+        [
+            (n.clone(), models().swap_remove(2)),
+            (n, dynamic_mig_with_memory_counter()),
+        ]
+    }) {
+        let slices = render_case(&inv, &case);
         let sets = counters_of(&slices);
         let mut by_gpu: BTreeMap<u32, Vec<(&Device, String, MigPlacement, u32)>> = BTreeMap::new();
         for d in devices(&slices) {
@@ -243,7 +254,7 @@ fn every_set_of_non_overlapping_placements_fits_exactly_when_the_hardware_allows
                 &mut vec![],
                 &sets,
                 &mut checked,
-                &format!("{node_name} GPU {gpu}"),
+                &format!("{node_name}/{} GPU {gpu}", case.name),
             );
         }
         // Thousands of layouts per GPU, not a handful: the walk really enumerated them.
@@ -558,4 +569,113 @@ fn a_tenancy_on_a_time_sliced_rule_or_an_unknown_tenancy_is_refused_naming_the_f
         unknown.contains("tenancy") && unknown.contains("Namespace") && unknown.contains("Shared"),
         "{unknown}"
     );
+}
+
+fn memory_consumed(d: &Device) -> Option<Quantity> {
+    let c = d.consumes_counters.as_ref()?.first()?.counters.get("memory")?;
+    Some(Quantity::parse(&c.value.0).unwrap())
+}
+
+/// `quotaCounters: [memory]` is for a quota system that charges each device by one counter (Kueue's counter
+/// sources take the largest value a matching device consumes): a placement must consume exactly its
+/// profile's memory, the whole GPU all of it, and the set must hold the GPU's memory.
+#[test]
+fn with_memory_as_a_quota_counter_each_placement_consumes_its_profiles_memory_and_the_whole_gpu_all_of_it() {
+    for (node_name, inv) in nodes() {
+        let slices = render_case(&inv, &dynamic_mig_with_memory_counter());
+        let sets = counters_of(&slices);
+        let mut seen = 0;
+        for d in devices(&slices) {
+            let name: DeviceName = d.name.parse().unwrap();
+            let gpu = &inv.spec.gpus[name.gpu() as usize];
+            let set_memory = &sets[&format!("gpu-{}-counters", gpu.index)]["memory"];
+            assert_eq!(
+                set_memory,
+                &Quantity::from_int(gpu.memory_bytes as i64),
+                "{node_name}: GPU {}'s counter set",
+                gpu.index
+            );
+            let want = match &name {
+                DeviceName::Mig { profile, .. } => {
+                    let p = gpu.mig.as_ref().unwrap().profile(profile).unwrap();
+                    Quantity::from_int((p.memory_mib << 20) as i64)
+                }
+                DeviceName::Gpu { .. } => *set_memory,
+                other => panic!("{node_name}: unexpected device {other}"),
+            };
+            assert_eq!(memory_consumed(d), Some(want), "{node_name}: {}", d.name);
+            seen += 1;
+        }
+        assert_eq!(seen, 8 * 26, "{node_name}");
+    }
+}
+
+/// The option only adds the `memory` pairs: without them the slices are those of a rule without it, which
+/// are the `dynamic-mig` golden files (so a policy that does not ask renders exactly as before, and the
+/// scheduler validates no extra device/counter pair).
+#[test]
+fn memory_as_a_quota_counter_adds_only_the_memory_counter_and_a_rule_without_it_renders_as_before() {
+    for (node_name, inv) in nodes() {
+        let before = render_case(&inv, &models()[2]);
+        let empty = render_policy_on(&inv, &one_rule("dynamicMig: {quotaCounters: []}", None));
+        assert_eq!(
+            serde_json::to_value(&empty).unwrap(),
+            serde_json::to_value(&before).unwrap(),
+            "{node_name}: quotaCounters: [] renders as no quotaCounters"
+        );
+        let mut with = render_case(&inv, &dynamic_mig_with_memory_counter());
+        let mut removed = BTreeSet::new();
+        for s in &mut with {
+            for set in s.spec.shared_counters.iter_mut().flatten() {
+                assert!(
+                    set.counters.remove("memory").is_some(),
+                    "{node_name}: {} has no memory",
+                    set.name
+                );
+                removed.insert(set.name.clone());
+            }
+            for d in s.spec.devices.iter_mut().flatten() {
+                for c in d.consumes_counters.iter_mut().flatten() {
+                    assert!(
+                        c.counters.remove("memory").is_some(),
+                        "{node_name}: {} consumes no memory",
+                        d.name
+                    );
+                }
+            }
+        }
+        assert_eq!(removed.len(), 8, "{node_name}: one set per GPU");
+        // The content hash covers the counters, so it differs; everything else must not.
+        let unhashed = |slices: &[ResourceSlice]| {
+            let mut v = serde_json::to_value(slices).unwrap();
+            for s in v.as_array_mut().unwrap() {
+                s["metadata"]["annotations"].take();
+            }
+            v
+        };
+        assert!(
+            unhashed(&with) == unhashed(&before),
+            "{node_name}: something beside the memory counter changed"
+        );
+    }
+}
+
+#[test]
+fn an_unknown_quota_counter_is_refused_naming_the_field_and_the_counters_it_takes() {
+    let err = tessera_controller::render::parse_policy(
+        "test",
+        &one_rule("dynamicMig: {quotaCounters: [multiprocessors]}", None),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("quotaCounters") && err.contains("memory"), "{err}");
+}
+
+fn render_policy_on(inv: &NodeInventory, text: &str) -> Vec<ResourceSlice> {
+    tessera_controller::render::render(
+        std::slice::from_ref(inv),
+        Some(&policy(text)),
+        tessera_controller::features::ApiFeatures::ALL,
+    )
+    .unwrap()
 }

@@ -10,9 +10,12 @@
 #   gpu.tessera.dev                            -> tessera.dev/gpu               (whole GPUs, one per device)
 #   shared.gpu.tessera.dev                     -> tessera.dev/gpu-share-memory  (shares: the bytes of `memory`
 #                                                 capacity each claim consumes, a capacity source)
-#   mig.gpu.tessera.dev, mig-*.gpu.tessera.dev -> tessera.dev/mig               (MIG slices, one per device)
-# Why MIG is counted rather than charged by counters, and why a share's `compute` is not charged: see
-# deployments/examples/kueue/README.md (What Kueue v0.19.2 charges).
+#   mig.gpu.tessera.dev, mig-*.gpu.tessera.dev -> tessera.dev/mig-memory        (MIG: the bytes of the `memory`
+#                                                 counter a placement consumes, a counter source; published
+#                                                 by GpuPolicy rules with dynamicMig.quotaCounters: [memory],
+#                                                 which TestKueue* turns on for its length)
+# What a counter source charges (the largest amount among the devices a request can match), and why a
+# share's `compute` is not charged: see deployments/examples/kueue/README.md (What Kueue v0.19.2 charges).
 # deployments/examples/kueue/README.md shows the same featureGates and deviceClassMappings.
 #
 # Without Kueue's admission webhooks: the manager serves them (controller-runtime needs a serving certificate
@@ -83,8 +86,15 @@ resources:
         deviceSelector:
           cel:
             expression: device.attributes["gpu.tessera.dev"].type == "shared"
-  - name: tessera.dev/mig
+  - name: tessera.dev/mig-memory
     deviceClassNames: [mig.gpu.tessera.dev$(for f in "$REPO_ROOT"/deployments/classes/mig-profiles/*.yaml; do printf ', %s' "$(basename "$f" .yaml)"; done)]
+    sources:
+    - counter:
+        name: memory
+        driver: gpu.tessera.dev
+        deviceSelector:
+          cel:
+            expression: device.attributes["gpu.tessera.dev"].type == "mig"
 YAML
 
   {
@@ -101,7 +111,7 @@ YAML
   start_proc kueue
   clusterctl wait-url --url "http://127.0.0.1:$KUEUE_HEALTH_PORT/readyz" --timeout 90s \
     || die "Kueue's manager did not become ready" "$LOG_DIR/kueue.log"
-  step "kueue: Kueue $(cat "$KBIN/kueue-version") manager (KueueDRAIntegration with extended resources, counter and capacity sources; tessera.dev/gpu, tessera.dev/gpu-share-memory, tessera.dev/mig)"
+  step "kueue: Kueue $(cat "$KBIN/kueue-version") manager (KueueDRAIntegration with extended resources, counter and capacity sources; tessera.dev/gpu, tessera.dev/gpu-share-memory, tessera.dev/mig-memory)"
 }
 
 case "${1:-}" in

@@ -62,6 +62,25 @@ spec:
     dynamicMig: {}
 ";
 
+const DYNAMIC_MIG_QUOTA_MEMORY: &str = "
+apiVersion: gpu.tessera.dev/v1alpha1
+kind: GpuPolicy
+metadata: {name: default}
+spec:
+  rules:
+  - name: all-mig
+    dynamicMig: {quotaCounters: [memory]}
+";
+
+/// Dynamic MIG with `quotaCounters: [memory]` (not a golden file: tests compare it with `dynamic-mig`).
+pub fn dynamic_mig_with_memory_counter() -> ModelCase {
+    ModelCase {
+        name: "dynamic-mig-quota-memory",
+        policy: Some(DYNAMIC_MIG_QUOTA_MEMORY),
+        features: ApiFeatures::ALL,
+    }
+}
+
 const SHARED: &str = "
 apiVersion: gpu.tessera.dev/v1alpha1
 kind: GpuPolicy

@@ -2,11 +2,12 @@ package e2etest
 
 // Issue 26 item 4, issue 41 item 4: quota with Kueue. Kueue v0.19.2's manager (the kueue add-on,
 // e2e/scripts/kueue.sh) charges tessera's DRA claims to a ClusterQueue's quota through its deviceClassMappings:
-// gpu.tessera.dev -> tessera.dev/gpu and the MIG classes -> tessera.dev/mig by device count, and
-// shared.gpu.tessera.dev -> tessera.dev/gpu-share-memory by the `memory` capacity each share consumes (a
-// capacity source, KueueDRAIntegrationConsumableCapacity). The queues and the Job are the example's
-// (e2e/manifests/kueue/, shown in deployments/examples/kueue/README.md); the Jobs run the CUDA probe on the
-// real node.
+// gpu.tessera.dev -> tessera.dev/gpu by device count, shared.gpu.tessera.dev -> tessera.dev/gpu-share-memory
+// by the `memory` capacity each share consumes (a capacity source, KueueDRAIntegrationConsumableCapacity), and
+// the MIG classes -> tessera.dev/mig-memory by the `memory` counter a placement consumes (a counter source,
+// KueueDRAIntegrationPartitionableDevices; published while the scenario runs by the GpuPolicy option
+// dynamicMig.quotaCounters: [memory]). The queues and the Job are the example's (e2e/manifests/kueue/, shown in
+// deployments/examples/kueue/README.md); the Jobs run the CUDA probe on the real node.
 //
 // Asserted, as the user sees it (`kubectl get workloads`, the Workload's conditions, `kubectl logs`): the
 // team's first whole-GPU Job is admitted, charged 1 tessera.dev/gpu, and its pod makes a CUDA context on
@@ -15,11 +16,11 @@ package e2etest
 // class's extendedResourceName) is charged to the same tessera.dev/gpu quota, and a claim with a CEL selector
 // (refused by v0.17) waits behind it and then runs. Shares: a 10Gi share is charged 10Gi of the team's 40Gi,
 // a 40Gi one (with an MPS GpuConfig, refused by v0.17) waits for "more needed" and runs once the first ends.
-// MIG: a class-only claim and a 3g.40gb claim are each charged 1 tessera.dev/mig: v0.19.2's counter sources
-// cannot charge tessera's memory slices (deployments/examples/kueue/README.md says why). Still refused, no
-// pod: a pod naming a ResourceClaim, and an nvidia.com/gpu Job that sets only limits (Kueue charges it as
-// nvidia.com/gpu, which the ClusterQueue does not cover). The whole-GPU, share, MIG and refusal parts run
-// side by side: their quotas and GPUs are separate.
+// MIG: a `profile == "3g.40gb"` claim is charged its placement's memory (40448Mi on an H100) of the team's
+// 80Gi; a class-only claim, charged the largest placement's (7g.80gb, 81152Mi), waits for "more needed" and
+// runs once the 3g ends. Still refused, no pod: a pod naming a ResourceClaim, and an nvidia.com/gpu Job that
+// sets only limits (Kueue charges it as nvidia.com/gpu, which the ClusterQueue does not cover). The
+// whole-GPU, share, MIG and refusal parts run side by side: their quotas and GPUs are separate.
 
 import (
 	"context"
@@ -277,6 +278,26 @@ func TestKueueChargesATeamsGPUQuotaForTesseraClaimsAndQueuesItsSecondJob(t *test
 			}
 		}
 	})
+	// The MIG part's counter source reads the `memory` counter, which a dynamicMig rule publishes only with
+	// quotaCounters: [memory] (off by default: a device/counter pair more per device for kube-scheduler).
+	// Put back at cleanup, after the namespace is gone.
+	changePolicy(t, func(m map[string]any) {
+		if mig, ok := m["dynamicMig"].(map[string]any); ok {
+			mig["quotaCounters"] = []any{"memory"}
+		}
+	})
+	waitFor(t, "the real node's MIG devices consume the memory counter", time.Minute, func(ctx context.Context) (bool, string) {
+		devs, err := counterDevices(ctx, rn.name)
+		if err != nil || len(devs) == 0 {
+			return false, fmt.Sprintf("%d devices consuming counters (err %v)", len(devs), err)
+		}
+		for _, d := range devs {
+			if _, ok := d.ConsumesCounters[0].Counters["memory"]; !ok {
+				return false, d.Name + " consumes no memory"
+			}
+		}
+		return true, ""
+	})
 	ns := namespace(t, "kueue-team-a")
 	for _, o := range queues {
 		if o.GetKind() == "LocalQueue" {
@@ -389,26 +410,39 @@ func TestKueueChargesATeamsGPUQuotaForTesseraClaimsAndQueuesItsSecondJob(t *test
 		t.Logf("infer-40gi: %s; ran on %s", w, uuid)
 	})
 
-	t.Run("a MIG slice is charged one device whatever its size", func(t *testing.T) {
+	t.Run("a MIG claim is charged its memory and waits for the team's MIG memory", func(t *testing.T) {
 		t.Parallel()
-		// Counted, not charged by memory slices: Kueue's counter source reads one counter name and charges the
-		// largest value any matching device consumes (computeCounterCharges, pkg/dra/counters.go); tessera's
-		// memory-slice-<k> counters are 1 per slice and per name, so no counter of a placement sums its slices.
-		anyMIG := claimTemplate(t, ns, "mig-any", "mig.gpu.tessera.dev")
+		// A counter source on `memory` charges the largest amount of it among the devices a request can match
+		// (computeCounterCharges, pkg/dra/counters.go): a claim naming a profile is charged that profile's
+		// memory, a class-only one the largest placement's.
 		mig3g := claimTemplate(t, ns, "mig-3g", "mig.gpu.tessera.dev", selector(`device.attributes["gpu.tessera.dev"].profile == "3g.40gb"`))
-		jobs := []struct{ job, template string }{{"finetune-mig", anyMIG}, {"finetune-3g", mig3g}}
-		for _, c := range jobs {
-			createJob(t, kueueJob(t, example, ns, c.job, rn.name, c.template, probeThenExit))
+		anyMIG := claimTemplate(t, ns, "mig-any", "mig.gpu.tessera.dev")
+		want3g, wantLargest := migMemoryConsumed(t, rn.name, "3g.40gb"), migMemoryConsumed(t, rn.name, "")
+
+		createJob(t, kueueJob(t, example, ns, "finetune-3g", rn.name, mig3g, probeThenHold))
+		w := waitWorkload(t, ns, "finetune-3g", "Admitted", metav1.ConditionTrue, "", 2*time.Minute)
+		assertCharged(t, "finetune-3g", w, "tessera.dev/mig-memory", want3g.String())
+		p, uuid := waitJobPodRunning(t, ns, "finetune-3g")
+		t.Logf("finetune-3g: %s; pod %s runs on %s", w, p.Name, uuid)
+
+		// The 3g's memory taken: a class-only claim, charged the largest placement's (about the whole 80Gi),
+		// waits though a 1g slice would be free on the GPU.
+		createJob(t, kueueJob(t, example, ns, "finetune-mig", rn.name, anyMIG, probeThenExit))
+		w = waitWorkload(t, ns, "finetune-mig", "QuotaReserved", metav1.ConditionFalse,
+			"insufficient unused quota for tessera.dev/mig-memory in flavor tessera-gpus", time.Minute)
+		if !strings.Contains(w.conditions["QuotaReserved"].Message, "more needed") {
+			t.Errorf("finetune-mig waits without saying how much more it needs: %s", w)
 		}
-		for _, c := range jobs {
-			w := waitWorkload(t, ns, c.job, "Admitted", metav1.ConditionTrue, "", 2*time.Minute)
-			if len(w.usage) != 1 || w.usage["tessera.dev/mig"] != "1" {
-				t.Errorf("%s's Workload charged %v, want only tessera.dev/mig 1", c.job, w.usage)
-			}
-			_, uuid := waitJobPodRunning(t, ns, c.job)
-			waitJobComplete(t, ns, c.job)
-			t.Logf("%s: %s; ran on %s", c.job, w, uuid)
-		}
+		t.Logf("finetune-mig waits: %s", w)
+		assertWaiting(t, ns, "finetune-mig")
+
+		finishJob(t, rn, p)
+		waitJobComplete(t, ns, "finetune-3g")
+		w = waitWorkload(t, ns, "finetune-mig", "Admitted", metav1.ConditionTrue, "", 2*time.Minute)
+		assertCharged(t, "finetune-mig", w, "tessera.dev/mig-memory", wantLargest.String())
+		_, uuid = waitJobPodRunning(t, ns, "finetune-mig")
+		waitJobComplete(t, ns, "finetune-mig")
+		t.Logf("finetune-mig: %s; ran on %s", w, uuid)
 	})
 
 	t.Run("claims Kueue v0.19.2 cannot charge are refused", func(t *testing.T) {
@@ -467,4 +501,49 @@ func assertCharged(t *testing.T, job string, w kueueWorkload, res, want string) 
 	if len(w.usage) != 1 || err != nil || got.Cmp(resource.MustParse(want)) != 0 {
 		t.Errorf("%s's Workload charged %v, want only %s %s", job, w.usage, res, want)
 	}
+}
+
+// counterDevices: the devices of node's slices that consume counters (dynamic MIG's placements and whole GPUs).
+func counterDevices(ctx context.Context, node string) ([]resourcev1.Device, error) {
+	slices, err := e.client.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + node})
+	if err != nil {
+		return nil, err
+	}
+	var out []resourcev1.Device
+	for _, s := range slices.Items {
+		for _, d := range s.Spec.Devices {
+			if len(d.ConsumesCounters) > 0 {
+				out = append(out, d)
+			}
+		}
+	}
+	return out, nil
+}
+
+// migMemoryConsumed: the largest `memory` counter a MIG placement of node consumes, of the profile named
+// (all profiles for ""); each placement's must be its `memory` capacity, the profile's memory.
+func migMemoryConsumed(t *testing.T, node, profile string) resource.Quantity {
+	t.Helper()
+	devs, err := counterDevices(ctxFor(t, 30*time.Second), node)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var largest resource.Quantity
+	for _, d := range devs {
+		a := d.Attributes["profile"]
+		if a.StringValue == nil || (profile != "" && *a.StringValue != profile) {
+			continue
+		}
+		got := d.ConsumesCounters[0].Counters["memory"].Value
+		if c := d.Capacity["memory"].Value; got.Cmp(c) != 0 {
+			t.Errorf("%s consumes %s of the memory counter, has %s of memory", d.Name, got.String(), c.String())
+		}
+		if got.Cmp(largest) > 0 {
+			largest = got
+		}
+	}
+	if largest.IsZero() {
+		t.Fatalf("no MIG placement of profile %q on %s consumes the memory counter", profile, node)
+	}
+	return largest
 }
