@@ -82,3 +82,27 @@ func TestTheAgreementSliceMakesTheModelScaleWithoutSaturating(t *testing.T) {
 			r, r.MaxGPUs, AgreementServices)
 	}
 }
+
+// The sized live run's replicas hold the size their claim was made with: an engine on a resized share
+// keeps its memory (weights, overhead, resident KV) within the share's limit, and reports it, so the
+// memory tessera exports for the claim is what the next sizing reads.
+func TestALiveReplicaOnAResizedShareKeepsItsEngineWithinTheSharesMemoryAndReportsIt(t *testing.T) {
+	slice := agreementSlice(t)
+	cfg := LiveSizedConfig(6)
+	live := NewLive(cfg, slice, LiveSizedPolicy())
+	small := Recommendation{RequestPercent: 45, CeilingPercent: 100, MemoryBytes: 20 * gib}
+	replicas := []LiveReplica{{ID: "a", Service: 0, GPU: 0, Share: small}, {ID: "b", Service: 1, GPU: 1, Share: InitialShare},
+		{ID: "c", Service: 2, GPU: 2, Share: InitialShare}}
+	end := slice[len(slice)-1].At.Seconds() + 1
+	var peak float64
+	for at := 10.0; at < end; at += 10 {
+		u := live.Step(at, replicas)["a"]
+		if u.MemoryBytes > float64(small.MemoryBytes) {
+			t.Fatalf("at %.0f s the 8B engine on a 20Gi share uses %.1f GiB", at, u.MemoryBytes/float64(gib))
+		}
+		peak = max(peak, u.MemoryBytes)
+	}
+	if w := Classes[0].WeightBytes; peak <= w {
+		t.Fatalf("peak engine memory %.1f GiB, not above the weights' %.1f GiB: the replica reported no KV", peak/float64(gib), w/float64(gib))
+	}
+}
