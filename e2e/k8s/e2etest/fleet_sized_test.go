@@ -46,6 +46,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/util/retry"
 
 	"tessera.dev/e2e/internal/fleet"
 	"tessera.dev/e2e/internal/fleetsim"
@@ -178,13 +179,17 @@ func runFleetSized(t *testing.T, rn realNodeEnv, a autoscalingAddon, loads proce
 			capacity(map[string]string{"memory": fmt.Sprintf("%dGi", init.MemoryBytes>>30), "compute": strconv.Itoa(init.RequestPercent)}),
 			opaqueConfig(ceiling))
 		coldDeployment(t, ns, name, template, rn.name)
-		d, err := e.client.AppsV1().Deployments(ns).Get(ctxFor(t, 30*time.Second), name, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
 		ready := fleetsim.Classes[k%len(fleetsim.Classes)].ReadySeconds(fleetsim.KindMPS) / args.compress
-		liveresize.MakeBeforeBreak(d, int32(math.Ceil(ready)))
-		if _, err := e.client.AppsV1().Deployments(ns).Update(ctxFor(t, 30*time.Second), d, metav1.UpdateOptions{}); err != nil {
+		// The Deployment controller writes the new object's status meanwhile: read, change, write again.
+		if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			d, err := e.client.AppsV1().Deployments(ns).Get(ctxFor(t, 30*time.Second), name, metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			liveresize.MakeBeforeBreak(d, int32(math.Ceil(ready)))
+			_, err = e.client.AppsV1().Deployments(ns).Update(ctxFor(t, 30*time.Second), d, metav1.UpdateOptions{})
+			return err
+		}); err != nil {
 			t.Fatalf("make %s/%s's rollouts make-before-break: %v", ns, name, err)
 		}
 		scaleTo(t, ns, name, 1)
@@ -400,7 +405,8 @@ func fleetSized(t *testing.T, rn realNodeEnv, a autoscalingAddon, loads processL
 	table := sizedTable(args, r)
 	t.Log("\n" + table)
 	if args.out != "" {
-		doc := "## The sized burstable policy, live (issue 39 item 5)\n\nWritten by `make bench-fleet TRACE=" + args.trace + "` " +
+		doc := "## The sized burstable policy, live (issue 39 item 5)\n\nWritten by `make bench-fleet TRACE=" + args.trace +
+			fmt.Sprintf(" FLEET_MINUTES=%g FLEET_COMPRESS=%g", args.window.Minutes(), args.compress) + "` " +
 			"(e2e/k8s/e2etest/fleet_sized_test.go). The trace is the only input; services, the initial share, the HPA target and the " +
 			"re-sizing schedule are fixed in code (fleetsim.LiveSizedConfig, InitialShare, LiveResizeSchedule) and the sizes come from " +
 			"`kubectl tessera rightsize` on the run's own Prometheus.\n\n" + table
