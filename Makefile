@@ -5,19 +5,24 @@ SHELL := /bin/bash
 .PHONY: bench-fleet
 # Fleet utilization, live (issues 24 and 39): any Azure-format CSV (TRACE, TIMESTAMP,ContextTokens,GeneratedTokens;
 # default the conversation trace; gen:low / gen:bursty are generated) replayed on the real node with Prometheus,
-# KEDA, the HPA, kube-scheduler and tessera's burstable shares in the loop, then the offline model
-# (e2e/k8s/internal/fleetsim) on the same slice; the table of both (pods created, SM activity of GPUs held) goes
-# to e2e/bench/results/fleet-live.md. Everything but the trace is fixed in code (fleetsim.AgreementConfig).
-# `make e2e` runs the same scenario on the conversation trace's first 10 minutes, compressed 10x, and asserts
-# the agreement. FLEET_POLICIES=whole-peak,whole-hpa,shares-hpa,shares-hpa@0.85/0.1 runs the superseded
-# batch-slot model's policies instead (e2e/k8s/internal/fleet; fleet.md's history).
+# KEDA, the HPA, kube-scheduler and tessera's burstable shares in the loop, under the offline model's sized
+# burstable policy (e2e/k8s/e2etest/fleet_sized_test.go): every real-node GPU MPS-shared, services starting on
+# the model's initial size, re-sized by `kubectl tessera rightsize` against the run's Prometheus on the model's
+# schedule (compressed); the offline model (e2e/k8s/internal/fleetsim) on the same slice beside it, in
+# e2e/bench/results/fleet-live.md. Everything but the trace is fixed in code (fleetsim.LiveSizedConfig).
+# REAL_NODE_GPUS (6) sets the real node's GPUs: 24 services (the offline model's) need 48.
+# FLEET_SIZED=0 runs the agreement scenario `make e2e` runs (3 services on fixed 50 % shares) on TRACE instead;
+# FLEET_POLICIES=whole-peak,whole-hpa,shares-hpa,shares-hpa@0.85/0.1 the superseded batch-slot model's policies
+# (e2e/k8s/internal/fleet; fleet.md's history).
 FLEET_MINUTES ?= 60
 FLEET_COMPRESS ?= 6
 FLEET_POLICIES ?=
+FLEET_SIZED ?= 1
 FLEET_OUT ?= $(CURDIR)/e2e/bench/results/fleet-live.md
-bench-fleet: ## The live fleet loop against the offline model on any trace (TRACE=<Azure-format CSV>|gen:low|gen:bursty; ~15 min; root)
+bench-fleet: ## The sized burstable policy live (rightsize in the loop) against the offline model on any trace (TRACE=<Azure-format CSV>|gen:low|gen:bursty; ~15 min at 60 minutes; root)
 	e2e/scripts/node-packages.sh --install
 	FLEET_TRACE='$(TRACE)' FLEET_MINUTES=$(FLEET_MINUTES) FLEET_COMPRESS=$(FLEET_COMPRESS) FLEET_POLICIES='$(FLEET_POLICIES)' FLEET_OUT='$(FLEET_OUT)' \
+		FLEET_SIZED=$(FLEET_SIZED) $(if $(REAL_NODE_GPUS),REAL_NODE_GPUS=$(REAL_NODE_GPUS)) \
 		E2E_RUN='^TestFleetBench' E2E_TIMEOUT=90m e2e/scripts/e2e.sh
 
 .PHONY: bench-fleet-offline
@@ -59,7 +64,7 @@ test-bench: ## The benchmarks' and e2e tools' own Go tests (packing counts on a 
 	e2e/scripts/build-autoscaling.sh
 	cd e2e/bench && TESSERA_REQUIRE_PROMETHEUS=1 GOTOOLCHAIN=local go test -count=1 ./...
 	TESSERA_REQUIRE_PROMETHEUS=1 cargo test -p tessera-controller --test rightsize
-	cd e2e/k8s && GOTOOLCHAIN=local GOFLAGS=-mod=mod go test -count=1 ./internal/fleet/ ./internal/fleetsim/
+	cd e2e/k8s && GOTOOLCHAIN=local GOFLAGS=-mod=mod go test -count=1 ./internal/fleet/ ./internal/fleetsim/ ./internal/liveresize/
 	cd e2e/tools/iptables-wrappers && GOTOOLCHAIN=local go test -count=1 ./...
 
 # Import circles between the files of every crate of the workspace (the tool lives beside the project, in

@@ -156,35 +156,38 @@ func TestFleetBenchOnTheAzureTraceWithPrometheusKEDAAndTheHPAInTheLoop(t *testin
 	rn := realNode(t)
 	a := autoscaling(t)
 	args := fleetArgsFromEnv(t)
-	reqs, err := fleet.ReadTrace(args.trace)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var trace []fleet.Request
-	for i, r := range reqs {
-		if r.At < args.window && i%args.thin == 0 {
-			trace = append(trace, r)
-		}
-	}
-	if len(trace) == 0 {
-		t.Fatalf("no request of %s in the first %s", args.trace, args.window)
-	}
+	trace := agreementSlice(t, args) // reads gen:low / gen:bursty too
 	cfg := fleet.Config{Trace: trace, Services: args.services, Compress: args.compress}
 
 	// GPUs 0-2 shared through MPS (the shares' GPUs), 3-5 whole (the whole-GPU policies'): one layout for
-	// every policy, so each is measured against the same node.
+	// every policy, so each is measured against the same node. The sized run (FLEET_SIZED=1, make
+	// bench-fleet) shares every GPU of the real node (REAL_NODE_GPUS, 6 unless set).
+	sized := os.Getenv("FLEET_SIZED") == "1" && len(args.runs) == 0
+	shared := 3
+	selector := `device.attributes["gpu.tessera.dev"].index <= 2`
+	if sized {
+		n, err := strconv.Atoi(getenv("REAL_NODE_GPUS", "6"))
+		if err != nil || n < 1 {
+			t.Fatalf("REAL_NODE_GPUS=%q: want the real node's GPU count", os.Getenv("REAL_NODE_GPUS"))
+		}
+		shared, selector = n, `device.attributes["gpu.tessera.dev"].index >= 0`
+	}
 	changePolicy(t, func(rule map[string]any) {
 		if rule["name"] == "gpu-1-shared" {
-			rule["selector"] = `device.attributes["gpu.tessera.dev"].index <= 2`
+			rule["selector"] = selector
 		}
 	})
 	installChart(t, rn)
 	waitChartPods(t, "the plugin and MPS supervisor pods Ready on "+rn.name, "kubelet-plugin", "mps-supervisor")
-	waitFor(t, "three shared GPUs published on "+rn.name, 2*time.Minute, func(ctx context.Context) (bool, string) {
+	waitFor(t, fmt.Sprintf("%d shared GPUs published on %s", shared, rn.name), 2*time.Minute, func(ctx context.Context) (bool, string) {
 		n := countDevices(t, rn.name, sharedName)
-		return n >= 3, fmt.Sprintf("%d shared devices", n)
+		return n >= shared, fmt.Sprintf("%d shared devices", n)
 	})
 	loads := realNodeLoads(t, rn)
+	if sized {
+		fleetSized(t, rn, a, loads, args, shared)
+		return
+	}
 	if len(args.runs) == 0 {
 		fleetAgreement(t, rn, a, loads, args)
 		return

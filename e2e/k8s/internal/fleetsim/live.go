@@ -25,13 +25,17 @@ type LiveReplica struct {
 	ID      string
 	Service int
 	GPU     int
+	// Share, when its RequestPercent is set, is the MPS share the replica's claim was made with (the
+	// sized run's replicas: the initial size, then each re-sizing's); otherwise the policy's size.
+	Share Recommendation
 }
 
 // LiveUsage is one replica's use over a Step: ClaimUse is its SM-time in whole-GPU units (what
 // tessera exports as tessera_claim_gpu_utilization_ratio); Requests its mean queued + running
-// requests (the engine's gauge an HPA scales on).
+// requests (the engine's gauge an HPA scales on); MemoryBytes its engine's peak memory (weights,
+// overhead, resident KV: what tessera exports as tessera_claim_gpu_memory_used_bytes).
 type LiveUsage struct {
-	ClaimUse, Requests float64
+	ClaimUse, Requests, MemoryBytes float64
 }
 
 // NewLive makes the model of trace under policy p with no replica; p.HPA and p.Sized must be off
@@ -62,7 +66,12 @@ func (l *Live) Step(t float64, serving []LiveReplica) map[string]LiveUsage {
 			gi = len(s.gpus) - 1
 			l.gpuOf[lr.GPU] = gi
 		}
-		l.byID[lr.ID] = s.place(lr.Service, s.now, gi)
+		if sh := lr.Share; sh.RequestPercent > 0 {
+			l.byID[lr.ID] = s.placeAs(lr.Service, s.now, gi, float64(sh.RequestPercent)/100, float64(sh.CeilingPercent)/100,
+				float64(sh.MemoryBytes), MIGProfiles[len(MIGProfiles)-1])
+		} else {
+			l.byID[lr.ID] = s.place(lr.Service, s.now, gi)
+		}
 	}
 	ids := make([]string, 0, len(l.byID))
 	for id := range l.byID {
@@ -76,7 +85,7 @@ func (l *Live) Step(t float64, serving []LiveReplica) map[string]LiveUsage {
 		}
 	}
 	for _, r := range l.byID {
-		r.liveU, r.liveLoad, r.liveTicks = 0, 0, 0
+		r.liveU, r.liveLoad, r.liveMem, r.liveTicks = 0, 0, 0, 0
 	}
 	for ; s.now < t-1e-9; s.now += s.cfg.Tick {
 		s.tick()
@@ -85,7 +94,7 @@ func (l *Live) Step(t float64, serving []LiveReplica) map[string]LiveUsage {
 	for id, r := range l.byID {
 		var u LiveUsage
 		if r.liveTicks > 0 {
-			u = LiveUsage{ClaimUse: r.liveU / float64(r.liveTicks), Requests: r.liveLoad / float64(r.liveTicks)}
+			u = LiveUsage{ClaimUse: r.liveU / float64(r.liveTicks), Requests: r.liveLoad / float64(r.liveTicks), MemoryBytes: r.liveMem}
 		}
 		out[id] = u
 	}

@@ -82,3 +82,31 @@ func TestTheAgreementSliceMakesTheModelScaleWithoutSaturating(t *testing.T) {
 			r, r.MaxGPUs, AgreementServices)
 	}
 }
+
+// The sized live run's replicas hold the size their claim was made with: an engine on a small resized
+// share admits less KV than the same engine on the initial share (its memory limit is the share's), and
+// reports its memory, so the memory tessera exports for the claim is what the next sizing reads.
+func TestALiveReplicaOnAResizedShareAdmitsWithinTheSharesMemoryAndReportsIt(t *testing.T) {
+	slice := agreementSlice(t)
+	peak := func(share Recommendation) float64 {
+		live := NewLive(LiveSizedConfig(6), slice, LiveSizedPolicy())
+		replicas := []LiveReplica{{ID: "a", Service: 0, GPU: 0, Share: share}, {ID: "b", Service: 1, GPU: 1, Share: InitialShare},
+			{ID: "c", Service: 2, GPU: 2, Share: InitialShare}}
+		end := slice[len(slice)-1].At.Seconds() + 1
+		var p float64
+		for at := 10.0; at < end; at += 10 {
+			p = max(p, live.Step(at, replicas)["a"].MemoryBytes)
+		}
+		return p
+	}
+	small := peak(Recommendation{RequestPercent: 45, CeilingPercent: 100, MemoryBytes: 18 * gib})
+	whole := peak(InitialShare)
+	if w := Classes[0].WeightBytes; small <= w {
+		t.Fatalf("peak engine memory %.2f GiB, not above the weights' %.2f GiB: the replica reported no KV", small/float64(gib), w/float64(gib))
+	}
+	// The engine admits one request past its limit when its batch is empty (sim.go's admission), so the
+	// small share's peak may pass 18 GiB by one request, never reach the initial share's.
+	if small >= whole || small > 18.5*float64(gib) {
+		t.Fatalf("the 8B engine peaks at %.2f GiB on an 18Gi share and %.2f GiB on the initial share", small/float64(gib), whole/float64(gib))
+	}
+}

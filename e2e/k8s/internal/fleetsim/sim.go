@@ -129,8 +129,8 @@ type replica struct {
 	accTicks         int
 	// The live loop's accumulators, reset at each Live.Step (the sampling ones above keep their own
 	// period).
-	liveU, liveLoad float64
-	liveTicks       int
+	liveU, liveLoad, liveMem float64
+	liveTicks                int
 }
 
 func (r *replica) load() int { return len(r.queue) + len(r.active) }
@@ -410,6 +410,12 @@ func (s *sim) addReplica(k int, now float64, warm bool) *replica {
 // fits); it serves from readyAt.
 func (s *sim) place(k int, readyAt float64, gi int) *replica {
 	req, ceil, mem, mig := s.size(k)
+	return s.placeAs(k, readyAt, gi, req, ceil, mem, mig)
+}
+
+// placeAs is place with the device's size given (the live loop's replicas hold the size their
+// claim was made with).
+func (s *sim) placeAs(k int, readyAt float64, gi int, req, ceil, mem float64, mig MIGProfile) *replica {
 	r := &replica{svc: k, request: req, ceiling: ceil, mem: mem, mig: mig, readyAt: readyAt}
 	r.retireAt = math.Inf(1)
 	for i := 0; gi < 0 && i < len(s.gpus); i++ {
@@ -641,6 +647,7 @@ func (s *sim) step(g *gpuState, dt float64) {
 		r.liveLoad += float64(r.load())
 		r.liveTicks++
 		r.memMax = math.Max(r.memMax, s.svcs[r.svc].class.MemoryBytes(r.resident()))
+		r.liveMem = math.Max(r.liveMem, s.svcs[r.svc].class.MemoryBytes(r.resident()))
 	}
 }
 
