@@ -3,7 +3,8 @@
 # `K8S_PATCH=counter-cache` (bench-scheduler-rate.sh's `1.38:counter-cache`) builds kube-scheduler with.
 #   module (default): copies v0.38.0-beta.0 from the Go module cache into e2e/k8s/countercache/
 #     dynamic-resource-allocation, applies e2e/k8s/countercache/dra-counter-cache.patch, and writes
-#     e2e/k8s/go.138-countercache.mod: go.138.mod with that module replaced by the copy. Idempotent.
+#     e2e/k8s/go.138-countercache.mod: go.138.mod with that module replaced by the copy (and its .sum: a
+#     copy of go.138.sum). Idempotent.
 #   test: then runs the module's allocator tests against the copy (upstream's and the patch's own).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -36,7 +37,7 @@ grep -q '=> ./countercache/dynamic-resource-allocation$' "$mod_dir/go.138-counte
   rm -f "$mod_dir/go.138-countercache.mod.new"; exit 1
 }
 mv "$mod_dir/go.138-countercache.mod.new" "$mod_dir/go.138-countercache.mod"
-[[ -f "$mod_dir/go.138-countercache.sum" ]] || cp "$mod_dir/go.138.sum" "$mod_dir/go.138-countercache.sum"
+cp "$mod_dir/go.138.sum" "$mod_dir/go.138-countercache.sum"
 
 if [[ "${1:-module}" == test ]]; then
   cd "$dest"
