@@ -143,7 +143,7 @@ test-sample: ## The scheduler check in `make test`: 1 in 100 of the trace (commi
 
 # kube-scheduler's pods/s per policy on 100, 300 and 1,000 fake nodes, 1.37.2 and 1.38 side by side
 # (e2e/scripts/bench-scheduler-rate.sh: RATE_VERSIONS, RATE_NODES, RATE_POLICIES, RATE_TIME_BOX).
-bench-scheduler-rate: ## Scheduler throughput, 1.37 vs 1.38, whole / dynamic MIG / lean-mig on 100-1,000 nodes (RATE_VERSIONS="1.37 1.38:hints-off"; ~45 min)
+bench-scheduler-rate: ## Scheduler throughput, 1.37 vs 1.38, whole / dynamic MIG / lean-mig on 100-1,000 nodes (RATE_VERSIONS="1.37 1.38:hints-off 1.38:counter-cache"; ~45 min)
 	cargo build -p tessera-controller -p tessera-kubelet-plugin
 	e2e/scripts/bench-scheduler-rate.sh
 

@@ -7,7 +7,9 @@
 # the slices `tessera-controller render` publishes, pods in bursts, pods/s from the first create to the last
 # bind, each cell time-boxed (RATE_TIME_BOX, default 120s). An entry `1.38:hints-off` (or `1.37:hints-on`)
 # runs that version with the SchedulerPreQueueingHints gate set (alpha, off in 1.37; beta, on in 1.38) and
-# its own columns. Dynamic MIG stops at RATE_MIG_MAX_NODES (default 1000): 1,000 such nodes are 9,000 slices
+# its own columns. `1.38:counter-cache` runs 1.38 with a kube-scheduler built against the counter-validation
+# cache proposed upstream (K8S_PATCH, e2e/k8s/countercache, e2e/bench/results/upstream-dra-counter-cache.md;
+# its own bin dir e2e/bin/1.38-counter-cache and its own columns). Dynamic MIG stops at RATE_MIG_MAX_NODES (default 1000): 1,000 such nodes are 9,000 slices
 # of 208 devices, which took the API server past 8.9 GB half-way on a 24 GB machine
 # (e2e/bench/results/scheduler-rate.md). Then one table of all entries is printed and written to RATE_OUT
 # (default e2e/bench/results/scheduler-rate.md). Extra bench flags: RATE_ARGS.
@@ -27,14 +29,15 @@ export SKIP_CONTROLLER_MANAGER=1
 FEATURE_GATES_BASE="${FEATURE_GATES:-}"
 files=()
 for entry in $versions; do
-  v="${entry%%:*}" gates="$FEATURE_GATES_BASE" note="" tag="$v"
+  v="${entry%%:*}" gates="$FEATURE_GATES_BASE" note="" tag="$v" patch=""
   case "$entry" in
     *:hints-on) gates+="${gates:+,}SchedulerPreQueueingHints=true" note="PreQueueingHints on" tag="$v-hints-on" ;;
     *:hints-off) gates+="${gates:+,}SchedulerPreQueueingHints=false" note="PreQueueingHints off" tag="$v-hints-off" ;;
-    *:*) echo "error: RATE_VERSIONS entry $entry: want VERSION, VERSION:hints-on or VERSION:hints-off" >&2; exit 2 ;;
+    1.38:counter-cache) patch=counter-cache note="counter cache" tag="$v-counter-cache" ;;
+    *:*) echo "error: RATE_VERSIONS entry $entry: want VERSION, VERSION:hints-on, VERSION:hints-off or 1.38:counter-cache" >&2; exit 2 ;;
   esac
   echo "==== Kubernetes $v ${note:+($note)} ===="
-  FEATURE_GATES="$gates" K8S_VERSION="$v" "$here/bench-scheduler.sh" \
+  FEATURE_GATES="$gates" K8S_VERSION="$v" K8S_PATCH="$patch" "$here/bench-scheduler.sh" \
     -controller "${CONTROLLER_BIN:-$repo/target/debug/tessera-controller}" -plugin "${PLUGIN_BIN:-$repo/target/debug/tessera-kubelet-plugin}" \
     -policies "${RATE_POLICIES:-whole,mig,lean-mig}" -out "$out_dir/$tag" \
     -rate-nodes "${RATE_NODES:-100,300,1000}" -rate-mig-max-nodes "${RATE_MIG_MAX_NODES:-1000}" \

@@ -17,6 +17,13 @@ if ! command -v go >/dev/null 2>&1; then
   exit 2
 fi
 
+# K8S_PATCH=counter-cache: 1.38's own build first, then only kube-scheduler from the patched module file
+# (common.sh); the other binaries and the harness are linked from 1.38's bin dir.
+if [[ -n "$K8S_PATCH" ]]; then
+  K8S_PATCH="" E2E_BIN_DIR="$K8S_BASE_BIN" "$SELF"
+  "$E2E_DIR/scripts/countercache-module.sh"
+fi
+
 KUBE_VERSION="$(cd "$MOD_DIR" && go list -m -f '{{.Version}}' k8s.io/kubernetes)" || {
   echo "error: cannot resolve k8s.io/kubernetes in $MOD_DIR/$K8S_MODFILE (go list -m failed)" >&2
   exit 2
@@ -29,20 +36,30 @@ MINOR="$(echo "$KUBE_VERSION" | cut -d. -f2)"
 CMDS=(k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl)
 ETCD_PKG=go.etcd.io/etcd/server/v3
 ETCD_VERSION="$(cd "$MOD_DIR" && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)"
+BINS=(etcd kube-apiserver kube-scheduler kube-controller-manager kubectl)
+PATCH_SUM=""
+if [[ -n "$K8S_PATCH" ]]; then
+  CMDS=(k8s.io/kubernetes/cmd/kube-scheduler) BINS=(kube-scheduler) SKIP_HARNESS=1 ETCD_PKG=""
+  PATCH_SUM="$(cat "$MOD_DIR/countercache/dra-counter-cache.patch" | sha256sum)"
+  mkdir -p "$BIN_DIR"
+  for b in etcd kube-apiserver kube-controller-manager kubectl mini-kubelet clusterctl e2e.test; do
+    ln -f "$K8S_BASE_BIN/$b" "$BIN_DIR/$b"
+  done
+fi
 
 mkdir -p "$BIN_DIR"
 STAMP="$BIN_DIR/.k8s-stamp"
-# The exact module versions the five binaries are compiled from, plus Go and this script.
-want="$( { cd "$MOD_DIR" && go list -deps -f '{{with .Module}}{{.Path}}@{{.Version}}{{end}}' "${CMDS[@]}" "$ETCD_PKG" | sort -u; go env GOVERSION; cat "$SELF"; } | sha256sum | cut -d' ' -f1)"
+# The exact module versions the five binaries are compiled from (and the patch, if any), plus Go and this script.
+want="$( { cd "$MOD_DIR" && go list -deps -f '{{with .Module}}{{.Path}}@{{.Version}}{{end}}' "${CMDS[@]}" $ETCD_PKG | sort -u; echo "$PATCH_SUM"; go env GOVERSION; cat "$SELF"; } | sha256sum | cut -d' ' -f1)"
 have_all=1
-for b in etcd kube-apiserver kube-scheduler kube-controller-manager kubectl; do
+for b in "${BINS[@]}"; do
   [[ -x "$BIN_DIR/$b" ]] || have_all=0
 done
 
 if [[ $have_all == 1 && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   echo "control plane $KUBE_VERSION (etcd $ETCD_VERSION) up to date in $BIN_DIR"
 else
-  echo "building control plane $KUBE_VERSION + etcd $ETCD_VERSION into $BIN_DIR (cold: 20-30 min on 2 cores)"
+  echo "building ${BINS[*]} $KUBE_VERSION${K8S_PATCH:+ ($K8S_PATCH)} into $BIN_DIR (cold: 20-30 min on 2 cores)"
   start=$(date +%s)
   LDF="-s -w"
   LDF+=" -X k8s.io/component-base/version.gitVersion=$KUBE_VERSION"
@@ -53,7 +70,7 @@ else
   LDF+=" -X k8s.io/client-go/pkg/version.gitMajor=1"
   LDF+=" -X k8s.io/client-go/pkg/version.gitMinor=$MINOR"
   (cd "$MOD_DIR" && go build -trimpath -ldflags "$LDF" -o "$BIN_DIR/" "${CMDS[@]}")
-  (cd "$MOD_DIR" && go build -trimpath -ldflags "-s -w" -o "$BIN_DIR/etcd" "$ETCD_PKG")
+  [[ -z "$ETCD_PKG" ]] || (cd "$MOD_DIR" && go build -trimpath -ldflags "-s -w" -o "$BIN_DIR/etcd" "$ETCD_PKG")
   echo "$want" > "$STAMP"
   echo "control plane built in $(( $(date +%s) - start ))s"
 fi

@@ -23,6 +23,18 @@ case "$K8S_VERSION" in
   1.36) K8S_MODFILE=go.136.mod; _default_bin="$E2E_DIR/bin/1.36"; K8S_TEST_TAGS=k8s_1_36 ;;
   *) echo "error: K8S_VERSION=$K8S_VERSION is not supported: use 1.37 (the default), 1.38 or 1.36" >&2; exit 2 ;;
 esac
+# K8S_PATCH=counter-cache (1.38 only; `make bench-scheduler-rate`'s `1.38:counter-cache`): kube-scheduler
+# built against k8s.io/dynamic-resource-allocation with the counter-validation cache proposed upstream
+# (e2e/k8s/countercache, e2e/bench/results/upstream-dra-counter-cache.md), into its own bin dir; the other
+# binaries are 1.38's own, linked. Never what users run.
+K8S_PATCH="${K8S_PATCH:-}"
+case "$K8S_PATCH" in
+  "") ;;
+  counter-cache)
+    [[ "$K8S_VERSION" == 1.38 ]] || { echo "error: K8S_PATCH=counter-cache patches 1.38 only, not K8S_VERSION=$K8S_VERSION" >&2; exit 2; }
+    K8S_BASE_BIN="$_default_bin" K8S_MODFILE=go.138-countercache.mod _default_bin="$E2E_DIR/bin/1.38-counter-cache" ;;
+  *) echo "error: K8S_PATCH=$K8S_PATCH is not supported: leave it empty or use counter-cache" >&2; exit 2 ;;
+esac
 BIN_DIR="${E2E_BIN_DIR:-$_default_bin}"
 LOG_DIR="$RUN_DIR/logs"
 PID_DIR="$RUN_DIR/pids"
