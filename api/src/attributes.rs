@@ -38,6 +38,10 @@ pub const NUMA_NODE: &str = "numaNode";
 pub const MIG_PROFILE: &str = "profile";
 /// `int`: first memory slice of the MIG placement (MIG devices only).
 pub const MIG_PLACEMENT_START: &str = "placementStart";
+/// `string`: the UUID of the GPU a MIG device is part of (MIG devices only): the same value as its
+/// [`UUID`], under the name NVIDIA's DRA driver publishes it by, so CEL and `matchAttribute` written for
+/// that driver (and tools that read its attributes) find it here too.
+pub const PARENT_UUID: &str = "parentUUID";
 /// `string`: sharing strategy of a shared device: `MPS` or `TimeSlicing`.
 pub const SHARING_STRATEGY: &str = "sharingStrategy";
 /// `int`: seconds the device's partition (a MIG device, an MPS daemon) stays warm after its last claim
@@ -155,6 +159,9 @@ pub fn of_gpu(
 pub fn add_mig(a: &mut BTreeMap<String, DeviceAttribute>, profile: &str, placement_start: u32) {
     a.insert(MIG_PROFILE.into(), string(profile));
     a.insert(MIG_PLACEMENT_START.into(), int(placement_start.into()));
+    if let Some(parent) = a.get(UUID).cloned() {
+        a.insert(PARENT_UUID.into(), parent);
+    }
 }
 
 /// A version of dot-separated decimal numbers (`580.159.03`, `v9.0`) as a semantic version (`580.159.3`,
@@ -178,7 +185,17 @@ pub fn numeric_version(raw: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::numeric_version;
+    use super::*;
+
+    #[test]
+    fn a_mig_device_carries_its_gpus_uuid_as_uuid_and_as_parent_uuid() {
+        let mut a = BTreeMap::new();
+        a.insert(UUID.to_string(), string("GPU-1"));
+        add_mig(&mut a, "3g.40gb", 4);
+        assert_eq!(a.get(PARENT_UUID), Some(&string("GPU-1")));
+        assert_eq!(a.get(UUID), Some(&string("GPU-1")));
+        assert_eq!(a.get(MIG_PLACEMENT_START), Some(&int(4)));
+    }
 
     #[test]
     fn numeric_versions_are_padded_and_lose_their_leading_zeros() {
