@@ -10,7 +10,7 @@ SHELL := /bin/bash
 # the model's initial size, re-sized by `kubectl tessera rightsize` against the run's Prometheus on the model's
 # schedule (compressed); the offline model (e2e/k8s/internal/fleetsim) on the same slice beside it, in
 # e2e/bench/results/fleet-live.md. Everything but the trace is fixed in code (fleetsim.LiveSizedConfig).
-# REAL_NODE_GPUS (6) sets the real node's GPUs: 24 services (the offline model's) need 48.
+# REAL_NODE_GPUS (6) sets the real node's GPUs, at most 32 (the simulated driver's limit): half as many services (32: 16).
 # FLEET_SIZED=0 runs the agreement scenario `make e2e` runs (3 services on fixed 50 % shares) on TRACE instead;
 # FLEET_POLICIES=whole-peak,whole-hpa,shares-hpa,shares-hpa@0.85/0.1 the superseded batch-slot model's policies
 # (e2e/k8s/internal/fleet; fleet.md's history).
