@@ -149,6 +149,28 @@ func createEngineScaledObject(t *testing.T, ns, service, prometheus string, cfg 
 	}
 }
 
+// startServicesAutoscaling waits until the first replica of each of the services svc-0..svc-N runs in ns, then
+// gives each its ScaledObject on the engines' concurrent requests: the live fleet runs' warm start.
+func startServicesAutoscaling(t *testing.T, a autoscalingAddon, ns string, cfg fleetsim.Config, compress float64, timeout time.Duration) {
+	t.Helper()
+	waitFor(t, "the services' first replicas running", timeout, func(ctx context.Context) (bool, string) {
+		list, err := e.client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		running := 0
+		for _, p := range list.Items {
+			if p.Status.Phase == v1.PodRunning {
+				running++
+			}
+		}
+		return running == cfg.Services, fmt.Sprintf("%d of %d running", running, cfg.Services)
+	})
+	for k := 0; k < cfg.Services; k++ {
+		createEngineScaledObject(t, ns, fmt.Sprintf("svc-%d", k), a.prometheus, cfg, compress)
+	}
+}
+
 // agreementSlice is the slice both sides replay: the first window of the trace, 1 in thin requests.
 func agreementSlice(t *testing.T, args fleetArgs) []fleet.Request {
 	t.Helper()
@@ -194,22 +216,7 @@ func runFleetAgreement(t *testing.T, rn realNodeEnv, a autoscalingAddon, loads p
 		scaleTo(t, ns, name, 1)
 	}
 	// A warm start, as the model's: the first replica of every service runs before the slice begins.
-	waitFor(t, "the services' first replicas running", 3*time.Minute, func(ctx context.Context) (bool, string) {
-		list, err := e.client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return false, err.Error()
-		}
-		running := 0
-		for _, p := range list.Items {
-			if p.Status.Phase == v1.PodRunning {
-				running++
-			}
-		}
-		return running == cfg.Services, fmt.Sprintf("%d of %d running", running, cfg.Services)
-	})
-	for k := 0; k < cfg.Services; k++ {
-		createEngineScaledObject(t, ns, fmt.Sprintf("svc-%d", k), a.prometheus, cfg, args.compress)
-	}
+	startServicesAutoscaling(t, a, ns, cfg, args.compress, 3*time.Minute)
 
 	type replicaState struct {
 		service int

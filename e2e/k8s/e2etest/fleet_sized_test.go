@@ -194,22 +194,7 @@ func runFleetSized(t *testing.T, rn realNodeEnv, a autoscalingAddon, loads proce
 		}
 		scaleTo(t, ns, name, 1)
 	}
-	waitFor(t, "the services' first replicas running", 4*time.Minute, func(ctx context.Context) (bool, string) {
-		list, err := e.client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return false, err.Error()
-		}
-		running := 0
-		for _, p := range list.Items {
-			if p.Status.Phase == v1.PodRunning {
-				running++
-			}
-		}
-		return running == cfg.Services, fmt.Sprintf("%d of %d running", running, cfg.Services)
-	})
-	for k := 0; k < cfg.Services; k++ {
-		createEngineScaledObject(t, ns, fmt.Sprintf("svc-%d", k), a.prometheus, cfg, args.compress)
-	}
+	startServicesAutoscaling(t, a, ns, cfg, args.compress, 4*time.Minute)
 
 	type replicaState struct {
 		service  int
